@@ -1,0 +1,239 @@
+"""How events become stream entries and back, and how the integrity chain is computed.
+
+A stream entry has the same six fields for every event (so Redis stores the field names once per
+listpack node): ``i`` event id (16 raw ULID bytes), ``v`` schema version, ``s`` server time in
+ms, ``d`` the msgpack payload, ``m`` msgpack envelope meta (empty when there is none), ``h`` the
+chain link. The entry id is ``<seq>-0``, so seq ranges are plain XRANGEs.
+
+Chain: ``c = blake2b-128(thread, id, version, data, meta)``, keyed with the store's secret when one
+is configured; ``h(n) = sha1(h(n-1) | seq | time | c)[:32]``. ``c`` is never stored: with a secret,
+nobody without it can recompute a link after changing, inserting, removing or moving an event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from ulid import ULID
+
+from ._errors import (
+    CorruptEventError,
+    EventTooLargeError,
+    EventValidationError,
+    InvalidInputError,
+    UnknownEventTypeError,
+)
+from ._events import Event, EventMeta, EventRegistry, NewEvent, RecordedEvent, as_new_event
+from ._contract import ExpectedVersion, StreamState
+from ._ids import validate_thread_id
+
+DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
+CHAIN_HEX_CHARS = 32
+
+_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(EventMeta)
+_EMPTY_META = b""
+
+
+class EncodedEvent(msgspec.Struct, frozen=True):
+    """One event ready for the wire: every field the append script stores, plus its digest."""
+
+    id: str
+    id_bytes: bytes
+    version: int
+    data: bytes
+    meta: bytes
+    digest: str
+
+
+def _framed(*parts: bytes) -> bytes:
+    # Length-prefixing makes the digest input unambiguous: no two field splits collide.
+    return b"".join(b"%d:%s" % (len(p), p) for p in parts)
+
+
+def content_digest(
+    thread_id: str, id_bytes: bytes, version: int, data: bytes, meta: bytes, secret: bytes | None
+) -> str:
+    """The per-event digest ``c`` linked into the chain (keyed MAC when ``secret`` is set)."""
+    h = hashlib.blake2b(digest_size=16, key=secret or b"")
+    h.update(_framed(thread_id.encode("utf-8"), id_bytes, b"%d" % version, data, meta))
+    return h.hexdigest()
+
+
+def chain_link(prev: str, seq: int, time_ms: int, digest: str) -> str:
+    """The chain link of an event; the append script computes exactly the same string."""
+    material = f"{prev}|{seq}|{time_ms}|{digest}".encode("ascii")
+    return hashlib.sha1(material, usedforsecurity=False).hexdigest()[:CHAIN_HEX_CHARS]
+
+
+def _parse_ulid(value: str, what: str) -> bytes:
+    try:
+        return bytes(ULID.from_str(value))
+    except (ValueError, TypeError) as exc:
+        raise InvalidInputError(f"{what} {value!r} is not a ULID") from exc
+
+
+def encode_events(
+    thread_id: str,
+    events: Sequence[Event | NewEvent],
+    registry: EventRegistry,
+    *,
+    max_event_bytes: int,
+    secret: bytes | None,
+) -> list[EncodedEvent]:
+    """Validate and encode events for an append; raises before anything is sent.
+
+    Each payload is encoded, then decoded back through the registry, so a payload that would
+    not decode later (wrong field types, constraint violations) is refused now.
+    """
+    validate_thread_id(thread_id)
+    if isinstance(events, Event | NewEvent) or not isinstance(events, Sequence):
+        raise InvalidInputError("events must be a sequence of Event or NewEvent")
+    if not events:
+        raise InvalidInputError(f"thread {thread_id!r}: an append needs at least one event")
+    out: list[EncodedEvent] = []
+    seen: set[str] = set()
+    for index, item in enumerate(events):
+        new = as_new_event(item)
+        version = registry.version_of(new.payload)
+        try:
+            data = _encoder.encode(new.payload)
+        except (msgspec.EncodeError, TypeError, OverflowError) as exc:
+            raise EventValidationError(
+                f"thread {thread_id!r}: event #{index} ({new.payload.event_type}) "
+                f"cannot be encoded: {exc}"
+            ) from exc
+        try:
+            registry.decode(data, version)
+        except (EventValidationError, UnknownEventTypeError) as exc:
+            raise EventValidationError(
+                f"thread {thread_id!r}: event #{index} ({new.payload.event_type}) "
+                f"fails validation: {exc}"
+            ) from exc
+        meta_obj = EventMeta(
+            turn_id=new.turn_id,
+            correlation_id=new.correlation_id,
+            causation_id=new.causation_id,
+        )
+        meta = _EMPTY_META if meta_obj == _NO_META else _encoder.encode(meta_obj)
+        size = len(data) + len(meta)
+        if size > max_event_bytes:
+            raise EventTooLargeError(thread_id, size, max_event_bytes, index)
+        id_bytes = _parse_ulid(new.id, "event id")
+        if new.id in seen:
+            raise InvalidInputError(f"thread {thread_id!r}: event id {new.id} appears twice")
+        seen.add(new.id)
+        digest = content_digest(thread_id, id_bytes, version, data, meta, secret)
+        out.append(EncodedEvent(new.id, id_bytes, version, data, meta, digest))
+    return out
+
+
+_NO_META = EventMeta()
+
+
+def request_digest(encoded: Sequence[EncodedEvent]) -> str:
+    """What an idempotency key is bound to: the events' content, ids and times left out.
+
+    A retry that rebuilt its events (fresh ids) with the same content is the same request.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for e in encoded:
+        h.update(_framed(b"%d" % e.version, e.data, e.meta))
+    return h.hexdigest()
+
+
+def entry_fields(e: EncodedEvent, time_ms: int, link: str) -> dict[bytes, bytes]:
+    """The stream entry of an event (used by the memory backend; the script mirrors it)."""
+    return {
+        b"i": e.id_bytes,
+        b"v": b"%d" % e.version,
+        b"s": b"%d" % time_ms,
+        b"d": e.data,
+        b"m": e.meta,
+        b"h": link.encode("ascii"),
+    }
+
+
+def seq_of_entry_id(thread_id: str, entry_id: bytes | str) -> int:
+    """The seq encoded in a stream entry id ``<seq>-0``."""
+    raw = entry_id.decode("ascii", "replace") if isinstance(entry_id, bytes) else entry_id
+    head, _, tail = raw.partition("-")
+    if not head.isdigit() or tail != "0":
+        raise CorruptEventError(thread_id, None, f"stream entry id {raw!r} is not <seq>-0")
+    return int(head)
+
+
+def decode_entry(
+    thread_id: str,
+    entry_id: bytes | str,
+    fields: dict[bytes, bytes] | dict[Any, Any],
+    registry: EventRegistry,
+) -> RecordedEvent:
+    """Decode one stream entry; any damage raises `CorruptEventError` naming thread and seq."""
+    seq = seq_of_entry_id(thread_id, entry_id)
+    try:
+        id_bytes = fields[b"i"]
+        version = int(fields[b"v"])
+        time_ms = int(fields[b"s"])
+        data = fields[b"d"]
+        meta_raw = fields[b"m"]
+        link = fields[b"h"].decode("ascii")
+    except KeyError as exc:
+        raise CorruptEventError(thread_id, seq, f"missing field {exc.args[0]!r}") from None
+    except (ValueError, AttributeError, UnicodeDecodeError) as exc:
+        raise CorruptEventError(thread_id, seq, f"malformed envelope: {exc}") from None
+    if len(id_bytes) != 16:
+        raise CorruptEventError(thread_id, seq, "event id is not 16 bytes")
+    try:
+        payload = registry.decode(data, version)
+    except (EventValidationError, UnknownEventTypeError) as exc:
+        raise CorruptEventError(thread_id, seq, str(exc)) from None
+    try:
+        meta = _meta_decoder.decode(meta_raw) if meta_raw else _NO_META
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptEventError(thread_id, seq, f"malformed meta: {exc}") from None
+    return RecordedEvent(
+        thread_id=thread_id,
+        seq=seq,
+        id=str(ULID.from_bytes(id_bytes)),
+        time_ms=time_ms,
+        payload=payload,
+        schema_version=version,
+        turn_id=meta.turn_id,
+        correlation_id=meta.correlation_id,
+        causation_id=meta.causation_id,
+        chain=link,
+    )
+
+
+def entry_digest(
+    thread_id: str, fields: dict[bytes, bytes], secret: bytes | None
+) -> str | None:
+    """Recompute ``c`` from a stored entry, or None when the entry lacks the fields."""
+    try:
+        return content_digest(
+            thread_id, fields[b"i"], int(fields[b"v"]), fields[b"d"], fields[b"m"], secret
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def expected_version_arg(expected: ExpectedVersion) -> str:
+    if isinstance(expected, StreamState):
+        return expected.value
+    if isinstance(expected, bool) or not isinstance(expected, int) or expected < 0:
+        raise InvalidInputError(
+            f"expected_version must be ANY, NO_THREAD, EXISTS or an int >= 0, not {expected!r}"
+        )
+    return str(expected)
+
+
+def idempotency_key_for(given: str | None, first_event_id: str) -> str:
+    if given is None:
+        return "e:" + first_event_id
+    if not isinstance(given, str) or not given or len(given) > 512:
+        raise InvalidInputError("idempotency_key must be a non-empty str of at most 512 chars")
+    return "k:" + given

@@ -1,0 +1,317 @@
+"""Settings built from a URL, `connect()`, and the embedded private redis-server under ./.threadlog/."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._codec import DEFAULT_MAX_EVENT_BYTES
+from ._contract import EventStore
+from ._errors import InvalidURLError, OperationalError, StoreConnectionError
+from ._events import EventRegistry
+from ._ids import validate_namespace
+from ._keys import DEFAULT_PARTITIONS
+from ._memory import MemoryEventStore, MemoryServer
+from ._redis import RedisEventStore, _call
+
+log = logging.getLogger("threadlog")
+
+URL_ENV = "THREADLOG_URL"
+SECRET_ENV = "THREADLOG_SECRET"
+EMBEDDED_DIR = Path(".threadlog")
+_SCHEMES = ("memory", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """Everything needed to open a store; build it with `from_url`.
+
+    ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
+    ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster).
+    Query parameters ``namespace``, ``partitions`` and ``socket_timeout`` override the defaults.
+    """
+
+    url: str
+    namespace: str = "default"
+    partitions: int | None = None
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    secret: bytes | None = None
+    socket_timeout: float = 5.0
+    connect_timeout: float = 5.0
+    retries: int = 3
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> StoreSettings:
+        """Parse ``url``; keyword overrides win over query parameters.
+
+        Raises `InvalidURLError` for an unknown scheme or malformed parameters.
+        """
+        if not isinstance(url, str) or "://" not in url:
+            raise InvalidURLError(f"not a store URL: {redact(str(url))!r}")
+        parts = urlsplit(url)
+        if parts.scheme not in _SCHEMES:
+            raise InvalidURLError(
+                f"unsupported URL scheme {parts.scheme!r}; use one of {', '.join(_SCHEMES)}"
+            )
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        values: dict[str, Any] = {}
+        try:
+            if "namespace" in query:
+                values["namespace"] = query["namespace"]
+            if "partitions" in query:
+                values["partitions"] = int(query["partitions"])
+            if "socket_timeout" in query:
+                values["socket_timeout"] = float(query["socket_timeout"])
+        except ValueError as exc:
+            raise InvalidURLError(f"bad URL parameter: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(url=url, **values)
+        validate_namespace(settings.namespace)
+        if settings.partitions is not None and not 1 <= settings.partitions <= 16384:
+            raise InvalidURLError("partitions must be in 1..16384")
+        return settings
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return url.replace(netloc[0] + "@", f"{user}:***@", 1)
+
+
+async def connect(
+    url: str | None = None,
+    *,
+    namespace: str | None = None,
+    partitions: int | None = None,
+    registry: EventRegistry | None = None,
+    max_event_bytes: int | None = None,
+    secret: bytes | None = None,
+    socket_timeout: float | None = None,
+    embedded_dir: Path | None = None,
+) -> EventStore:
+    """Open an event store.
+
+    With no ``url`` and no ``THREADLOG_URL``, starts (or reuses) a private redis-server under
+    ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend and logs
+    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain.
+
+    Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
+    answer.
+    """
+    if url is None:
+        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
+    if secret is None and os.environ.get(SECRET_ENV):
+        secret = os.environ[SECRET_ENV].encode("utf-8")
+    settings = StoreSettings.from_url(
+        url,
+        namespace=namespace,
+        partitions=partitions,
+        max_event_bytes=max_event_bytes,
+        secret=secret,
+        socket_timeout=socket_timeout,
+    )
+    return await open_store(settings, registry=registry)
+
+
+async def open_store(settings: StoreSettings, *, registry: EventRegistry | None = None) -> EventStore:
+    """Open the store ``settings`` describe."""
+    parts = urlsplit(settings.url)
+    if parts.scheme == "memory":
+        name = (parts.netloc + parts.path).strip("/")
+        server = MemoryServer.named(name) if name else MemoryServer()
+        return MemoryEventStore(
+            namespace=settings.namespace,
+            partitions=settings.partitions or DEFAULT_PARTITIONS,
+            registry=registry,
+            max_event_bytes=settings.max_event_bytes,
+            secret=settings.secret,
+            server=server,
+        )
+    client = _redis_client(settings)
+    store = RedisEventStore(
+        client,
+        namespace=settings.namespace,
+        partitions=settings.partitions or DEFAULT_PARTITIONS,
+        registry=registry,
+        max_event_bytes=settings.max_event_bytes,
+        secret=settings.secret,
+    )
+    try:
+        await _call(client.ping())
+        await store.ensure_namespace(explicit_partitions=settings.partitions is not None)
+    except OperationalError as exc:
+        await store.close()
+        raise StoreConnectionError(
+            f"cannot use redis at {redact(settings.url)}: {_strip_url(str(exc), settings.url)}"
+        ) from None
+    except BaseException:
+        await store.close()
+        raise
+    return store
+
+
+def _strip_url(message: str, url: str) -> str:
+    return message.replace(url, redact(url))
+
+
+def _redis_client(settings: StoreSettings) -> Any:
+    retry = Retry(ExponentialBackoff(cap=0.5, base=0.02), settings.retries)
+    common: dict[str, Any] = {
+        "decode_responses": False,
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+        "retry": retry,
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+    parts = urlsplit(settings.url)
+    # Strip threadlog's own query parameters; redis-py rejects what it does not know.
+    base_url = settings.url.split("?", 1)[0]
+    if parts.scheme.endswith("+cluster"):
+        nodes = []
+        for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
+            host, _, port = hostport.rpartition(":")
+            try:
+                nodes.append(ClusterNode(host or "127.0.0.1", int(port or 6379)))
+            except ValueError:
+                raise InvalidURLError(f"bad cluster node {hostport!r}") from None
+        return RedisCluster(
+            startup_nodes=nodes,
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+            ssl=parts.scheme.startswith("rediss"),
+            **common,
+        )
+    extra: dict[str, Any] = {}
+    query = parse_qs(parts.query)
+    for key in ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        if key in query:
+            extra[key] = query[key][-1]
+    try:
+        return aioredis.Redis.from_url(base_url, **common, **extra)
+    except ValueError as exc:
+        raise InvalidURLError(f"bad redis URL {redact(settings.url)!r}: {exc}") from None
+
+
+# -- the embedded server ---------------------------------------------------------------------
+
+
+def embedded_url(directory: Path) -> str:
+    """A URL for the private redis-server under ``directory``, started if needed.
+
+    Falls back to ``memory://`` (with a logged notice) when no redis-server binary exists.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        log.warning(
+            "threadlog: no redis-server found on PATH; using the in-memory backend "
+            "(nothing will persist). Install redis-server or set %s.",
+            URL_ENV,
+        )
+        return "memory://"
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    sock = _socket_path(directory)
+    with open(directory / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _answers(sock):
+            _start_server(binary, directory, sock)
+    return f"unix://{sock}"
+
+
+def _socket_path(directory: Path) -> Path:
+    sock = directory / "redis.sock"
+    if len(str(sock)) < 100:
+        return sock
+    # Unix socket paths are limited to ~107 bytes; deep directories get a short alias.
+    digest = hashlib.sha1(str(directory).encode(), usedforsecurity=False).hexdigest()[:12]
+    alias = Path(tempfile.gettempdir()) / f"threadlog-{digest}.sock"
+    return alias
+
+
+def _answers(sock: Path) -> bool:
+    if not sock.exists():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(sock))
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def _start_server(binary: str, directory: Path, sock: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        sock.unlink()
+    args = [
+        binary,
+        "--port", "0",
+        "--unixsocket", str(sock),
+        "--unixsocketperm", "700",
+        "--dir", str(directory),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+        "--daemonize", "yes",
+        "--pidfile", str(directory / "redis.pid"),
+        "--logfile", str(directory / "redis.log"),
+    ]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    if done.returncode != 0:
+        raise StoreConnectionError(
+            f"could not start the embedded redis-server: {done.stderr.strip() or done.stdout}"
+        )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _answers(sock):
+            log.info("threadlog: started embedded redis-server at %s", sock)
+            return
+        time.sleep(0.05)
+    raise StoreConnectionError(
+        f"the embedded redis-server did not answer on {sock} within 10 s "
+        f"(see {directory / 'redis.log'})"
+    )
+
+
+def stop_embedded(directory: Path = EMBEDDED_DIR) -> bool:
+    """Stop the embedded server started under ``directory`` (by its pid file). True if stopped."""
+    pidfile = directory.resolve() / "redis.pid"
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 15)
+        return True
+    return False
+
+
+__all__ = ["StoreSettings", "connect", "embedded_url", "open_store", "redact", "stop_embedded"]

@@ -1,0 +1,194 @@
+"""The `EventStore` contract every backend implements, and the values it exchanges."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import Self
+
+from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._views import ViewOp, ViewRead, ViewSnapshot
+
+
+class StreamState(enum.Enum):
+    """Symbolic expected versions."""
+
+    ANY = "any"
+    """Append whatever the thread's version."""
+    NO_THREAD = "no_thread"
+    """Append only if the thread has no events yet."""
+    EXISTS = "exists"
+    """Append only if the thread has at least one event."""
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+ANY = StreamState.ANY
+NO_THREAD = StreamState.NO_THREAD
+EXISTS = StreamState.EXISTS
+
+ExpectedVersion = StreamState | int
+"""`ANY`, `NO_THREAD`, `EXISTS`, or the exact current version (the seq of the last event)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Where an append landed: the seqs of its first and last events.
+
+    ``duplicate`` is True when the idempotency key matched an earlier append, whose result this
+    is; nothing was written by the retry.
+    """
+
+    thread_id: str
+    first_seq: int
+    last_seq: int
+    duplicate: bool = field(default=False, compare=False)
+
+    @property
+    def version(self) -> int:
+        """The thread's version right after this append (pass it as the next expected version)."""
+        return self.last_seq
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadInfo:
+    """A thread as listed by the thread index."""
+
+    thread_id: str
+    last_activity_ms: int
+    partition: int
+
+
+class EventStore(abc.ABC):
+    """An append-only log of events per thread, with views kept in step atomically.
+
+    Implementations: `RedisEventStore`, `MemoryEventStore`. Both pass the conformance suite
+    in `eventstore.testing`.
+    """
+
+    namespace: str
+    registry: EventRegistry
+    partitions: int
+
+    @abc.abstractmethod
+    async def append(
+        self,
+        thread_id: str,
+        events: Sequence[Event | NewEvent],
+        *,
+        expected_version: ExpectedVersion = ANY,
+        idempotency_key: str | None = None,
+        view_ops: Sequence[ViewOp] = (),
+    ) -> AppendResult:
+        """Append ``events`` to the thread, all or nothing, applying ``view_ops`` in the same step.
+
+        The idempotency key defaults to one derived from the first event's id, so a retry with
+        the same `NewEvent` objects is safe. A key that was already used returns the original
+        result with ``duplicate=True`` and writes nothing.
+
+        Raises:
+            InvalidInputError: a bad thread id, empty or oversized events, an unregistered type,
+                a payload that fails validation, a malformed view op. Nothing is sent.
+            ConcurrencyError: the expected version does not hold. Nothing is written.
+            ViewConflictError: a guarded view op found another version. Nothing is written.
+            IdempotencyKeyReusedError: the key was used for different events. Nothing is written.
+            OperationalError: the server failed; the append may have landed, retry with the
+                same idempotency key.
+        """
+
+    @abc.abstractmethod
+    def read(
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        backwards: bool = False,
+        limit: int | None = None,
+    ) -> AsyncIterator[RecordedEvent]:
+        """Iterate the thread's events with ``start <= seq <= stop``, in batches.
+
+        Backwards reads start at ``stop`` (default: the last event) and go down to ``start``.
+        A missing thread yields nothing.
+
+        Raises:
+            CorruptEventError: a stored entry does not decode (names thread and seq).
+        """
+
+    @abc.abstractmethod
+    async def read_raw(
+        self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = 512
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Stored entries as they are, undecoded: for verification and damage reports."""
+
+    @abc.abstractmethod
+    async def version(self, thread_id: str) -> int:
+        """The seq of the thread's last event; 0 when the thread has none."""
+
+    @abc.abstractmethod
+    async def seq_at(self, thread_id: str, time_ms: int) -> int:
+        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none."""
+
+    async def read_between(
+        self,
+        thread_id: str,
+        since: datetime | int | None = None,
+        until: datetime | int | None = None,
+        *,
+        backwards: bool = False,
+    ) -> AsyncIterator[RecordedEvent]:
+        """Iterate the events recorded in ``since <= time <= until`` (datetimes or epoch ms)."""
+        since_ms = _to_ms(since)
+        until_ms = _to_ms(until)
+        start = 1 if since_ms is None else await self.seq_at(thread_id, since_ms - 1) + 1
+        stop = None if until_ms is None else await self.seq_at(thread_id, until_ms)
+        if stop is not None and stop < start:
+            return
+        async for event in self.read(thread_id, start=start, stop=stop, backwards=backwards):
+            yield event
+
+    @abc.abstractmethod
+    async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
+        """Answer several view reads in one atomic step, with the thread's version."""
+
+    @abc.abstractmethod
+    async def load_views(
+        self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
+    ) -> None:
+        """Apply view ops outside an append (rebuilds), only if the thread is at that version.
+
+        Raises:
+            ConcurrencyError: the thread moved on; fold again and retry.
+        """
+
+    @abc.abstractmethod
+    async def threads(
+        self, *, limit: int | None = None, before_ms: int | None = None
+    ) -> list[ThreadInfo]:
+        """Threads of the namespace, most recent activity first (optionally older than a time)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections; further calls raise `StoreClosedError`."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _to_ms(value: datetime | int | None) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    return int(value.timestamp() * 1000)

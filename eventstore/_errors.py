@@ -1,0 +1,150 @@
+"""The exception hierarchy: one root, a conflict branch, an input branch and an operational branch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EventStoreError(Exception):
+    """Raised when the event store cannot do what was asked; the root of every threadlog error."""
+
+
+# -- conflicts: the request was well formed but the store's state disagrees ------------------
+
+
+class ConflictError(EventStoreError):
+    """Raised when an append is refused because the stored state disagrees with the caller."""
+
+
+class ConcurrencyError(ConflictError):
+    """Raised when an append's expected version does not match the thread's actual version."""
+
+    def __init__(self, thread_id: str, expected: object, actual: int) -> None:
+        self.thread_id = thread_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"thread {thread_id!r}: expected version {expected}, actual version {actual}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.expected, self.actual))
+
+
+class IdempotencyKeyReusedError(ConflictError):
+    """Raised when an idempotency key already recorded an append with different content."""
+
+    def __init__(self, thread_id: str, key: str) -> None:
+        self.thread_id = thread_id
+        self.key = key
+        super().__init__(
+            f"thread {thread_id!r}: idempotency key {key!r} was already used for different events"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.key))
+
+
+class ViewConflictError(ConflictError):
+    """Raised when a guarded view operation finds a different version than the caller expected."""
+
+    def __init__(
+        self, thread_id: str, view: str, field: str, expected: int, actual: int
+    ) -> None:
+        self.thread_id = thread_id
+        self.view = view
+        self.field = field
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"thread {thread_id!r}: view {view!r} field {field!r} "
+            f"expected version {expected}, actual version {actual}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.thread_id, self.view, self.field, self.expected, self.actual),
+        )
+
+
+# -- bad input: rejected before anything reaches the server ----------------------------------
+
+
+class InvalidInputError(EventStoreError, ValueError):
+    """Raised when an argument is malformed; nothing is written."""
+
+
+class InvalidThreadIdError(InvalidInputError):
+    """Raised when a thread id is empty, too long, or holds control characters or braces."""
+
+
+class InvalidNamespaceError(InvalidInputError):
+    """Raised when a namespace name is empty, too long or outside ``[A-Za-z0-9_.-]``."""
+
+
+class EventTooLargeError(InvalidInputError):
+    """Raised when an encoded event exceeds the store's configured size limit."""
+
+    def __init__(self, thread_id: str, size: int, limit: int, index: int) -> None:
+        self.thread_id = thread_id
+        self.size = size
+        self.limit = limit
+        self.index = index
+        super().__init__(
+            f"thread {thread_id!r}: event #{index} encodes to {size} bytes, limit is {limit}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.size, self.limit, self.index))
+
+
+class UnknownEventTypeError(InvalidInputError):
+    """Raised when an event's type is not registered in the event catalog."""
+
+
+class EventValidationError(InvalidInputError):
+    """Raised when an event's payload does not satisfy its schema."""
+
+
+class InvalidURLError(InvalidInputError):
+    """Raised when a connection URL cannot be parsed or names an unsupported scheme."""
+
+
+# -- stored data that does not decode ----------------------------------------------------------
+
+
+class CorruptEventError(EventStoreError):
+    """Raised when a stored event cannot be decoded; names the thread and the seq."""
+
+    def __init__(self, thread_id: str, seq: int | None, reason: str) -> None:
+        self.thread_id = thread_id
+        self.seq = seq
+        self.reason = reason
+        where = f"seq {seq}" if seq is not None else "unknown seq"
+        super().__init__(f"thread {thread_id!r} {where}: undecodable event: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.seq, self.reason))
+
+
+# -- operational: the server or the connection failed -------------------------------------------
+
+
+class OperationalError(EventStoreError):
+    """Raised when the backing server fails or misbehaves; the append may or may not have landed.
+
+    Retrying an append with the same idempotency key is always safe.
+    """
+
+
+class StoreConnectionError(OperationalError, ConnectionError):
+    """Raised when the store cannot reach its server, or the connection drops mid-request."""
+
+
+class StoreTimeoutError(OperationalError, TimeoutError):
+    """Raised when the server does not answer within the configured timeout."""
+
+
+class StoreClosedError(OperationalError):
+    """Raised when a closed store is used."""

@@ -1,0 +1,66 @@
+"""Identifier generation and validation: ULIDs, thread ids, namespaces and view names."""
+
+from __future__ import annotations
+
+import re
+
+from ulid import ULID
+
+from ._errors import InvalidInputError, InvalidNamespaceError, InvalidThreadIdError
+
+MAX_THREAD_ID_BYTES = 256
+MAX_NAMESPACE_CHARS = 64
+
+# Namespaces and view names become part of Redis key names and ACL key patterns, so they keep
+# to a charset that no glob or hash-tag syntax can misread.
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+# Thread ids are free text for the caller, minus what would break keys or logs: control
+# characters (log injection, invisible ids) and braces (Redis Cluster hash tags).
+_THREAD_FORBIDDEN_RE = re.compile(r"[\x00-\x1f\x7f{}]")
+
+
+def new_ulid() -> str:
+    """A new ULID as its 26-character Crockford base32 string."""
+    return str(ULID())
+
+
+def validate_thread_id(thread_id: object) -> str:
+    """Return ``thread_id`` if it is a usable thread id, else raise `InvalidThreadIdError`."""
+    if not isinstance(thread_id, str):
+        raise InvalidThreadIdError(f"thread id must be a str, not {type(thread_id).__name__}")
+    if not thread_id:
+        raise InvalidThreadIdError("thread id must not be empty")
+    try:
+        size = len(thread_id.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidThreadIdError(f"thread id is not valid unicode: {exc.reason}") from exc
+    if size > MAX_THREAD_ID_BYTES:
+        raise InvalidThreadIdError(
+            f"thread id is {size} bytes long, the limit is {MAX_THREAD_ID_BYTES}"
+        )
+    bad = _THREAD_FORBIDDEN_RE.search(thread_id)
+    if bad is not None:
+        raise InvalidThreadIdError(
+            f"thread id {thread_id!r} holds a forbidden character {bad.group()!r} "
+            "(control characters and braces are not allowed)"
+        )
+    return thread_id
+
+
+def validate_namespace(namespace: object) -> str:
+    """Return ``namespace`` if it is a usable namespace, else raise `InvalidNamespaceError`."""
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidNamespaceError("namespace must be a non-empty str")
+    if len(namespace) > MAX_NAMESPACE_CHARS or _NAME_RE.fullmatch(namespace) is None:
+        raise InvalidNamespaceError(
+            f"namespace {namespace!r} must be 1-{MAX_NAMESPACE_CHARS} characters "
+            "of A-Z a-z 0-9 _ . -"
+        )
+    return namespace
+
+
+def validate_view_name(view: object) -> str:
+    """Return ``view`` if it is a usable view name, else raise `InvalidInputError`."""
+    if not isinstance(view, str) or _NAME_RE.fullmatch(view) is None or len(view) > 64:
+        raise InvalidInputError(f"view name {view!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+    return view

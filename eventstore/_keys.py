@@ -1,0 +1,90 @@
+"""The Redis key layout: every key threadlog writes is built here, hash tag included.
+
+All keys of a namespace start with ``tl:{<namespace>:`` so that one Redis ACL pattern
+(``~tl:{<namespace>:*``) confines a user to one tenant. A thread's keys carry the hash tag of
+its partition, ``{<namespace>:<partition>}``: the thread's log, meta, idempotency ledger and
+views, the partition's change feed and thread index all live in one Cluster slot, so one
+atomic script can write all of them. The thread id comes last in every key and views are named
+from a colon-free charset, so no two threads' keys can collide whatever their ids contain.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from ._ids import validate_namespace, validate_view_name
+
+PREFIX = "tl"
+DEFAULT_PARTITIONS = 16
+MAX_PARTITIONS = 16384  # one per Cluster slot is the most that can ever spread out
+
+
+def partition_of(thread_id: str, partitions: int) -> int:
+    """The partition a thread belongs to: a stable hash, identical in every process."""
+    return zlib.crc32(thread_id.encode("utf-8")) % partitions
+
+
+def acl_key_pattern(namespace: str) -> str:
+    """The Redis ACL key pattern that covers exactly one namespace's keys."""
+    return f"~{PREFIX}:{{{validate_namespace(namespace)}:*"
+
+
+class KeyLayout:
+    """Builds the key names of one namespace with a fixed number of partitions."""
+
+    __slots__ = ("namespace", "partitions", "_tags")
+
+    def __init__(self, namespace: str, partitions: int = DEFAULT_PARTITIONS) -> None:
+        self.namespace = validate_namespace(namespace)
+        if not 1 <= partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be in 1..{MAX_PARTITIONS}, not {partitions}")
+        self.partitions = partitions
+        self._tags = [f"{PREFIX}:{{{namespace}:{p}}}" for p in range(partitions)]
+
+    @staticmethod
+    def config_key(namespace: str) -> str:
+        """The namespace's settings hash (fixes the partition count for every client)."""
+        return f"{PREFIX}:{{{validate_namespace(namespace)}:cfg}}"
+
+    def partition(self, thread_id: str) -> int:
+        """The partition of ``thread_id``."""
+        return partition_of(thread_id, self.partitions)
+
+    def _tag(self, thread_id: str) -> str:
+        return self._tags[partition_of(thread_id, self.partitions)]
+
+    def log(self, thread_id: str) -> str:
+        """The thread's event stream."""
+        return f"{self._tag(thread_id)}:log:{thread_id}"
+
+    def meta(self, thread_id: str) -> str:
+        """The thread's meta hash: version, chain head, last time, creation time."""
+        return f"{self._tag(thread_id)}:meta:{thread_id}"
+
+    def ledger(self, thread_id: str) -> str:
+        """The thread's idempotency ledger: key -> first seq, last seq, request digest."""
+        return f"{self._tag(thread_id)}:idem:{thread_id}"
+
+    def view(self, thread_id: str, view: str) -> str:
+        """One materialized view of the thread."""
+        return f"{self._tag(thread_id)}:view:{validate_view_name(view)}:{thread_id}"
+
+    def feed(self, partition: int) -> str:
+        """The partition's change feed stream."""
+        return f"{self._tags[partition]}:feed"
+
+    def index(self, partition: int) -> str:
+        """The partition's thread index: a sorted set of thread ids by last activity (ms)."""
+        return f"{self._tags[partition]}:threads"
+
+    def thread_keys(self, thread_id: str) -> tuple[str, str, str, str, str]:
+        """Log, meta, ledger, feed and index keys of the thread, in the append script's order."""
+        p = partition_of(thread_id, self.partitions)
+        tag = self._tags[p]
+        return (
+            f"{tag}:log:{thread_id}",
+            f"{tag}:meta:{thread_id}",
+            f"{tag}:idem:{thread_id}",
+            f"{tag}:feed",
+            f"{tag}:threads",
+        )

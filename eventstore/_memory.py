@@ -1,0 +1,392 @@
+"""`MemoryEventStore`: the same semantics as the Redis backend, in process, for embedding and tests.
+
+Stored bytes are identical to the Redis backend's (entry fields, view stamps, chain links), so
+verification, decoding and damage reports behave the same on both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import anyio.lowlevel
+
+from ._codec import (
+    DEFAULT_MAX_EVENT_BYTES,
+    chain_link,
+    decode_entry,
+    encode_events,
+    entry_fields,
+    expected_version_arg,
+    idempotency_key_for,
+    request_digest,
+)
+from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo
+from ._errors import (
+    ConcurrencyError,
+    IdempotencyKeyReusedError,
+    InvalidInputError,
+    StoreClosedError,
+    ViewConflictError,
+)
+from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._events import registry as default_registry
+from ._ids import validate_namespace, validate_thread_id, validate_view_name
+from ._keys import DEFAULT_PARTITIONS, partition_of
+from ._views import (
+    HashDelete,
+    HashGet,
+    HashGetAll,
+    HashGetListed,
+    HashLoad,
+    HashSet,
+    ListLoad,
+    ListPop,
+    ListPush,
+    ListRange,
+    ListReset,
+    ViewClear,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+    ViewSnapshot,
+    check_ops,
+    decode_view_result,
+    stamp_hash_value,
+    stamp_list_value,
+)
+
+READ_BATCH = 512
+
+
+@dataclass
+class _Thread:
+    entries: list[dict[bytes, bytes]] = field(default_factory=list)
+    times: list[int] = field(default_factory=list)
+    head: str = ""
+    created_ms: int = 0
+    ledger: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+    views: dict[str, list[bytes] | dict[str, bytes]] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        return len(self.entries)
+
+
+@dataclass
+class _Namespace:
+    partitions: int
+    threads: dict[str, _Thread] = field(default_factory=dict)
+    feeds: dict[int, list[tuple[str, int, int, int]]] = field(default_factory=dict)
+    index: dict[str, int] = field(default_factory=dict)
+
+
+class MemoryServer:
+    """The shared state behind `MemoryEventStore`s: stores on one server see each other's writes."""
+
+    _named: dict[str, MemoryServer] = {}
+    _named_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.namespaces: dict[str, _Namespace] = {}
+
+    @classmethod
+    def named(cls, name: str) -> MemoryServer:
+        """The process-wide server called ``name`` (``memory://name`` URLs share it)."""
+        with cls._named_lock:
+            server = cls._named.get(name)
+            if server is None:
+                server = cls._named[name] = cls()
+            return server
+
+    def namespace(self, name: str, partitions: int) -> _Namespace:
+        ns = self.namespaces.get(name)
+        if ns is None:
+            ns = self.namespaces[name] = _Namespace(partitions)
+        return ns
+
+
+def _field_version(raw: bytes | None) -> int:
+    if raw is None:
+        return 0
+    head = raw.split(b":", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+class MemoryEventStore(EventStore):
+    """The event log in process memory, with exactly the semantics of `RedisEventStore`."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str = "default",
+        partitions: int = DEFAULT_PARTITIONS,
+        registry: EventRegistry | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        secret: bytes | None = None,
+        server: MemoryServer | None = None,
+    ) -> None:
+        self.namespace = validate_namespace(namespace)
+        self.server = server or MemoryServer()
+        self._ns = self.server.namespace(self.namespace, partitions)
+        # Like the Redis backend, the first store to touch a namespace fixes its partitions.
+        self.partitions = self._ns.partitions
+        self.registry = registry or default_registry
+        self.max_event_bytes = max_event_bytes
+        self._secret = secret
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    def _thread(self, thread_id: str) -> _Thread | None:
+        validate_thread_id(thread_id)
+        self._check_open()
+        return self._ns.threads.get(thread_id)
+
+    # -- append ---------------------------------------------------------------------------------
+
+    async def append(
+        self,
+        thread_id: str,
+        events: Sequence[Event | NewEvent],
+        *,
+        expected_version: ExpectedVersion = ANY,
+        idempotency_key: str | None = None,
+        view_ops: Sequence[ViewOp] = (),
+    ) -> AppendResult:
+        encoded = encode_events(
+            thread_id,
+            events,
+            self.registry,
+            max_event_bytes=self.max_event_bytes,
+            secret=self._secret,
+        )
+        expected = expected_version_arg(expected_version)
+        ops = list(view_ops)
+        check_ops(ops, len(encoded), in_append=True)
+        for op in ops:
+            validate_view_name(op.view)
+            if isinstance(op, ListLoad | HashLoad):
+                raise InvalidInputError(f"{type(op).__name__} is not valid inside an append")
+        ikey = idempotency_key_for(idempotency_key, encoded[0].id)
+        rdigest = request_digest(encoded)
+        # A real server answers after a network hop; yielding here lets concurrent appenders
+        # interleave as they would against Redis. Everything after it runs without a yield,
+        # which is what makes the append atomic.
+        await anyio.lowlevel.checkpoint()
+        self._check_open()
+
+        thread = self._ns.threads.get(thread_id) or _Thread()
+        prior = thread.ledger.get(ikey)
+        if prior is not None:
+            if prior[2] != rdigest:
+                raise IdempotencyKeyReusedError(thread_id, ikey)
+            return AppendResult(thread_id, prior[0], prior[1], duplicate=True)
+        version = thread.version
+        if (
+            (expected == "no_thread" and version != 0)
+            or (expected == "exists" and version == 0)
+            or (expected not in ("any", "no_thread", "exists") and version != int(expected))
+        ):
+            raise ConcurrencyError(thread_id, expected_version, version)
+        for op in ops:
+            if isinstance(op, HashSet | HashDelete) and op.expected_version is not None:
+                view = thread.views.get(op.view)
+                cur = view.get(op.field) if isinstance(view, dict) else None
+                actual = _field_version(cur)
+                if actual != op.expected_version:
+                    raise ViewConflictError(
+                        thread_id, op.view, op.field, op.expected_version, actual
+                    )
+
+        now = int(time.time() * 1000)
+        last_time = thread.times[-1] if thread.times else 0
+        now = max(now, last_time)
+        prev = thread.head
+        for i, e in enumerate(encoded):
+            seq = version + 1 + i
+            prev = chain_link(prev, seq, now, e.digest)
+            thread.entries.append(entry_fields(e, now, prev))
+            thread.times.append(now)
+        first, last = version + 1, version + len(encoded)
+        for op in ops:
+            self._apply(thread, op, version)
+        if version == 0:
+            thread.created_ms = now
+            self._ns.threads[thread_id] = thread
+        thread.head = prev
+        thread.ledger[ikey] = (first, last, rdigest)
+        p = partition_of(thread_id, self.partitions)
+        self._ns.feeds.setdefault(p, []).append((thread_id, first, last, now))
+        self._ns.index[thread_id] = now
+        return AppendResult(thread_id, first, last)
+
+    @staticmethod
+    def _apply(thread: _Thread, op: ViewOp, version: int) -> None:
+        views = thread.views
+        if isinstance(op, ListPush | ListReset):
+            stamped = [stamp_list_value(version + 1 + op.event, v) for v in op.values]
+            current = views.get(op.view)
+            if isinstance(op, ListReset) or not isinstance(current, list):
+                views[op.view] = stamped
+            else:
+                current.extend(stamped)
+        elif isinstance(op, ListPop):
+            current = views.get(op.view)
+            if isinstance(current, list):
+                del current[max(0, len(current) - op.count) :]
+        elif isinstance(op, HashSet):
+            current = views.get(op.view)
+            if not isinstance(current, dict):
+                current = views[op.view] = {}
+            ver = _field_version(current.get(op.field)) + 1
+            current[op.field] = stamp_hash_value(ver, version + 1 + op.event, op.value)
+        elif isinstance(op, HashDelete):
+            current = views.get(op.view)
+            if isinstance(current, dict):
+                current.pop(op.field, None)
+        elif isinstance(op, ViewClear):
+            views.pop(op.view, None)
+        # Redis deletes a key whose list or hash becomes empty; mirror it.
+        if isinstance(op, ListPush | ListReset | ListPop | HashSet | HashDelete):
+            if not views.get(op.view):
+                views.pop(op.view, None)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def version(self, thread_id: str) -> int:
+        thread = self._thread(thread_id)
+        return thread.version if thread else 0
+
+    async def read_raw(
+        self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = READ_BATCH
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        thread = self._thread(thread_id)
+        if thread is None:
+            return []
+        lo = max(start, 1)
+        hi = thread.version if stop is None else min(stop, thread.version)
+        hi = min(hi, lo + count - 1)
+        return [(b"%d-0" % s, dict(thread.entries[s - 1])) for s in range(lo, hi + 1)]
+
+    async def read(
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        backwards: bool = False,
+        limit: int | None = None,
+    ) -> AsyncIterator[RecordedEvent]:
+        thread = self._thread(thread_id)
+        if thread is None:
+            return
+        lo = max(start, 1)
+        hi = thread.version if stop is None else min(stop, thread.version)
+        seqs = range(hi, lo - 1, -1) if backwards else range(lo, hi + 1)
+        if limit is not None:
+            seqs = seqs[: max(limit, 0)]
+        for n, seq in enumerate(seqs):
+            if n and n % READ_BATCH == 0:
+                await anyio.lowlevel.checkpoint()
+            yield decode_entry(thread_id, b"%d-0" % seq, thread.entries[seq - 1], self.registry)
+
+    async def seq_at(self, thread_id: str, time_ms: int) -> int:
+        thread = self._thread(thread_id)
+        if thread is None:
+            return 0
+        return bisect.bisect_right(thread.times, int(time_ms))
+
+    # -- views ----------------------------------------------------------------------------------
+
+    async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
+        thread = self._thread(thread_id)
+        await anyio.lowlevel.checkpoint()
+        views = thread.views if thread else {}
+        results: list[ViewResult] = []
+        for r in reads:
+            validate_view_name(r.view)
+            view = views.get(r.view)
+            raw: list[bytes]
+            if isinstance(r, ListRange):
+                raw = _lrange(view if isinstance(view, list) else [], r.start, r.stop)
+            elif isinstance(r, HashGetAll):
+                raw = _flat(view.items() if isinstance(view, dict) else ())
+            elif isinstance(r, HashGet):
+                h = view if isinstance(view, dict) else {}
+                raw = _flat((f.encode(), h[f]) for f in r.fields if f in h)
+            elif isinstance(r, HashGetListed):
+                h = view if isinstance(view, dict) else {}
+                lst = views.get(r.list_view)
+                names = _lrange(lst if isinstance(lst, list) else [], r.start, r.stop)
+                fields = [n.split(b":", 1)[1].decode() for n in names]
+                raw = _flat((f.encode(), h[f]) for f in fields if f in h)
+            else:
+                raise InvalidInputError(f"not a view read: {r!r}")
+            results.append(decode_view_result(thread_id, r, raw))
+        return ViewSnapshot(thread.version if thread else 0, results)
+
+    async def load_views(
+        self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
+    ) -> None:
+        thread = self._thread(thread_id)
+        await anyio.lowlevel.checkpoint()
+        version = thread.version if thread else 0
+        if version != expected_version:
+            raise ConcurrencyError(thread_id, expected_version, version)
+        for op in ops:
+            validate_view_name(op.view)
+            if not isinstance(op, ListLoad | HashLoad | ViewClear):
+                raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
+        if thread is None:
+            return  # views of a thread that has no events are empty by definition
+        for op in ops:
+            thread.views.pop(op.view, None)
+            if isinstance(op, ListLoad) and op.entries:
+                thread.views[op.view] = [stamp_list_value(e.seq, e.value) for e in op.entries]
+            elif isinstance(op, HashLoad) and op.entries:
+                thread.views[op.view] = {
+                    f: stamp_hash_value(e.version, e.seq, e.value) for f, e in op.entries.items()
+                }
+
+    async def threads(
+        self, *, limit: int | None = None, before_ms: int | None = None
+    ) -> list[ThreadInfo]:
+        self._check_open()
+        rows = (
+            ThreadInfo(t, ms, partition_of(t, self.partitions))
+            for t, ms in self._ns.index.items()
+            if before_ms is None or ms < before_ms
+        )
+        key = lambda t: (-t.last_activity_ms, t.thread_id)  # noqa: E731
+        out = heapq.nsmallest(limit, rows, key=key) if limit is not None else sorted(rows, key=key)
+        return out
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+def _lrange(values: list[bytes], start: int, stop: int) -> list[bytes]:
+    """Redis LRANGE semantics (inclusive stop, negative indexes from the end)."""
+    n = len(values)
+    if start < 0:
+        start = max(n + start, 0)
+    if stop < 0:
+        stop = n + stop
+    if start > stop or start >= n:
+        return []
+    return values[start : min(stop, n - 1) + 1]
+
+
+def _flat(pairs: object) -> list[bytes]:
+    out: list[bytes] = []
+    for f, v in pairs:  # type: ignore[attr-defined]
+        out.append(f.encode() if isinstance(f, str) else f)
+        out.append(v)
+    return out

@@ -1,0 +1,367 @@
+"""`RedisEventStore`: the event log on Redis Streams (standalone, Sentinel-less replicas, Cluster)."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis import exceptions as rex
+from redis.asyncio.cluster import RedisCluster
+
+from ._codec import (
+    DEFAULT_MAX_EVENT_BYTES,
+    decode_entry,
+    encode_events,
+    expected_version_arg,
+    idempotency_key_for,
+    request_digest,
+)
+from ._contract import (
+    ANY,
+    AppendResult,
+    EventStore,
+    ExpectedVersion,
+    StreamState,
+    ThreadInfo,
+)
+from ._errors import (
+    ConcurrencyError,
+    EventStoreError,
+    IdempotencyKeyReusedError,
+    InvalidInputError,
+    OperationalError,
+    StoreClosedError,
+    StoreConnectionError,
+    StoreTimeoutError,
+    ViewConflictError,
+)
+from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._events import registry as default_registry
+from ._ids import validate_thread_id
+from ._keys import DEFAULT_PARTITIONS, KeyLayout
+from ._scripts import APPEND, LOAD_VIEWS, READ_VIEWS, SEQ_AT
+from ._views import (
+    HashDelete,
+    HashGet,
+    HashGetAll,
+    HashGetListed,
+    HashLoad,
+    HashSet,
+    ListLoad,
+    ListPop,
+    ListPush,
+    ListRange,
+    ListReset,
+    ViewClear,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+    ViewSnapshot,
+    check_ops,
+    decode_view_result,
+    stamp_hash_value,
+    stamp_list_value,
+)
+
+T = TypeVar("T")
+READ_BATCH = 512
+
+
+def translate_redis_error(exc: BaseException) -> EventStoreError:
+    """The one place where redis-py errors become threadlog errors."""
+    if isinstance(exc, rex.TimeoutError):
+        return StoreTimeoutError(f"redis timed out: {exc}")
+    if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError):
+        return StoreConnectionError(f"redis refused the credentials: {exc}")
+    if isinstance(exc, rex.ConnectionError | rex.ClusterDownError | ConnectionError):
+        return StoreConnectionError(f"redis connection failed: {exc}")
+    if isinstance(exc, rex.NoPermissionError):
+        return OperationalError(f"redis denied the command (ACL): {exc}")
+    if isinstance(exc, TimeoutError):
+        return StoreTimeoutError(f"redis timed out: {exc}")
+    return OperationalError(f"redis error: {exc}")
+
+
+async def _call(op: Awaitable[T]) -> T:
+    try:
+        return await op
+    except (rex.RedisError, OSError) as exc:
+        raise translate_redis_error(exc) from exc
+
+
+class _KeyIndex:
+    """Numbers the view keys an op list touches, for the script's KEYS array."""
+
+    def __init__(self, base: list[str]) -> None:
+        self.keys = list(base)
+        self._pos: dict[str, int] = {}
+
+    def __call__(self, key: str) -> int:
+        pos = self._pos.get(key)
+        if pos is None:
+            self.keys.append(key)
+            pos = self._pos[key] = len(self.keys)  # Lua arrays are 1-based
+        return pos
+
+
+class RedisEventStore(EventStore):
+    """The event log on Redis Streams.
+
+    Build it with `eventstore.connect` (which also pins the namespace's partition count), or
+    hand it a redis-py asyncio client (``decode_responses=False``) and ``await ensure_namespace()``.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        *,
+        namespace: str = "default",
+        partitions: int = DEFAULT_PARTITIONS,
+        registry: EventRegistry | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        secret: bytes | None = None,
+        owns_client: bool = True,
+    ) -> None:
+        self.keys = KeyLayout(namespace, partitions)
+        self.namespace = self.keys.namespace
+        self.partitions = partitions
+        self.registry = registry or default_registry
+        self.max_event_bytes = max_event_bytes
+        self._secret = secret
+        self._client: Any = client
+        self._owns_client = owns_client
+        self._closed = False
+
+    @property
+    def client(self) -> Any:
+        """The underlying redis-py client (for tests and tooling)."""
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        return self._client
+
+    async def ensure_namespace(self, *, explicit_partitions: bool = False) -> None:
+        """Record this namespace's partition count, or adopt the one already recorded.
+
+        The count is fixed for the life of a namespace because it decides where every thread's
+        keys live. Raises `InvalidInputError` if ``explicit_partitions`` and the recorded count
+        differs from this store's.
+        """
+        key = KeyLayout.config_key(self.namespace)
+        await _call(self.client.hsetnx(key, "partitions", self.partitions))
+        stored = int(await _call(self.client.hget(key, "partitions")))
+        if stored != self.partitions:
+            if explicit_partitions:
+                raise InvalidInputError(
+                    f"namespace {self.namespace!r} has {stored} partitions, not {self.partitions}"
+                )
+            self.keys = KeyLayout(self.namespace, stored)
+            self.partitions = stored
+
+    # -- append ---------------------------------------------------------------------------------
+
+    async def append(
+        self,
+        thread_id: str,
+        events: Sequence[Event | NewEvent],
+        *,
+        expected_version: ExpectedVersion = ANY,
+        idempotency_key: str | None = None,
+        view_ops: Sequence[ViewOp] = (),
+    ) -> AppendResult:
+        encoded = encode_events(
+            thread_id,
+            events,
+            self.registry,
+            max_event_bytes=self.max_event_bytes,
+            secret=self._secret,
+        )
+        expected = expected_version_arg(expected_version)
+        ops = list(view_ops)
+        check_ops(ops, len(encoded), in_append=True)
+        ikey = idempotency_key_for(idempotency_key, encoded[0].id)
+        rdigest = request_digest(encoded)
+
+        index = _KeyIndex(list(self.keys.thread_keys(thread_id)))
+        args: list[Any] = [thread_id, expected, ikey, rdigest, len(encoded), len(ops)]
+        for e in encoded:
+            args += (e.id_bytes, e.version, e.data, e.meta, e.digest)
+        for op in ops:
+            args += self._op_args(thread_id, op, index)
+
+        reply = await _call(APPEND(self.client, index.keys, args))
+        status = reply[0]
+        if status == b"ok":
+            return AppendResult(thread_id, int(reply[1]), int(reply[2]))
+        if status == b"dup":
+            return AppendResult(thread_id, int(reply[1]), int(reply[2]), duplicate=True)
+        if status == b"conflict":
+            raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+        if status == b"reused":
+            raise IdempotencyKeyReusedError(thread_id, ikey)
+        if status == b"view":
+            key = index.keys[int(reply[1]) - 1]
+            view = key.split(":view:", 1)[1].split(":", 1)[0]
+            raise ViewConflictError(
+                thread_id, view, reply[2].decode("utf-8"), int(reply[3]), int(reply[4])
+            )
+        raise OperationalError(f"unexpected append reply {reply!r}")
+
+    def _op_args(self, thread_id: str, op: ViewOp, index: _KeyIndex) -> list[Any]:
+        k = index(self.keys.view(thread_id, op.view))
+        if isinstance(op, ListPush | ListReset):
+            code = "lp" if isinstance(op, ListPush) else "lr"
+            return [code, k, op.event, len(op.values), *op.values]
+        if isinstance(op, ListPop):
+            return ["lo", k, op.count]
+        if isinstance(op, HashSet):
+            exp = "" if op.expected_version is None else op.expected_version
+            return ["hs", k, op.field, op.value, op.event, exp]
+        if isinstance(op, HashDelete):
+            exp = "" if op.expected_version is None else op.expected_version
+            return ["hd", k, op.field, exp]
+        if isinstance(op, ViewClear):
+            return ["vc", k]
+        raise InvalidInputError(f"{type(op).__name__} is not valid inside an append")
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def version(self, thread_id: str) -> int:
+        validate_thread_id(thread_id)
+        raw = await _call(self.client.hget(self.keys.meta(thread_id), "v"))
+        return int(raw) if raw is not None else 0
+
+    async def read_raw(
+        self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = READ_BATCH
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        validate_thread_id(thread_id)
+        hi = "+" if stop is None else f"{stop}-0"
+        rows = await _call(
+            self.client.xrange(self.keys.log(thread_id), f"{max(start, 1)}-0", hi, count=count)
+        )
+        return [(entry_id, fields) for entry_id, fields in rows]
+
+    async def read(
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        backwards: bool = False,
+        limit: int | None = None,
+    ) -> AsyncIterator[RecordedEvent]:
+        validate_thread_id(thread_id)
+        log = self.keys.log(thread_id)
+        remaining = limit
+        lo = max(start, 1)
+        if backwards:
+            hi_id = "+" if stop is None else f"{stop}-0"
+            while remaining is None or remaining > 0:
+                count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
+                rows = await _call(self.client.xrevrange(log, hi_id, f"{lo}-0", count=count))
+                for entry_id, fields in rows:
+                    yield decode_entry(thread_id, entry_id, fields, self.registry)
+                if len(rows) < count:
+                    return
+                if remaining is not None:
+                    remaining -= len(rows)
+                last_seq = int(rows[-1][0].split(b"-", 1)[0])
+                if last_seq <= lo:
+                    return
+                hi_id = f"{last_seq - 1}-0"
+        else:
+            hi = "+" if stop is None else f"{stop}-0"
+            lo_id = f"{lo}-0"
+            while remaining is None or remaining > 0:
+                count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
+                rows = await _call(self.client.xrange(log, lo_id, hi, count=count))
+                for entry_id, fields in rows:
+                    yield decode_entry(thread_id, entry_id, fields, self.registry)
+                if len(rows) < count:
+                    return
+                if remaining is not None:
+                    remaining -= len(rows)
+                lo_id = "(" + rows[-1][0].decode("ascii")
+
+    async def seq_at(self, thread_id: str, time_ms: int) -> int:
+        validate_thread_id(thread_id)
+        keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
+        return int(await _call(SEQ_AT(self.client, keys, [int(time_ms)])))
+
+    # -- views ----------------------------------------------------------------------------------
+
+    async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
+        validate_thread_id(thread_id)
+        index = _KeyIndex([self.keys.meta(thread_id)])
+        args: list[Any] = [len(reads)]
+        for r in reads:
+            k = index(self.keys.view(thread_id, r.view))
+            if isinstance(r, ListRange):
+                args += ("lr", k, r.start, r.stop)
+            elif isinstance(r, HashGetAll):
+                args += ("ha", k)
+            elif isinstance(r, HashGet):
+                args += ("hg", k, len(r.fields), *r.fields)
+            elif isinstance(r, HashGetListed):
+                args += ("hl", k, index(self.keys.view(thread_id, r.list_view)), r.start, r.stop)
+            else:
+                raise InvalidInputError(f"not a view read: {r!r}")
+        reply = await _call(READ_VIEWS(self.client, index.keys, args))
+        results: list[ViewResult] = []
+        for r, raw in zip(reads, reply[1:], strict=True):
+            results.append(decode_view_result(thread_id, r, raw))
+        return ViewSnapshot(int(reply[0]), results)
+
+    async def load_views(
+        self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
+    ) -> None:
+        validate_thread_id(thread_id)
+        index = _KeyIndex([self.keys.meta(thread_id)])
+        args: list[Any] = [expected_version, len(ops)]
+        for op in ops:
+            k = index(self.keys.view(thread_id, op.view))
+            if isinstance(op, ListLoad):
+                args += ("ll", k, len(op.entries))
+                args += [stamp_list_value(e.seq, e.value) for e in op.entries]
+            elif isinstance(op, HashLoad):
+                args += ("hl", k, len(op.entries))
+                for field, e in op.entries.items():
+                    args += (field, stamp_hash_value(e.version, e.seq, e.value))
+            elif isinstance(op, ViewClear):
+                args += ("vc", k)
+            else:
+                raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
+        reply = await _call(LOAD_VIEWS(self.client, index.keys, args))
+        if reply[0] == b"conflict":
+            raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+
+    # -- listing --------------------------------------------------------------------------------
+
+    async def threads(
+        self, *, limit: int | None = None, before_ms: int | None = None
+    ) -> list[ThreadInfo]:
+        hi: Any = "+inf" if before_ms is None else f"({before_ms}"
+        per_partition: list[list[ThreadInfo]] = []
+        for p in range(self.partitions):
+            kwargs: dict[str, Any] = {"withscores": True}
+            if limit is not None:
+                kwargs.update(start=0, num=limit)
+            rows = await _call(
+                self.client.zrevrangebyscore(self.keys.index(p), hi, "-inf", **kwargs)
+            )
+            per_partition.append(
+                [ThreadInfo(m.decode("utf-8"), int(score), p) for m, score in rows]
+            )
+        merged = heapq.merge(*per_partition, key=lambda t: (-t.last_activity_ms, t.thread_id))
+        out = list(merged)
+        return out if limit is None else out[:limit]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            with contextlib.suppress(rex.RedisError, OSError):
+                await self._client.aclose()

@@ -1,0 +1,202 @@
+"""Generic view operations and view reads; the store applies them without knowing what they mean.
+
+Projections describe how their materialized form changes with each append as a list of these
+operations; the store applies them in the same atomic step as the append. Every stored view
+value carries a small stamp: the seq of the event that wrote it and, in hashes, a per-field
+version, so that readers get positions without reading the log.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ._errors import InvalidInputError, OperationalError
+
+
+class ViewEntry(msgspec.Struct, frozen=True):
+    """One value of a view with its stamp: the writing event's seq and (hash fields) version."""
+
+    seq: int
+    value: bytes
+    version: int = 0
+
+
+# -- stamps: the byte format shared with the Lua scripts --------------------------------------
+
+
+def stamp_list_value(seq: int, value: bytes) -> bytes:
+    """``<seq>:<value>``: how list views store a value."""
+    return b"%d:%s" % (seq, value)
+
+
+def stamp_hash_value(version: int, seq: int, value: bytes) -> bytes:
+    """``<version>:<seq>:<value>``: how hash views store a field."""
+    return b"%d:%d:%s" % (version, seq, value)
+
+
+def unstamp_list_value(raw: bytes) -> ViewEntry:
+    """Split a stored list value into its stamp and value."""
+    head, sep, value = raw.partition(b":")
+    if not sep or not head.isdigit():
+        raise ValueError("list view value has no seq stamp")
+    return ViewEntry(int(head), value)
+
+
+def unstamp_hash_value(raw: bytes) -> ViewEntry:
+    """Split a stored hash field into its stamp and value."""
+    ver, sep1, rest = raw.partition(b":")
+    seq, sep2, value = rest.partition(b":")
+    if not (sep1 and sep2 and ver.isdigit() and seq.isdigit()):
+        raise ValueError("hash view value has no version/seq stamp")
+    return ViewEntry(int(seq), value, int(ver))
+
+
+# -- write operations, applied atomically with an append --------------------------------------
+
+
+class ListPush(msgspec.Struct, frozen=True):
+    """Append ``values`` to the list view, stamped with the seq of event #``event``."""
+
+    view: str
+    values: tuple[bytes, ...]
+    event: int = 0
+
+
+class ListReset(msgspec.Struct, frozen=True):
+    """Replace the list view's contents with ``values``, stamped with event #``event``."""
+
+    view: str
+    values: tuple[bytes, ...]
+    event: int = 0
+
+
+class ListPop(msgspec.Struct, frozen=True):
+    """Remove up to ``count`` values from the end of the list view."""
+
+    view: str
+    count: int = 1
+
+
+class HashSet(msgspec.Struct, frozen=True):
+    """Set a hash view field, bumping its version; stamped with the seq of event #``event``.
+
+    With ``expected_version`` (0: the field must be absent) the whole append is refused with
+    `ViewConflictError` unless the field is at exactly that version.
+    """
+
+    view: str
+    field: str
+    value: bytes
+    event: int = 0
+    expected_version: int | None = None
+
+
+class HashDelete(msgspec.Struct, frozen=True):
+    """Delete a hash view field, optionally guarded like `HashSet`."""
+
+    view: str
+    field: str
+    expected_version: int | None = None
+
+
+class ViewClear(msgspec.Struct, frozen=True):
+    """Delete a view entirely."""
+
+    view: str
+
+
+class ListLoad(msgspec.Struct, frozen=True):
+    """Replace a list view with pre-stamped entries (used by rebuilds, outside appends)."""
+
+    view: str
+    entries: tuple[ViewEntry, ...]
+
+
+class HashLoad(msgspec.Struct, frozen=True):
+    """Replace a hash view with pre-stamped fields (used by rebuilds, outside appends)."""
+
+    view: str
+    entries: dict[str, ViewEntry]
+
+
+ViewOp = ListPush | ListReset | ListPop | HashSet | HashDelete | ViewClear | ListLoad | HashLoad
+
+
+def check_ops(ops: tuple[ViewOp, ...] | list[ViewOp], n_events: int, *, in_append: bool) -> None:
+    """Reject malformed operations before anything is sent."""
+    for op in ops:
+        if isinstance(op, ListPush | ListReset | HashSet):
+            if not 0 <= op.event < max(n_events, 1):
+                raise InvalidInputError(
+                    f"view op on {op.view!r} refers to event #{op.event}, "
+                    f"but the append has {n_events} events"
+                )
+            if in_append is False:
+                raise InvalidInputError("event-stamped view ops are only valid in an append")
+        elif isinstance(op, ListPop) and op.count < 1:
+            raise InvalidInputError("ListPop.count must be >= 1")
+        elif isinstance(op, HashSet | HashDelete) and op.expected_version is not None:
+            if op.expected_version < 0:
+                raise InvalidInputError("expected_version must be >= 0")
+        elif not isinstance(op, ViewOp):  # type: ignore[misc, arg-type]
+            raise InvalidInputError(f"not a view op: {op!r}")
+
+
+# -- reads, answered together in one round trip -----------------------------------------------
+
+
+class ListRange(msgspec.Struct, frozen=True):
+    """Read list view entries ``start..stop`` (inclusive, negative counts from the end)."""
+
+    view: str
+    start: int = 0
+    stop: int = -1
+
+
+class HashGetAll(msgspec.Struct, frozen=True):
+    """Read every field of a hash view."""
+
+    view: str
+
+
+class HashGet(msgspec.Struct, frozen=True):
+    """Read some fields of a hash view (absent fields are left out of the result)."""
+
+    view: str
+    fields: tuple[str, ...]
+
+
+class HashGetListed(msgspec.Struct, frozen=True):
+    """Read the hash fields named by a slice of a list view (e.g. the latest records by id).
+
+    The list view's values are the field names; the result keeps the list's order.
+    """
+
+    view: str
+    list_view: str
+    start: int = 0
+    stop: int = -1
+
+
+ViewRead = ListRange | HashGetAll | HashGet | HashGetListed
+ViewResult = list[ViewEntry] | dict[str, ViewEntry]
+
+
+class ViewSnapshot(msgspec.Struct, frozen=True):
+    """View reads taken atomically, with the thread's version at that moment."""
+
+    version: int
+    results: list[ViewResult]
+
+
+def decode_view_result(thread_id: str, read: ViewRead, raw: list[bytes]) -> ViewResult:
+    try:
+        if isinstance(read, ListRange):
+            return [unstamp_list_value(v) for v in raw]
+        it = iter(raw)
+        return {f.decode("utf-8"): unstamp_hash_value(v) for f, v in zip(it, it, strict=True)}
+    except ValueError as exc:
+        raise OperationalError(
+            f"thread {thread_id!r}: view {read.view!r} holds an unstamped value ({exc}); "
+            "run rebuild"
+        ) from exc

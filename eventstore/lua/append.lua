@@ -1,0 +1,135 @@
+--[[ threadlog append: one atomic step for one append to one thread.
+
+KEYS[1] log stream     KEYS[2] meta hash      KEYS[3] idempotency ledger
+KEYS[4] feed stream    KEYS[5] thread index   KEYS[6..] view keys named by the ops
+
+ARGV[1] thread id
+ARGV[2] expected version: "any" | "no_thread" | "exists" | decimal exact version
+ARGV[3] idempotency key          ARGV[4] request digest
+ARGV[5] N events                 ARGV[6] M view ops
+ARGV[7 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
+then per op: opcode, view key index (into KEYS), operands:
+  "lp" key event n v1..vn      push stamped values to a list
+  "lr" key event n v1..vn      replace a list with stamped values
+  "lo" key count               pop values from the end of a list
+  "hs" key field value event expected    set a hash field, bump its version
+  "hd" key field expected                delete a hash field
+  "vc" key                               delete a view
+
+Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
+      | {"reused"} | {"view", key index, field, expected, actual}
+Every check runs before the first write: Redis does not roll a script back.
+]]
+
+local log, meta, ledger, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local thread, expected, ikey, rdigest = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local n_events, n_ops = tonumber(ARGV[5]), tonumber(ARGV[6])
+
+-- 1. idempotency: a known key returns the original result and writes nothing
+local prior = redis.call('HGET', ledger, ikey)
+if prior then
+  local first, last, digest = string.match(prior, '^(%d+) (%d+) (%x*)$')
+  if digest ~= rdigest then return {'reused'} end
+  return {'dup', tonumber(first), tonumber(last)}
+end
+
+-- 2. expected version
+local state = redis.call('HMGET', meta, 'v', 'h', 's')
+local version = tonumber(state[1] or '0')
+if expected == 'no_thread' then
+  if version ~= 0 then return {'conflict', version} end
+elseif expected == 'exists' then
+  if version == 0 then return {'conflict', version} end
+elseif expected ~= 'any' then
+  if version ~= tonumber(expected) then return {'conflict', version} end
+end
+
+-- 3. parse ops and check their guards
+local ops = {}
+local pos = 7 + 5 * n_events
+local function field_version(key, field)
+  local cur = redis.call('HGET', key, field)
+  if not cur then return 0 end
+  return tonumber(string.match(cur, '^(%d+):')) or 0
+end
+for o = 1, n_ops do
+  local code, k = ARGV[pos], tonumber(ARGV[pos + 1])
+  local op = {code = code, key = KEYS[k], k = k}
+  if code == 'lp' or code == 'lr' then
+    op.event = tonumber(ARGV[pos + 2])
+    local n = tonumber(ARGV[pos + 3])
+    op.first = pos + 4
+    op.n = n
+    pos = pos + 4 + n
+  elseif code == 'lo' then
+    op.count = tonumber(ARGV[pos + 2])
+    pos = pos + 3
+  elseif code == 'hs' then
+    op.field, op.value, op.event, op.expected =
+      ARGV[pos + 2], ARGV[pos + 3], tonumber(ARGV[pos + 4]), ARGV[pos + 5]
+    pos = pos + 6
+  elseif code == 'hd' then
+    op.field, op.expected = ARGV[pos + 2], ARGV[pos + 3]
+    pos = pos + 4
+  elseif code == 'vc' then
+    pos = pos + 2
+  else
+    return redis.error_reply('ERR threadlog: unknown view op ' .. tostring(code))
+  end
+  if (code == 'hs' or code == 'hd') and op.expected ~= '' then
+    local actual = field_version(op.key, op.field)
+    if actual ~= tonumber(op.expected) then
+      return {'view', k, op.field, tonumber(op.expected), actual}
+    end
+  end
+  ops[o] = op
+end
+
+-- 4. writes: events first (the first XADD is the first write of the script)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local last_time = tonumber(state[3] or '0')
+if now < last_time then now = last_time end  -- time never runs backwards within a thread
+local prev = state[2] or ''
+local a = 7
+for e = 1, n_events do
+  local seq = version + e
+  prev = string.sub(redis.sha1hex(prev .. '|' .. seq .. '|' .. now .. '|' .. ARGV[a + 4]), 1, 32)
+  redis.call('XADD', log, seq .. '-0',
+    'i', ARGV[a], 'v', ARGV[a + 1], 's', now, 'd', ARGV[a + 2], 'm', ARGV[a + 3], 'h', prev)
+  a = a + 5
+end
+local first, last = version + 1, version + n_events
+
+for _, op in ipairs(ops) do
+  local code = op.code
+  if code == 'lp' or code == 'lr' then
+    if code == 'lr' then redis.call('DEL', op.key) end
+    local stamp = (version + 1 + op.event) .. ':'
+    local batch = {}
+    for i = 0, op.n - 1 do
+      batch[#batch + 1] = stamp .. ARGV[op.first + i]
+      if #batch == 1000 then
+        redis.call('RPUSH', op.key, unpack(batch))
+        batch = {}
+      end
+    end
+    if #batch > 0 then redis.call('RPUSH', op.key, unpack(batch)) end
+  elseif code == 'lo' then
+    redis.call('RPOP', op.key, op.count)
+  elseif code == 'hs' then
+    local v = field_version(op.key, op.field) + 1
+    redis.call('HSET', op.key, op.field, v .. ':' .. (version + 1 + op.event) .. ':' .. op.value)
+  elseif code == 'hd' then
+    redis.call('HDEL', op.key, op.field)
+  elseif code == 'vc' then
+    redis.call('DEL', op.key)
+  end
+end
+
+if version == 0 then redis.call('HSET', meta, 'c', now) end
+redis.call('HSET', meta, 'v', last, 'h', prev, 's', now)
+redis.call('HSET', ledger, ikey, first .. ' ' .. last .. ' ' .. rdigest)
+redis.call('XADD', feed, '*', 't', thread, 'f', first, 'l', last)
+redis.call('ZADD', index, now, thread)
+return {'ok', first, last, now}

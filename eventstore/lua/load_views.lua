@@ -1,0 +1,39 @@
+--[[ threadlog load_views: replace views with pre-stamped contents, if the thread is unchanged.
+
+KEYS[1] meta hash      KEYS[2..] view keys named by the ops
+ARGV[1] expected version (the version the caller folded the log up to)
+ARGV[2] M ops, then per op: opcode, key index, operands:
+  "ll" key n v1..vn          replace a list with stamped values
+  "hl" key n f1 v1..fn vn    replace a hash with stamped fields
+  "vc" key                   delete a view
+
+Returns {"ok"} | {"conflict", actual}
+]]
+
+local version = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+if version ~= tonumber(ARGV[1]) then return {'conflict', version} end
+local pos = 3
+for o = 1, tonumber(ARGV[2]) do
+  local code, key = ARGV[pos], KEYS[tonumber(ARGV[pos + 1])]
+  redis.call('DEL', key)
+  if code == 'll' or code == 'hl' then
+    local n = tonumber(ARGV[pos + 2])
+    local width = (code == 'll') and 1 or 2
+    local cmd = (code == 'll') and 'RPUSH' or 'HSET'
+    local batch = {}
+    for i = 0, n * width - 1 do
+      batch[#batch + 1] = ARGV[pos + 3 + i]
+      if #batch >= 1000 then
+        redis.call(cmd, key, unpack(batch))
+        batch = {}
+      end
+    end
+    if #batch > 0 then redis.call(cmd, key, unpack(batch)) end
+    pos = pos + 3 + n * width
+  elseif code == 'vc' then
+    pos = pos + 2
+  else
+    return redis.error_reply('ERR threadlog: unknown load op ' .. tostring(code))
+  end
+end
+return {'ok'}

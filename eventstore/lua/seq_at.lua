@@ -1,0 +1,28 @@
+#!lua flags=no-writes
+--[[ threadlog seq_at: the seq of the last event recorded at or before a time.
+
+KEYS[1] log stream     KEYS[2] meta hash
+ARGV[1] time in ms
+
+Times are non-decreasing along a thread, so a binary search over seq finds the answer in
+O(log n) XRANGE lookups inside one round trip. Returns 0 when no event is that old.
+]]
+
+local target = tonumber(ARGV[1])
+local hi = tonumber(redis.call('HGET', KEYS[2], 'v') or '0')
+local lo = 0  -- invariant: time(lo) <= target (seq 0 stands for "before everything")
+local function time_at(seq)
+  local entries = redis.call('XRANGE', KEYS[1], seq .. '-0', '+', 'COUNT', 1)
+  if #entries == 0 then return nil end
+  local fields = entries[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 's' then return tonumber(fields[i + 1]) end
+  end
+  return nil
+end
+while lo < hi do
+  local mid = math.floor((lo + hi + 1) / 2)
+  local t = time_at(mid)
+  if t ~= nil and t <= target then lo = mid else hi = mid - 1 end
+end
+return lo
