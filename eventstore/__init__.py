@@ -173,5 +173,6 @@ __all__ = [
     "stop_embedded",
     "validate_namespace",
     "validate_thread_id",
+    "translate_redis_error",
     "validate_view_name",
 ]

@@ -20,19 +20,19 @@ class _Part(
     provider_options: dict[str, Any] | None = None
 
 
-class TextPart(_Part, tag="text"):
+class TextPart(_Part, tag="text", frozen=True):
     """Plain text content."""
 
     text: str
 
 
-class ReasoningPart(_Part, tag="reasoning"):
+class ReasoningPart(_Part, tag="reasoning", frozen=True):
     """Model reasoning text."""
 
     text: str
 
 
-class ToolCallPart(_Part, tag="tool-call"):
+class ToolCallPart(_Part, tag="tool-call", frozen=True):
     """A tool call issued by the model."""
 
     tool_call_id: str
@@ -40,7 +40,7 @@ class ToolCallPart(_Part, tag="tool-call"):
     input: Any = None
 
 
-class ToolResultPart(_Part, tag="tool-result"):
+class ToolResultPart(_Part, tag="tool-result", frozen=True):
     """The result of a tool call."""
 
     tool_call_id: str
@@ -49,7 +49,7 @@ class ToolResultPart(_Part, tag="tool-result"):
     is_error: bool = False
 
 
-class FilePart(_Part, tag="file"):
+class FilePart(_Part, tag="file", frozen=True):
     """A file, by reference (URL) or inline (base64 data)."""
 
     media_type: str
@@ -58,7 +58,7 @@ class FilePart(_Part, tag="file"):
     filename: str | None = None
 
 
-class ImagePart(_Part, tag="image"):
+class ImagePart(_Part, tag="image", frozen=True):
     """An image, by reference (URL) or inline (base64 data)."""
 
     image: str
@@ -146,7 +146,7 @@ class TurnError(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 @register_event
-class MessageAppended(Event, tag="message.appended"):
+class MessageAppended(Event, tag="message.appended", frozen=True):
     """A conversation message was stored (a user request at admission, or an assistant reply)."""
 
     message: Message
@@ -154,7 +154,7 @@ class MessageAppended(Event, tag="message.appended"):
 
 
 @register_event
-class StateUpdated(Event, tag="state.updated"):
+class StateUpdated(Event, tag="state.updated", frozen=True):
     """A state block was set to a new value (validated by the runtime before recording)."""
 
     block: str
@@ -163,7 +163,7 @@ class StateUpdated(Event, tag="state.updated"):
 
 
 @register_event
-class TurnOpened(Event, tag="turn.opened"):
+class TurnOpened(Event, tag="turn.opened", frozen=True):
     """A turn was admitted; root turns have no parent."""
 
     turn_id: str
@@ -172,7 +172,7 @@ class TurnOpened(Event, tag="turn.opened"):
 
 
 @register_event
-class TurnSettled(Event, tag="turn.settled"):
+class TurnSettled(Event, tag="turn.settled", frozen=True):
     """A turn settled, whatever its outcome; this is the turn record."""
 
     turn_id: str
@@ -188,14 +188,14 @@ class TurnSettled(Event, tag="turn.settled"):
 
 
 @register_event
-class TranscriptAppended(Event, tag="transcript.appended"):
+class TranscriptAppended(Event, tag="transcript.appended", frozen=True):
     """Messages were added to the end of the session transcript."""
 
     messages: list[Message]
 
 
 @register_event
-class TranscriptReplaced(Event, tag="transcript.replaced"):
+class TranscriptReplaced(Event, tag="transcript.replaced", frozen=True):
     """The session transcript was swapped (after compaction); the log keeps the earlier one."""
 
     messages: list[Message]

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from ulid import ULID
 
+from ._contract import ExpectedVersion, StreamState
 from ._errors import (
     CorruptEventError,
     EventTooLargeError,
@@ -27,7 +28,6 @@ from ._errors import (
     UnknownEventTypeError,
 )
 from ._events import Event, EventMeta, EventRegistry, NewEvent, RecordedEvent, as_new_event
-from ._contract import ExpectedVersion, StreamState
 from ._ids import validate_thread_id
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
@@ -209,9 +209,7 @@ def decode_entry(
     )
 
 
-def entry_digest(
-    thread_id: str, fields: dict[bytes, bytes], secret: bytes | None
-) -> str | None:
+def entry_digest(thread_id: str, fields: dict[bytes, bytes], secret: bytes | None) -> str | None:
     """Recompute ``c`` from a stored entry, or None when the entry lacks the fields."""
     try:
         return content_digest(

@@ -1,4 +1,4 @@
-"""Settings built from a URL, `connect()`, and the embedded private redis-server under ./.threadlog/."""
+"""Settings from a URL, `connect()`, and the embedded private redis-server in ./.threadlog/."""
 
 from __future__ import annotations
 
@@ -140,7 +140,9 @@ async def connect(
     return await open_store(settings, registry=registry)
 
 
-async def open_store(settings: StoreSettings, *, registry: EventRegistry | None = None) -> EventStore:
+async def open_store(
+    settings: StoreSettings, *, registry: EventRegistry | None = None
+) -> EventStore:
     """Open the store ``settings`` describe."""
     parts = urlsplit(settings.url)
     if parts.scheme == "memory":

@@ -1,4 +1,4 @@
-"""The exception hierarchy: one root, a conflict branch, an input branch and an operational branch."""
+"""The exception hierarchy: one root with conflict, input and operational branches."""
 
 from __future__ import annotations
 
@@ -48,9 +48,7 @@ class IdempotencyKeyReusedError(ConflictError):
 class ViewConflictError(ConflictError):
     """Raised when a guarded view operation finds a different version than the caller expected."""
 
-    def __init__(
-        self, thread_id: str, view: str, field: str, expected: int, actual: int
-    ) -> None:
+    def __init__(self, thread_id: str, view: str, field: str, expected: int, actual: int) -> None:
         self.thread_id = thread_id
         self.view = view
         self.field = field

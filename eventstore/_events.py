@@ -1,4 +1,4 @@
-"""Events: the payload base class, the registry of stable type tags and schema versions, the envelopes."""
+"""Events: the payload base class, the registry of tags and schema versions, the envelopes."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class EventRegistry:
         if not isinstance(tag, str) or _TAG_RE.fullmatch(tag) is None:
             raise InvalidInputError(
                 f"{cls.__name__} needs an explicit dotted tag, e.g. "
-                f"class {cls.__name__}(Event, tag=\"myapp.something_happened\")"
+                f'class {cls.__name__}(Event, tag="myapp.something_happened")'
             )
         if version < 1:
             raise InvalidInputError(f"{cls.__name__}: version must be >= 1")
@@ -218,9 +218,13 @@ class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
     causation_id: str | None = None
 
 
-class EventMeta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename={
-    "turn_id": "t", "correlation_id": "c", "causation_id": "k"
-}):
+class EventMeta(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    omit_defaults=True,
+    rename={"turn_id": "t", "correlation_id": "c", "causation_id": "k"},
+):
     """Envelope fields stored beside the payload (short names: they are stored per event)."""
 
     turn_id: str | None = None

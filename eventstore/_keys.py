@@ -32,7 +32,7 @@ def acl_key_pattern(namespace: str) -> str:
 class KeyLayout:
     """Builds the key names of one namespace with a fixed number of partitions."""
 
-    __slots__ = ("namespace", "partitions", "_tags")
+    __slots__ = ("_tags", "namespace", "partitions")
 
     def __init__(self, namespace: str, partitions: int = DEFAULT_PARTITIONS) -> None:
         self.namespace = validate_namespace(namespace)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import anyio.lowlevel
 
@@ -63,18 +64,35 @@ from ._views import (
 READ_BATCH = 512
 
 
+_MAX_ID_PART = 2**64 - 1
+
+
 @dataclass
 class _Thread:
+    # Mirrors a Redis stream: entry ids (ms, seq parts) in order, with their fields. The
+    # version lives apart from the entries, as in the Redis meta hash, so that damage written
+    # straight into the log behaves the same on both backends.
+    ids: list[tuple[int, int]] = field(default_factory=list)
     entries: list[dict[bytes, bytes]] = field(default_factory=list)
     times: list[int] = field(default_factory=list)
+    version: int = 0
     head: str = ""
     created_ms: int = 0
     ledger: dict[str, tuple[int, int, str]] = field(default_factory=dict)
     views: dict[str, list[bytes] | dict[str, bytes]] = field(default_factory=dict)
 
-    @property
-    def version(self) -> int:
-        return len(self.entries)
+    def span(self, lo: int, hi: int | None) -> range:
+        """Indexes of entries with ids in ``lo-0 .. hi-max`` (all after ``lo`` when hi is None)."""
+        first = bisect.bisect_left(self.ids, (lo, 0))
+        last = len(self.ids) if hi is None else bisect.bisect_right(self.ids, (hi, _MAX_ID_PART))
+        return range(first, max(first, last))
+
+    def raw_xadd(self, entry_id: tuple[int, int], fields: dict[bytes, bytes]) -> None:
+        """Insert an entry as XADD with an explicit id would (ids must increase)."""
+        if self.ids and entry_id <= self.ids[-1]:
+            raise ValueError("entry id is not greater than the stream's top item")
+        self.ids.append(entry_id)
+        self.entries.append(fields)
 
 
 @dataclass
@@ -88,7 +106,7 @@ class _Namespace:
 class MemoryServer:
     """The shared state behind `MemoryEventStore`s: stores on one server see each other's writes."""
 
-    _named: dict[str, MemoryServer] = {}
+    _named: ClassVar[dict[str, MemoryServer]] = {}
     _named_lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -212,7 +230,7 @@ class MemoryEventStore(EventStore):
         for i, e in enumerate(encoded):
             seq = version + 1 + i
             prev = chain_link(prev, seq, now, e.digest)
-            thread.entries.append(entry_fields(e, now, prev))
+            thread.raw_xadd((seq, 0), entry_fields(e, now, prev))
             thread.times.append(now)
         first, last = version + 1, version + len(encoded)
         for op in ops:
@@ -220,6 +238,7 @@ class MemoryEventStore(EventStore):
         if version == 0:
             thread.created_ms = now
             self._ns.threads[thread_id] = thread
+        thread.version = last
         thread.head = prev
         thread.ledger[ikey] = (first, last, rdigest)
         p = partition_of(thread_id, self.partitions)
@@ -254,9 +273,8 @@ class MemoryEventStore(EventStore):
         elif isinstance(op, ViewClear):
             views.pop(op.view, None)
         # Redis deletes a key whose list or hash becomes empty; mirror it.
-        if isinstance(op, ListPush | ListReset | ListPop | HashSet | HashDelete):
-            if not views.get(op.view):
-                views.pop(op.view, None)
+        if not views.get(op.view):
+            views.pop(op.view, None)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -270,10 +288,8 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         if thread is None:
             return []
-        lo = max(start, 1)
-        hi = thread.version if stop is None else min(stop, thread.version)
-        hi = min(hi, lo + count - 1)
-        return [(b"%d-0" % s, dict(thread.entries[s - 1])) for s in range(lo, hi + 1)]
+        span = thread.span(max(start, 1), stop)[:count]
+        return [(_entry_id(thread.ids[i]), dict(thread.entries[i])) for i in span]
 
     async def read(
         self,
@@ -287,15 +303,17 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         if thread is None:
             return
-        lo = max(start, 1)
-        hi = thread.version if stop is None else min(stop, thread.version)
-        seqs = range(hi, lo - 1, -1) if backwards else range(lo, hi + 1)
+        span = thread.span(max(start, 1), stop)
+        if backwards:
+            span = span[::-1]
         if limit is not None:
-            seqs = seqs[: max(limit, 0)]
-        for n, seq in enumerate(seqs):
+            span = span[: max(limit, 0)]
+        for n, i in enumerate(span):
             if n and n % READ_BATCH == 0:
                 await anyio.lowlevel.checkpoint()
-            yield decode_entry(thread_id, b"%d-0" % seq, thread.entries[seq - 1], self.registry)
+            yield decode_entry(
+                thread_id, _entry_id(thread.ids[i]), thread.entries[i], self.registry
+            )
 
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
         thread = self._thread(thread_id)
@@ -370,6 +388,10 @@ class MemoryEventStore(EventStore):
 
     async def close(self) -> None:
         self._closed = True
+
+
+def _entry_id(parts: tuple[int, int]) -> bytes:
+    return b"%d-%d" % parts
 
 
 def _lrange(values: list[bytes], start: int, stop: int) -> list[bytes]:

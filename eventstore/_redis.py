@@ -1,4 +1,4 @@
-"""`RedisEventStore`: the event log on Redis Streams (standalone, Sentinel-less replicas, Cluster)."""
+"""`RedisEventStore`: the event log on Redis Streams, standalone or Redis Cluster."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from ._contract import (
     AppendResult,
     EventStore,
     ExpectedVersion,
-    StreamState,
     ThreadInfo,
 )
 from ._errors import (

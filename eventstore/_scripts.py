@@ -17,7 +17,7 @@ class Script:
     action cannot have happened on a NOSCRIPT reply, so the repeat is safe.
     """
 
-    __slots__ = ("name", "source", "sha")
+    __slots__ = ("name", "sha", "source")
 
     def __init__(self, name: str, source: str) -> None:
         self.name = name

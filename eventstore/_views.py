@@ -138,7 +138,7 @@ def check_ops(ops: tuple[ViewOp, ...] | list[ViewOp], n_events: int, *, in_appen
         elif isinstance(op, HashSet | HashDelete) and op.expected_version is not None:
             if op.expected_version < 0:
                 raise InvalidInputError("expected_version must be >= 0")
-        elif not isinstance(op, ViewOp):  # type: ignore[misc, arg-type]
+        elif not isinstance(op, ViewOp):
             raise InvalidInputError(f"not a view op: {op!r}")
 
 

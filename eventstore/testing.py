@@ -1,0 +1,632 @@
+"""The conformance suite every `EventStore` backend passes, shipped for outside backends too.
+
+Subclass `EventStoreConformance` in a test module, implement `make_store` (and the two
+backend hooks if the backend can do them), and every inherited test runs against the backend::
+
+    class TestMyBackend(EventStoreConformance):
+        async def make_store(self, namespace, **options):
+            return MyEventStore(namespace=namespace, **options)
+
+Requires pytest and the anyio pytest plugin.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import anyio
+import msgspec
+import pytest
+
+from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
+from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion
+from ._errors import (
+    ConcurrencyError,
+    CorruptEventError,
+    EventTooLargeError,
+    EventValidationError,
+    IdempotencyKeyReusedError,
+    InvalidInputError,
+    InvalidThreadIdError,
+    StoreClosedError,
+    UnknownEventTypeError,
+    ViewConflictError,
+)
+from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event
+from ._events import registry as default_registry
+from ._views import (
+    HashDelete,
+    HashGet,
+    HashGetAll,
+    HashGetListed,
+    HashLoad,
+    HashSet,
+    ListLoad,
+    ListPop,
+    ListPush,
+    ListRange,
+    ListReset,
+    ViewClear,
+    ViewEntry,
+    ViewOp,
+)
+
+__all__ = ["EventStoreConformance", "msg", "read_all"]
+
+
+def msg(text: str, role: str = "user") -> MessageAppended:
+    """A message event with ``text``."""
+    return MessageAppended(message=Message(role=role, content=text))  # type: ignore[arg-type]
+
+
+async def read_all(store: EventStore, thread_id: str, **kwargs: Any) -> list[RecordedEvent]:
+    """Every event ``store.read`` yields, as a list."""
+    return [e async for e in store.read(thread_id, **kwargs)]
+
+
+def _texts(events: list[RecordedEvent]) -> list[str]:
+    out = []
+    for e in events:
+        assert isinstance(e.payload, MessageAppended)
+        out.append(e.payload.message.text)
+    return out
+
+
+class _Unregistered(Event, tag="testing.unregistered", frozen=True):
+    """A payload type nobody registered."""
+
+    x: int = 0
+
+
+class EventStoreConformance:
+    """Behaviour every backend shares. Subclasses implement `make_store` and, if they can, the
+    hooks `flush_scripts` and `write_raw_entry`."""
+
+    pytestmark: ClassVar[Any] = pytest.mark.anyio
+    supports_raw_writes: ClassVar[bool] = True
+
+    async def make_store(self, namespace: str, **options: Any) -> EventStore:
+        """Open a store of this backend on ``namespace``; ``options`` go to the constructor."""
+        raise NotImplementedError
+
+    async def flush_scripts(self, store: EventStore) -> None:
+        """Make the server forget its cached scripts (Redis: ``SCRIPT FLUSH``)."""
+
+    async def write_raw_entry(
+        self, store: EventStore, thread_id: str, entry_id: str, fields: dict[bytes, bytes]
+    ) -> None:
+        """Write a stream entry straight into the thread's log, bypassing every check."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[EventStore]:
+        store = await self.make_store("c" + uuid.uuid4().hex[:12])
+        try:
+            yield store
+        finally:
+            await store.close()
+
+    # -- ordering and positions ----------------------------------------------------------------
+
+    async def test_append_returns_first_and_last_seq(self, store: EventStore) -> None:
+        r1 = await store.append("t", [msg("a")])
+        r2 = await store.append("t", [msg("b"), msg("c"), msg("d")])
+        assert (r1.first_seq, r1.last_seq) == (1, 1)
+        assert (r2.first_seq, r2.last_seq, r2.version) == (2, 4, 4)
+        assert not r1.duplicate and not r2.duplicate
+        assert await store.version("t") == 4
+
+    async def test_events_read_back_in_order_with_contiguous_seq(self, store: EventStore) -> None:
+        for i in range(0, 30, 3):
+            await store.append("t", [msg(str(i)), msg(str(i + 1)), msg(str(i + 2))])
+        events = await read_all(store, "t")
+        assert [e.seq for e in events] == list(range(1, 31))
+        assert _texts(events) == [str(i) for i in range(30)]
+        assert all(e.thread_id == "t" for e in events)
+
+    async def test_envelope_fields_round_trip(self, store: EventStore) -> None:
+        new = NewEvent(
+            payload=msg("hello"), turn_id="turn-1", correlation_id="corr", causation_id="cause"
+        )
+        await store.append("t", [new])
+        (event,) = await read_all(store, "t")
+        assert event.id == new.id
+        assert event.payload == new.payload
+        assert (event.turn_id, event.correlation_id, event.causation_id) == (
+            "turn-1",
+            "corr",
+            "cause",
+        )
+        assert event.type == "message.appended"
+        assert event.schema_version == 1
+        assert event.time_ms > 1_600_000_000_000
+        assert len(event.chain) == 32
+
+    async def test_times_never_decrease_within_a_thread(self, store: EventStore) -> None:
+        for i in range(20):
+            await store.append("t", [msg(str(i))])
+        times = [e.time_ms for e in await read_all(store, "t")]
+        assert times == sorted(times)
+
+    async def test_threads_are_independent(self, store: EventStore) -> None:
+        await store.append("a", [msg("a1"), msg("a2")])
+        await store.append("b", [msg("b1")])
+        assert _texts(await read_all(store, "a")) == ["a1", "a2"]
+        assert _texts(await read_all(store, "b")) == ["b1"]
+        assert await store.version("missing") == 0
+        assert await read_all(store, "missing") == []
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def test_read_ranges_forwards_and_backwards(self, store: EventStore) -> None:
+        await store.append("t", [msg(str(i)) for i in range(1, 1201)])
+        assert [e.seq for e in await read_all(store, "t", start=5, stop=9)] == [5, 6, 7, 8, 9]
+        assert [e.seq for e in await read_all(store, "t", start=1195)] == list(range(1195, 1201))
+        back = await read_all(store, "t", backwards=True)
+        assert [e.seq for e in back] == list(range(1200, 0, -1))
+        back_range = await read_all(store, "t", start=3, stop=7, backwards=True)
+        assert [e.seq for e in back_range] == [7, 6, 5, 4, 3]
+        limited = await read_all(store, "t", start=10, limit=700)
+        assert [e.seq for e in limited] == list(range(10, 710))
+        back_limited = await read_all(store, "t", backwards=True, limit=3)
+        assert [e.seq for e in back_limited] == [1200, 1199, 1198]
+        assert await read_all(store, "t", start=1201) == []
+        assert await read_all(store, "t", start=8, stop=7) == []
+
+    async def test_read_by_time(self, store: EventStore) -> None:
+        await store.append("t", [msg("early")])
+        await anyio.sleep(0.02)
+        await store.append("t", [msg("middle-1"), msg("middle-2")])
+        await anyio.sleep(0.02)
+        await store.append("t", [msg("late")])
+        events = await read_all(store, "t")
+        t_mid = events[1].time_ms
+        assert events[0].time_ms < t_mid < events[3].time_ms
+        assert await store.seq_at("t", events[0].time_ms - 1) == 0
+        assert await store.seq_at("t", t_mid) == 3
+        assert await store.seq_at("t", events[3].time_ms + 10_000) == 4
+        between = [e async for e in store.read_between("t", t_mid, t_mid)]
+        assert _texts(between) == ["middle-1", "middle-2"]
+        since = [e async for e in store.read_between("t", since=events[1].time)]
+        assert _texts(since) == ["middle-1", "middle-2", "late"]
+        until_back = [e async for e in store.read_between("t", until=t_mid, backwards=True)]
+        assert _texts(until_back) == ["middle-2", "middle-1", "early"]
+        assert await store.seq_at("missing", 10**15) == 0
+
+    # -- expected versions ---------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("prefill", "expected", "ok"),
+        [
+            (0, ANY, True),
+            (2, ANY, True),
+            (0, NO_THREAD, True),
+            (2, NO_THREAD, False),
+            (0, EXISTS, False),
+            (2, EXISTS, True),
+            (0, 0, True),
+            (2, 2, True),
+            (2, 1, False),
+            (2, 3, False),
+            (0, 1, False),
+        ],
+    )
+    async def test_expected_version(
+        self, store: EventStore, prefill: int, expected: ExpectedVersion, ok: bool
+    ) -> None:
+        if prefill:
+            await store.append("t", [msg(str(i)) for i in range(prefill)])
+        if ok:
+            result = await store.append("t", [msg("x")], expected_version=expected)
+            assert result.first_seq == prefill + 1
+        else:
+            with pytest.raises(ConcurrencyError) as info:
+                await store.append("t", [msg("x")], expected_version=expected)
+            assert info.value.expected == expected
+            assert info.value.actual == prefill
+            assert info.value.thread_id == "t"
+            assert await store.version("t") == prefill
+
+    @pytest.mark.parametrize("bad", [-1, "3", 1.5, True, None])
+    async def test_malformed_expected_version_is_rejected(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [msg("x")], expected_version=bad)
+        assert await store.version("t") == 0
+
+    # -- atomicity ------------------------------------------------------------------------------
+
+    async def test_refused_multi_event_append_writes_nothing(self, store: EventStore) -> None:
+        await store.append(
+            "t", [msg("a")], view_ops=[ListPush("messages", (b"a",)), HashSet("s", "f", b"1")]
+        )
+        before = await store.read_views("t", [ListRange("messages"), HashGetAll("s")])
+        threads_before = await store.threads()
+        with pytest.raises(ConcurrencyError):
+            await store.append(
+                "t",
+                [msg("b"), msg("c")],
+                expected_version=0,
+                idempotency_key="r",
+                view_ops=[ListPush("messages", (b"b", b"c"))],
+            )
+        with pytest.raises(ViewConflictError) as info:
+            await store.append(
+                "t",
+                [msg("b"), msg("c")],
+                idempotency_key="r",
+                view_ops=[ListPush("messages", (b"b", b"c")), HashSet("s", "f", b"2", 1, 0)],
+            )
+        assert (info.value.view, info.value.field) == ("s", "f")
+        assert (info.value.expected, info.value.actual) == (0, 1)
+        assert _texts(await read_all(store, "t")) == ["a"]
+        assert await store.read_views("t", [ListRange("messages"), HashGetAll("s")]) == before
+        assert await store.threads() == threads_before
+        # The refused requests did not burn their idempotency keys.
+        result = await store.append(
+            "t", [msg("b"), msg("c")], idempotency_key="r", view_ops=[ListPush("m", (b"x",))]
+        )
+        assert (result.first_seq, result.last_seq, result.duplicate) == (2, 3, False)
+
+    # -- idempotency ---------------------------------------------------------------------------
+
+    async def test_retry_with_same_key_returns_original_and_writes_nothing(
+        self, store: EventStore
+    ) -> None:
+        first = await store.append(
+            "t", [msg("a"), msg("b")], idempotency_key="req-1", view_ops=[ListPush("m", (b"a",))]
+        )
+        await store.append("t", [msg("c")])
+        again = await store.append(
+            "t", [msg("a"), msg("b")], idempotency_key="req-1", view_ops=[ListPush("m", (b"a",))]
+        )
+        assert again == first
+        assert again.duplicate and not first.duplicate
+        assert await store.version("t") == 3
+        snap = await store.read_views("t", [ListRange("m")])
+        assert [e.value for e in snap.results[0]] == [b"a"]  # type: ignore[union-attr]
+
+    async def test_retry_of_same_event_objects_is_deduplicated_without_a_key(
+        self, store: EventStore
+    ) -> None:
+        events = [NewEvent(payload=msg("a")), NewEvent(payload=msg("b"))]
+        first = await store.append("t", events)
+        again = await store.append("t", events, expected_version=0)
+        assert again == first and again.duplicate
+        assert await store.version("t") == 2
+
+    async def test_retry_wins_over_a_now_stale_expected_version(self, store: EventStore) -> None:
+        first = await store.append("t", [msg("a")], expected_version=NO_THREAD, idempotency_key="k")
+        again = await store.append("t", [msg("a")], expected_version=NO_THREAD, idempotency_key="k")
+        assert again == first
+
+    async def test_reused_key_with_different_events_is_refused(self, store: EventStore) -> None:
+        await store.append("t", [msg("a")], idempotency_key="k")
+        with pytest.raises(IdempotencyKeyReusedError) as info:
+            await store.append("t", [msg("something else")], idempotency_key="k")
+        assert info.value.thread_id == "t"
+        assert await store.version("t") == 1
+
+    async def test_idempotency_keys_are_per_thread(self, store: EventStore) -> None:
+        a = await store.append("a", [msg("x")], idempotency_key="k")
+        b = await store.append("b", [msg("x")], idempotency_key="k")
+        assert not a.duplicate and not b.duplicate
+
+    async def test_ledger_outlives_any_time_window(self, store: EventStore) -> None:
+        first = await store.append("t", [msg("a")], idempotency_key="old")
+        for i in range(300):
+            await store.append("t", [msg(str(i))])
+        again = await store.append("t", [msg("a")], idempotency_key="old")
+        assert again == first and again.duplicate
+
+    # -- concurrency ---------------------------------------------------------------------------
+
+    async def test_concurrent_appenders_with_exact_versions(self, store: EventStore) -> None:
+        writers, per_writer = 16, 200
+        conflicts: list[ConcurrencyError] = []
+        written: list[tuple[int, int]] = []
+
+        async def writer(w: int) -> None:
+            done = 0
+            version = await store.version("t")
+            while done < per_writer:
+                try:
+                    result = await store.append("t", [msg(f"{w}:{done}")], expected_version=version)
+                except ConcurrencyError as exc:
+                    conflicts.append(exc)
+                    version = exc.actual
+                    continue
+                written.append((w, done))
+                version = result.last_seq
+                done += 1
+
+        async with anyio.create_task_group() as tg:
+            for w in range(writers):
+                tg.start_soon(writer, w)
+        total = writers * per_writer
+        events = await read_all(store, "t")
+        assert [e.seq for e in events] == list(range(1, total + 1))
+        texts = _texts(events)
+        assert len(set(texts)) == total
+        for w in range(writers):
+            mine = [int(t.split(":")[1]) for t in texts if t.split(":")[0] == str(w)]
+            assert mine == list(range(per_writer))  # each writer's events in its own order
+        assert len(written) == total
+        assert all(isinstance(c.actual, int) and c.actual > 0 for c in conflicts)
+        assert all(c.expected != c.actual for c in conflicts)
+
+    # -- views ---------------------------------------------------------------------------------
+
+    async def test_list_views_push_reset_pop(self, store: EventStore) -> None:
+        await store.append(
+            "t",
+            [msg("a"), msg("b")],
+            view_ops=[ListPush("l", (b"a",), 0), ListPush("l", (b"b",), 1)],
+        )
+        snap = await store.read_views("t", [ListRange("l")])
+        assert snap.version == 2
+        assert snap.results == [[ViewEntry(1, b"a"), ViewEntry(2, b"b")]]
+        await store.append("t", [msg("c")], view_ops=[ListPush("l", (b"c", b"d"))])
+        snap = await store.read_views("t", [ListRange("l", -2, -1), ListRange("l", 0, 0)])
+        assert snap.results == [[ViewEntry(3, b"c"), ViewEntry(3, b"d")], [ViewEntry(1, b"a")]]
+        await store.append("t", [msg("pop")], view_ops=[ListPop("l", 2)])
+        snap = await store.read_views("t", [ListRange("l")])
+        assert [e.value for e in snap.results[0]] == [b"a", b"b"]  # type: ignore[union-attr]
+        await store.append("t", [msg("reset")], view_ops=[ListReset("l", (b"z",))])
+        snap = await store.read_views("t", [ListRange("l"), ListRange("l", -6, -1)])
+        assert snap.results == [[ViewEntry(5, b"z")], [ViewEntry(5, b"z")]]
+        await store.append("t", [msg("clear")], view_ops=[ViewClear("l")])
+        assert (await store.read_views("t", [ListRange("l")])).results == [[]]
+
+    async def test_hash_views_versions_and_guards(self, store: EventStore) -> None:
+        await store.append("t", [msg("a")], view_ops=[HashSet("h", "x", b"1", 0, 0)])
+        await store.append(
+            "t", [msg("b")], view_ops=[HashSet("h", "x", b"2", 0, 1), HashSet("h", "y", b"9")]
+        )
+        snap = await store.read_views("t", [HashGetAll("h"), HashGet("h", ("y", "nope"))])
+        assert snap.results[0] == {"x": ViewEntry(2, b"2", 2), "y": ViewEntry(2, b"9", 1)}
+        assert snap.results[1] == {"y": ViewEntry(2, b"9", 1)}
+        with pytest.raises(ViewConflictError):
+            await store.append("t", [msg("c")], view_ops=[HashDelete("h", "x", 1)])
+        await store.append("t", [msg("c")], view_ops=[HashDelete("h", "x", 2)])
+        snap = await store.read_views("t", [HashGetAll("h")])
+        assert list(snap.results[0]) == ["y"]
+        assert snap.version == 3
+
+    async def test_hash_fields_listed_by_a_list_view(self, store: EventStore) -> None:
+        ops: list[ViewOp] = []
+        for i in range(5):
+            ops += [HashSet("rec", f"turn{i}", b"r%d" % i), ListPush("order", (b"turn%d" % i,))]
+        await store.append("t", [msg("x")], view_ops=ops)
+        snap = await store.read_views("t", [HashGetListed("rec", "order", -2, -1)])
+        assert list(snap.results[0]) == ["turn3", "turn4"]
+
+    async def test_view_reads_of_missing_thread_are_empty(self, store: EventStore) -> None:
+        snap = await store.read_views("nope", [ListRange("l"), HashGetAll("h")])
+        assert snap.version == 0 and snap.results == [[], {}]
+
+    async def test_load_views_only_at_the_expected_version(self, store: EventStore) -> None:
+        await store.append("t", [msg("a")], view_ops=[ListPush("l", (b"stale",))])
+        await store.load_views(
+            "t",
+            [ListLoad("l", (ViewEntry(1, b"fresh"),)), HashLoad("h", {"f": ViewEntry(1, b"v", 3)})],
+            expected_version=1,
+        )
+        snap = await store.read_views("t", [ListRange("l"), HashGetAll("h")])
+        assert snap.results == [[ViewEntry(1, b"fresh")], {"f": ViewEntry(1, b"v", 3)}]
+        with pytest.raises(ConcurrencyError):
+            await store.load_views("t", [ListLoad("l", ())], expected_version=0)
+        assert (await store.read_views("t", [ListRange("l")])).results[0] != []
+
+    async def test_view_op_referring_to_missing_event_is_rejected(self, store: EventStore) -> None:
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [msg("a")], view_ops=[ListPush("l", (b"x",), event=1)])
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [msg("a")], view_ops=[ListPush("bad:name", (b"x",))])
+        assert await store.version("t") == 0
+
+    # -- listing -------------------------------------------------------------------------------
+
+    async def test_threads_listed_by_recent_activity(self, store: EventStore) -> None:
+        for name in ("one", "two", "three"):
+            await store.append(name, [msg(name)])
+            await anyio.sleep(0.005)
+        await store.append("one", [msg("again")])
+        listed = await store.threads()
+        assert [t.thread_id for t in listed] == ["one", "three", "two"]
+        assert [t.thread_id for t in await store.threads(limit=2)] == ["one", "three"]
+        older = await store.threads(before_ms=listed[0].last_activity_ms)
+        assert [t.thread_id for t in older] == ["three", "two"]
+
+    # -- bad input -----------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "thread_id",
+        ["", "x" * 257, "é" * 129, "a\nb", "a\x00b", "tab\there", "{tag}", "a}b", 42, None],
+    )
+    async def test_invalid_thread_ids_are_rejected(self, store: EventStore, thread_id: Any) -> None:
+        with pytest.raises(InvalidThreadIdError):
+            await store.append(thread_id, [msg("x")])
+        with pytest.raises(InvalidThreadIdError):
+            await read_all(store, thread_id)
+        with pytest.raises(InvalidThreadIdError):
+            await store.version(thread_id)
+        assert await store.threads() == []
+
+    async def test_odd_but_valid_thread_ids(self, store: EventStore) -> None:
+        ids = ["x" * 256, "é" * 128, "a:log:b", "sp ace", "emoji-😀", "view:l:x"]
+        for t in ids:
+            await store.append(t, [msg(t)], view_ops=[ListPush("l", (t.encode(),))])
+        for t in ids:
+            assert _texts(await read_all(store, t)) == [t]
+            snap = await store.read_views(t, [ListRange("l")])
+            assert [e.value for e in snap.results[0]] == [t.encode()]  # type: ignore[union-attr]
+
+    async def test_oversized_event_is_rejected(self) -> None:
+        store = await self.make_store("c" + uuid.uuid4().hex[:12], max_event_bytes=2048)
+        try:
+            await store.append("t", [msg("x" * 1500)])
+            with pytest.raises(EventTooLargeError) as info:
+                await store.append("t", [msg("ok"), msg("x" * 3000)])
+            assert (info.value.index, info.value.limit) == (1, 2048)
+            assert await store.version("t") == 1
+        finally:
+            await store.close()
+
+    async def test_default_limit_is_one_mebibyte(self, store: EventStore) -> None:
+        await store.append("t", [msg("x" * (1024 * 1024 - 200))])
+        with pytest.raises(EventTooLargeError):
+            await store.append("t", [msg("x" * (1024 * 1024 + 1))])
+        assert await store.version("t") == 1
+
+    async def test_unknown_event_type_is_rejected(self, store: EventStore) -> None:
+        with pytest.raises(UnknownEventTypeError):
+            await store.append("t", [msg("fine"), _Unregistered(x=1)])
+        assert await store.version("t") == 0
+
+    async def test_payload_failing_validation_is_rejected(self, store: EventStore) -> None:
+        bad = StateUpdated(block=123, value=1)  # type: ignore[arg-type]
+        with pytest.raises(EventValidationError):
+            await store.append("t", [bad])
+        bad_role = MessageAppended(message=Message(role="robot", content="x"))  # type: ignore[arg-type]
+        with pytest.raises(EventValidationError):
+            await store.append("t", [bad_role])
+        assert await store.version("t") == 0
+
+    @pytest.mark.parametrize("events", [[], "text", [object()], msg("bare")])
+    async def test_malformed_event_lists_are_rejected(self, store: EventStore, events: Any) -> None:
+        with pytest.raises(InvalidInputError):
+            await store.append("t", events)
+        assert await store.version("t") == 0
+
+    async def test_bad_event_id_and_duplicate_ids_are_rejected(self, store: EventStore) -> None:
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [NewEvent(payload=msg("x"), id="not-a-ulid")])
+        same = NewEvent(payload=msg("x"))
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [same, same])
+        assert await store.version("t") == 0
+
+    async def test_undecodable_stored_entries_name_thread_and_seq(self, store: EventStore) -> None:
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("t", [msg("a"), msg("b")])
+        good = (await store.read_raw("t", start=1, stop=1))[0][1]
+        garbage: list[dict[bytes, bytes]] = [
+            {**good, b"d": b"\xc1not msgpack"},
+            {b"x": b"y"},
+            {**good, b"d": msgspec.msgpack.encode({"type": "nobody.knows"})},
+            {**good, b"v": b"abc"},
+            {**good, b"i": b"short"},
+            {**good, b"m": b"\xc1"},
+        ]
+        for n, fields in enumerate(garbage, start=3):
+            await self.write_raw_entry(store, "t", f"{n}-0", fields)
+        await self.write_raw_entry(store, "t", "99-5", good)
+        for seq in range(3, 3 + len(garbage)):
+            with pytest.raises(CorruptEventError) as info:
+                await read_all(store, "t", start=seq, stop=seq)
+            assert (info.value.thread_id, info.value.seq) == ("t", seq)
+            assert f"seq {seq}" in str(info.value)
+        with pytest.raises(CorruptEventError) as info:
+            await read_all(store, "t", start=99)
+        assert info.value.thread_id == "t"
+        # Reading stops at the damage, never skips it silently; the good prefix is readable.
+        assert _texts(await read_all(store, "t", stop=2)) == ["a", "b"]
+
+    # -- schema evolution ----------------------------------------------------------------------
+
+    async def test_upcasting_old_versions(self) -> None:
+        old_registry = EventRegistry()
+
+        class NoteV1(Event, tag="testing.note", frozen=True):
+            text: str
+
+        old_registry.register(NoteV1)
+        new_registry = EventRegistry()
+
+        class NoteV2(Event, tag="testing.note", frozen=True):
+            body: str
+            author: str = "unknown"
+
+        def v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+            return {"body": raw["text"], "author": "migrated"}
+
+        new_registry.register(NoteV2, version=2, upcasters={1: v1_to_v2})
+        ns = "c" + uuid.uuid4().hex[:12]
+        writer = await self.make_store(ns, registry=old_registry)
+        try:
+            await writer.append("t", [NoteV1(text="hello")])
+        finally:
+            await writer.close()
+        reader = await self.make_store(ns, registry=new_registry)
+        try:
+            await reader.append("t", [NoteV2(body="new", author="me")])
+            events = await read_all(reader, "t")
+        finally:
+            await reader.close()
+        assert [e.payload for e in events] == [
+            NoteV2(body="hello", author="migrated"),
+            NoteV2(body="new", author="me"),
+        ]
+        assert [e.schema_version for e in events] == [1, 2]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def test_scripts_reload_after_flush(self, store: EventStore) -> None:
+        await store.append("t", [msg("a")], view_ops=[ListPush("l", (b"a",))])
+        await self.flush_scripts(store)
+        await store.append("t", [msg("b")], view_ops=[ListPush("l", (b"b",))])
+        await self.flush_scripts(store)
+        snap = await store.read_views("t", [ListRange("l")])
+        assert [e.value for e in snap.results[0]] == [b"a", b"b"]  # type: ignore[union-attr]
+        await self.flush_scripts(store)
+        assert await store.seq_at("t", 10**15) == 2
+        await self.flush_scripts(store)
+        await store.load_views("t", [ListLoad("l", ())], expected_version=2)
+
+    async def test_closed_store_refuses_work(self) -> None:
+        store = await self.make_store("c" + uuid.uuid4().hex[:12])
+        async with store:
+            await store.append("t", [msg("a")])
+        with pytest.raises(StoreClosedError):
+            await store.append("t", [msg("b")])
+
+    async def test_registering_types(self) -> None:
+        reg = EventRegistry()
+        with pytest.raises(InvalidInputError):
+
+            class Untagged(Event, frozen=True):
+                x: int = 0
+
+            reg.register(Untagged)
+
+        class Custom(Event, tag="testing.custom", frozen=True):
+            n: int
+
+        register_event(Custom, into=reg)
+        with pytest.raises(InvalidInputError):
+
+            class Clash(Event, tag="testing.custom", frozen=True):
+                m: int
+
+            reg.register(Clash)
+        with pytest.raises(InvalidInputError):
+            reg.register(Custom, version=3, upcasters={1: lambda r: r})
+        store = await self.make_store("c" + uuid.uuid4().hex[:12], registry=reg)
+        try:
+            await store.append("t", [Custom(n=5)])
+            assert [e.payload for e in await read_all(store, "t")] == [Custom(n=5)]
+            with pytest.raises(UnknownEventTypeError):
+                await store.append("t", [msg("not in this registry")])
+        finally:
+            await store.close()
+        assert "message.appended" in default_registry
+
+    async def test_turn_events_round_trip(self, store: EventStore) -> None:
+        await store.append("t", [TurnOpened(turn_id="01TURN", parent_turn_id=None)])
+        (event,) = await read_all(store, "t")
+        assert event.payload == TurnOpened(turn_id="01TURN")
