@@ -147,7 +147,7 @@ class TurnError(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 @register_event
 class MessageAppended(Event, tag="message.appended", frozen=True):
-    """A conversation message was stored (a user request at admission, or an assistant reply)."""
+    """A conversation message was stored directly, outside the turn lifecycle."""
 
     message: Message
     turn_id: str | None = None
@@ -160,20 +160,31 @@ class StateUpdated(Event, tag="state.updated", frozen=True):
     block: str
     value: Any
     turn_id: str | None = None
+    # The block version the writer required (None: unconditional); kept for audit.
+    expected_version: int | None = None
 
 
 @register_event
 class TurnOpened(Event, tag="turn.opened", frozen=True):
-    """A turn was admitted; root turns have no parent."""
+    """A turn was admitted; root turns have no parent.
+
+    ``request`` is the user message a root turn was opened with; it joins the conversation at
+    admission, before context assembly. Child turns' requests stay in the log only.
+    """
 
     turn_id: str
     parent_turn_id: str | None = None
     grant: Grant | None = None
+    request: Message | None = None
 
 
 @register_event
 class TurnSettled(Event, tag="turn.settled", frozen=True):
-    """A turn settled, whatever its outcome; this is the turn record."""
+    """A turn settled, whatever its outcome; this is the turn record.
+
+    ``assistant_message`` joins the conversation only when a root turn settles ``completed``;
+    for any other outcome, or a child turn, it stays in the log for audit.
+    """
 
     turn_id: str
     outcome: Outcome
@@ -185,6 +196,7 @@ class TurnSettled(Event, tag="turn.settled", frozen=True):
     usage: Usage = msgspec.field(default_factory=Usage)
     timing: Timing = msgspec.field(default_factory=Timing)
     error: TurnError | None = None
+    assistant_message: Message | None = None
 
 
 @register_event

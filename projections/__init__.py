@@ -1,0 +1,38 @@
+"""threadlog's projections: pure folds over events, kept materialized by inline view ops.
+
+This package never imports redis; it talks to any `eventstore.EventStore`.
+"""
+
+from ._base import Projection, UnknownBlockError, UnknownReaderViewError
+from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage, conversation_message
+from ._projector import AsOf, CheckReport, Context, Difference, Folded, Progress, Projector
+from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
+from ._state import Block, ReaderView, StateProjection
+from ._transcript import TranscriptMessage, TranscriptProjection
+
+__all__ = [
+    "DEFAULT_WINDOW",
+    "Anomaly",
+    "AsOf",
+    "Block",
+    "CheckReport",
+    "Context",
+    "Difference",
+    "Folded",
+    "MessagesProjection",
+    "Progress",
+    "Projection",
+    "Projector",
+    "ReaderView",
+    "RecordsProjection",
+    "RecordsState",
+    "StateProjection",
+    "StoredMessage",
+    "TranscriptMessage",
+    "TranscriptProjection",
+    "TurnNode",
+    "TurnRecord",
+    "UnknownBlockError",
+    "UnknownReaderViewError",
+    "conversation_message",
+]

@@ -1,0 +1,91 @@
+"""The projection contract: a pure fold over events plus the view ops that keep its views in step.
+
+A projection never talks to Redis. It says three things about its read model:
+
+* ``apply(state, event)``: the fold, used for rebuilds, checks and time travel;
+* ``ops(events)``: the generic view ops an append of ``events`` must apply, computed from the
+  new events alone so the store can apply them atomically with the append;
+* ``materialize(state)``: the full contents of its views for a folded state (rebuilds), and
+  ``full_reads()``: the view reads that fetch those contents back (checks).
+
+The invariant every projection keeps: applying ``ops`` append by append produces exactly the
+views that ``materialize(fold(log))`` produces.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+
+from eventstore import (
+    Event,
+    InvalidInputError,
+    NewEvent,
+    OperationalError,
+    RecordedEvent,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+)
+
+S = TypeVar("S")
+
+encoder = msgspec.msgpack.Encoder()
+
+
+class UnknownReaderViewError(InvalidInputError):
+    """Raised when a state read names a reader view that was never defined."""
+
+
+class UnknownBlockError(InvalidInputError):
+    """Raised when a state update names a block outside the projection's declared blocks."""
+
+
+class Projection(abc.ABC, Generic[S]):
+    """A read model kept in step with the log."""
+
+    name: ClassVar[str]
+    views: ClassVar[tuple[str, ...]]
+
+    @abc.abstractmethod
+    def initial(self) -> S:
+        """The state before any event."""
+
+    @abc.abstractmethod
+    def apply(self, state: S, event: RecordedEvent) -> S:
+        """Fold one event into the state (may mutate and return ``state``)."""
+
+    @abc.abstractmethod
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        """The view ops for appending ``events`` (``op.event`` indexes into ``events``).
+
+        Raises `InvalidInputError` subclasses for events this projection refuses; the append
+        is then not attempted.
+        """
+
+    @abc.abstractmethod
+    def materialize(self, state: S) -> list[ViewOp]:
+        """Load ops that set every view of this projection to ``state``."""
+
+    @abc.abstractmethod
+    def full_reads(self) -> list[ViewRead]:
+        """Reads that return every view of this projection in full (for `check`)."""
+
+    def validate(self, payload: Event) -> None:
+        """Refuse an event before it is appended (default: accept everything)."""
+
+
+def decode_as(type_: type[Any], data: bytes, what: str) -> Any:
+    """Decode a view value; damage raises `OperationalError` saying where (rebuild repairs it)."""
+    try:
+        return msgspec.msgpack.decode(data, type=type_)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise OperationalError(f"{what} holds an undecodable value ({exc}); run rebuild") from None
+
+
+def results_as_dict(reads: Sequence[ViewRead], results: Sequence[ViewResult]) -> dict[str, Any]:
+    """Pair each read's view name with its result."""
+    return {r.view: res for r, res in zip(reads, results, strict=True)}

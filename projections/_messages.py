@@ -1,0 +1,118 @@
+"""`MessagesProjection`: the conversation message list the context assembler windows over.
+
+Rules from the runtime: a root turn opened with a user request adds that message at admission;
+a root turn adds its assistant message only when it settles ``completed``; child turns add
+none; failed, cut, stopped, truncated and refused roots add no assistant message. Messages
+stored directly (`MessageAppended`) always join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from eventstore import (
+    ListLoad,
+    ListPush,
+    ListRange,
+    Message,
+    MessageAppended,
+    NewEvent,
+    RecordedEvent,
+    TurnOpened,
+    TurnSettled,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+)
+
+from ._base import Projection, decode_as, encoder
+
+DEFAULT_WINDOW = 6
+
+
+class StoredMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """A message of the conversation with the seq of the event that added it."""
+
+    seq: int
+    message: Message
+    turn_id: str | None = None
+
+
+class _MessageValue(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    message: Message
+    turn_id: str | None = None
+
+
+def conversation_message(payload: object, turn_id: str | None) -> _MessageValue | None:
+    """The message an event adds to the conversation, if any (the rules above)."""
+    if isinstance(payload, MessageAppended):
+        return _MessageValue(payload.message, payload.turn_id or turn_id)
+    if isinstance(payload, TurnOpened):
+        if payload.parent_turn_id is None and payload.request is not None:
+            return _MessageValue(payload.request, payload.turn_id)
+        return None
+    if isinstance(payload, TurnSettled) and (
+        payload.parent_turn_id is None
+        and payload.outcome == "completed"
+        and payload.assistant_message is not None
+    ):
+        return _MessageValue(payload.assistant_message, payload.turn_id)
+    return None
+
+
+class MessagesProjection(Projection[list[StoredMessage]]):
+    """The conversation, in order; read as a window of the last N messages."""
+
+    name = "messages"
+    views = ("messages",)
+
+    def initial(self) -> list[StoredMessage]:
+        return []
+
+    def apply(self, state: list[StoredMessage], event: RecordedEvent) -> list[StoredMessage]:
+        value = conversation_message(event.payload, event.turn_id)
+        if value is not None:
+            state.append(StoredMessage(seq=event.seq, message=value.message, turn_id=value.turn_id))
+        return state
+
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        out: list[ViewOp] = []
+        for index, new in enumerate(events):
+            value = conversation_message(new.payload, new.turn_id)
+            if value is not None:
+                out.append(ListPush("messages", (encoder.encode(value),), index))
+        return out
+
+    def materialize(self, state: list[StoredMessage]) -> list[ViewOp]:
+        entries = tuple(
+            ViewEntry(m.seq, encoder.encode(_MessageValue(m.message, m.turn_id))) for m in state
+        )
+        return [ListLoad("messages", entries)]
+
+    def full_reads(self) -> list[ViewRead]:
+        return [ListRange("messages", 0, -1)]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def window_read(n: int = DEFAULT_WINDOW) -> ViewRead:
+        """The read for the last ``n`` messages (``n`` must be >= 1)."""
+        return ListRange("messages", -n, -1)
+
+    @staticmethod
+    def parse(result: ViewResult) -> list[StoredMessage]:
+        """Decode a list result of the messages view."""
+        assert isinstance(result, list)
+        out = []
+        for entry in result:
+            value = decode_as(_MessageValue, entry.value, f"messages view (seq {entry.seq})")
+            out.append(StoredMessage(seq=entry.seq, message=value.message, turn_id=value.turn_id))
+        return out
+
+    @staticmethod
+    def window(state: list[StoredMessage], n: int = DEFAULT_WINDOW) -> list[StoredMessage]:
+        """The last ``n`` messages of a folded state (``n=0``: none)."""
+        return state[-n:] if n > 0 else []

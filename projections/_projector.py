@@ -1,0 +1,422 @@
+"""`Projector`: inline appends, reads (now or as of any past point), rebuild and check.
+
+The projector binds projections to an `EventStore`. Appends made through it carry the view ops
+of every projection, so the read models are current the moment the append returns. Reads take
+``as_of`` (an ``int`` seq or a ``datetime``) to answer from a fold of the log up to that point
+instead of from the materialized views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from eventstore import (
+    ANY,
+    AppendResult,
+    ConcurrencyError,
+    Event,
+    EventStore,
+    ExpectedVersion,
+    HashGet,
+    HashLoad,
+    InvalidInputError,
+    ListLoad,
+    NewEvent,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+    validate_thread_id,
+)
+from eventstore._events import as_new_event
+
+from ._base import Projection
+from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage
+from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
+from ._state import Block, StateProjection
+from ._transcript import TranscriptMessage, TranscriptProjection
+
+AsOf = int | datetime
+"""A past point: a seq (``int``) or a wall-clock time (``datetime``)."""
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(done, total)`` while a namespace-wide job runs."""
+
+REBUILD_ATTEMPTS = 5
+
+
+class Folded(msgspec.Struct, frozen=True):
+    """Every projection's state, folded from the log up to ``version``."""
+
+    thread_id: str
+    version: int
+    states: dict[str, Any]
+
+
+class Difference(msgspec.Struct, frozen=True, kw_only=True):
+    """One place where a materialized view differs from the fold of the log."""
+
+    view: str
+    key: str
+    expected: str
+    actual: str
+
+
+class CheckReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What `check` found for one thread at one version."""
+
+    thread_id: str
+    version: int
+    differences: list[Difference]
+    anomalies: list[Anomaly]
+
+    @property
+    def ok(self) -> bool:
+        """True when every view equals the fold of the log."""
+        return not self.differences
+
+
+class Context(msgspec.Struct, frozen=True, kw_only=True):
+    """What a context assembler reads for one turn, taken in one round trip."""
+
+    thread_id: str
+    version: int
+    messages: list[StoredMessage]
+    state: dict[str, Block]
+    records: list[TurnRecord]
+
+
+class Projector:
+    """Projections bound to a store: inline appends, reads, time travel, rebuild and check."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        projections: Sequence[Projection[Any]] | None = None,
+        *,
+        state: StateProjection | None = None,
+    ) -> None:
+        self.store = store
+        if projections is None:
+            projections = [
+                MessagesProjection(),
+                state or StateProjection(),
+                RecordsProjection(),
+                TranscriptProjection(),
+            ]
+        self.projections = list(projections)
+        names = [p.name for p in self.projections]
+        views = [v for p in self.projections for v in p.views]
+        if len(set(names)) != len(names) or len(set(views)) != len(views):
+            raise InvalidInputError(f"projections must have distinct names and views: {names}")
+        self._by_name = {p.name: p for p in self.projections}
+
+    def _get(self, kind: type[Any]) -> Any:
+        for p in self.projections:
+            if isinstance(p, kind):
+                return p
+        raise InvalidInputError(f"this projector has no {kind.__name__}")
+
+    @property
+    def messages(self) -> MessagesProjection:
+        return self._get(MessagesProjection)  # type: ignore[no-any-return]
+
+    @property
+    def state_projection(self) -> StateProjection:
+        return self._get(StateProjection)  # type: ignore[no-any-return]
+
+    @property
+    def records_projection(self) -> RecordsProjection:
+        return self._get(RecordsProjection)  # type: ignore[no-any-return]
+
+    @property
+    def transcript_projection(self) -> TranscriptProjection:
+        return self._get(TranscriptProjection)  # type: ignore[no-any-return]
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def view_ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        """Every projection's view ops for appending ``events``; raises if one refuses them."""
+        ops: list[ViewOp] = []
+        for p in self.projections:
+            for new in events:
+                p.validate(new.payload)
+            ops += p.ops(events)
+        return ops
+
+    async def append(
+        self,
+        thread_id: str,
+        events: Sequence[Event | NewEvent],
+        *,
+        expected_version: ExpectedVersion = ANY,
+        idempotency_key: str | None = None,
+    ) -> AppendResult:
+        """Append ``events`` and update every projection's views in the same atomic step."""
+        if isinstance(events, Event | NewEvent) or not isinstance(events, Sequence):
+            raise InvalidInputError("events must be a sequence of Event or NewEvent")
+        news = [as_new_event(e) for e in events]
+        return await self.store.append(
+            thread_id,
+            news,
+            expected_version=expected_version,
+            idempotency_key=idempotency_key,
+            view_ops=self.view_ops(news),
+        )
+
+    # -- folds ----------------------------------------------------------------------------------
+
+    async def seq_of(self, thread_id: str, as_of: AsOf) -> int:
+        """The seq a past point stands for."""
+        if isinstance(as_of, datetime):
+            return await self.store.seq_at(thread_id, int(as_of.timestamp() * 1000))
+        if isinstance(as_of, bool) or not isinstance(as_of, int) or as_of < 0:
+            raise InvalidInputError(f"as_of must be a seq >= 0 or a datetime, not {as_of!r}")
+        return as_of
+
+    async def fold(self, thread_id: str, *, as_of: AsOf | None = None) -> Folded:
+        """Fold the log (up to ``as_of``) through every projection."""
+        validate_thread_id(thread_id)
+        stop = None if as_of is None else await self.seq_of(thread_id, as_of)
+        return await self._fold_to(thread_id, stop)
+
+    async def _fold_to(self, thread_id: str, stop: int | None) -> Folded:
+        states = {p.name: p.initial() for p in self.projections}
+        version = 0
+        if stop == 0:
+            return Folded(thread_id, 0, states)
+        pairs = [(p, p.name) for p in self.projections]
+        async for event in self.store.read(thread_id, stop=stop):
+            for p, name in pairs:
+                states[name] = p.apply(states[name], event)
+            version = event.seq
+        return Folded(thread_id, version, states)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def _read(
+        self, thread_id: str, reads: Sequence[ViewRead]
+    ) -> tuple[int, list[ViewResult]]:
+        snap = await self.store.read_views(thread_id, reads)
+        return snap.version, snap.results
+
+    async def last(
+        self, thread_id: str, n: int = DEFAULT_WINDOW, *, as_of: AsOf | None = None
+    ) -> list[StoredMessage]:
+        """The history window: the last ``n`` messages (``n=0``: none)."""
+        _check_count(n, "n")
+        if as_of is not None:
+            folded = await self.fold(thread_id, as_of=as_of)
+            return MessagesProjection.window(folded.states[self.messages.name], n)
+        if n == 0:
+            validate_thread_id(thread_id)
+            return []
+        _, (result,) = await self._read(thread_id, [MessagesProjection.window_read(n)])
+        return MessagesProjection.parse(result)
+
+    async def state(
+        self, thread_id: str, view: str | None = None, *, as_of: AsOf | None = None
+    ) -> dict[str, Block]:
+        """What reader view ``view`` sees of the state blocks (None: every block)."""
+        sp = self.state_projection
+        if as_of is not None:
+            if view is not None:
+                sp.reader_view(view)
+            folded = await self.fold(thread_id, as_of=as_of)
+            return sp.select(folded.states[sp.name], view)
+        read = sp.read_for(view)
+        _, (result,) = await self._read(thread_id, [read])
+        return sp.parse(result, view)
+
+    async def records(
+        self, thread_id: str, *, last: int | None = None, as_of: AsOf | None = None
+    ) -> list[TurnRecord]:
+        """Settled turn records in settle order (only the latest ``last`` when given)."""
+        if last is not None:
+            _check_count(last, "last")
+            if last == 0:
+                validate_thread_id(thread_id)
+                return []
+        rp = self.records_projection
+        if as_of is not None:
+            folded = await self.fold(thread_id, as_of=as_of)
+            settled = rp.settled_records(thread_id, folded.states[rp.name])
+            return settled[-last:] if last else settled
+        _, (result,) = await self._read(thread_id, [RecordsProjection.settled_read(last)])
+        return RecordsProjection.parse(thread_id, result)
+
+    async def turns(self, thread_id: str, *, as_of: AsOf | None = None) -> list[TurnRecord]:
+        """Every turn, open or settled (an open turn that never settles crashed)."""
+        rp = self.records_projection
+        if as_of is not None:
+            folded = await self.fold(thread_id, as_of=as_of)
+            return rp.all_records(thread_id, folded.states[rp.name])
+        _, (result,) = await self._read(thread_id, [rp.full_reads()[0]])
+        return sorted(RecordsProjection.parse(thread_id, result), key=lambda r: r.turn_id)
+
+    async def record(self, thread_id: str, turn_id: str) -> TurnRecord | None:
+        """One turn's record, or None if the turn is unknown."""
+        _, (result,) = await self._read(thread_id, [HashGet("turns", (turn_id,))])
+        found = RecordsProjection.parse(thread_id, result)
+        return found[0] if found else None
+
+    async def turn_tree(self, thread_id: str, *, as_of: AsOf | None = None) -> list[TurnNode]:
+        """Root turns with their child turns."""
+        return RecordsProjection.tree(await self.turns(thread_id, as_of=as_of))
+
+    async def transcript(
+        self, thread_id: str, *, as_of: AsOf | None = None
+    ) -> list[TranscriptMessage]:
+        """The current session transcript."""
+        tp = self.transcript_projection
+        if as_of is not None:
+            folded = await self.fold(thread_id, as_of=as_of)
+            return list(folded.states[tp.name])
+        _, (result,) = await self._read(thread_id, tp.full_reads())
+        return TranscriptProjection.parse(result)
+
+    async def context(
+        self,
+        thread_id: str,
+        *,
+        n: int = DEFAULT_WINDOW,
+        view: str | None = None,
+        records: int = 0,
+    ) -> Context:
+        """Messages window, a reader view and the latest records, in one round trip."""
+        _check_count(n, "n")
+        _check_count(records, "records")
+        sp = self.state_projection
+        reads: list[ViewRead] = [sp.read_for(view)]
+        if n:
+            reads.append(MessagesProjection.window_read(n))
+        if records:
+            reads.append(RecordsProjection.settled_read(records))
+        version, results = await self._read(thread_id, reads)
+        state = sp.parse(results[0], view)
+        messages = MessagesProjection.parse(results[1]) if n else []
+        recs = RecordsProjection.parse(thread_id, results[-1]) if records else []
+        return Context(
+            thread_id=thread_id, version=version, messages=messages, state=state, records=recs
+        )
+
+    # -- rebuild and check ----------------------------------------------------------------------
+
+    def _materialize(self, folded: Folded) -> list[ViewOp]:
+        ops: list[ViewOp] = []
+        for p in self.projections:
+            ops += p.materialize(folded.states[p.name])
+        return ops
+
+    async def rebuild(self, thread_id: str) -> int:
+        """Recompute every view of the thread from its log; returns the version rebuilt at.
+
+        If appends land meanwhile, the fold is repeated (a bounded number of times).
+        """
+        validate_thread_id(thread_id)
+        for _ in range(REBUILD_ATTEMPTS):
+            version = await self.store.version(thread_id)
+            folded = await self._fold_to(thread_id, version)
+            try:
+                await self.store.load_views(
+                    thread_id, self._materialize(folded), expected_version=folded.version
+                )
+            except ConcurrencyError:
+                continue
+            return folded.version
+        raise ConcurrencyError(thread_id, "a quiet moment", await self.store.version(thread_id))
+
+    async def check(self, thread_id: str) -> CheckReport:
+        """Compare every materialized view with the fold of the log at the same version."""
+        validate_thread_id(thread_id)
+        reads = [r for p in self.projections for r in p.full_reads()]
+        version, results = await self._read(thread_id, reads)
+        actual: dict[str, ViewResult] = {r.view: res for r, res in zip(reads, results, strict=True)}
+        folded = await self._fold_to(thread_id, version)
+        differences: list[Difference] = []
+        if folded.version != version:
+            differences.append(
+                Difference(
+                    view="(log)",
+                    key="version",
+                    expected=str(version),
+                    actual=f"log ends at seq {folded.version}",
+                )
+            )
+        for op in self._materialize(folded):
+            differences += _compare(op, actual.get(op.view))
+        anomalies: list[Anomaly] = []
+        for state in folded.states.values():
+            if isinstance(state, RecordsState):
+                anomalies += state.anomalies
+        return CheckReport(
+            thread_id=thread_id, version=version, differences=differences, anomalies=anomalies
+        )
+
+    async def rebuild_all(self, *, progress: Progress | None = None) -> dict[str, int]:
+        """Rebuild every thread of the namespace; returns thread -> version."""
+        return await self._each_thread(self.rebuild, progress)
+
+    async def check_all(self, *, progress: Progress | None = None) -> dict[str, CheckReport]:
+        """Check every thread of the namespace."""
+        return await self._each_thread(self.check, progress)
+
+    async def _each_thread(
+        self, job: Callable[[str], Awaitable[Any]], progress: Progress | None
+    ) -> dict[str, Any]:
+        threads = await self.store.threads()
+        out: dict[str, Any] = {}
+        for done, info in enumerate(threads, start=1):
+            out[info.thread_id] = await job(info.thread_id)
+            if progress is not None:
+                progress(done, len(threads))
+        return out
+
+
+def _check_count(n: int, what: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidInputError(f"{what} must be an int >= 0, not {n!r}")
+
+
+def _show(entry: ViewEntry | None) -> str:
+    if entry is None:
+        return "(absent)"
+    value = entry.value if len(entry.value) <= 60 else entry.value[:57] + b"..."
+    return f"seq={entry.seq} v={entry.version} {value!r}"
+
+
+def _compare(expected: ViewOp, actual: ViewResult | None) -> list[Difference]:
+    out: list[Difference] = []
+    if isinstance(expected, ListLoad):
+        got = actual if isinstance(actual, list) else []
+        want = list(expected.entries)
+        for i in range(max(len(got), len(want))):
+            w = want[i] if i < len(want) else None
+            g = got[i] if i < len(got) else None
+            if w != g:
+                out.append(
+                    Difference(view=expected.view, key=f"[{i}]", expected=_show(w), actual=_show(g))
+                )
+                break  # the first differing position says enough; the rest is shifted
+        if len(got) != len(want):
+            out.append(
+                Difference(
+                    view=expected.view,
+                    key="length",
+                    expected=str(len(want)),
+                    actual=str(len(got)),
+                )
+            )
+    elif isinstance(expected, HashLoad):
+        got_h = actual if isinstance(actual, dict) else {}
+        for key in sorted(set(got_h) | set(expected.entries)):
+            w, g = expected.entries.get(key), got_h.get(key)
+            if w != g:
+                out.append(
+                    Difference(view=expected.view, key=key, expected=_show(w), actual=_show(g))
+                )
+    return out

@@ -1,0 +1,264 @@
+"""`RecordsProjection`: one turn record per turn, in settle order, by id, and as a tree.
+
+A turn shows as ``open`` from `TurnOpened` until its `TurnSettled`; one that never settles stays
+open, which is how audits see a crashed turn. Every settlement is recorded, whatever its
+outcome. A settlement for a turn that was never opened is recorded too, and `anomalies`
+flags it (so does `check`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from eventstore import (
+    Fallback,
+    Grant,
+    HashGetAll,
+    HashGetListed,
+    HashLoad,
+    HashSet,
+    ListLoad,
+    ListPush,
+    ListRange,
+    NewEvent,
+    Outcome,
+    RecordedEvent,
+    Timing,
+    TurnError,
+    TurnOpened,
+    TurnSettled,
+    Usage,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+)
+
+from ._base import Projection, decode_as, encoder
+
+
+class _RecordValue(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    status: Literal["open", "settled"]
+    parent_turn_id: str | None = None
+    grant: Grant | None = None
+    outcome: Outcome | None = None
+    steps: int = 0
+    model_tier: str | None = None
+    fallbacks: list[Fallback] = msgspec.field(default_factory=list)
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timing: Timing = msgspec.field(default_factory=Timing)
+    error: TurnError | None = None
+
+
+class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn as the records show it: open, or settled with its outcome and accounting."""
+
+    thread_id: str
+    turn_id: str
+    status: Literal["open", "settled"]
+    seq: int
+    parent_turn_id: str | None = None
+    grant: Grant | None = None
+    outcome: Outcome | None = None
+    steps: int = 0
+    model_tier: str | None = None
+    fallbacks: list[Fallback] = msgspec.field(default_factory=list)
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timing: Timing = msgspec.field(default_factory=Timing)
+    error: TurnError | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """True while the turn has not settled (a crashed turn stays open)."""
+        return self.status == "open"
+
+
+class TurnNode(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn with its child turns, in the order they were opened."""
+
+    record: TurnRecord
+    children: list[TurnNode]
+
+
+class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
+    """Something the log allows but an auditor should see."""
+
+    kind: Literal["settled_without_open", "settled_twice", "opened_twice"]
+    seq: int
+    turn_id: str
+
+
+@dataclass
+class RecordsState:
+    """The folded records: per-turn entries (with hash versions) and the settle order."""
+
+    turns: dict[str, tuple[ViewEntry, _RecordValue]] = field(default_factory=dict)
+    settled: list[ViewEntry] = field(default_factory=list)
+    opened: set[str] = field(default_factory=set)
+    anomalies: list[Anomaly] = field(default_factory=list)
+
+
+def _value_of(payload: object) -> _RecordValue | None:
+    if isinstance(payload, TurnOpened):
+        return _RecordValue(
+            status="open", parent_turn_id=payload.parent_turn_id, grant=payload.grant
+        )
+    if isinstance(payload, TurnSettled):
+        return _RecordValue(
+            status="settled",
+            parent_turn_id=payload.parent_turn_id,
+            grant=payload.grant,
+            outcome=payload.outcome,
+            steps=payload.steps,
+            model_tier=payload.model_tier,
+            fallbacks=payload.fallbacks,
+            usage=payload.usage,
+            timing=payload.timing,
+            error=payload.error,
+        )
+    return None
+
+
+def _record(thread_id: str, turn_id: str, seq: int, v: _RecordValue) -> TurnRecord:
+    return TurnRecord(
+        thread_id=thread_id,
+        turn_id=turn_id,
+        status=v.status,
+        seq=seq,
+        parent_turn_id=v.parent_turn_id,
+        grant=v.grant,
+        outcome=v.outcome,
+        steps=v.steps,
+        model_tier=v.model_tier,
+        fallbacks=v.fallbacks,
+        usage=v.usage,
+        timing=v.timing,
+        error=v.error,
+    )
+
+
+class RecordsProjection(Projection[RecordsState]):
+    """Turn records: hash ``turns`` (turn id -> record) and list ``settled`` (settle order)."""
+
+    name = "records"
+    views = ("turns", "settled")
+
+    def initial(self) -> RecordsState:
+        return RecordsState()
+
+    def apply(self, state: RecordsState, event: RecordedEvent) -> RecordsState:
+        payload = event.payload
+        value = _value_of(payload)
+        if value is None:
+            return state
+        assert isinstance(payload, TurnOpened | TurnSettled)
+        turn = payload.turn_id
+        prior = state.turns.get(turn)
+        version = (prior[0].version if prior else 0) + 1
+        state.turns[turn] = (ViewEntry(event.seq, encoder.encode(value), version), value)
+        if isinstance(payload, TurnOpened):
+            if turn in state.opened:
+                state.anomalies.append(Anomaly(kind="opened_twice", seq=event.seq, turn_id=turn))
+            state.opened.add(turn)
+        else:
+            if turn not in state.opened:
+                state.anomalies.append(
+                    Anomaly(kind="settled_without_open", seq=event.seq, turn_id=turn)
+                )
+            if prior is not None and prior[1].status == "settled":
+                state.anomalies.append(Anomaly(kind="settled_twice", seq=event.seq, turn_id=turn))
+            state.settled.append(ViewEntry(event.seq, turn.encode("utf-8")))
+        return state
+
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        out: list[ViewOp] = []
+        for index, new in enumerate(events):
+            payload = new.payload
+            value = _value_of(payload)
+            if value is None:
+                continue
+            assert isinstance(payload, TurnOpened | TurnSettled)
+            out.append(HashSet("turns", payload.turn_id, encoder.encode(value), index))
+            if isinstance(payload, TurnSettled):
+                out.append(ListPush("settled", (payload.turn_id.encode("utf-8"),), index))
+        return out
+
+    def materialize(self, state: RecordsState) -> list[ViewOp]:
+        return [
+            HashLoad("turns", {turn: entry for turn, (entry, _) in state.turns.items()}),
+            ListLoad("settled", tuple(state.settled)),
+        ]
+
+    def full_reads(self) -> list[ViewRead]:
+        return [HashGetAll("turns"), ListRange("settled", 0, -1)]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def settled_read(last: int | None = None) -> ViewRead:
+        """Settled records in settle order (only the latest ``last`` when given)."""
+        if last is not None:
+            return HashGetListed("turns", "settled", -last, -1)
+        return HashGetListed("turns", "settled", 0, -1)
+
+    @staticmethod
+    def parse(thread_id: str, result: ViewResult) -> list[TurnRecord]:
+        """Decode a hash result of the turns view into records (in the result's order)."""
+        assert isinstance(result, dict)
+        return [
+            _record(
+                thread_id,
+                turn,
+                e.seq,
+                decode_as(_RecordValue, e.value, f"turns view (turn {turn!r})"),
+            )
+            for turn, e in result.items()
+        ]
+
+    @staticmethod
+    def all_records(thread_id: str, state: RecordsState) -> list[TurnRecord]:
+        """Every turn of a folded state (open and settled), in first-seen order."""
+        return [_record(thread_id, t, e.seq, v) for t, (e, v) in state.turns.items()]
+
+    @staticmethod
+    def settled_records(thread_id: str, state: RecordsState) -> list[TurnRecord]:
+        """Settled records of a folded state, in settle order (each turn once)."""
+        seen: dict[str, TurnRecord] = {}
+        for entry in state.settled:
+            turn = entry.value.decode("utf-8")
+            e, v = state.turns[turn]
+            seen[turn] = _record(thread_id, turn, e.seq, v)
+        return list(seen.values())
+
+    @staticmethod
+    def tree(records: Sequence[TurnRecord]) -> list[TurnNode]:
+        """Root turns with their descendants; a child whose parent is unknown becomes a root."""
+        ordered = sorted(records, key=lambda r: r.turn_id)
+        by_id = {r.turn_id: r for r in ordered}
+        children: dict[str, list[TurnRecord]] = {}
+        roots: list[TurnRecord] = []
+        for r in ordered:
+            parent = r.parent_turn_id
+            if parent is not None and parent in by_id and parent != r.turn_id:
+                children.setdefault(parent, []).append(r)
+            else:
+                roots.append(r)
+
+        placed: set[str] = set()
+
+        def node(r: TurnRecord) -> TurnNode:
+            placed.add(r.turn_id)
+            kids = [c for c in children.get(r.turn_id, []) if c.turn_id not in placed]
+            return TurnNode(record=r, children=[node(c) for c in kids])
+
+        out = [node(r) for r in roots]
+        # Turns caught in a parent cycle (only a damaged or forged log has one) are never
+        # reached from a root; show them as roots rather than lose them.
+        for r in ordered:
+            if r.turn_id not in placed:
+                out.append(node(r))
+        return out

@@ -1,0 +1,174 @@
+"""`StateProjection`: application state blocks, and reader views that select what a reader sees.
+
+Each block keeps its value, a per-block version (1 on the first update) and the seq of the
+event that last set it. A reader view names blocks, and optionally fields within a block (for
+dict-valued blocks); a read returns only what the view selects. An update may require the
+block to be at an exact version; otherwise nothing is written and `ViewConflictError` says
+which version was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from eventstore import (
+    HashGet,
+    HashGetAll,
+    HashLoad,
+    HashSet,
+    NewEvent,
+    RecordedEvent,
+    StateUpdated,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+    validate_view_name,
+)
+
+from ._base import Projection, UnknownBlockError, UnknownReaderViewError, decode_as, encoder
+
+
+class ReaderView(msgspec.Struct, frozen=True):
+    """A named selection of state: block name -> None (whole block) or the fields to show."""
+
+    name: str
+    blocks: Mapping[str, tuple[str, ...] | None]
+
+    def __post_init__(self) -> None:
+        validate_view_name(self.name)
+
+
+class Block(msgspec.Struct, frozen=True, kw_only=True):
+    """A state block as a reader sees it."""
+
+    name: str
+    value: Any
+    version: int
+    seq: int
+
+
+class StateProjection(Projection[dict[str, Block]]):
+    """State blocks by name, with reader views.
+
+    ``blocks`` declares the known blocks; together with the blocks reader views name, they
+    form the schema, and an update to any other block is refused with `UnknownBlockError`.
+    With no views and no blocks declared, any block name is accepted.
+    """
+
+    name = "state"
+    views = ("state",)
+
+    def __init__(
+        self, views: Iterable[ReaderView] = (), *, blocks: Iterable[str] | None = None
+    ) -> None:
+        self.reader_views: dict[str, ReaderView] = {v.name: v for v in views}
+        declared = set(blocks or ())
+        for v in self.reader_views.values():
+            declared.update(v.blocks)
+        self.known_blocks: frozenset[str] | None = (
+            frozenset(declared) if declared or blocks is not None else None
+        )
+
+    def initial(self) -> dict[str, Block]:
+        return {}
+
+    def validate(self, payload: object) -> None:
+        if isinstance(payload, StateUpdated):
+            if not payload.block:
+                raise UnknownBlockError("a state block needs a non-empty name")
+            if self.known_blocks is not None and payload.block not in self.known_blocks:
+                raise UnknownBlockError(
+                    f"state block {payload.block!r} is not declared "
+                    f"(known: {', '.join(sorted(self.known_blocks)) or 'none'})"
+                )
+
+    def apply(self, state: dict[str, Block], event: RecordedEvent) -> dict[str, Block]:
+        payload = event.payload
+        if isinstance(payload, StateUpdated):
+            prior = state.get(payload.block)
+            state[payload.block] = Block(
+                name=payload.block,
+                value=payload.value,
+                version=(prior.version if prior else 0) + 1,
+                seq=event.seq,
+            )
+        return state
+
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        out: list[ViewOp] = []
+        for index, new in enumerate(events):
+            payload = new.payload
+            if isinstance(payload, StateUpdated):
+                self.validate(payload)
+                out.append(
+                    HashSet(
+                        "state",
+                        payload.block,
+                        encoder.encode(payload.value),
+                        index,
+                        payload.expected_version,
+                    )
+                )
+        return out
+
+    def materialize(self, state: dict[str, Block]) -> list[ViewOp]:
+        entries = {
+            name: ViewEntry(b.seq, encoder.encode(b.value), b.version) for name, b in state.items()
+        }
+        return [HashLoad("state", entries)]
+
+    def full_reads(self) -> list[ViewRead]:
+        return [HashGetAll("state")]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def reader_view(self, view: str) -> ReaderView:
+        """The reader view called ``view``; raises `UnknownReaderViewError` if none is."""
+        try:
+            return self.reader_views[view]
+        except KeyError:
+            defined = ", ".join(sorted(self.reader_views)) or "none"
+            raise UnknownReaderViewError(f"no reader view {view!r} (defined: {defined})") from None
+
+    def read_for(self, view: str | None) -> ViewRead:
+        """The read for a reader view (None: every block, unfiltered)."""
+        if view is None:
+            return HashGetAll("state")
+        return HashGet("state", tuple(self.reader_view(view).blocks))
+
+    def parse(self, result: ViewResult, view: str | None) -> dict[str, Block]:
+        """Decode a hash result of the state view and apply the reader view's selection."""
+        assert isinstance(result, dict)
+        blocks = {
+            name: Block(
+                name=name,
+                value=decode_as(Any, e.value, f"state view (block {name!r})"),
+                version=e.version,
+                seq=e.seq,
+            )
+            for name, e in result.items()
+        }
+        return self.select(blocks, view)
+
+    def select(self, blocks: dict[str, Block], view: str | None) -> dict[str, Block]:
+        """What reader view ``view`` sees of ``blocks`` (None: everything)."""
+        if view is None:
+            return dict(sorted(blocks.items()))
+        spec = self.reader_view(view)
+        out: dict[str, Block] = {}
+        for name, fields in spec.blocks.items():
+            block = blocks.get(name)
+            if block is None:
+                continue
+            if fields is not None:
+                value = block.value
+                picked = (
+                    {f: value[f] for f in fields if f in value} if isinstance(value, dict) else {}
+                )
+                block = msgspec.structs.replace(block, value=picked)
+            out[name] = block
+        return out

@@ -1,0 +1,86 @@
+"""`TranscriptProjection`: the session's model-message transcript; a replace swaps it whole.
+
+`TranscriptReplaced` (after compaction) resets the view, while the log keeps every earlier
+message for audit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from eventstore import (
+    ListLoad,
+    ListPush,
+    ListRange,
+    ListReset,
+    Message,
+    NewEvent,
+    RecordedEvent,
+    TranscriptAppended,
+    TranscriptReplaced,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+)
+
+from ._base import Projection, decode_as, encoder
+
+
+class TranscriptMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """A transcript message with the seq of the event that wrote it."""
+
+    seq: int
+    message: Message
+
+
+class TranscriptProjection(Projection[list[TranscriptMessage]]):
+    """The current transcript of a session (thread)."""
+
+    name = "transcript"
+    views = ("transcript",)
+
+    def initial(self) -> list[TranscriptMessage]:
+        return []
+
+    def apply(
+        self, state: list[TranscriptMessage], event: RecordedEvent
+    ) -> list[TranscriptMessage]:
+        payload = event.payload
+        if isinstance(payload, TranscriptReplaced):
+            state = []
+        if isinstance(payload, TranscriptAppended | TranscriptReplaced):
+            state.extend(TranscriptMessage(seq=event.seq, message=m) for m in payload.messages)
+        return state
+
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        out: list[ViewOp] = []
+        for index, new in enumerate(events):
+            payload = new.payload
+            if isinstance(payload, TranscriptAppended | TranscriptReplaced):
+                values = tuple(encoder.encode(m) for m in payload.messages)
+                if isinstance(payload, TranscriptReplaced):
+                    out.append(ListReset("transcript", values, index))
+                elif values:
+                    out.append(ListPush("transcript", values, index))
+        return out
+
+    def materialize(self, state: list[TranscriptMessage]) -> list[ViewOp]:
+        entries = tuple(ViewEntry(m.seq, encoder.encode(m.message)) for m in state)
+        return [ListLoad("transcript", entries)]
+
+    def full_reads(self) -> list[ViewRead]:
+        return [ListRange("transcript", 0, -1)]
+
+    @staticmethod
+    def parse(result: ViewResult) -> list[TranscriptMessage]:
+        """Decode a list result of the transcript view."""
+        assert isinstance(result, list)
+        return [
+            TranscriptMessage(
+                seq=e.seq, message=decode_as(Message, e.value, f"transcript view (seq {e.seq})")
+            )
+            for e in result
+        ]
