@@ -9,15 +9,21 @@ from typing import Any, Literal
 
 import msgspec
 
+from ._errors import InvalidInputError
 from ._events import Event, register_event
 
 # -- model messages ------------------------------------------------------------------------------
+#
+# AI-SDK-style model messages. Stored losslessly: fields threadlog does not model are kept in
+# ``extra`` (in their original order), parts of unmodelled types become `OtherPart`, and a
+# message imported from JSON text that re-encodes differently keeps that text in ``source``.
 
 
 class _Part(
     msgspec.Struct, tag_field="type", frozen=True, kw_only=True, omit_defaults=True, rename="camel"
 ):
     provider_options: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
 
 
 class TextPart(_Part, tag="text", frozen=True):
@@ -65,17 +71,31 @@ class ImagePart(_Part, tag="image", frozen=True):
     media_type: str | None = None
 
 
-Part = TextPart | ReasoningPart | ToolCallPart | ToolResultPart | FilePart | ImagePart
+class OtherPart(_Part, tag="x-threadlog-other", frozen=True):
+    """A part whose type threadlog does not model (or whose fields do not fit), kept verbatim."""
+
+    kind: str
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+Part = TextPart | ReasoningPart | ToolCallPart | ToolResultPart | FilePart | ImagePart | OtherPart
 Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename="camel"):
-    """A model message: a role and content given as text or as a list of parts."""
+    """A model message: a role and content given as text or as a list of parts.
+
+    ``extra`` holds fields threadlog does not model; ``source`` the exact JSON text the message
+    was read from, kept only when re-encoding would not reproduce it byte for byte.
+    """
 
     role: Role
     content: str | list[Part]
     id: str | None = None
     provider_options: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    source: str | None = None
 
     @property
     def text(self) -> str:
@@ -83,6 +103,133 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Message:
+        """Build a message from a decoded JSON object, keeping every field.
+
+        Raises `MessageFormatError` when ``obj`` is not a message at all (not an object, no
+        known role, content neither a string nor a list of typed objects).
+        """
+        return _message_from_json(obj)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of this message, unknown fields included, in their order."""
+        return _message_to_json(self)
+
+    @classmethod
+    def from_json_bytes(cls, text: bytes | str) -> Message:
+        """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly."""
+        raw = text.encode("utf-8") if isinstance(text, str) else text
+        try:
+            obj = _json_decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise MessageFormatError(f"not valid JSON: {exc}") from None
+        message = _message_from_json(obj)
+        if _json_encoder.encode(_message_to_json(message)) != raw:
+            try:
+                source = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MessageFormatError(f"not valid UTF-8: {exc}") from None
+            message = msgspec.structs.replace(message, source=source)
+        return message
+
+    def to_json_bytes(self) -> bytes:
+        """The JSON text of this message: its ``source`` if it has one, else canonical JSON."""
+        if self.source is not None:
+            return self.source.encode("utf-8")
+        return _json_encoder.encode(_message_to_json(self))
+
+
+class MessageFormatError(InvalidInputError):
+    """Raised when a JSON value is not a model message."""
+
+
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder()
+_PART_TYPES: dict[str, type[_Part]] = {
+    c.__struct_config__.tag: c  # type: ignore[misc]
+    for c in (TextPart, ReasoningPart, ToolCallPart, ToolResultPart, FilePart, ImagePart)
+}
+# Wire names of the modelled fields; "extra" is ours, so a wire field of that name is unknown.
+_PART_FIELDS = {
+    tag: frozenset(f.encode_name for f in msgspec.structs.fields(c)) - {"extra"}
+    for tag, c in _PART_TYPES.items()
+}
+_MESSAGE_FIELDS = frozenset({"role", "content", "id", "providerOptions"})
+
+
+def _part_from_json(obj: Any) -> _Part:
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise MessageFormatError("every content part must be an object with a string 'type'")
+    kind = obj["type"]
+    cls = _PART_TYPES.get(kind)
+    if cls is not None:
+        names = _PART_FIELDS[kind]
+        known = {k: v for k, v in obj.items() if k == "type" or k in names}
+        extra = {k: v for k, v in obj.items() if k != "type" and k not in names}
+        try:
+            part = msgspec.convert(known, cls)
+        except msgspec.ValidationError:
+            pass  # fields of the wrong shape: keep the part verbatim instead
+        else:
+            return msgspec.structs.replace(part, extra=extra) if extra else part
+    return OtherPart(kind=kind, data={k: v for k, v in obj.items() if k != "type"})
+
+
+def _part_to_json(part: _Part) -> dict[str, Any]:
+    if isinstance(part, OtherPart):
+        return {"type": part.kind, **part.data}
+    out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.replace(part, extra=None))
+    if part.extra:
+        out.update(part.extra)
+    return out
+
+
+def _message_from_json(obj: Any) -> Message:
+    if not isinstance(obj, dict):
+        raise MessageFormatError(f"a message must be a JSON object, not {type(obj).__name__}")
+    role = obj.get("role")
+    if role not in ROLES:
+        raise MessageFormatError(f"message role must be one of {', '.join(ROLES)}, not {role!r}")
+    content = obj.get("content")
+    parts: str | list[Part]
+    if isinstance(content, str):
+        parts = content
+    elif isinstance(content, list):
+        parts = [_part_from_json(p) for p in content]  # type: ignore[misc]
+    else:
+        raise MessageFormatError("message content must be a string or a list of parts")
+    msg_id = obj.get("id")
+    options = obj.get("providerOptions")
+    extra = {k: v for k, v in obj.items() if k not in _MESSAGE_FIELDS}
+    # A known field of an unexpected shape is kept verbatim among the unknown ones.
+    if msg_id is not None and not isinstance(msg_id, str):
+        extra["id"], msg_id = msg_id, None
+    if options is not None and not isinstance(options, dict):
+        extra["providerOptions"], options = options, None
+    return Message(
+        role=role,
+        content=parts,
+        id=msg_id,
+        provider_options=options,
+        extra=extra or None,
+    )
+
+
+def _message_to_json(message: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role}
+    if isinstance(message.content, str):
+        out["content"] = message.content
+    else:
+        out["content"] = [_part_to_json(p) for p in message.content]
+    if message.id is not None:
+        out["id"] = message.id
+    if message.provider_options is not None:
+        out["providerOptions"] = message.provider_options
+    if message.extra:
+        out.update(message.extra)
+    return out
 
 
 # -- turn settlement details ------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
+from ulid import ULID
 
 from eventstore import (
     Fallback,
@@ -43,6 +44,9 @@ from ._base import Projection, decode_as, encoder
 
 class _RecordValue(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     status: Literal["open", "settled"]
+    # The id of the event that wrote the record: its ULID time orders records across threads
+    # identically in the views and in a fold (the server time is not known when ops are built).
+    event_id: str = ""
     parent_turn_id: str | None = None
     grant: Grant | None = None
     outcome: Outcome | None = None
@@ -61,6 +65,7 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     turn_id: str
     status: Literal["open", "settled"]
     seq: int
+    event_id: str = ""
     parent_turn_id: str | None = None
     grant: Grant | None = None
     outcome: Outcome | None = None
@@ -70,6 +75,14 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     usage: Usage = msgspec.field(default_factory=Usage)
     timing: Timing = msgspec.field(default_factory=Timing)
     error: TurnError | None = None
+
+    @property
+    def recorded_ms(self) -> int:
+        """When the record was written (ms since the epoch, from the event's ULID)."""
+        try:
+            return ULID.from_str(self.event_id).milliseconds
+        except ValueError:
+            return 0
 
     @property
     def is_open(self) -> bool:
@@ -102,14 +115,18 @@ class RecordsState:
     anomalies: list[Anomaly] = field(default_factory=list)
 
 
-def _value_of(payload: object) -> _RecordValue | None:
+def _value_of(payload: object, event_id: str) -> _RecordValue | None:
     if isinstance(payload, TurnOpened):
         return _RecordValue(
-            status="open", parent_turn_id=payload.parent_turn_id, grant=payload.grant
+            status="open",
+            event_id=event_id,
+            parent_turn_id=payload.parent_turn_id,
+            grant=payload.grant,
         )
     if isinstance(payload, TurnSettled):
         return _RecordValue(
             status="settled",
+            event_id=event_id,
             parent_turn_id=payload.parent_turn_id,
             grant=payload.grant,
             outcome=payload.outcome,
@@ -129,6 +146,7 @@ def _record(thread_id: str, turn_id: str, seq: int, v: _RecordValue) -> TurnReco
         turn_id=turn_id,
         status=v.status,
         seq=seq,
+        event_id=v.event_id,
         parent_turn_id=v.parent_turn_id,
         grant=v.grant,
         outcome=v.outcome,
@@ -152,7 +170,7 @@ class RecordsProjection(Projection[RecordsState]):
 
     def apply(self, state: RecordsState, event: RecordedEvent) -> RecordsState:
         payload = event.payload
-        value = _value_of(payload)
+        value = _value_of(payload, event.id)
         if value is None:
             return state
         assert isinstance(payload, TurnOpened | TurnSettled)
@@ -178,7 +196,7 @@ class RecordsProjection(Projection[RecordsState]):
         out: list[ViewOp] = []
         for index, new in enumerate(events):
             payload = new.payload
-            value = _value_of(payload)
+            value = _value_of(payload, new.id)
             if value is None:
                 continue
             assert isinstance(payload, TurnOpened | TurnSettled)

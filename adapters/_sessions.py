@@ -1,0 +1,194 @@
+"""`SessionStore`: the model-message transcript of a session, with compaction as an event.
+
+``append`` adds messages; ``replace`` swaps the transcript after compaction, and the log keeps
+the earlier messages for audit. `session_update` decides which of the two a runtime's new
+transcript needs. A writer whose view of the transcript is stale gets a `ConcurrencyError`,
+never a silent overwrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from eventstore import (
+    ANY,
+    AppendResult,
+    EventStore,
+    ExpectedVersion,
+    InvalidInputError,
+    Message,
+    NewEvent,
+    TranscriptAppended,
+    TranscriptReplaced,
+    validate_thread_id,
+)
+from projections import Projector, TranscriptMessage
+
+from ._access import AccessPolicy, AllowAll, Principal, authorize
+from ._threads import as_message
+
+
+class Transcript(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's transcript as loaded, with the version to pass back when writing."""
+
+    session_id: str
+    messages: list[Message]
+    version: int
+
+
+class SessionUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """What to write after a turn: ``append`` the new tail, or ``replace`` the transcript."""
+
+    mode: Literal["append", "replace"]
+    messages: list[Message]
+
+
+def session_update(
+    before: Sequence[Message | Mapping[str, Any]], result: Sequence[Message | Mapping[str, Any]]
+) -> SessionUpdate:
+    """Append when ``result`` extends ``before`` (only the new tail), replace otherwise."""
+    old = [as_message(m) for m in before]
+    new = [as_message(m) for m in result]
+    if len(new) >= len(old) and new[: len(old)] == old:
+        return SessionUpdate(mode="append", messages=new[len(old) :])
+    return SessionUpdate(mode="replace", messages=new)
+
+
+class SessionStore:
+    """Load, append and replace session transcripts (one thread per session).
+
+    The store remembers the version of each session it last loaded or wrote and uses it as
+    the expected version of its next write, so a writer that did not see another writer's
+    change gets `ConcurrencyError`. Pass ``expected_version`` to choose explicitly (``ANY``
+    disables the check). Write a session's thread only through a `SessionStore`: any other
+    append to it also counts as a change.
+    """
+
+    def __init__(self, store: EventStore, *, policy: AccessPolicy | None = None) -> None:
+        self.store = store
+        self.projector = Projector(store)
+        self.policy: AccessPolicy = policy or AllowAll()
+        self._seen: dict[str, int] = {}
+
+    async def _allow(
+        self, principal: Principal | None, action: Literal["read", "write"], session_id: str
+    ) -> None:
+        validate_thread_id(session_id)
+        await authorize(self.policy, principal, action, self.store.namespace, session_id)
+
+    async def load(self, session_id: str, *, principal: Principal | None = None) -> Transcript:
+        """The session's current transcript (empty for a new session)."""
+        await self._allow(principal, "read", session_id)
+        tp = self.projector.transcript_projection
+        snap = await self.store.read_views(session_id, tp.full_reads())
+        messages = [m.message for m in tp.parse(snap.results[0])]
+        self._seen[session_id] = snap.version
+        return Transcript(session_id=session_id, messages=messages, version=snap.version)
+
+    async def history(
+        self, session_id: str, *, principal: Principal | None = None
+    ) -> list[TranscriptMessage]:
+        """The transcript with the seq of the event that wrote each message."""
+        await self._allow(principal, "read", session_id)
+        return await self.projector.transcript(session_id)
+
+    async def append(
+        self,
+        session_id: str,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        expected_version: ExpectedVersion | None = None,
+        idempotency_key: str | None = None,
+        principal: Principal | None = None,
+    ) -> int:
+        """Add ``messages`` to the end of the transcript; returns the new version."""
+        event = TranscriptAppended(messages=[as_message(m) for m in messages])
+        return await self._write(session_id, event, expected_version, idempotency_key, principal)
+
+    async def replace(
+        self,
+        session_id: str,
+        messages: Sequence[Message | Mapping[str, Any]],
+        *,
+        reason: str = "compaction",
+        expected_version: ExpectedVersion | None = None,
+        idempotency_key: str | None = None,
+        principal: Principal | None = None,
+    ) -> int:
+        """Swap the transcript for ``messages`` (the log keeps the old one); new version."""
+        event = TranscriptReplaced(messages=[as_message(m) for m in messages], reason=reason)
+        return await self._write(session_id, event, expected_version, idempotency_key, principal)
+
+    async def save(
+        self,
+        session_id: str,
+        update: SessionUpdate,
+        *,
+        expected_version: ExpectedVersion | None = None,
+        principal: Principal | None = None,
+    ) -> int:
+        """Apply a `SessionUpdate` (see `session_update`); returns the new version."""
+        if update.mode == "append":
+            if not update.messages:
+                await self._allow(principal, "write", session_id)
+                return self._seen.get(session_id, 0)
+            return await self.append(
+                session_id, update.messages, expected_version=expected_version, principal=principal
+            )
+        return await self.replace(
+            session_id, update.messages, expected_version=expected_version, principal=principal
+        )
+
+    async def _write(
+        self,
+        session_id: str,
+        event: TranscriptAppended | TranscriptReplaced,
+        expected_version: ExpectedVersion | None,
+        idempotency_key: str | None,
+        principal: Principal | None,
+    ) -> int:
+        await self._allow(principal, "write", session_id)
+        if isinstance(event, TranscriptAppended) and not event.messages:
+            raise InvalidInputError("append needs at least one message")
+        expected = (
+            expected_version if expected_version is not None else self._seen.get(session_id, ANY)
+        )
+        result = await self.projector.append(
+            session_id,
+            [NewEvent(payload=event)],
+            expected_version=expected,
+            idempotency_key=idempotency_key,
+        )
+        if result.duplicate:
+            # A retry answered from the ledger: the original version is history, not now.
+            self._seen.pop(session_id, None)
+        else:
+            self._seen[session_id] = result.last_seq
+        return result.last_seq
+
+    async def append_batches(
+        self,
+        session_id: str,
+        batches: Sequence[Sequence[Message]],
+        *,
+        idempotency_key: str,
+        principal: Principal | None = None,
+    ) -> AppendResult:
+        """Append several transcript events in one atomic append (bulk imports).
+
+        Not checked for staleness: imports add to whatever the transcript holds.
+        """
+        await self._allow(principal, "write", session_id)
+        events = [NewEvent(payload=TranscriptAppended(messages=list(b))) for b in batches if b]
+        result = await self.projector.append(
+            session_id, events, expected_version=ANY, idempotency_key=idempotency_key
+        )
+        self._seen.pop(session_id, None)
+        return result
+
+    def forget(self, session_id: str) -> None:
+        """Drop the remembered version (the next write will not check staleness)."""
+        self._seen.pop(session_id, None)

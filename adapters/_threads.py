@@ -1,0 +1,385 @@
+"""`ThreadStore`: the runtime-facing Store over the event log and its projections.
+
+A runtime swaps its in-process store for this one and keeps its turn loop: messages, state
+blocks, turn lifecycle and records, all durable, safe across instances (turn ids are ULIDs,
+appends are atomic and idempotent) and auditable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from eventstore import (
+    AppendResult,
+    ConflictError,
+    EventStore,
+    Fallback,
+    Grant,
+    IdempotencyKeyReusedError,
+    InvalidInputError,
+    Message,
+    MessageAppended,
+    NewEvent,
+    Outcome,
+    StateUpdated,
+    Timing,
+    TurnError,
+    TurnOpened,
+    TurnSettled,
+    Usage,
+    new_ulid,
+    validate_thread_id,
+)
+from projections import (
+    DEFAULT_WINDOW,
+    Block,
+    Context,
+    Projector,
+    StateProjection,
+    StoredMessage,
+    TurnNode,
+    TurnRecord,
+)
+
+from ._access import AccessPolicy, AllowAll, Principal, authorize
+
+CLOCK_SKEW_MS = 5 * 60 * 1000
+
+
+class TurnNotFoundError(InvalidInputError):
+    """Raised when a turn id was not opened in the thread it is used with."""
+
+
+class StateUpdate(msgspec.Struct, frozen=True):
+    """A state block update to record with a turn's settlement."""
+
+    block: str
+    value: Any
+    expected_version: int | None = None
+
+
+class Settlement(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of `settle_turn`: the record as stored and where the append landed.
+
+    ``duplicate`` is True when the turn had already been settled; ``record`` is then the first
+    settlement and nothing was written.
+    """
+
+    record: TurnRecord
+    first_seq: int
+    last_seq: int
+    duplicate: bool = False
+
+
+class RecordsPage(msgspec.Struct, frozen=True, kw_only=True):
+    """Turn records, newest first, and the cursor for the next page (None: no more)."""
+
+    records: list[TurnRecord]
+    next_cursor: str | None
+
+
+def as_message(message: Message | Mapping[str, Any]) -> Message:
+    """Accept a `Message` or its JSON object form."""
+    if isinstance(message, Message):
+        return message
+    return Message.from_json(dict(message))
+
+
+class ThreadStore:
+    """The runtime Store: history window, state blocks, turn lifecycle and records.
+
+    Every method takes an optional ``principal``; the access ``policy`` (default: allow all
+    within the namespace) decides before anything is read or written.
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        state: StateProjection | None = None,
+        policy: AccessPolicy | None = None,
+        new_turn_id: Callable[[], str] = new_ulid,
+    ) -> None:
+        self.store = store
+        self.projector = Projector(store, state=state)
+        self.policy: AccessPolicy = policy or AllowAll()
+        self.new_turn_id = new_turn_id
+
+    async def _allow(self, principal: Principal | None, action: str, thread_id: str | None) -> None:
+        if thread_id is not None:
+            validate_thread_id(thread_id)
+        await authorize(self.policy, principal, action, self.store.namespace, thread_id)  # type: ignore[arg-type]
+
+    # -- messages -------------------------------------------------------------------------------
+
+    async def list_messages(
+        self, thread_id: str, limit: int = DEFAULT_WINDOW, *, principal: Principal | None = None
+    ) -> list[StoredMessage]:
+        """The history window: the last ``limit`` messages (``limit=0``: none)."""
+        await self._allow(principal, "read", thread_id)
+        return await self.projector.last(thread_id, limit)
+
+    async def append_message(
+        self,
+        thread_id: str,
+        message: Message | Mapping[str, Any],
+        *,
+        turn_id: str | None = None,
+        idempotency_key: str | None = None,
+        principal: Principal | None = None,
+    ) -> AppendResult:
+        """Add a message to the conversation directly (outside the turn lifecycle)."""
+        await self._allow(principal, "write", thread_id)
+        event = NewEvent(payload=MessageAppended(message=as_message(message), turn_id=turn_id))
+        return await self.projector.append(thread_id, [event], idempotency_key=idempotency_key)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    async def state(
+        self, thread_id: str, view: str | None = None, *, principal: Principal | None = None
+    ) -> dict[str, Block]:
+        """The state blocks reader view ``view`` selects (None: every block)."""
+        await self._allow(principal, "read", thread_id)
+        return await self.projector.state(thread_id, view)
+
+    async def update_state(
+        self,
+        thread_id: str,
+        block: str,
+        value: Any,
+        *,
+        turn_id: str | None,
+        expected_block_version: int | None = None,
+        idempotency_key: str | None = None,
+        principal: Principal | None = None,
+    ) -> AppendResult:
+        """Record a (runtime-validated) state block update.
+
+        With ``expected_block_version`` the update applies only if the block is at exactly that
+        version (0: the block must not exist); otherwise `ViewConflictError` and nothing is
+        written. Failure is not rollback: an update recorded before its turn fails stays.
+        """
+        await self._allow(principal, "write", thread_id)
+        event = StateUpdated(
+            block=block, value=value, turn_id=turn_id, expected_version=expected_block_version
+        )
+        return await self.projector.append(
+            thread_id, [NewEvent(payload=event, turn_id=turn_id)], idempotency_key=idempotency_key
+        )
+
+    # -- turns ----------------------------------------------------------------------------------
+
+    async def open_turn(
+        self,
+        thread_id: str,
+        *,
+        parent_turn_id: str | None = None,
+        grant: Grant | None = None,
+        request_message: Message | Mapping[str, Any] | None = None,
+        turn_id: str | None = None,
+        principal: Principal | None = None,
+    ) -> str:
+        """Admit a turn and return its id (a ULID unless ``turn_id`` is given).
+
+        A root turn opened with a request adds the user message to the conversation in the
+        same atomic append, before context assembly. A child turn's parent must be a turn of
+        this thread. Re-opening the same ``turn_id`` is idempotent.
+        """
+        await self._allow(principal, "write", thread_id)
+        if (
+            parent_turn_id is not None
+            and await self.projector.record(thread_id, parent_turn_id) is None
+        ):
+            raise TurnNotFoundError(
+                f"parent turn {parent_turn_id!r} was not opened in thread {thread_id!r}"
+            )
+        turn_id = turn_id or self.new_turn_id()
+        request = as_message(request_message) if request_message is not None else None
+        opened = TurnOpened(
+            turn_id=turn_id, parent_turn_id=parent_turn_id, grant=grant, request=request
+        )
+        try:
+            await self.projector.append(
+                thread_id,
+                [NewEvent(payload=opened, turn_id=turn_id)],
+                idempotency_key=f"open:{turn_id}",
+            )
+        except IdempotencyKeyReusedError:
+            raise TurnNotFoundError(
+                f"turn {turn_id!r} was already opened with different details"
+            ) from None
+        return turn_id
+
+    async def settle_turn(
+        self,
+        thread_id: str,
+        turn_id: str,
+        *,
+        outcome: Outcome,
+        usage: Usage | None = None,
+        steps: int = 0,
+        model_tier: str | None = None,
+        fallbacks: Sequence[Fallback] = (),
+        timing: Timing | None = None,
+        error: TurnError | None = None,
+        assistant_message: Message | Mapping[str, Any] | None = None,
+        state_updates: Iterable[StateUpdate] = (),
+        principal: Principal | None = None,
+    ) -> Settlement:
+        """Settle a turn: its record, its assistant message and final state updates, atomically.
+
+        The assistant message joins the conversation only when a root turn completes; for any
+        other outcome it is kept in the log for audit. Settling is idempotent per turn: a
+        second settlement returns the first one and writes nothing. A turn that was not opened
+        in this thread is refused with `TurnNotFoundError`.
+        """
+        await self._allow(principal, "write", thread_id)
+        current = await self.projector.record(thread_id, turn_id)
+        if current is None:
+            raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
+        if not current.is_open:
+            return Settlement(
+                record=current, first_seq=current.seq, last_seq=current.seq, duplicate=True
+            )
+        message = as_message(assistant_message) if assistant_message is not None else None
+        events: list[NewEvent] = [
+            NewEvent(
+                payload=StateUpdated(
+                    block=u.block,
+                    value=u.value,
+                    turn_id=turn_id,
+                    expected_version=u.expected_version,
+                ),
+                turn_id=turn_id,
+            )
+            for u in state_updates
+        ]
+        settled = TurnSettled(
+            turn_id=turn_id,
+            outcome=outcome,
+            parent_turn_id=current.parent_turn_id,
+            grant=current.grant,
+            steps=steps,
+            model_tier=model_tier,
+            fallbacks=list(fallbacks),
+            usage=usage or Usage(),
+            timing=timing or Timing(),
+            error=error,
+            assistant_message=message,
+        )
+        events.append(NewEvent(payload=settled, turn_id=turn_id))
+        try:
+            result = await self.projector.append(
+                thread_id, events, idempotency_key=f"settle:{turn_id}"
+            )
+        except ConflictError as exc:
+            # Another instance settled it first (same key, other content): the first wins.
+            if not isinstance(exc, IdempotencyKeyReusedError):
+                raise
+            result = None
+        record = await self.projector.record(thread_id, turn_id)
+        assert record is not None
+        if result is None or result.duplicate:
+            return Settlement(
+                record=record, first_seq=record.seq, last_seq=record.seq, duplicate=True
+            )
+        return Settlement(record=record, first_seq=result.first_seq, last_seq=result.last_seq)
+
+    # -- records --------------------------------------------------------------------------------
+
+    async def turn(
+        self, thread_id: str, turn_id: str, *, principal: Principal | None = None
+    ) -> TurnRecord | None:
+        """One turn's record (open or settled), or None."""
+        await self._allow(principal, "read", thread_id)
+        return await self.projector.record(thread_id, turn_id)
+
+    async def turn_tree(
+        self, thread_id: str, *, principal: Principal | None = None
+    ) -> list[TurnNode]:
+        """Root turns with their child turns."""
+        await self._allow(principal, "read", thread_id)
+        return await self.projector.turn_tree(thread_id)
+
+    async def records(
+        self,
+        thread_id: str | None = None,
+        *,
+        limit: int = 50,
+        after: str | None = None,
+        principal: Principal | None = None,
+    ) -> RecordsPage:
+        """Settled turn records, newest first: of one thread, or of every thread (None).
+
+        ``after`` is the ``next_cursor`` of the previous page.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be an int >= 1, not {limit!r}")
+        await self._allow(principal, "read", thread_id)
+        cursor = _parse_cursor(after)
+        if thread_id is not None:
+            found = await self.projector.records(thread_id)
+            ordered = sorted(found, key=_newest_first)
+        else:
+            ordered = await self._records_everywhere(cursor, limit)
+        if cursor is not None:
+            ordered = [r for r in ordered if _newest_first(r) > cursor]
+        page = ordered[:limit]
+        more = len(ordered) > limit
+        next_cursor = _cursor_of(page[-1]) if more and page else None
+        return RecordsPage(records=page, next_cursor=next_cursor)
+
+    async def _records_everywhere(self, cursor: SortKey | None, limit: int) -> list[TurnRecord]:
+        # Threads come newest activity first, and no thread holds a record much newer than
+        # its last activity (record times come from client ULIDs, activity from the server
+        # clock: CLOCK_SKEW_MS absorbs the difference). Once `limit + 1` records are newer
+        # than that, older threads cannot change the page.
+        collected: list[TurnRecord] = []
+        for info in await self.store.threads():
+            if len(collected) > limit:
+                kept = sorted(collected, key=_newest_first)[: limit + 1]
+                if kept[-1].recorded_ms > info.last_activity_ms + CLOCK_SKEW_MS:
+                    break
+            records = await self.projector.records(info.thread_id)
+            if cursor is not None:
+                records = [r for r in records if _newest_first(r) > cursor]
+            collected += records
+        return sorted(collected, key=_newest_first)
+
+    async def context(
+        self,
+        thread_id: str,
+        *,
+        limit: int = DEFAULT_WINDOW,
+        view: str | None = None,
+        records: int = 0,
+        principal: Principal | None = None,
+    ) -> Context:
+        """History window, a reader view and the latest records in one round trip."""
+        await self._allow(principal, "read", thread_id)
+        return await self.projector.context(thread_id, n=limit, view=view, records=records)
+
+
+# Newest first: by record time (ms), then thread id, then seq descending within a thread.
+SortKey = tuple[int, str, int]
+
+
+def _newest_first(r: TurnRecord) -> SortKey:
+    return (-r.recorded_ms, r.thread_id, -r.seq)
+
+
+def _cursor_of(r: TurnRecord) -> str:
+    return f"{r.recorded_ms}:{r.seq}:{r.thread_id}"
+
+
+def _parse_cursor(after: str | None) -> SortKey | None:
+    if after is None:
+        return None
+    try:
+        ms, seq, thread_id = after.split(":", 2)
+        return (-int(ms), thread_id, -int(seq))
+    except ValueError:
+        raise InvalidInputError(f"not a records cursor: {after!r}") from None

@@ -1,0 +1,418 @@
+"""ThreadStore, SessionStore, JSONL and access control, on the memory backend and real Redis."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import eventstore as es
+from adapters import (
+    AccessDenied,
+    CallbackPolicy,
+    JsonlImportError,
+    Principal,
+    SessionStore,
+    StateUpdate,
+    TenantPolicy,
+    ThreadStore,
+    TurnNotFoundError,
+    export_jsonl,
+    import_jsonl,
+    session_update,
+)
+from eventstore.testing import read_all
+from projections import Projector, ReaderView, StateProjection
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    namespace = "a" + uuid.uuid4().hex[:12]
+    if request.param == "memory":
+        opened: es.EventStore = es.MemoryEventStore(namespace=namespace)
+    else:
+        url = request.getfixturevalue("redis_url")
+        opened = await es.connect(url, namespace=namespace)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def user(text: str) -> es.Message:
+    return es.Message(role="user", content=text)
+
+
+def assistant(text: str) -> es.Message:
+    return es.Message(role="assistant", content=text)
+
+
+PLANNER = ReaderView("planner", {"plan": None, "profile": ("name",)})
+
+
+async def test_scripted_conversation(store: es.EventStore) -> None:
+    threads = ThreadStore(store, state=StateProjection([PLANNER], blocks=["scratch"]))
+    sessions = SessionStore(store)
+    t = "conv"
+
+    # Turn 1: a root turn that completes, with a child turn that completes too.
+    t1 = await threads.open_turn(
+        t, request_message=user("plan my trip"), grant=es.Grant(max_steps=8)
+    )
+    assert [m.message.text for m in await threads.list_messages(t)] == ["plan my trip"]
+    child = await threads.open_turn(t, parent_turn_id=t1, request_message=user("sub-question"))
+    await threads.settle_turn(
+        t, child, outcome="completed", assistant_message=assistant("sub-answer")
+    )
+    await threads.update_state(t, "plan", {"steps": ["fly"]}, turn_id=t1)
+    await threads.update_state(
+        t, "profile", {"name": "Ada", "email": "ada@example.com"}, turn_id=t1
+    )
+    s1 = await threads.settle_turn(
+        t,
+        t1,
+        outcome="completed",
+        assistant_message=assistant("here is the plan"),
+        usage=es.Usage(input_tokens=100, output_tokens=20),
+        steps=3,
+        model_tier="large",
+        fallbacks=[es.Fallback(from_tier="large", to_tier="small", reason="rate limit")],
+        state_updates=[StateUpdate("plan", {"steps": ["fly", "hotel"]}, expected_version=1)],
+    )
+    assert s1.record.outcome == "completed" and not s1.duplicate
+
+    # Turn 2: fails after recording a state update: the update stays, no assistant message.
+    t2 = await threads.open_turn(t, request_message=user("book it"))
+    await threads.update_state(t, "scratch", {"draft": 1}, turn_id=t2)
+    await threads.settle_turn(
+        t,
+        t2,
+        outcome="failed",
+        error=es.TurnError(kind="tool_error", message="booking API down"),
+        assistant_message=assistant("partial answer that must not show"),
+    )
+    # Turn 3: refused at admission.
+    t3 = await threads.open_turn(t, request_message=user("do something forbidden"))
+    await threads.settle_turn(t, t3, outcome="refused", error=es.TurnError(kind="policy"))
+
+    messages = [m.message.text for m in await threads.list_messages(t, limit=10)]
+    assert messages == [
+        "plan my trip",
+        "here is the plan",
+        "book it",
+        "do something forbidden",
+    ]
+    assert [m.message.text for m in await threads.list_messages(t)] == messages[-6:]
+    assert await threads.list_messages(t, limit=0) == []
+    assert [m.message.text for m in await threads.list_messages(t, limit=2)] == messages[-2:]
+
+    state = await threads.state(t, "planner")
+    assert state["plan"].value == {"steps": ["fly", "hotel"]}
+    assert state["plan"].version == 2
+    assert state["profile"].value == {"name": "Ada"}  # the view hides the email
+    assert "scratch" not in state
+    everything = await threads.state(t)
+    assert everything["scratch"].value == {"draft": 1}  # failure is not rollback
+
+    page = await threads.records(t)
+    assert [r.turn_id for r in page.records] == [t3, t2, t1, child]
+    by_turn = {r.turn_id: r for r in page.records}
+    assert by_turn[t2].outcome == "failed" and by_turn[t2].error is not None
+    assert by_turn[t3].outcome == "refused"
+    assert by_turn[t1].usage.total_tokens == 120 and by_turn[t1].steps == 3
+    assert by_turn[t1].fallbacks[0].to_tier == "small"
+    assert by_turn[t1].grant == es.Grant(max_steps=8)
+    assert by_turn[child].parent_turn_id == t1
+    tree = await threads.turn_tree(t)
+    assert [n.record.turn_id for n in tree] == [t1, t2, t3]
+    assert [c.record.turn_id for c in tree[0].children] == [child]
+
+    # A compaction through the session store on the same log.
+    session = "conv-session"
+    await sessions.append(session, [user("a"), assistant("b"), user("c")])
+    loaded = await sessions.load(session)
+    await sessions.replace(session, [assistant("summary of a, b"), user("c")])
+    assert [m.text for m in (await sessions.load(session)).messages] == ["summary of a, b", "c"]
+    logged = [e.type for e in await read_all(store, session)]
+    assert logged == ["transcript.appended", "transcript.replaced"]
+    assert loaded.version == 1
+
+    report = await Projector(store, state=StateProjection([PLANNER], blocks=["scratch"])).check(t)
+    assert report.ok and report.anomalies == []
+
+
+async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("a", request_message=user("hi"))
+    first = await threads.settle_turn(
+        "a", turn, outcome="completed", assistant_message=assistant("yo")
+    )
+    again = await threads.settle_turn("a", turn, outcome="failed")
+    assert again.duplicate and again.record == first.record
+    assert again.record.outcome == "completed"
+    with pytest.raises(TurnNotFoundError):
+        await threads.settle_turn("b", turn, outcome="completed")
+    with pytest.raises(TurnNotFoundError):
+        await threads.settle_turn("a", es.new_ulid(), outcome="completed")
+    with pytest.raises(TurnNotFoundError):
+        await threads.open_turn("b", parent_turn_id=turn)
+    settled = [e for e in await read_all(store, "a") if e.type == "turn.settled"]
+    assert len(settled) == 1
+    assert await store.version("b") == 0
+
+
+async def test_turn_ids_are_injectable(store: es.EventStore) -> None:
+    ids = iter(["turn-1", "turn-2"])
+    threads = ThreadStore(store, new_turn_id=lambda: next(ids))
+    assert await threads.open_turn("t") == "turn-1"
+    assert await threads.open_turn("t") == "turn-2"
+
+
+async def test_state_version_conflict_writes_nothing(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    await threads.update_state("t", "plan", 1, turn_id=None, expected_block_version=0)
+    with pytest.raises(es.ViewConflictError) as info:
+        await threads.update_state("t", "plan", 2, turn_id=None, expected_block_version=0)
+    assert info.value.actual == 1
+    assert (await threads.state("t"))["plan"].value == 1
+    assert await store.version("t") == 1
+
+
+async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
+    namespace = "a" + uuid.uuid4().hex[:12]
+    a_store = await es.connect(redis_url, namespace=namespace)
+    b_store = await es.connect(redis_url, namespace=namespace)
+    try:
+        instances = [ThreadStore(a_store), ThreadStore(b_store)]
+        turn_ids: list[str] = []
+
+        async def run(i: int, store: ThreadStore) -> None:
+            for n in range(25):
+                turn = await store.open_turn("shared", request_message=user(f"{i}-{n}"))
+                turn_ids.append(turn)
+                await store.settle_turn(
+                    "shared", turn, outcome="completed", assistant_message=assistant(f"{i}-{n}!")
+                )
+
+        async with anyio.create_task_group() as tg:
+            for i, inst in enumerate(instances):
+                tg.start_soon(run, i, inst)
+        assert len(set(turn_ids)) == 50
+        history = await instances[0].list_messages("shared", limit=1000)
+        texts = [m.message.text for m in history]
+        assert len(texts) == 100
+        for i in range(2):
+            asked = [t for t in texts if t.startswith(f"{i}-") and not t.endswith("!")]
+            assert asked == [f"{i}-{n}" for n in range(25)]
+            for n in range(25):
+                assert texts.index(f"{i}-{n}") < texts.index(f"{i}-{n}!")
+        seqs = [m.seq for m in history]
+        assert seqs == sorted(seqs)
+    finally:
+        await a_store.close()
+        await b_store.close()
+
+
+async def test_settle_retried_after_a_timeout_writes_once(redis_url: str) -> None:
+    namespace = "a" + uuid.uuid4().hex[:12]
+    store = await es.connect(redis_url, namespace=namespace)
+    admin = await es.connect(redis_url, namespace=namespace)
+    assert isinstance(admin, es.RedisEventStore)
+    try:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn("t", request_message=user("q"))
+        # Hold every write on the server so the settle is cut off while in flight.
+        await admin.client.execute_command("CLIENT", "PAUSE", "300", "WRITE")
+        with anyio.move_on_after(0.1) as scope:
+            await threads.settle_turn(
+                "t", turn, outcome="completed", assistant_message=assistant("a")
+            )
+        assert scope.cancelled_caught
+        await anyio.sleep(0.4)
+        retry = await threads.settle_turn(
+            "t", turn, outcome="completed", assistant_message=assistant("a")
+        )
+        assert retry.record.outcome == "completed"
+        events = await read_all(store, "t")
+        assert [e.type for e in events].count("turn.settled") == 1
+        texts = [m.message.text for m in await threads.list_messages("t")]
+        assert texts == ["q", "a"]
+    finally:
+        await store.close()
+        await admin.close()
+
+
+async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
+    before = [user("a"), assistant("b")]
+    extended = session_update(before, [*before, user("c")])
+    assert extended.mode == "append" and [m.text for m in extended.messages] == ["c"]
+    compacted = session_update(before, [assistant("summary")])
+    assert compacted.mode == "replace"
+    assert session_update(before, before).messages == []
+
+    writer_a, writer_b = SessionStore(store), SessionStore(store)
+    await writer_a.append("s", before)
+    await writer_b.load("s")
+    await writer_a.load("s")
+    await writer_a.save("s", extended)
+    with pytest.raises(es.ConcurrencyError):
+        await writer_b.replace("s", [assistant("stale summary")])
+    assert [m.text for m in (await writer_a.load("s")).messages] == ["a", "b", "c"]
+    loaded = await writer_b.load("s")
+    await writer_b.save("s", session_update(loaded.messages, [assistant("fresh summary")]))
+    assert [m.text for m in (await writer_a.load("s")).messages] == ["fresh summary"]
+
+
+ALL_PARTS = {
+    "role": "assistant",
+    "content": [
+        {"type": "text", "text": "héllo ✓ 𝄞", "providerOptions": {"x": {"cache": True}}},
+        {"type": "reasoning", "text": "thinking"},
+        {"type": "tool-call", "toolCallId": "c1", "toolName": "search", "input": {"q": "x"}},
+        {"type": "tool-result", "toolCallId": "c1", "toolName": "search", "output": [1, 2.5]},
+        {"type": "file", "mediaType": "application/pdf", "url": "https://example.com/a.pdf"},
+        {"type": "image", "image": "aGVsbG8=", "mediaType": "image/png"},
+        {"type": "source", "sourceType": "url", "id": "s1", "url": "https://example.com"},
+        {"type": "text", "text": "x", "unknownField": {"nested": [1, None]}},
+    ],
+    "providerOptions": {"anthropic": {"cacheControl": {"type": "ephemeral"}}},
+    "futureField": 7,
+}
+
+
+def jsonl_lines() -> list[bytes]:
+    big = "x" * 1_000_000
+    return [
+        json.dumps({"role": "system", "content": "be brief"}, separators=(",", ":")).encode(),
+        json.dumps(ALL_PARTS, separators=(",", ":"), ensure_ascii=False).encode(),
+        # Not canonical: spaces, escaped unicode, key order; must still come back byte for byte.
+        b'{"content": "caf\\u00e9", "role": "user", "id": "m-1"}',
+        json.dumps(
+            {
+                "role": "tool",
+                "content": [
+                    {
+                        "type": "tool-result",
+                        "toolCallId": "c1",
+                        "toolName": "search",
+                        "output": {"ok": True},
+                    }
+                ],
+            }
+        ).encode(),
+        json.dumps({"role": "user", "content": big}, separators=(",", ":")).encode(),
+    ]
+
+
+async def test_jsonl_round_trip_is_byte_faithful(store: es.EventStore, tmp_path: Path) -> None:
+    sessions = SessionStore(store)
+    source = tmp_path / "session.jsonl"
+    lines = jsonl_lines()
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    report = await import_jsonl(sessions, source, "s")
+    assert (report.imported, report.skipped, report.duplicate) == (5, [], False)
+    again = await import_jsonl(sessions, source, "s")
+    assert again.duplicate
+    assert len((await sessions.load("s")).messages) == 5
+    out = tmp_path / "out.jsonl"
+    assert await export_jsonl(sessions, "s", out) == 5
+    assert out.read_bytes() == source.read_bytes()
+    loaded = (await sessions.load("s")).messages
+    assert isinstance(loaded[1].content, list)
+    assert isinstance(loaded[1].content[2], es.ToolCallPart)
+    assert isinstance(loaded[1].content[6], es.OtherPart)
+
+
+async def test_jsonl_malformed_lines(store: es.EventStore, tmp_path: Path) -> None:
+    sessions = SessionStore(store)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(
+        b'{"role":"user","content":"ok"}\n'
+        b"not json\n"
+        b'{"role":"robot","content":"x"}\n'
+        b"\n"
+        b"[1,2]\n"
+        b'{"role":"user","content":"also ok"}\n'
+        b'{"role":"user","content":"trunc'
+    )
+    with pytest.raises(JsonlImportError) as info:
+        await import_jsonl(sessions, path, "s")
+    assert [e.line for e in info.value.errors] == [2, 3, 4, 5, 7]
+    assert "line 2" in str(info.value)
+    assert await store.version("s") == 0
+    report = await import_jsonl(sessions, path, "s", skip_bad=True)
+    assert report.imported == 2 and [e.line for e in report.skipped] == [2, 3, 4, 5, 7]
+    assert [m.text for m in (await sessions.load("s")).messages] == ["ok", "also ok"]
+    with pytest.raises(es.InvalidInputError):
+        await import_jsonl(sessions, tmp_path / "missing.jsonl", "s")
+
+
+async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> None:
+    policy = TenantPolicy()
+    threads = ThreadStore(store, policy=policy)
+    sessions = SessionStore(store, policy=policy)
+    insider = Principal(id="alice", tenant=store.namespace)
+    outsider = Principal(id="mallory", tenant="other-tenant")
+    await threads.append_message("t", user("secret"), principal=insider)
+    calls: list[Any] = [
+        threads.list_messages("t", principal=outsider),
+        threads.append_message("t", user("x"), principal=outsider),
+        threads.state("t", principal=outsider),
+        threads.update_state("t", "b", 1, turn_id=None, principal=outsider),
+        threads.open_turn("t", principal=outsider),
+        threads.records("t", principal=outsider),
+        threads.records(principal=outsider),
+        sessions.load("t", principal=outsider),
+        sessions.append("t", [user("x")], principal=outsider),
+        threads.list_messages("t"),  # no principal at all
+    ]
+    for call in calls:
+        with pytest.raises(AccessDenied):
+            await call
+    assert await store.version("t") == 1
+    assert [m.message.text for m in await threads.list_messages("t", principal=insider)] == [
+        "secret"
+    ]
+    # A per-thread policy: the session id alone proves nothing.
+    owners = {"t": "alice"}
+    by_owner = ThreadStore(
+        store,
+        policy=CallbackPolicy(
+            lambda p, action, ns, thread: p is not None and owners.get(thread or "") == p.id
+        ),
+    )
+    with pytest.raises(AccessDenied):
+        await by_owner.list_messages("t", principal=Principal(id="bob"))
+    assert len(await by_owner.list_messages("t", principal=Principal(id="alice"))) == 1
+
+
+async def test_records_across_threads_newest_first_paginated(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    settled: list[str] = []
+    for i in range(7):
+        thread = f"t{i % 3}"
+        turn = await threads.open_turn(thread)
+        await threads.settle_turn(thread, turn, outcome="completed")
+        settled.append(turn)
+        await anyio.sleep(0.002)
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await threads.records(limit=3, after=cursor)
+        seen += [r.turn_id for r in page.records]
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert seen == list(reversed(settled))
+    one = await threads.records("t0", limit=2)
+    assert [r.turn_id for r in one.records] == [settled[6], settled[3]]
+    assert one.next_cursor is not None
+    rest = await threads.records("t0", limit=2, after=one.next_cursor)
+    assert [r.turn_id for r in rest.records] == [settled[0]] and rest.next_cursor is None
