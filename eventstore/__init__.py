@@ -62,6 +62,7 @@ from ._errors import (
     ViewConflictError,
 )
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event, registry
+from ._feed import FeedEntry, GroupInfo
 from ._ids import new_ulid, validate_namespace, validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, KeyLayout, acl_key_pattern, partition_of
 from ._memory import MemoryEventStore, MemoryServer
@@ -104,9 +105,11 @@ __all__ = [
     "EventTooLargeError",
     "EventValidationError",
     "ExpectedVersion",
+    "FeedEntry",
     "Fallback",
     "FilePart",
     "Grant",
+    "GroupInfo",
     "HashDelete",
     "HashGet",
     "HashGetAll",

@@ -13,6 +13,7 @@ nobody without it can recompute a link after changing, inserting, removing or mo
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,18 +50,18 @@ class EncodedEvent(msgspec.Struct, frozen=True):
     digest: str
 
 
-def _framed(*parts: bytes) -> bytes:
-    # Length-prefixing makes the digest input unambiguous: no two field splits collide.
-    return b"".join(b"%d:%s" % (len(p), p) for p in parts)
-
-
 def content_digest(
     thread_id: str, id_bytes: bytes, version: int, data: bytes, meta: bytes, secret: bytes | None
 ) -> str:
     """The per-event digest ``c`` linked into the chain (keyed MAC when ``secret`` is set)."""
-    h = hashlib.blake2b(digest_size=16, key=secret or b"")
-    h.update(_framed(thread_id.encode("utf-8"), id_bytes, b"%d" % version, data, meta))
-    return h.hexdigest()
+    thread = thread_id.encode("utf-8")
+    v = b"%d" % version
+    # Each field as ``<len>:<bytes>``: length-prefixing makes the digest input unambiguous, no
+    # two field splits collide. One format call, not a join: this runs for every event.
+    framed = b"%d:%s%d:%s%d:%s%d:%s%d:%s" % (
+        len(thread), thread, len(id_bytes), id_bytes, len(v), v, len(data), data, len(meta), meta
+    )  # fmt: skip
+    return hashlib.blake2b(framed, digest_size=16, key=secret or b"").hexdigest()
 
 
 def chain_link(prev: str, seq: int, time_ms: int, digest: str) -> str:
@@ -69,11 +70,35 @@ def chain_link(prev: str, seq: int, time_ms: int, digest: str) -> str:
     return hashlib.sha1(material, usedforsecurity=False).hexdigest()[:CHAIN_HEX_CHARS]
 
 
+# ULIDs on the append path: python-ulid parses and prints them in Python, a few microseconds
+# each, so canonical (upper-case) strings take these C-level paths; anything else still goes
+# through python-ulid, which decides what is valid and words the errors.
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_CANONICAL_ULID = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
+_CROCKFORD_TO_INT_DIGITS = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
+_ULID_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # 10 bits -> two characters
+
+
 def _parse_ulid(value: str, what: str) -> bytes:
+    if isinstance(value, str) and _CANONICAL_ULID.fullmatch(value) is not None:
+        # Crockford digits map one-to-one onto int()'s base-32 digits; [0-7] first: no overflow.
+        return int(value.translate(_CROCKFORD_TO_INT_DIGITS), 32).to_bytes(16, "big")
     try:
         return bytes(ULID.from_str(value))
     except (ValueError, TypeError) as exc:
         raise InvalidInputError(f"{what} {value!r} is not a ULID") from exc
+
+
+def _ulid_str(raw: bytes) -> str:
+    """``str(ULID.from_bytes(raw))``: 26 Crockford digits of the 128 bits (2 leading zero bits)."""
+    n = int.from_bytes(raw, "big")
+    p = _ULID_PAIRS
+    return (
+        p[n >> 120] + p[(n >> 110) & 1023] + p[(n >> 100) & 1023] + p[(n >> 90) & 1023]
+        + p[(n >> 80) & 1023] + p[(n >> 70) & 1023] + p[(n >> 60) & 1023] + p[(n >> 50) & 1023]
+        + p[(n >> 40) & 1023] + p[(n >> 30) & 1023] + p[(n >> 20) & 1023] + p[(n >> 10) & 1023]
+        + p[n & 1023]
+    )  # fmt: skip
 
 
 def encode_events(
@@ -97,37 +122,51 @@ def encode_events(
     out: list[EncodedEvent] = []
     seen: set[str] = set()
     for index, item in enumerate(events):
-        new = as_new_event(item)
-        version = registry.version_of(new.payload)
+        meta_obj: EventMeta | None = None
+        if isinstance(item, Event):
+            # What `as_new_event` does, minus the NewEvent: a fresh id from python-ulid's
+            # (monotonic) generator, kept as bytes too so it need not be parsed back.
+            payload = item
+            minted = ULID().bytes
+            event_id, id_bytes = _ulid_str(minted), minted
+        else:
+            new = as_new_event(item)  # passes a NewEvent through, raises for anything else
+            payload, event_id, id_bytes = new.payload, new.id, None
+            if not (
+                new.turn_id is None and new.correlation_id is None and new.causation_id is None
+            ):
+                meta_obj = EventMeta(
+                    turn_id=new.turn_id,
+                    correlation_id=new.correlation_id,
+                    causation_id=new.causation_id,
+                )
+        version = registry.version_of(payload)
         try:
-            data = _encoder.encode(new.payload)
+            data = _encoder.encode(payload)
         except (msgspec.EncodeError, TypeError, OverflowError) as exc:
             raise EventValidationError(
-                f"thread {thread_id!r}: event #{index} ({new.payload.event_type}) "
+                f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"
             ) from exc
         try:
             registry.decode(data, version)
         except (EventValidationError, UnknownEventTypeError) as exc:
             raise EventValidationError(
-                f"thread {thread_id!r}: event #{index} ({new.payload.event_type}) "
+                f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"fails validation: {exc}"
             ) from exc
-        meta_obj = EventMeta(
-            turn_id=new.turn_id,
-            correlation_id=new.correlation_id,
-            causation_id=new.causation_id,
-        )
-        meta = _EMPTY_META if meta_obj == _NO_META else _encoder.encode(meta_obj)
+        # No envelope fields: EventMeta() would encode to a map with nothing in it; store nothing.
+        meta = _EMPTY_META if meta_obj is None else _encoder.encode(meta_obj)
         size = len(data) + len(meta)
         if size > max_event_bytes:
             raise EventTooLargeError(thread_id, size, max_event_bytes, index)
-        id_bytes = _parse_ulid(new.id, "event id")
-        if new.id in seen:
-            raise InvalidInputError(f"thread {thread_id!r}: event id {new.id} appears twice")
-        seen.add(new.id)
+        if id_bytes is None:
+            id_bytes = _parse_ulid(event_id, "event id")
+        if event_id in seen:
+            raise InvalidInputError(f"thread {thread_id!r}: event id {event_id} appears twice")
+        seen.add(event_id)
         digest = content_digest(thread_id, id_bytes, version, data, meta, secret)
-        out.append(EncodedEvent(new.id, id_bytes, version, data, meta, digest))
+        out.append(EncodedEvent(event_id, id_bytes, version, data, meta, digest))
     return out
 
 
@@ -141,7 +180,9 @@ def request_digest(encoded: Sequence[EncodedEvent]) -> str:
     """
     h = hashlib.blake2b(digest_size=8)
     for e in encoded:
-        h.update(_framed(b"%d" % e.version, e.data, e.meta))
+        v = b"%d" % e.version
+        # Framed like `content_digest`'s input: ``<len>:<bytes>`` per field.
+        h.update(b"%d:%s%d:%s%d:%s" % (len(v), v, len(e.data), e.data, len(e.meta), e.meta))
     return h.hexdigest()
 
 

@@ -6,8 +6,10 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -15,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -26,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._codec import DEFAULT_MAX_EVENT_BYTES
 from ._contract import EventStore
-from ._errors import InvalidURLError, OperationalError, StoreConnectionError
+from ._errors import InvalidInputError, InvalidURLError, OperationalError, StoreConnectionError
 from ._events import EventRegistry
 from ._ids import validate_namespace
 from ._keys import DEFAULT_PARTITIONS
@@ -67,25 +70,41 @@ class StoreSettings:
     def from_url(cls, url: str, **overrides: Any) -> StoreSettings:
         """Parse ``url``; keyword overrides win over query parameters.
 
-        Raises `InvalidURLError` for an unknown scheme or malformed parameters.
+        Raises `InvalidURLError` for an unknown scheme, a malformed host, port, path or node
+        list, and unknown or malformed parameters.
         """
         if not isinstance(url, str) or "://" not in url:
-            raise InvalidURLError(f"not a store URL: {redact(str(url))!r}")
-        parts = urlsplit(url)
+            raise InvalidURLError(f"not a store URL: {_mask(str(url))!r}")
+        try:
+            parts = urlsplit(url)
+            query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=False)
+        except ValueError as exc:
+            raise InvalidURLError(f"bad store URL {_mask(url)!r}: {exc}") from None
         if parts.scheme not in _SCHEMES:
             raise InvalidURLError(
                 f"unsupported URL scheme {parts.scheme!r}; use one of {', '.join(_SCHEMES)}"
             )
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        _check_location(parts)
+        unknown = sorted(set(query) - _PARAMS)
+        if unknown:
+            # A silently ignored typo (``namespce=``) would write into another tenant's data.
+            raise InvalidURLError(
+                f"unknown URL parameter {unknown[0]!r}; known: {', '.join(sorted(_PARAMS))}"
+            )
+        last = {k: v[-1] for k, v in query.items()}
         values: dict[str, Any] = {}
         try:
-            if "namespace" in query:
-                values["namespace"] = query["namespace"]
-            if "partitions" in query:
-                values["partitions"] = int(query["partitions"])
-            if "socket_timeout" in query:
-                values["socket_timeout"] = float(query["socket_timeout"])
-        except ValueError as exc:
+            if "namespace" in last:
+                values["namespace"] = validate_namespace(last["namespace"])
+            if "partitions" in last:
+                values["partitions"] = int(last["partitions"])
+            if "socket_timeout" in last:
+                values["socket_timeout"] = float(last["socket_timeout"])
+                if not 0 < values["socket_timeout"] < math.inf:
+                    raise ValueError("socket_timeout must be a positive number of seconds")
+            if "db" in last and int(last["db"]) < 0:
+                raise ValueError("db must be >= 0")
+        except ValueError as exc:  # InvalidNamespaceError is a ValueError too
             raise InvalidURLError(f"bad URL parameter: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(url=url, **values)
@@ -93,6 +112,65 @@ class StoreSettings:
         if settings.partitions is not None and not 1 <= settings.partitions <= 16384:
             raise InvalidURLError("partitions must be in 1..16384")
         return settings
+
+
+_PARAMS = frozenset(
+    {
+        "namespace",
+        "partitions",
+        "socket_timeout",
+        "db",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_certfile",
+        "ssl_keyfile",
+    }
+)
+
+
+def _mask(text: str) -> str:
+    """``text`` with everything before its last ``@`` hidden: a password may hide there."""
+    return "***@" + text.rsplit("@", 1)[1] if "@" in text else text
+
+
+def _check_location(parts: SplitResult) -> None:
+    """Reject what redis-py would misread or silently ignore in the host, port and path."""
+    scheme = parts.scheme
+    if scheme == "memory":
+        return
+    if scheme == "unix":
+        if parts.hostname or not parts.path.startswith("/"):
+            raise InvalidURLError("a unix URL takes an absolute socket path: unix:///path/to.sock")
+        return
+    if scheme.endswith("+cluster"):
+        _cluster_nodes(parts)
+        return
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidURLError(f"bad port in redis URL: {exc}") from None
+    if port == 0:
+        raise InvalidURLError("bad port in redis URL: 0")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise InvalidURLError(f"the path of a redis URL is a database number, not {db!r}")
+
+
+def _cluster_nodes(parts: SplitResult) -> list[tuple[str, int]]:
+    """The ``host:port`` startup nodes of a cluster URL (no port: 6379, no host: loopback)."""
+    nodes = []
+    for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
+        host, sep, port = hostport.rpartition(":")
+        if not sep:
+            host, port = hostport, ""
+        try:
+            number = int(port or 6379)
+        except ValueError:
+            raise InvalidURLError(f"bad cluster node {hostport!r}") from None
+        if not 1 <= number <= 65535:
+            raise InvalidURLError(f"bad cluster node {hostport!r}: port out of range")
+        nodes.append((host or "127.0.0.1", number))
+    return nodes
 
 
 def redact(url: str) -> str:
@@ -148,7 +226,7 @@ async def open_store(
     if parts.scheme == "memory":
         name = (parts.netloc + parts.path).strip("/")
         server = MemoryServer.named(name) if name else MemoryServer()
-        return MemoryEventStore(
+        memory = MemoryEventStore(
             namespace=settings.namespace,
             partitions=settings.partitions or DEFAULT_PARTITIONS,
             registry=registry,
@@ -156,6 +234,14 @@ async def open_store(
             secret=settings.secret,
             server=server,
         )
+        # The same rule as `RedisEventStore.ensure_namespace`: an explicit count must agree.
+        if settings.partitions is not None and memory.partitions != settings.partitions:
+            await memory.close()
+            raise InvalidInputError(
+                f"namespace {settings.namespace!r} has {memory.partitions} partitions, "
+                f"not {settings.partitions}"
+            )
+        return memory
     client = _redis_client(settings)
     store = RedisEventStore(
         client,
@@ -196,15 +282,8 @@ def _redis_client(settings: StoreSettings) -> Any:
     # Strip threadlog's own query parameters; redis-py rejects what it does not know.
     base_url = settings.url.split("?", 1)[0]
     if parts.scheme.endswith("+cluster"):
-        nodes = []
-        for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
-            host, _, port = hostport.rpartition(":")
-            try:
-                nodes.append(ClusterNode(host or "127.0.0.1", int(port or 6379)))
-            except ValueError:
-                raise InvalidURLError(f"bad cluster node {hostport!r}") from None
         return RedisCluster(
-            startup_nodes=nodes,
+            startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],
             username=unquote(parts.username) if parts.username else None,
             password=unquote(parts.password) if parts.password else None,
             ssl=parts.scheme.startswith("rediss"),
@@ -215,6 +294,8 @@ def _redis_client(settings: StoreSettings) -> Any:
     for key in ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         if key in query:
             extra[key] = query[key][-1]
+    if "db" in query:
+        extra["db"] = int(query["db"][-1])
     try:
         return aioredis.Redis.from_url(base_url, **common, **extra)
     except ValueError as exc:
@@ -303,17 +384,58 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
     )
 
 
-def stop_embedded(directory: Path = EMBEDDED_DIR) -> bool:
-    """Stop the embedded server started under ``directory`` (by its pid file). True if stopped."""
-    pidfile = directory.resolve() / "redis.pid"
+def stop_embedded(directory: Path = EMBEDDED_DIR, *, timeout: float = 10.0) -> bool:
+    """Stop the embedded server started under ``directory`` and wait (bounded) until it is gone.
+
+    True if a server was running there and has stopped. The pid file alone is not trusted: after
+    a crash or a reboot it may name an unrelated process, so the server must answer on the
+    directory's socket and report that same pid before it is signalled.
+    """
+    directory = directory.resolve()
+    sock = _socket_path(directory)
     try:
-        pid = int(pidfile.read_text().strip())
+        pid = int((directory / "redis.pid").read_text().strip())
     except (OSError, ValueError):
         return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 15)
-        return True
+    if _server_pid(sock) != pid:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid) and not _answers(sock):
+            return True
+        time.sleep(0.02)
     return False
+
+
+def _server_pid(sock: Path) -> int | None:
+    """The pid the redis-server answering on ``sock`` reports, or None if none answers."""
+    if not _answers(sock):
+        return None
+    try:
+        with redis.Redis(unix_socket_path=str(sock), socket_timeout=2.0) as client:
+            pid = client.info("server").get("process_id")
+    except (redis.RedisError, OSError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A daemonized server is reparented; until that parent reaps it, it lingers as a zombie.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 __all__ = ["StoreSettings", "connect", "embedded_url", "open_store", "redact", "stop_embedded"]

@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Self
 
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._feed import FeedEntry, GroupInfo
 from ._views import ViewOp, ViewRead, ViewSnapshot
 
 
@@ -74,6 +75,7 @@ class EventStore(abc.ABC):
     namespace: str
     registry: EventRegistry
     partitions: int
+    max_event_bytes: int
 
     @abc.abstractmethod
     async def append(
@@ -171,6 +173,94 @@ class EventStore(abc.ABC):
         self, *, limit: int | None = None, before_ms: int | None = None
     ) -> list[ThreadInfo]:
         """Threads of the namespace, most recent activity first (optionally older than a time)."""
+
+    @abc.abstractmethod
+    async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
+        """Delete the thread: its log, meta, idempotency ledger and the named views.
+
+        The change feed records a tombstone (so exports and consumers learn of it) and the
+        thread leaves the thread index. Returns the version the thread had (0: no thread).
+        An append after deletion starts a new thread at seq 1.
+        """
+
+    # -- the change feed -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def read_feed(
+        self, partition: int, *, after: str = "0-0", count: int = 512
+    ) -> list[FeedEntry]:
+        """Feed entries of a partition with ids above ``after``, oldest first."""
+
+    @abc.abstractmethod
+    async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
+        """Register a consumer group on a partition's feed (False if it exists already).
+
+        Entries after ``start`` will be delivered to it. Registered groups hold back trimming.
+        """
+
+    @abc.abstractmethod
+    async def read_feed_group(
+        self,
+        partition: int,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 512,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[FeedEntry]:
+        """Deliver up to ``count`` new entries to ``consumer`` (or, with ``pending``, re-read the
+        ones delivered to it and not yet acknowledged). ``block_ms`` waits for new entries."""
+
+    @abc.abstractmethod
+    async def claim_feed(
+        self,
+        partition: int,
+        group: str,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int = 512,
+    ) -> list[FeedEntry]:
+        """Take over entries pending longer than ``min_idle_ms`` (from crashed consumers)."""
+
+    @abc.abstractmethod
+    async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
+        """Acknowledge delivered entries; returns how many were pending."""
+
+    @abc.abstractmethod
+    async def feed_groups(self, partition: int) -> list[GroupInfo]:
+        """The consumer groups registered on a partition's feed."""
+
+    @abc.abstractmethod
+    async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
+        """Drop feed entries every registered group has acknowledged, or older than
+        ``max_age_ms`` (whichever reaches further). Returns the number of entries removed."""
+
+    @abc.abstractmethod
+    async def apply_checkpointed(
+        self,
+        partition: int,
+        name: str,
+        *,
+        checkpoint: str,
+        incr: Sequence[tuple[str, str, int]] = (),
+    ) -> bool:
+        """Apply an async projection's writes and move its checkpoint, atomically.
+
+        ``incr`` is ``(hash, field, amount)`` increments on the projection's own partition-level
+        hashes (named ``hash``, within ``name``). Applied only if ``checkpoint`` is above the
+        stored checkpoint of ``name`` in this partition; returns False (nothing written)
+        otherwise, which makes redelivered batches harmless.
+        """
+
+    @abc.abstractmethod
+    async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
+        """Read one of an async projection's partition-level hashes."""
+
+    @abc.abstractmethod
+    async def checkpoint_of(self, partition: int, name: str) -> str:
+        """The stored checkpoint of async projection ``name`` in a partition ("0-0": none)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -77,6 +77,16 @@ class KeyLayout:
         """The partition's thread index: a sorted set of thread ids by last activity (ms)."""
         return f"{self._tags[partition]}:threads"
 
+    def checkpoints(self, partition: int) -> str:
+        """The partition's hash of async-projection checkpoints (name -> feed id)."""
+        return f"{self._tags[partition]}:ckpt"
+
+    def aux(self, partition: int, name: str, hash_name: str) -> str:
+        """A partition-level hash owned by async projection ``name``."""
+        validate_view_name(name)
+        validate_view_name(hash_name)
+        return f"{self._tags[partition]}:aux:{name}:{hash_name}"
+
     def thread_keys(self, thread_id: str) -> tuple[str, str, str, str, str]:
         """Log, meta, ledger, feed and index keys of the thread, in the append script's order."""
         p = partition_of(thread_id, self.partitions)

@@ -31,11 +31,20 @@ from ._errors import (
     ConcurrencyError,
     IdempotencyKeyReusedError,
     InvalidInputError,
+    OperationalError,
     StoreClosedError,
     ViewConflictError,
 )
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
+from ._feed import (
+    FeedEntry,
+    GroupInfo,
+    entry_from_fields,
+    format_stream_id,
+    parse_stream_id,
+    safe_trim_point,
+)
 from ._ids import validate_namespace, validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, partition_of
 from ._views import (
@@ -96,10 +105,40 @@ class _Thread:
 
 
 @dataclass
+class _Group:
+    last_delivered: tuple[int, int]
+    # entry id -> (consumer, delivery time in ms)
+    pending: dict[tuple[int, int], tuple[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class _Feed:
+    """A partition's feed stream with consumer groups, as Redis keeps them."""
+
+    ids: list[tuple[int, int]] = field(default_factory=list)
+    entries: dict[tuple[int, int], dict[bytes, bytes]] = field(default_factory=dict)
+    last_id: tuple[int, int] = (0, 0)
+    groups: dict[str, _Group] = field(default_factory=dict)
+
+    def add(self, fields: dict[bytes, bytes]) -> None:
+        ms = int(time.time() * 1000)
+        new = (ms, 0) if ms > self.last_id[0] else (self.last_id[0], self.last_id[1] + 1)
+        self.ids.append(new)
+        self.entries[new] = fields
+        self.last_id = new
+
+    def after(self, after: tuple[int, int], count: int) -> list[tuple[int, int]]:
+        start = bisect.bisect_right(self.ids, after)
+        return self.ids[start : start + count]
+
+
+@dataclass
 class _Namespace:
     partitions: int
     threads: dict[str, _Thread] = field(default_factory=dict)
-    feeds: dict[int, list[tuple[str, int, int, int]]] = field(default_factory=dict)
+    feeds: dict[int, _Feed] = field(default_factory=dict)
+    checkpoints: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    aux: dict[tuple[int, str, str], dict[str, int]] = field(default_factory=dict)
     index: dict[str, int] = field(default_factory=dict)
 
 
@@ -242,7 +281,9 @@ class MemoryEventStore(EventStore):
         thread.head = prev
         thread.ledger[ikey] = (first, last, rdigest)
         p = partition_of(thread_id, self.partitions)
-        self._ns.feeds.setdefault(p, []).append((thread_id, first, last, now))
+        self._ns.feeds.setdefault(p, _Feed()).add(
+            {b"t": thread_id.encode(), b"f": b"%d" % first, b"l": b"%d" % last}
+        )
         self._ns.index[thread_id] = now
         return AppendResult(thread_id, first, last)
 
@@ -343,7 +384,8 @@ class MemoryEventStore(EventStore):
                 h = view if isinstance(view, dict) else {}
                 lst = views.get(r.list_view)
                 names = _lrange(lst if isinstance(lst, list) else [], r.start, r.stop)
-                fields = [n.split(b":", 1)[1].decode() for n in names]
+                # Redis looks the raw bytes up; bytes that are not UTF-8 then match no field.
+                fields = [n.split(b":", 1)[1].decode("utf-8", "surrogateescape") for n in names]
                 raw = _flat((f.encode(), h[f]) for f in fields if f in h)
             else:
                 raise InvalidInputError(f"not a view read: {r!r}")
@@ -366,6 +408,8 @@ class MemoryEventStore(EventStore):
             return  # views of a thread that has no events are empty by definition
         for op in ops:
             thread.views.pop(op.view, None)
+            if version == 0:
+                continue  # no events (e.g. deleted, views kept): a load can only empty a view
             if isinstance(op, ListLoad) and op.entries:
                 thread.views[op.view] = [stamp_list_value(e.seq, e.value) for e in op.entries]
             elif isinstance(op, HashLoad) and op.entries:
@@ -385,6 +429,196 @@ class MemoryEventStore(EventStore):
         key = lambda t: (-t.last_activity_ms, t.thread_id)  # noqa: E731
         out = heapq.nsmallest(limit, rows, key=key) if limit is not None else sorted(rows, key=key)
         return out
+
+    async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
+        thread = self._thread(thread_id)
+        for view in views:
+            validate_view_name(view)
+        await anyio.lowlevel.checkpoint()
+        if thread is None:
+            return 0
+        # Like DEL on the named keys only: views not named survive, as they would in Redis.
+        leftover = {k: v for k, v in thread.views.items() if k not in views}
+        if leftover:
+            self._ns.threads[thread_id] = _Thread(views=leftover)
+        else:
+            del self._ns.threads[thread_id]
+        self._ns.index.pop(thread_id, None)
+        p = partition_of(thread_id, self.partitions)
+        self._ns.feeds.setdefault(p, _Feed()).add(
+            {b"t": thread_id.encode(), b"f": b"0", b"l": b"%d" % thread.version, b"x": b"deleted"}
+        )
+        return thread.version
+
+    # -- the change feed ------------------------------------------------------------------------
+
+    def _feed(self, partition: int, *, create: bool = False) -> _Feed | None:
+        self._check_open()
+        if isinstance(partition, bool) or not 0 <= partition < self.partitions:
+            raise InvalidInputError(f"partition must be in 0..{self.partitions - 1}")
+        feed = self._ns.feeds.get(partition)
+        if feed is None and create:
+            feed = self._ns.feeds[partition] = _Feed()
+        return feed
+
+    def _group(self, partition: int, group: str) -> tuple[_Feed, _Group]:
+        feed = self._feed(partition)
+        grp = feed.groups.get(group) if feed is not None else None
+        if feed is None or grp is None:
+            # Redis answers NOGROUP; the Redis backend translates that to OperationalError.
+            raise OperationalError(f"NOGROUP no consumer group {group!r} on partition {partition}")
+        return feed, grp
+
+    @staticmethod
+    def _out(partition: int, feed: _Feed, ids: Sequence[tuple[int, int]]) -> list[FeedEntry]:
+        return [
+            entry_from_fields(partition, format_stream_id(i), feed.entries[i])
+            for i in ids
+            if i in feed.entries
+        ]
+
+    async def read_feed(
+        self, partition: int, *, after: str = "0-0", count: int = READ_BATCH
+    ) -> list[FeedEntry]:
+        after_id = parse_stream_id(after)
+        feed = self._feed(partition)
+        await anyio.lowlevel.checkpoint()
+        if feed is None:
+            return []
+        return self._out(partition, feed, feed.after(after_id, count))
+
+    async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
+        validate_view_name(group)
+        start_id = parse_stream_id(start)
+        feed = self._feed(partition, create=True)
+        assert feed is not None
+        if group in feed.groups:
+            return False
+        feed.groups[group] = _Group(last_delivered=start_id)
+        return True
+
+    async def read_feed_group(
+        self,
+        partition: int,
+        group: str,
+        consumer: str,
+        *,
+        count: int = READ_BATCH,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[FeedEntry]:
+        feed, grp = self._group(partition, group)
+        if pending:
+            mine = sorted(i for i, (c, _) in grp.pending.items() if c == consumer)[:count]
+            await anyio.lowlevel.checkpoint()
+            return self._out(partition, feed, mine)
+        deadline = time.monotonic() + (block_ms or 0) / 1000
+        while True:
+            ids = feed.after(grp.last_delivered, count)
+            if ids or block_ms is None or time.monotonic() >= deadline:
+                break
+            await anyio.sleep(0.005)
+        now = time.monotonic() * 1000
+        for i in ids:
+            grp.pending[i] = (consumer, now)
+        if ids:
+            grp.last_delivered = ids[-1]
+        await anyio.lowlevel.checkpoint()
+        return self._out(partition, feed, ids)
+
+    async def claim_feed(
+        self,
+        partition: int,
+        group: str,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int = READ_BATCH,
+    ) -> list[FeedEntry]:
+        feed, grp = self._group(partition, group)
+        now = time.monotonic() * 1000
+        claimed: list[tuple[int, int]] = []
+        for i in sorted(grp.pending):
+            if len(claimed) >= count:
+                break
+            _, since = grp.pending[i]
+            if now - since >= min_idle_ms:
+                if i not in feed.entries:  # trimmed while pending: XAUTOCLAIM drops it
+                    del grp.pending[i]
+                    continue
+                grp.pending[i] = (consumer, now)
+                claimed.append(i)
+        await anyio.lowlevel.checkpoint()
+        return self._out(partition, feed, claimed)
+
+    async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
+        _, grp = self._group(partition, group)
+        done = 0
+        for raw in ids:
+            if grp.pending.pop(parse_stream_id(raw), None) is not None:
+                done += 1
+        return done
+
+    async def feed_groups(self, partition: int) -> list[GroupInfo]:
+        feed = self._feed(partition)
+        if feed is None:
+            return []
+        return [
+            GroupInfo(
+                name=name,
+                last_delivered=format_stream_id(g.last_delivered),
+                pending=len(g.pending),
+                oldest_pending=format_stream_id(min(g.pending)) if g.pending else None,
+            )
+            for name, g in feed.groups.items()
+        ]
+
+    async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
+        feed = self._feed(partition)
+        if feed is None:
+            return 0
+        point = safe_trim_point(await self.feed_groups(partition))
+        if max_age_ms is not None:
+            aged = f"{max(int(time.time() * 1000) - max_age_ms, 0)}-0"
+            point = aged if point is None else max(point, aged, key=parse_stream_id)
+        if point is None:
+            return 0
+        cut = bisect.bisect_left(feed.ids, parse_stream_id(point))
+        for i in feed.ids[:cut]:
+            del feed.entries[i]
+        del feed.ids[:cut]
+        return cut
+
+    async def apply_checkpointed(
+        self,
+        partition: int,
+        name: str,
+        *,
+        checkpoint: str,
+        incr: Sequence[tuple[str, str, int]] = (),
+    ) -> bool:
+        self._feed(partition)
+        validate_view_name(name)
+        new = parse_stream_id(checkpoint)
+        for hash_name, _, _ in incr:
+            validate_view_name(hash_name)
+        await anyio.lowlevel.checkpoint()
+        if new <= self._ns.checkpoints.get((partition, name), (-1, -1)):
+            return False
+        for hash_name, field_name, amount in incr:
+            target = self._ns.aux.setdefault((partition, name, hash_name), {})
+            target[field_name] = target.get(field_name, 0) + int(amount)
+        self._ns.checkpoints[(partition, name)] = new
+        return True
+
+    async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
+        self._feed(partition)
+        return dict(self._ns.aux.get((partition, name, hash_name), {}))
+
+    async def checkpoint_of(self, partition: int, name: str) -> str:
+        self._feed(partition)
+        found = self._ns.checkpoints.get((partition, name))
+        return format_stream_id(found) if found else "0-0"
 
     async def close(self) -> None:
         self._closed = True

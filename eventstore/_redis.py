@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -39,9 +40,10 @@ from ._errors import (
 )
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
-from ._ids import validate_thread_id
+from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
+from ._ids import validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, KeyLayout
-from ._scripts import APPEND, LOAD_VIEWS, READ_VIEWS, SEQ_AT
+from ._scripts import APPEND, APPLY_CHECKPOINTED, DELETE_THREAD, LOAD_VIEWS, READ_VIEWS, SEQ_AT
 from ._views import (
     HashDelete,
     HashGet,
@@ -67,6 +69,7 @@ from ._views import (
 
 T = TypeVar("T")
 READ_BATCH = 512
+_APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared when full
 
 
 def translate_redis_error(exc: BaseException) -> EventStoreError:
@@ -87,14 +90,15 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
 async def _call(op: Awaitable[T]) -> T:
     try:
         return await op
-    except (rex.RedisError, OSError) as exc:
+    # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
+    except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
         raise translate_redis_error(exc) from exc
 
 
 class _KeyIndex:
     """Numbers the view keys an op list touches, for the script's KEYS array."""
 
-    def __init__(self, base: list[str]) -> None:
+    def __init__(self, base: list[Any]) -> None:
         self.keys = list(base)
         self._pos: dict[str, int] = {}
 
@@ -133,6 +137,8 @@ class RedisEventStore(EventStore):
         self._client: Any = client
         self._owns_client = owns_client
         self._closed = False
+        # thread id -> (layout, the thread id and its five append-script keys, encoded)
+        self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
 
     @property
     def client(self) -> Any:
@@ -183,14 +189,24 @@ class RedisEventStore(EventStore):
         ikey = idempotency_key_for(idempotency_key, encoded[0].id)
         rdigest = request_digest(encoded)
 
-        index = _KeyIndex(list(self.keys.thread_keys(thread_id)))
-        args: list[Any] = [thread_id, expected, ikey, rdigest, len(encoded), len(ops)]
+        # Arguments go as the bytes redis-py would send: its per-argument encoding is a large
+        # share of an append's client time. Numbers and ASCII tokens are formatted here, the
+        # thread's keys come encoded from a per-thread memo; ikey (caller text) is left to it.
+        thread, *thread_keys = self._encoded_thread_keys(thread_id)
+        keys: list[Any] = thread_keys
+        args: list[Any] = [
+            thread, expected.encode("ascii"), ikey, rdigest.encode("ascii"),
+            b"%d" % len(encoded), b"%d" % len(ops),
+        ]  # fmt: skip
         for e in encoded:
-            args += (e.id_bytes, e.version, e.data, e.meta, e.digest)
-        for op in ops:
-            args += self._op_args(thread_id, op, index)
+            args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
+        if ops:
+            index = _KeyIndex(keys)
+            for op in ops:
+                args += self._op_args(thread_id, op, index)
+            keys = index.keys
 
-        reply = await _call(APPEND(self.client, index.keys, args))
+        reply = await _call(APPEND(self.client, keys, args))
         status = reply[0]
         if status == b"ok":
             return AppendResult(thread_id, int(reply[1]), int(reply[2]))
@@ -201,12 +217,26 @@ class RedisEventStore(EventStore):
         if status == b"reused":
             raise IdempotencyKeyReusedError(thread_id, ikey)
         if status == b"view":
-            key = index.keys[int(reply[1]) - 1]
+            key = keys[int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
             raise ViewConflictError(
                 thread_id, view, reply[2].decode("utf-8"), int(reply[3]), int(reply[4])
             )
         raise OperationalError(f"unexpected append reply {reply!r}")
+
+    def _encoded_thread_keys(self, thread_id: str) -> tuple[bytes, ...]:
+        """The thread id and its log, meta, ledger, feed and index keys, encoded as the client
+        encodes; memoized per thread (bounded) and per layout, which `ensure_namespace` may swap.
+        """
+        hit = self._append_keys.get(thread_id)
+        if hit is not None and hit[0] is self.keys:
+            return hit[1]
+        encode = self._client.get_encoder().encode
+        encoded = tuple(encode(k) for k in (thread_id, *self.keys.thread_keys(thread_id)))
+        if len(self._append_keys) >= _APPEND_KEYS_MEMO:
+            self._append_keys.clear()
+        self._append_keys[thread_id] = (self.keys, encoded)
+        return encoded
 
     def _op_args(self, thread_id: str, op: ViewOp, index: _KeyIndex) -> list[Any]:
         k = index(self.keys.view(thread_id, op.view))
@@ -356,6 +386,153 @@ class RedisEventStore(EventStore):
         merged = heapq.merge(*per_partition, key=lambda t: (-t.last_activity_ms, t.thread_id))
         out = list(merged)
         return out if limit is None else out[:limit]
+
+    async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
+        validate_thread_id(thread_id)
+        keys = list(self.keys.thread_keys(thread_id))
+        keys += [self.keys.view(thread_id, v) for v in dict.fromkeys(views)]
+        return int(await _call(DELETE_THREAD(self.client, keys, [thread_id])))
+
+    # -- the change feed ------------------------------------------------------------------------
+
+    def _feed_key(self, partition: int) -> str:
+        if isinstance(partition, bool) or not 0 <= partition < self.partitions:
+            raise InvalidInputError(f"partition must be in 0..{self.partitions - 1}")
+        return self.keys.feed(partition)
+
+    def _entries(self, partition: int, rows: Any) -> list[FeedEntry]:
+        out = []
+        for entry_id, fields in rows or ():
+            if fields:  # a trimmed entry still pending comes back without fields
+                out.append(entry_from_fields(partition, entry_id.decode("ascii"), fields))
+        return out
+
+    async def read_feed(
+        self, partition: int, *, after: str = "0-0", count: int = READ_BATCH
+    ) -> list[FeedEntry]:
+        parse_stream_id(after)
+        rows = await _call(self.client.xrange(self._feed_key(partition), f"({after}", "+", count))
+        return self._entries(partition, rows)
+
+    async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
+        validate_view_name(group)
+        parse_stream_id(start)
+        try:
+            await self.client.xgroup_create(self._feed_key(partition), group, start, mkstream=True)
+        except rex.ResponseError as exc:
+            if "BUSYGROUP" in str(exc):
+                return False
+            raise translate_redis_error(exc) from exc
+        except (rex.RedisError, OSError) as exc:
+            raise translate_redis_error(exc) from exc
+        return True
+
+    async def read_feed_group(
+        self,
+        partition: int,
+        group: str,
+        consumer: str,
+        *,
+        count: int = READ_BATCH,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[FeedEntry]:
+        key = self._feed_key(partition)
+        reply = await _call(
+            self.client.xreadgroup(
+                group, consumer, {key: "0" if pending else ">"}, count=count, block=block_ms
+            )
+        )
+        rows = reply[0][1] if reply else []
+        return self._entries(partition, rows)
+
+    async def claim_feed(
+        self,
+        partition: int,
+        group: str,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int = READ_BATCH,
+    ) -> list[FeedEntry]:
+        key = self._feed_key(partition)
+        out: list[FeedEntry] = []
+        start = "0-0"
+        # XAUTOCLAIM scans a bounded window per call; a few calls cover any backlog.
+        for _ in range(64):
+            reply = await _call(
+                self.client.xautoclaim(
+                    key, group, consumer, min_idle_ms, start_id=start, count=count - len(out)
+                )
+            )
+            out += self._entries(partition, reply[1])
+            start = reply[0].decode("ascii") if isinstance(reply[0], bytes) else str(reply[0])
+            if start == "0-0" or len(out) >= count:
+                break
+        return out
+
+    async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
+        if not ids:
+            return 0
+        return int(await _call(self.client.xack(self._feed_key(partition), group, *ids)))
+
+    async def feed_groups(self, partition: int) -> list[GroupInfo]:
+        key = self._feed_key(partition)
+        if not await _call(self.client.exists(key)):
+            return []
+        groups = await _call(self.client.xinfo_groups(key))
+        out = []
+        for g in groups:
+            name = g["name"].decode("utf-8")
+            summary = await _call(self.client.xpending(key, name))
+            oldest = summary.get("min")
+            out.append(
+                GroupInfo(
+                    name=name,
+                    last_delivered=g["last-delivered-id"].decode("ascii"),
+                    pending=int(g["pending"]),
+                    oldest_pending=oldest.decode("ascii") if oldest else None,
+                )
+            )
+        return out
+
+    async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
+        key = self._feed_key(partition)
+        point = safe_trim_point(await self.feed_groups(partition))
+        if max_age_ms is not None:
+            now_ms = int(time.time() * 1000)
+            aged = f"{max(now_ms - max_age_ms, 0)}-0"
+            point = aged if point is None else max(point, aged, key=parse_stream_id)
+        if point is None:
+            return 0
+        return int(await _call(self.client.xtrim(key, minid=point, approximate=False)))
+
+    async def apply_checkpointed(
+        self,
+        partition: int,
+        name: str,
+        *,
+        checkpoint: str,
+        incr: Sequence[tuple[str, str, int]] = (),
+    ) -> bool:
+        self._feed_key(partition)
+        validate_view_name(name)
+        parse_stream_id(checkpoint)
+        index = _KeyIndex([self.keys.checkpoints(partition)])
+        args: list[Any] = [name, checkpoint, len(incr)]
+        for hash_name, field, amount in incr:
+            args += (index(self.keys.aux(partition, name, hash_name)), field, int(amount))
+        return bool(await _call(APPLY_CHECKPOINTED(self.client, index.keys, args)))
+
+    async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
+        self._feed_key(partition)
+        raw = await _call(self.client.hgetall(self.keys.aux(partition, name, hash_name)))
+        return {k.decode("utf-8"): int(v) for k, v in raw.items()}
+
+    async def checkpoint_of(self, partition: int, name: str) -> str:
+        self._feed_key(partition)
+        raw = await _call(self.client.hget(self.keys.checkpoints(partition), name))
+        return raw.decode("ascii") if raw else "0-0"
 
     async def close(self) -> None:
         if self._closed:

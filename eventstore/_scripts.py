@@ -30,14 +30,18 @@ class Script:
         source = resources.files("eventstore").joinpath("lua", f"{name}.lua").read_text("utf-8")
         return cls(name, source)
 
-    async def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, client: Any, keys: list[Any], args: list[Any]) -> Any:
+        # execute_command is what evalsha/eval call (standalone and cluster alike); calling it
+        # directly spares two frames that re-pack every argument, on every append.
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
+            return await client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
 APPEND = Script.from_package("append")
 READ_VIEWS = Script.from_package("read_views")
 LOAD_VIEWS = Script.from_package("load_views")
 SEQ_AT = Script.from_package("seq_at")
+DELETE_THREAD = Script.from_package("delete_thread")
+APPLY_CHECKPOINTED = Script.from_package("apply_checkpointed")

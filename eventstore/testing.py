@@ -441,6 +441,124 @@ class EventStoreConformance:
         older = await store.threads(before_ms=listed[0].last_activity_ms)
         assert [t.thread_id for t in older] == ["three", "two"]
 
+    # -- deletion -------------------------------------------------------------------------------
+
+    async def test_delete_thread(self, store: EventStore) -> None:
+        await store.append(
+            "t", [msg("a"), msg("b")], view_ops=[ListPush("l", (b"a",)), HashSet("h", "f", b"1")]
+        )
+        await store.append("other", [msg("x")])
+        assert await store.delete_thread("t", views=["l", "h"]) == 2
+        assert await store.version("t") == 0
+        assert await read_all(store, "t") == []
+        snap = await store.read_views("t", [ListRange("l"), HashGetAll("h")])
+        assert snap.results == [[], {}]
+        assert [t.thread_id for t in await store.threads()] == ["other"]
+        assert await store.delete_thread("t") == 0
+        assert await store.delete_thread("never") == 0
+        again = await store.append("t", [msg("new life")], expected_version=NO_THREAD)
+        assert (again.first_seq, again.duplicate) == (1, False)
+        assert _texts(await read_all(store, "other")) == ["x"]
+
+    # -- the change feed ------------------------------------------------------------------------
+
+    async def _partition_with_two_threads(self, store: EventStore) -> tuple[int, str, str]:
+        from ._keys import partition_of
+
+        names = [f"th{i}" for i in range(200)]
+        by_partition: dict[int, list[str]] = {}
+        for n in names:
+            by_partition.setdefault(partition_of(n, store.partitions), []).append(n)
+        p, pair = next((p, ts) for p, ts in by_partition.items() if len(ts) >= 2)
+        return p, pair[0], pair[1]
+
+    async def test_feed_records_every_append_and_deletion(self, store: EventStore) -> None:
+        p, a, b = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("1"), msg("2")])
+        await store.append(b, [msg("3")])
+        await store.append(a, [msg("4")])
+        await store.delete_thread(b)
+        entries = await store.read_feed(p)
+        assert [(e.thread_id, e.first_seq, e.last_seq, e.deleted) for e in entries] == [
+            (a, 1, 2, False),
+            (b, 1, 1, False),
+            (a, 3, 3, False),
+            (b, 0, 1, True),
+        ]
+        assert all(e.partition == p for e in entries)
+        later = await store.read_feed(p, after=entries[1].id, count=1)
+        assert [e.id for e in later] == [entries[2].id]
+        assert entries[0].time_ms > 1_600_000_000_000
+        with pytest.raises(InvalidInputError):
+            await store.read_feed(store.partitions)
+
+    async def test_feed_consumer_groups(self, store: EventStore) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        assert await store.create_feed_group(p, "g") is True
+        assert await store.create_feed_group(p, "g") is False
+        for i in range(5):
+            await store.append(a, [msg(str(i))])
+        first = await store.read_feed_group(p, "g", "c1", count=3)
+        assert [e.last_seq for e in first] == [1, 2, 3]
+        again = await store.read_feed_group(p, "g", "c1", pending=True)
+        assert [e.id for e in again] == [e.id for e in first]
+        rest = await store.read_feed_group(p, "g", "c2", count=10)
+        assert [e.last_seq for e in rest] == [4, 5]
+        assert await store.read_feed_group(p, "g", "c2", count=10) == []
+        assert await store.ack_feed(p, "g", [first[0].id]) == 1
+        assert await store.ack_feed(p, "g", [first[0].id]) == 0
+        (info,) = await store.feed_groups(p)
+        assert (info.name, info.pending, info.oldest_pending) == ("g", 4, first[1].id)
+        assert info.last_delivered == rest[-1].id
+        # A crashed consumer's entries are taken over once idle.
+        assert await store.claim_feed(p, "g", "c3", min_idle_ms=60_000) == []
+        await anyio.sleep(0.03)
+        claimed = await store.claim_feed(p, "g", "c3", min_idle_ms=20, count=2)
+        assert [e.last_seq for e in claimed] == [2, 3]
+        mine = await store.read_feed_group(p, "g", "c3", pending=True)
+        assert [e.last_seq for e in mine] == [2, 3]
+        # Trimming stops at the oldest entry a group still needs.
+        assert await store.trim_feed(p) == 1
+        assert [e.last_seq for e in await store.read_feed(p)] == [2, 3, 4, 5]
+        await store.ack_feed(p, "g", [e.id for e in claimed + rest])
+        assert await store.trim_feed(p) == 4
+        assert await store.read_feed(p) == []
+
+    async def test_feed_trim_by_age_and_without_groups(self, store: EventStore) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("old")])
+        assert await store.trim_feed(p) == 0  # nobody acknowledged anything: keep all
+        await anyio.sleep(0.05)
+        await store.append(a, [msg("new")])
+        assert await store.trim_feed(p, max_age_ms=30) == 1
+        assert [e.last_seq for e in await store.read_feed(p)] == [2]
+
+    async def test_feed_blocking_read_waits_for_new_entries(self, store: EventStore) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.create_feed_group(p, "g", start="0-0")
+
+        async def later() -> None:
+            await anyio.sleep(0.05)
+            await store.append(a, [msg("x")])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(later)
+            got = await store.read_feed_group(p, "g", "c", block_ms=2000)
+        assert [e.thread_id for e in got] == [a]
+
+    async def test_checkpointed_writes_apply_once(self, store: EventStore) -> None:
+        incr = [("usage", "2026-01-01|small", 10), ("usage", "turns", 1)]
+        assert await store.checkpoint_of(0, "stats") == "0-0"
+        assert await store.apply_checkpointed(0, "stats", checkpoint="5-0", incr=incr) is True
+        assert await store.apply_checkpointed(0, "stats", checkpoint="5-0", incr=incr) is False
+        assert await store.apply_checkpointed(0, "stats", checkpoint="4-9", incr=incr) is False
+        assert await store.apply_checkpointed(0, "stats", checkpoint="5-1", incr=incr[:1])
+        assert await store.read_aux(0, "stats", "usage") == {"2026-01-01|small": 20, "turns": 1}
+        assert await store.checkpoint_of(0, "stats") == "5-1"
+        assert await store.checkpoint_of(1, "stats") == "0-0"
+        with pytest.raises(InvalidInputError):
+            await store.apply_checkpointed(0, "stats", checkpoint="nope")
+
     # -- bad input -----------------------------------------------------------------------------
 
     @pytest.mark.parametrize(

@@ -16,7 +16,11 @@ local pos = 3
 for o = 1, tonumber(ARGV[2]) do
   local code, key = ARGV[pos], KEYS[tonumber(ARGV[pos + 1])]
   redis.call('DEL', key)
-  if code == 'll' or code == 'hl' then
+  -- A thread without events has empty views by definition: at version 0 a load only empties
+  -- (writing would create view keys for a thread that does not exist; memory does the same).
+  if (code == 'll' or code == 'hl') and version == 0 then
+    pos = pos + 3 + tonumber(ARGV[pos + 2]) * ((code == 'll') and 1 or 2)
+  elseif code == 'll' or code == 'hl' then
     local n = tonumber(ARGV[pos + 2])
     local width = (code == 'll') and 1 or 2
     local cmd = (code == 'll') and 'RPUSH' or 'HSET'
