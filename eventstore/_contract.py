@@ -243,15 +243,16 @@ class EventStore(abc.ABC):
         partition: int,
         name: str,
         *,
+        expected: str,
         checkpoint: str,
         incr: Sequence[tuple[str, str, int]] = (),
     ) -> bool:
         """Apply an async projection's writes and move its checkpoint, atomically.
 
         ``incr`` is ``(hash, field, amount)`` increments on the projection's own partition-level
-        hashes (named ``hash``, within ``name``). Applied only if ``checkpoint`` is above the
-        stored checkpoint of ``name`` in this partition; returns False (nothing written)
-        otherwise, which makes redelivered batches harmless.
+        hashes. A compare-and-set: applied only if the stored checkpoint of ``name`` in this
+        partition is still ``expected`` ("0-0" for none) and ``checkpoint`` is above it;
+        otherwise returns False and writes nothing, which makes redelivered batches harmless.
         """
 
     @abc.abstractmethod

@@ -594,16 +594,20 @@ class MemoryEventStore(EventStore):
         partition: int,
         name: str,
         *,
+        expected: str,
         checkpoint: str,
         incr: Sequence[tuple[str, str, int]] = (),
     ) -> bool:
         self._feed(partition)
         validate_view_name(name)
         new = parse_stream_id(checkpoint)
+        if new <= parse_stream_id(expected):
+            raise InvalidInputError(f"checkpoint {checkpoint} must be above {expected}")
         for hash_name, _, _ in incr:
             validate_view_name(hash_name)
         await anyio.lowlevel.checkpoint()
-        if new <= self._ns.checkpoints.get((partition, name), (-1, -1)):
+        stored = self._ns.checkpoints.get((partition, name))
+        if (format_stream_id(stored) if stored else "0-0") != expected:
             return False
         for hash_name, field_name, amount in incr:
             target = self._ns.aux.setdefault((partition, name, hash_name), {})

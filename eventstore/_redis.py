@@ -512,14 +512,16 @@ class RedisEventStore(EventStore):
         partition: int,
         name: str,
         *,
+        expected: str,
         checkpoint: str,
         incr: Sequence[tuple[str, str, int]] = (),
     ) -> bool:
         self._feed_key(partition)
         validate_view_name(name)
-        parse_stream_id(checkpoint)
+        if parse_stream_id(checkpoint) <= parse_stream_id(expected):
+            raise InvalidInputError(f"checkpoint {checkpoint} must be above {expected}")
         index = _KeyIndex([self.keys.checkpoints(partition)])
-        args: list[Any] = [name, checkpoint, len(incr)]
+        args: list[Any] = [name, expected, checkpoint, len(incr)]
         for hash_name, field, amount in incr:
             args += (index(self.keys.aux(partition, name, hash_name)), field, int(amount))
         return bool(await _call(APPLY_CHECKPOINTED(self.client, index.keys, args)))

@@ -549,15 +549,18 @@ class EventStoreConformance:
     async def test_checkpointed_writes_apply_once(self, store: EventStore) -> None:
         incr = [("usage", "2026-01-01|small", 10), ("usage", "turns", 1)]
         assert await store.checkpoint_of(0, "stats") == "0-0"
-        assert await store.apply_checkpointed(0, "stats", checkpoint="5-0", incr=incr) is True
-        assert await store.apply_checkpointed(0, "stats", checkpoint="5-0", incr=incr) is False
-        assert await store.apply_checkpointed(0, "stats", checkpoint="4-9", incr=incr) is False
-        assert await store.apply_checkpointed(0, "stats", checkpoint="5-1", incr=incr[:1])
+        apply = store.apply_checkpointed
+        assert await apply(0, "stats", expected="0-0", checkpoint="5-0", incr=incr) is True
+        assert await apply(0, "stats", expected="0-0", checkpoint="5-0", incr=incr) is False
+        assert await apply(0, "stats", expected="0-0", checkpoint="9-0", incr=incr) is False
+        assert await apply(0, "stats", expected="5-0", checkpoint="5-1", incr=incr[:1]) is True
         assert await store.read_aux(0, "stats", "usage") == {"2026-01-01|small": 20, "turns": 1}
         assert await store.checkpoint_of(0, "stats") == "5-1"
         assert await store.checkpoint_of(1, "stats") == "0-0"
         with pytest.raises(InvalidInputError):
-            await store.apply_checkpointed(0, "stats", checkpoint="nope")
+            await apply(0, "stats", expected="5-1", checkpoint="nope")
+        with pytest.raises(InvalidInputError):
+            await apply(0, "stats", expected="5-1", checkpoint="5-1")
 
     # -- bad input -----------------------------------------------------------------------------
 

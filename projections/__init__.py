@@ -7,20 +7,31 @@ from ._base import Projection, UnknownBlockError, UnknownReaderViewError
 from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage, conversation_message
 from ._projector import AsOf, CheckReport, Context, Difference, Folded, Progress, Projector
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
+from ._runner import (
+    AsyncProjection,
+    Increment,
+    ProjectionRunner,
+    UsageProjection,
+    UsageRow,
+    partitions_for,
+)
 from ._state import Block, ReaderView, StateProjection
 from ._transcript import TranscriptMessage, TranscriptProjection
 
 __all__ = [
     "DEFAULT_WINDOW",
     "Anomaly",
+    "AsyncProjection",
     "AsOf",
     "Block",
     "CheckReport",
     "Context",
     "Difference",
     "Folded",
+    "Increment",
     "MessagesProjection",
     "Progress",
+    "ProjectionRunner",
     "Projection",
     "Projector",
     "ReaderView",
@@ -34,5 +45,8 @@ __all__ = [
     "TurnRecord",
     "UnknownBlockError",
     "UnknownReaderViewError",
+    "UsageProjection",
+    "UsageRow",
     "conversation_message",
+    "partitions_for",
 ]

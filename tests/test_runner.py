@@ -1,0 +1,223 @@
+"""The async projection runner over the change feed, on the memory backend and real Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import pytest
+
+import eventstore as es
+from projections import (
+    Increment,
+    ProjectionRunner,
+    UsageProjection,
+    UsageRow,
+    partitions_for,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    namespace = "r" + uuid.uuid4().hex[:12]
+    if request.param == "memory":
+        opened: es.EventStore = es.MemoryEventStore(namespace=namespace, partitions=4)
+    else:
+        url = request.getfixturevalue("redis_url")
+        opened = await es.connect(url, namespace=namespace, partitions=4)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+async def settle(store: es.EventStore, thread: str, tier: str, tokens: int) -> None:
+    turn = es.new_ulid()
+    await store.append(
+        thread,
+        [
+            es.TurnOpened(turn_id=turn),
+            es.TurnSettled(
+                turn_id=turn,
+                outcome="completed",
+                model_tier=tier,
+                usage=es.Usage(input_tokens=tokens, output_tokens=tokens // 2),
+            ),
+        ],
+    )
+
+
+async def fill(store: es.EventStore, turns: int) -> dict[str, tuple[int, int, int]]:
+    expected: dict[str, tuple[int, int, int]] = {}
+    for i in range(turns):
+        tier = ("small", "large", "medium")[i % 3]
+        await settle(store, f"thread-{i % 7}", tier, 10 * (i + 1))
+        t, a, b = expected.get(tier, (0, 0, 0))
+        expected[tier] = (t + 1, a + 10 * (i + 1), b + 5 * (i + 1))
+    await store.append(
+        "chatter", [es.MessageAppended(message=es.Message(role="user", content="x"))]
+    )
+    return expected
+
+
+def totals(rows: list[UsageRow]) -> dict[str, tuple[int, int, int]]:
+    out: dict[str, tuple[int, int, int]] = {}
+    for r in rows:
+        t, a, b = out.get(r.model_tier, (0, 0, 0))
+        out[r.model_tier] = (t + r.turns, a + r.input_tokens, b + r.output_tokens)
+    return out
+
+
+async def test_usage_projection_counts_every_turn_once(store: es.EventStore) -> None:
+    expected = await fill(store, 30)
+    usage = UsageProjection()
+    runner = ProjectionRunner(store, usage, consumer="c1", batch_size=4)
+    assert await runner.run_once() == 31
+    assert await runner.run_once() == 0
+    rows = await usage.report(store)
+    assert totals(rows) == expected
+    assert all(len(r.day) == 10 for r in rows)
+    # New appends are picked up incrementally.
+    await settle(store, "thread-late", "small", 1000)
+    assert await runner.run_once() == 1
+    t, a, b = expected["small"]
+    assert totals(await usage.report(store))["small"] == (t + 1, a + 1000, b + 500)
+
+
+class Exploding(UsageProjection):
+    """Dies on the n-th change it sees, the way a consumer dies mid-batch."""
+
+    def __init__(self, after: int) -> None:
+        self.left = after
+
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("consumer died")
+        return super().increments(entry, events)
+
+
+class AckLoser(ProjectionRunner):
+    """Applies its batches but dies before acknowledging the second one."""
+
+    batches = 0
+
+    async def _process(self, partition: int, batch: list[es.FeedEntry]) -> int:
+        self.batches += 1
+        if self.batches == 2:
+            original = self.store.ack_feed
+
+            async def lost_ack(partition: int, group: str, ids: Sequence[str]) -> int:
+                raise RuntimeError("died before the ack")
+
+            self.store.ack_feed = lost_ack  # type: ignore[method-assign]
+            try:
+                return await super()._process(partition, batch)
+            finally:
+                self.store.ack_feed = original  # type: ignore[method-assign]
+        return await super()._process(partition, batch)
+
+
+async def test_consumer_dying_mid_batch_is_reclaimed_exactly(store: es.EventStore) -> None:
+    expected = await fill(store, 40)
+    with pytest.raises(RuntimeError, match="consumer died"):
+        await ProjectionRunner(
+            store, Exploding(after=9), consumer="doomed", batch_size=5
+        ).run_once()
+    with pytest.raises(RuntimeError, match="died before the ack"):
+        await AckLoser(store, UsageProjection(), consumer="doomed2", batch_size=5).run_once()
+    survivor = ProjectionRunner(
+        store, UsageProjection(), consumer="survivor", batch_size=5, claim_idle_ms=0
+    )
+    await survivor.run_once()
+    assert totals(await UsageProjection().report(store)) == expected
+    for p in range(store.partitions):
+        groups = await store.feed_groups(p)
+        assert all(g.pending == 0 for g in groups)
+
+
+async def test_graceful_shutdown_and_trimming(store: es.EventStore) -> None:
+    expected = await fill(store, 12)
+    stop = anyio.Event()
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", poll_interval=0.01)
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            await runner.run(stop)
+
+        tg.start_soon(run)
+        with anyio.fail_after(10):
+            while totals(await UsageProjection().report(store)) != expected:
+                await anyio.sleep(0.01)
+        stop.set()
+    # Everything was acknowledged, so the feed can be trimmed to nothing.
+    trimmed = sum([await store.trim_feed(p) for p in range(store.partitions)])
+    assert trimmed == 13
+    assert partitions_for(8, 1, 3) == [1, 4, 7]
+
+
+class Slow(UsageProjection):
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        import time
+
+        time.sleep(0.02)
+        return super().increments(entry, events)
+
+
+KILLED_RUNNER = textwrap.dedent(
+    """
+    import sys, anyio, eventstore as es
+    from projections import ProjectionRunner, UsageProjection
+    from tests.test_runner import Slow
+
+    async def main():
+        store = await es.connect(sys.argv[1], namespace=sys.argv[2])
+        print("ready", flush=True)
+        await ProjectionRunner(store, Slow(), consumer="victim", batch_size=3).run_once()
+
+    anyio.run(main)
+    """
+)
+
+
+async def test_runner_process_killed_with_sigkill(redis_url: str) -> None:
+    namespace = "r" + uuid.uuid4().hex[:12]
+    store = await es.connect(redis_url, namespace=namespace, partitions=4)
+    try:
+        expected = await fill(store, 60)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", KILLED_RUNNER, redis_url, namespace],
+            stdout=subprocess.PIPE,
+            cwd=os.path.dirname(os.path.dirname(__file__)),
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == b"ready"
+            with anyio.fail_after(30):
+                while not any([await store.checkpoint_of(p, "usage") != "0-0" for p in range(4)]):
+                    await anyio.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        assert proc.returncode == -signal.SIGKILL
+        pending = sum([sum(g.pending for g in await store.feed_groups(p)) for p in range(4)])
+        assert pending > 0  # it died holding delivered, unacknowledged entries
+        survivor = ProjectionRunner(store, UsageProjection(), consumer="survivor", claim_idle_ms=0)
+        await survivor.run_once()
+        assert totals(await UsageProjection().report(store)) == expected
+    finally:
+        await store.close()
