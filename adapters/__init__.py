@@ -10,6 +10,7 @@ from ._access import (
     TenantPolicy,
     authorize,
 )
+from ._audit import Auditor, DamageKind, Diff, Problem, ReplayStep, Verdict
 from ._jsonl import (
     ImportReport,
     JsonlImportError,
@@ -33,12 +34,17 @@ __all__ = [
     "AccessPolicy",
     "Action",
     "AllowAll",
+    "Auditor",
     "CallbackPolicy",
+    "DamageKind",
+    "Diff",
     "ImportReport",
     "JsonlImportError",
     "JsonlLineError",
     "Principal",
+    "Problem",
     "RecordsPage",
+    "ReplayStep",
     "SessionStore",
     "SessionUpdate",
     "Settlement",
@@ -47,6 +53,7 @@ __all__ = [
     "ThreadStore",
     "Transcript",
     "TurnNotFoundError",
+    "Verdict",
     "as_message",
     "authorize",
     "export_jsonl",

@@ -229,6 +229,14 @@ class EventStore(abc.ABC):
         """Acknowledge delivered entries; returns how many were pending."""
 
     @abc.abstractmethod
+    async def advance_feed_group(self, partition: int, group: str, to: str) -> None:
+        """Move a group's position to ``to`` and forget its pending entries up to there.
+
+        For readers that track their own position (exports): they read with `read_feed` and
+        advance their group only after their output is committed, holding back trimming.
+        """
+
+    @abc.abstractmethod
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         """The consumer groups registered on a partition's feed."""
 

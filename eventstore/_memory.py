@@ -559,6 +559,13 @@ class MemoryEventStore(EventStore):
                 done += 1
         return done
 
+    async def advance_feed_group(self, partition: int, group: str, to: str) -> None:
+        target = parse_stream_id(to)
+        _, grp = self._group(partition, group)
+        grp.last_delivered = target
+        for i in [i for i in grp.pending if i <= target]:
+            del grp.pending[i]
+
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         feed = self._feed(partition)
         if feed is None:

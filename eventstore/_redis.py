@@ -476,6 +476,17 @@ class RedisEventStore(EventStore):
             return 0
         return int(await _call(self.client.xack(self._feed_key(partition), group, *ids)))
 
+    async def advance_feed_group(self, partition: int, group: str, to: str) -> None:
+        parse_stream_id(to)
+        key = self._feed_key(partition)
+        await _call(self.client.xgroup_setid(key, group, to))
+        # SETID leaves older pending entries in place; acknowledge them so trimming can pass.
+        while True:
+            rows = await _call(self.client.xpending_range(key, group, "-", to, 512))
+            if not rows:
+                return
+            await _call(self.client.xack(key, group, *[r["message_id"] for r in rows]))
+
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         key = self._feed_key(partition)
         if not await _call(self.client.exists(key)):

@@ -524,6 +524,21 @@ class EventStoreConformance:
         assert await store.trim_feed(p) == 4
         assert await store.read_feed(p) == []
 
+    async def test_feed_group_advanced_by_a_self_tracking_reader(self, store: EventStore) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.create_feed_group(p, "export")
+        for i in range(4):
+            await store.append(a, [msg(str(i))])
+        entries = await store.read_feed(p)
+        assert await store.trim_feed(p) == 0
+        await store.advance_feed_group(p, "export", entries[1].id)
+        assert await store.trim_feed(p) == 2
+        await store.read_feed_group(p, "export", "c")  # delivers the last two
+        await store.advance_feed_group(p, "export", entries[3].id)
+        (info,) = await store.feed_groups(p)
+        assert (info.pending, info.last_delivered) == (0, entries[3].id)
+        assert await store.trim_feed(p) == 2
+
     async def test_feed_trim_by_age_and_without_groups(self, store: EventStore) -> None:
         p, a, _ = await self._partition_with_two_threads(store)
         await store.append(a, [msg("old")])

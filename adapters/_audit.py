@@ -1,0 +1,770 @@
+"""`Auditor`: replay a thread event by event, diff two points of it, and verify its integrity chain.
+
+What `verify` proves depends on the key. Every stored entry carries ``h(n) = link(h(n-1), n, time,
+c)``, where ``c`` digests the event's id, schema version, payload and meta. Without a secret,
+``c`` is a plain hash: verification finds accidental damage and naive edits (a changed payload,
+a removed, inserted or moved entry), but someone who can write to Redis can also recompute every
+link after an edit, and that goes unnoticed. With a secret, ``c`` is a keyed MAC: a forger who
+lacks the key cannot produce links that verify, so every edited or forged entry is reported.
+
+Neither mode can see a thread cut short at its end when the meta version was lowered to match:
+the last link is in `Verdict.head`, so an auditor who records it elsewhere can compare later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar, overload
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
+
+from eventstore import (
+    CorruptEventError,
+    EventStore,
+    InvalidInputError,
+    RecordedEvent,
+    StateUpdated,
+    TranscriptAppended,
+    TranscriptReplaced,
+    TurnOpened,
+    TurnSettled,
+    chain_link,
+    content_digest,
+    validate_thread_id,
+)
+from eventstore._codec import decode_entry
+from eventstore._events import EventMeta
+from projections import (
+    AsOf,
+    Block,
+    Progress,
+    Projector,
+    RecordsProjection,
+    RecordsState,
+    StoredMessage,
+    TranscriptMessage,
+    TurnRecord,
+)
+
+DamageKind = Literal["modified", "inserted", "deleted", "reordered", "undecodable"]
+"""What `verify` found wrong at a seq."""
+
+VERIFY_BATCH = 2048
+"""Stream entries read per round trip while verifying."""
+WINDOW = 8
+"""How far (in entries) `verify` looks around a broken link for the event's true position."""
+MAX_PROBLEMS = 100
+"""Problems listed in a `Verdict`; further ones are only counted."""
+MAX_CLASSIFIED = 1000
+"""Broken links examined for their kind; beyond this (a forged log) they count as modified."""
+
+T = TypeVar("T")
+_Rows = list[tuple[bytes, dict[bytes, bytes]]]
+
+_meta_decoder = msgspec.msgpack.Decoder(EventMeta)
+
+
+class Problem(msgspec.Struct, frozen=True, kw_only=True):
+    """One place where the log is damaged."""
+
+    seq: int
+    kind: DamageKind
+    detail: str
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """What `Auditor.verify` found for one thread.
+
+    ``first_bad_seq``, ``kind`` and ``detail`` describe the first problem (the lowest seq);
+    ``problems`` lists up to `MAX_PROBLEMS` of them in log order, ``problems_omitted`` counts the
+    rest. ``head`` is the last stored link: record it elsewhere to detect later truncation.
+    ``keyed`` says whether the chain was checked with a secret key.
+    """
+
+    thread_id: str
+    ok: bool
+    checked: int
+    version: int
+    first_bad_seq: int | None
+    kind: DamageKind | None
+    detail: str
+    problems: list[Problem]
+    problems_omitted: int = 0
+    head: str = ""
+    keyed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStep:
+    """One event and the read models as they stood right after it.
+
+    ``messages`` and ``transcript`` are read-only sequences, ``state`` a read-only mapping of
+    every block by name, ``records`` every turn (open or settled) in first-seen order. Steps
+    share structure with each other, so holding on to many of them is cheap.
+    """
+
+    event: RecordedEvent
+    messages: Sequence[StoredMessage]
+    state: Mapping[str, Block]
+    records: Sequence[TurnRecord]
+    transcript: Sequence[TranscriptMessage]
+
+    @property
+    def seq(self) -> int:
+        """The seq of the event."""
+        return self.event.seq
+
+
+class Diff(msgspec.Struct, frozen=True, kw_only=True):
+    """What changed in the read models from point ``a`` to point ``b`` (both seqs).
+
+    ``messages_added`` and ``messages_removed`` compare the conversation by the seq that added
+    each message. ``state_changed`` and ``records_changed`` map a block or turn id to its
+    ``(before, after)``, None where it did not exist. ``transcript`` is ``(before, after)``
+    when the transcript differs; ``transcript_replaced`` says a replace (compaction) happened in
+    between. ``a`` may be later than ``b``: the diff then runs backwards.
+    """
+
+    thread_id: str
+    a: int
+    b: int
+    events: int
+    messages_added: list[StoredMessage]
+    messages_removed: list[StoredMessage]
+    state_changed: dict[str, tuple[Block | None, Block | None]]
+    records_changed: dict[str, tuple[TurnRecord | None, TurnRecord | None]]
+    transcript: tuple[list[TranscriptMessage], list[TranscriptMessage]] | None
+    transcript_replaced: bool
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing in the read models changed."""
+        return not (
+            self.messages_added
+            or self.messages_removed
+            or self.state_changed
+            or self.records_changed
+            or self.transcript
+        )
+
+
+class _Prefix(Sequence[T]):
+    """The first ``n`` items of a list that only ever grows: an O(1) read-only snapshot."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list[T], n: int) -> None:
+        self._items = items
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return self._items[: self._n][index]
+        if index < 0:
+            index += self._n
+        if not 0 <= index < self._n:
+            raise IndexError("index out of range")
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[T]:
+        items = self._items
+        for i in range(self._n):
+            yield items[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Prefix | list | tuple):
+            return len(self) == len(other) and all(x == y for x, y in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._items[: self._n])
+
+
+# -- verification -------------------------------------------------------------------------------
+
+
+class _Entry:
+    """A stream entry, parsed once: its id, and what the chain check needs."""
+
+    __slots__ = ("bad", "c", "h", "ms", "raw_id", "s", "sub")
+
+    def __init__(
+        self,
+        raw_id: bytes,
+        ms: int,
+        sub: int,
+        s: int,
+        c: str | None,
+        h: str | None,
+        bad: str | None,
+    ) -> None:
+        self.raw_id = raw_id
+        self.ms = ms
+        self.sub = sub
+        self.s = s
+        self.c = c
+        self.h = h
+        self.bad = bad
+
+
+class _Verifier:
+    """The chain check as a state machine fed entries in log order.
+
+    Each entry is checked against the stored link of the entry before it, so one damaged
+    entry is reported once and the entries after it still verify. An entry whose link does
+    not hold waits until `WINDOW` entries after it have arrived, so that the damage can be
+    explained: an event that verifies at another seq was moved (reordered), or the log was
+    renumbered around removed or added events (deleted, inserted); otherwise it was changed
+    (modified). Intact entries take the fast path: two hashes and a payload decode each.
+    """
+
+    def __init__(self, auditor: Auditor, thread_id: str, version: int) -> None:
+        self.thread_id = thread_id
+        self.registry = auditor.store.registry
+        self.secret = auditor.secret
+        self.version = version
+        self.expected = 1  # the seq the next entry should have
+        self.prev: str | None = ""  # the stored link before it (None: unknown, after a gap)
+        self.offset = 0  # true seq minus entry seq, once a renumbering was found
+        self.checked = 0
+        self.classified = 0
+        self.problems: list[Problem] = []
+        self.omitted = 0
+        self.first: Problem | None = None
+        self.head = ""
+        self.history: deque[_Entry] = deque(maxlen=WINDOW)
+        self.ahead: deque[_Entry] = deque()
+
+    # -- intake ------------------------------------------------------------------------------
+
+    def feed(self, rows: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Check the next entries of the log (in order, without repeats)."""
+        thread, secret, registry = self.thread_id, self.secret, self.registry
+        ahead, verified = self.ahead, self._verified
+        for raw_id, f in rows:
+            ms_b, _, sub_b = raw_id.partition(b"-")
+            sub = int(sub_b)
+            bad: str | None = None
+            try:
+                id_bytes, data, meta = f[b"i"], f[b"d"], f[b"m"]
+                version = int(f[b"v"])
+                s = int(f[b"s"])
+                h: str | None = f[b"h"].decode("ascii")
+            except (KeyError, ValueError, AttributeError):
+                why = _why(self, raw_id, f) if sub == 0 else None
+                e = _Entry(raw_id, int(ms_b), sub, 0, None, None, why)
+            else:
+                c = content_digest(thread, id_bytes, version, data, meta, secret)
+                if sub == 0:
+                    # What `decode_entry` checks, without building the event; whatever fails
+                    # here goes to `decode_entry` itself, which decides and words the verdict.
+                    try:
+                        if len(id_bytes) != 16:
+                            raise ValueError
+                        registry.decode(data, version)
+                        if meta:
+                            _meta_decoder.decode(meta)
+                    except Exception:
+                        bad = _why(self, raw_id, f)
+                e = _Entry(raw_id, int(ms_b), sub, s, c, h, bad)
+            if ahead or not verified(e):
+                ahead.append(e)
+                self._drain(final=False)
+
+    def finish(self) -> None:
+        """Judge the entries still waiting for what follows them, and the log's end."""
+        self._drain(final=True)
+        if self.expected + self.offset <= self.version:
+            self._problem(
+                self.expected,
+                "deleted",
+                f"the log ends at seq {self.expected - 1} but the thread's version is "
+                f"{self.version}: {_span(self.expected, self.version)} gone",
+            )
+
+    def _verified(self, e: _Entry) -> bool:
+        """The fast path: ``e`` is the next seq and its link holds. Accounts for it if so."""
+        seq, prev = e.ms, self.prev
+        if e.sub or e.bad is not None or seq != self.expected or prev is None:
+            return False
+        target = seq + self.offset
+        if target > self.version or chain_link(prev, target, e.s, e.c or "") != e.h:
+            return False
+        self.prev = self.head = e.h
+        self.expected = seq + 1
+        self.checked += 1
+        self.history.append(e)
+        return True
+
+    def _drain(self, *, final: bool) -> None:
+        # An entry that does not verify waits until WINDOW entries after it have arrived
+        # (or the log ends): they are what explains its damage.
+        ahead = self.ahead
+        while ahead:
+            if self._verified(ahead[0]):
+                ahead.popleft()
+            elif final or len(ahead) > WINDOW:
+                self._judge(ahead.popleft())
+            else:
+                return
+
+    # -- judgement ---------------------------------------------------------------------------
+
+    def _problem(self, seq: int, kind: DamageKind, detail: str) -> None:
+        problem = Problem(seq=seq, kind=kind, detail=detail)
+        if self.first is None:
+            self.first = problem
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(problem)
+        else:
+            self.omitted += 1
+
+    def _judge(self, e: _Entry) -> None:
+        self.checked += 1
+        self.history.append(e)
+        if e.sub != 0:
+            # Not a position of the log at all: it sits where seq `expected` should be.
+            self._problem(
+                self.expected,
+                "inserted",
+                f"stream entry {e.raw_id.decode()} is not <seq>-0: no append wrote it",
+            )
+            return
+        seq = e.ms
+        if seq > self.expected:
+            if self.expected <= self.version:
+                last = min(seq - 1, self.version)
+                self._problem(
+                    self.expected, "deleted", f"{_span(self.expected, last)} missing from the log"
+                )
+            self.prev = None  # the link of `seq` points at an entry that is gone
+        self.expected = seq + 1
+        if e.h is not None:
+            self.head = e.h
+        if e.bad is not None:
+            self._problem(seq, "undecodable", e.bad)
+            # Continue the chain through it only if its own link holds.
+            prev, self.prev = self.prev, None
+            if (
+                prev is not None
+                and e.c is not None
+                and e.h is not None
+                and chain_link(prev, seq + self.offset, e.s, e.c) == e.h
+            ):
+                self.prev = e.h
+            return
+        if seq + self.offset > self.version:
+            self._problem(
+                seq,
+                "inserted",
+                f"seq {seq} lies beyond the thread's recorded version {self.version}",
+            )
+            self.prev = e.h
+            return
+        assert e.c is not None and e.h is not None  # a decodable entry has every field
+        prev = self.prev
+        self.prev = e.h
+        if prev is None or chain_link(prev, seq + self.offset, e.s, e.c) == e.h:
+            return  # verified, or unverifiable after a gap (the gap is the problem)
+        self._explain(e, seq, prev)
+
+    def _explain(self, e: _Entry, seq: int, prev: str) -> None:
+        """Say why the link of entry ``seq`` (content ``e``, predecessor ``prev``) is broken."""
+        assert e.c is not None and e.h is not None
+        target = seq + self.offset
+        hint = "" if self.secret is None else " (or was forged without the key)"
+        if self.classified >= MAX_CLASSIFIED:
+            self._problem(seq, "modified", f"seq {seq}: its link does not verify{hint}")
+            return
+        self.classified += 1
+        seqs = range(max(1, target - WINDOW), target + WINDOW + 1)
+        nearby = [x for x in (*self.history, *self.ahead) if x is not e]
+        # 1. Does the entry verify after some nearby link, at some nearby seq?
+        found: tuple[str, int] | None = None
+        for p in dict.fromkeys([prev, "", *(x.h for x in nearby if x.h is not None)]):
+            for k in seqs:
+                if chain_link(p, k, e.s, e.c) == e.h:
+                    found = (p, k)
+                    break
+            if found:
+                break
+        copy = any(x.h == e.h for x in nearby)
+        if found is not None:
+            p, k = found
+            if k == target:
+                return  # intact and in place; its predecessor is the entry that moved
+            if p == prev:
+                self._shifted(seq, target, k)  # the chain runs on with shifted seqs
+                return
+            if not copy:
+                self._problem(seq, "reordered", f"seq {seq} holds the event written as seq {k}")
+                return
+        # 2. Does a later entry continue the chain from this entry's predecessor (this one is
+        # an addition), or from this entry itself (this one is genuine but altered)?
+        following = [x for x in self.ahead if x.sub == 0 and x.c is not None and x.h is not None]
+        for x in following:
+            assert x.c is not None
+            if chain_link(prev, target, x.s, x.c) == x.h:
+                self.prev = prev
+                self.offset -= 1
+                what = "a copy of another event" if copy else "not part of the chain"
+                self._problem(
+                    seq,
+                    "inserted",
+                    f"seq {seq} is {what}; entry {x.raw_id.decode()} continues the chain",
+                )
+                return
+        if following and not copy:
+            nxt = following[0]
+            assert nxt.c is not None
+            for k in range(max(2, target + 1 - WINDOW), target + WINDOW + 2):
+                if chain_link(e.h, k, nxt.s, nxt.c) == nxt.h:
+                    if k - 1 != target:
+                        self._shifted(seq, target, k - 1)
+                        return
+                    break
+        if found is not None:
+            detail = f"seq {seq} was overwritten with a copy of the event at seq {found[1]}"
+        else:
+            detail = f"seq {seq}: its content or link was changed after the append{hint}"
+        self._problem(seq, "modified", detail)
+
+    def _shifted(self, seq: int, target: int, original: int) -> None:
+        """Entry ``seq`` is the event written as ``original`` where ``target`` was expected."""
+        self.offset = original - seq
+        if original > target:
+            self._problem(
+                seq,
+                "deleted",
+                f"{_span(target, original - 1)} gone and the later entries renumbered",
+            )
+        else:
+            self._problem(
+                seq,
+                "inserted",
+                f"{target - original} entries were added before seq {seq} and the later "
+                "entries renumbered",
+            )
+
+    def verdict(self) -> Verdict:
+        first = self.first
+        if first is None:
+            detail = f"{self.checked} events verified, chain intact"
+            detail += " (keyed)" if self.secret is not None else " (unkeyed)"
+        else:
+            detail = first.detail
+            total = len(self.problems) + self.omitted
+            if self.checked and total >= self.checked and self.checked > 1:
+                detail += "; every entry fails: was the thread written with another key?"
+        return Verdict(
+            thread_id=self.thread_id,
+            ok=first is None,
+            checked=self.checked,
+            version=self.version,
+            first_bad_seq=None if first is None else first.seq,
+            kind=None if first is None else first.kind,
+            detail=detail,
+            problems=sorted(self.problems, key=lambda p: p.seq),
+            problems_omitted=self.omitted,
+            head=self.head,
+            keyed=self.secret is not None,
+        )
+
+
+def _why(verifier: _Verifier, raw_id: bytes, fields: dict[bytes, bytes]) -> str | None:
+    """Why `decode_entry` refuses an entry (None if it does not)."""
+    try:
+        decode_entry(verifier.thread_id, raw_id, fields, verifier.registry)
+    except CorruptEventError as exc:
+        return str(exc)
+    except Exception as exc:  # a codec bug must not stop an audit; report it at its seq
+        return f"thread {verifier.thread_id!r} entry {raw_id.decode()}: {exc!r}"
+    return None
+
+
+def _span(first: int, last: int) -> str:
+    return f"seq {first} is" if first == last else f"seqs {first}..{last} are"
+
+
+# -- the auditor --------------------------------------------------------------------------------
+
+
+class _Models:
+    """The four read models, folded one event at a time.
+
+    With ``steps``, it also keeps snapshots that share structure from step to step: the
+    message and transcript lists only ever grow (a transcript replace starts a new list), so
+    a snapshot of them is a length; state and records are copied only when an event changes
+    them.
+    """
+
+    def __init__(self, auditor: Auditor, thread_id: str, *, steps: bool) -> None:
+        self.thread_id = thread_id
+        self.steps = steps
+        self.mp = auditor.messages_projection
+        self.sp = auditor.state_projection
+        self.rp = auditor.records_projection
+        self.tp = auditor.transcript_projection
+        self.messages: list[StoredMessage] = self.mp.initial()
+        self.state: dict[str, Block] = self.sp.initial()
+        self.records: RecordsState = self.rp.initial()
+        self.transcript: list[TranscriptMessage] = self.tp.initial()
+        # Turn records by turn id, the order `Projector.turns` lists them in.
+        self.turn_ids: list[str] = []
+        self.turn_list: list[TurnRecord] = []
+        self.state_view: Mapping[str, Block] = MappingProxyType({})
+        self.records_view: tuple[TurnRecord, ...] = ()
+
+    def apply(self, event: RecordedEvent) -> None:
+        payload = event.payload
+        self.messages = self.mp.apply(self.messages, event)
+        if isinstance(payload, StateUpdated):
+            self.state = self.sp.apply(self.state, event)
+            if self.steps:
+                self.state_view = MappingProxyType(dict(sorted(self.state.items())))
+        elif isinstance(payload, TurnOpened | TurnSettled):
+            self.records = self.rp.apply(self.records, event)
+            if self.steps:
+                self._record_changed(payload.turn_id)
+        elif isinstance(payload, TranscriptAppended | TranscriptReplaced):
+            self.transcript = self.tp.apply(self.transcript, event)
+
+    def _record_changed(self, turn: str) -> None:
+        one = RecordsState(turns={turn: self.records.turns[turn]})
+        (record,) = RecordsProjection.all_records(self.thread_id, one)
+        index = bisect.bisect_left(self.turn_ids, turn)
+        if index < len(self.turn_ids) and self.turn_ids[index] == turn:
+            self.turn_list[index] = record
+        else:
+            self.turn_ids.insert(index, turn)
+            self.turn_list.insert(index, record)
+        self.records_view = tuple(self.turn_list)
+
+    def step(self, event: RecordedEvent) -> ReplayStep:
+        return ReplayStep(
+            event=event,
+            messages=_Prefix(self.messages, len(self.messages)),
+            state=self.state_view,
+            records=self.records_view,
+            transcript=_Prefix(self.transcript, len(self.transcript)),
+        )
+
+    def snapshot(self) -> _Snapshot:
+        return _Snapshot(
+            messages={m.seq: m for m in self.messages},
+            state=dict(self.state),
+            records={
+                r.turn_id: r for r in RecordsProjection.all_records(self.thread_id, self.records)
+            },
+            transcript=list(self.transcript),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    messages: dict[int, StoredMessage]
+    state: dict[str, Block]
+    records: dict[str, TurnRecord]
+    transcript: list[TranscriptMessage]
+
+
+class Auditor:
+    """Replay, diff and verify threads of one store.
+
+    ``projector`` supplies the messages, state, records and transcript projections (default:
+    the standard ones). ``secret`` is the key the integrity chain is checked with; None uses
+    the store's own (the one it appends with).
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        projector: Projector | None = None,
+        *,
+        secret: bytes | None = None,
+    ) -> None:
+        self.store = store
+        self.projector = projector or Projector(store)
+        if self.projector.store is not store:
+            raise InvalidInputError("the projector must be bound to the auditor's store")
+        self.secret: bytes | None = secret if secret is not None else _store_secret(store)
+        self.messages_projection = self.projector.messages
+        self.state_projection = self.projector.state_projection
+        self.records_projection = self.projector.records_projection
+        self.transcript_projection = self.projector.transcript_projection
+
+    # -- verify ---------------------------------------------------------------------------------
+
+    async def verify(self, thread_id: str) -> Verdict:
+        """Check seq continuity, decodability and the integrity chain of one thread.
+
+        Every entry is read once, in batches (memory stays bounded by the batch), and
+        checking goes on after the first problem; the verdict names the first. Kinds:
+        ``modified`` (content or link changed), ``inserted`` (an entry no append wrote: an id
+        not of the form ``<seq>-0``, a seq beyond the thread's version, or an addition that
+        shifted the seqs), ``deleted`` (missing seqs, a log shorter than its version, or a
+        removal that shifted the seqs), ``reordered`` (an event that verifies at another
+        seq) and ``undecodable``. An inserted entry with a foreign id is reported at the seq
+        whose place it takes. See the module docstring for what a key adds.
+        """
+        validate_thread_id(thread_id)
+        store = self.store
+        verifier = _Verifier(self, thread_id, await store.version(thread_id))
+        send, receive = anyio.create_memory_object_stream[_Rows](1)
+        async with anyio.create_task_group() as tg, receive:
+            # The next batch is read while this one is hashed.
+            tg.start_soon(self._read_log, thread_id, send)
+            async for rows in receive:
+                if _id_key(rows[-1][0])[0] > verifier.version:
+                    # Appends may have landed since the version was read; entries within the
+                    # current version are theirs, not insertions.
+                    verifier.version = await store.version(thread_id)
+                verifier.feed(rows)
+        verifier.finish()
+        return verifier.verdict()
+
+    async def _read_log(self, thread_id: str, send: MemoryObjectSendStream[_Rows]) -> None:
+        """Send the thread's stream entries in batches, each entry once, in order."""
+        async with send:
+            start, count = 1, VERIFY_BATCH
+            last: tuple[int, int] = (0, 0)
+            while True:
+                rows = await self.store.read_raw(thread_id, start=start, count=count)
+                # Each batch restarts at the last entry's seq (that entry is read again and
+                # skipped): an entry ``<seq>-<n>`` after ``<seq>-0`` must not fall in between.
+                skip = 0
+                while skip < len(rows) and _id_key(rows[skip][0]) <= last:
+                    skip += 1
+                if skip < len(rows):
+                    last = _id_key(rows[-1][0])
+                    start = last[0]
+                    await send.send(rows[skip:])
+                if len(rows) < count:
+                    return
+                if skip == len(rows):
+                    count *= 2  # a full batch of entries that share one seq: read wider
+
+    async def verify_all(self, *, progress: Progress | None = None) -> dict[str, Verdict]:
+        """Verify every thread of the namespace; returns thread -> verdict."""
+        threads = await self.store.threads()
+        out: dict[str, Verdict] = {}
+        for done, info in enumerate(threads, start=1):
+            out[info.thread_id] = await self.verify(info.thread_id)
+            if progress is not None:
+                progress(done, len(threads))
+        return out
+
+    # -- replay and diff ------------------------------------------------------------------------
+
+    async def _stop_for(self, thread_id: str, stop: int | None, as_of: AsOf | None) -> int | None:
+        if stop is not None and (isinstance(stop, bool) or not isinstance(stop, int) or stop < 0):
+            raise InvalidInputError(f"stop must be a seq >= 0, not {stop!r}")
+        if as_of is None:
+            return stop
+        cap = await self.projector.seq_of(thread_id, as_of)
+        return cap if stop is None else min(stop, cap)
+
+    async def replay(
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        as_of: AsOf | None = None,
+    ) -> AsyncIterator[ReplayStep]:
+        """Yield each event with ``start <= seq <= stop`` and the read models right after it.
+
+        ``as_of`` (a seq or a datetime) caps ``stop``. Events before ``start`` are folded but
+        not yielded; the fold is incremental, one projection step per event.
+        """
+        validate_thread_id(thread_id)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+            raise InvalidInputError(f"start must be a seq >= 1, not {start!r}")
+        last = await self._stop_for(thread_id, stop, as_of)
+        if last is not None and last < start:
+            return
+        models = _Models(self, thread_id, steps=True)
+        async for event in self.store.read(thread_id, stop=last):
+            models.apply(event)
+            if event.seq >= start:
+                yield models.step(event)
+
+    async def diff(self, thread_id: str, a: AsOf, b: AsOf) -> Diff:
+        """What changed in messages, state blocks, turn records and transcript from ``a`` to ``b``.
+
+        ``a`` and ``b`` are seqs or datetimes (0: before the first event). The log is read
+        once, up to the later point.
+        """
+        validate_thread_id(thread_id)
+        seq_a = await self.projector.seq_of(thread_id, a)
+        seq_b = await self.projector.seq_of(thread_id, b)
+        lo, hi = sorted((seq_a, seq_b))
+        models = _Models(self, thread_id, steps=False)
+        early: _Snapshot | None = None
+        events = 0
+        replaced = False
+        if hi > 0:
+            async for event in self.store.read(thread_id, stop=hi):
+                if event.seq > lo:
+                    if early is None:
+                        early = models.snapshot()
+                    events += 1
+                    replaced = replaced or isinstance(event.payload, TranscriptReplaced)
+                models.apply(event)
+        late = models.snapshot()
+        if early is None:
+            early = late
+        before, after = (early, late) if seq_a <= seq_b else (late, early)
+        return Diff(
+            thread_id=thread_id,
+            a=seq_a,
+            b=seq_b,
+            events=events,
+            messages_added=[m for s, m in after.messages.items() if s not in before.messages],
+            messages_removed=[m for s, m in before.messages.items() if s not in after.messages],
+            state_changed=_changes(before.state, after.state),
+            records_changed=_changes(before.records, after.records),
+            transcript=(
+                None
+                if before.transcript == after.transcript
+                else (before.transcript, after.transcript)
+            ),
+            transcript_replaced=replaced,
+        )
+
+
+def _changes(
+    before: Mapping[str, T], after: Mapping[str, T]
+) -> dict[str, tuple[T | None, T | None]]:
+    out: dict[str, tuple[T | None, T | None]] = {}
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if old != new:
+            out[key] = (old, new)
+    return out
+
+
+def _id_key(raw_id: bytes) -> tuple[int, int]:
+    ms, _, sub = raw_id.partition(b"-")
+    return int(ms), int(sub or b"0")
+
+
+def _store_secret(store: EventStore) -> bytes | None:
+    # Both backends keep the key they append with here; the contract does not expose it.
+    secret: Any = getattr(store, "_secret", None)
+    return secret if isinstance(secret, bytes) else None

@@ -1,0 +1,481 @@
+"""Auditor: verify against tampering done with raw stream commands, replay and diff.
+
+Every test runs on the memory backend and on a real redis-server. On Redis the damage is done
+with raw commands through the store's client (XADD, XDEL, DEL and re-XADD with explicit ids);
+on the memory backend the same edits are made to its stream twin.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+
+import eventstore as es
+from adapters import Auditor, Verdict, _audit
+from eventstore._connect import StoreSettings
+from eventstore._memory import _Thread
+from projections import Projector
+
+pytestmark = pytest.mark.anyio
+
+T = "audited"
+Fields = dict[bytes, bytes]
+SECRET = b"correct horse battery staple"
+
+
+async def open_backend(
+    request: pytest.FixtureRequest, namespace: str, secret: bytes | None
+) -> es.EventStore:
+    if request.param == "memory":
+        return es.MemoryEventStore(namespace=namespace, secret=secret)
+    url: str = request.getfixturevalue("redis_url")
+    return await es.open_store(StoreSettings.from_url(url, namespace=namespace, secret=secret))
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    opened = await open_backend(request, "u" + uuid.uuid4().hex[:12], None)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def keyed(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    opened = await open_backend(request, "k" + uuid.uuid4().hex[:12], SECRET)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+class Raw:
+    """Writes straight into a thread's stream, past every check the append path makes."""
+
+    def __init__(self, store: es.EventStore, thread_id: str = T) -> None:
+        self.store = store
+        self.thread_id = thread_id
+
+    async def entries(self) -> list[tuple[str, Fields]]:
+        rows = await self.store.read_raw(self.thread_id, count=1_000_000)
+        return [(entry_id.decode("ascii"), fields) for entry_id, fields in rows]
+
+    async def xadd(self, entry_id: str, fields: Fields) -> None:
+        if isinstance(self.store, es.RedisEventStore):
+            key = self.store.keys.log(self.thread_id)
+            await self.store.client.xadd(key, fields, id=entry_id)
+        else:
+            ms, sub = entry_id.split("-")
+            self._memory_thread().raw_xadd((int(ms), int(sub)), fields)
+
+    async def xdel(self, entry_id: str) -> None:
+        if isinstance(self.store, es.RedisEventStore):
+            key = self.store.keys.log(self.thread_id)
+            assert await self.store.client.xdel(key, entry_id) == 1
+        else:
+            thread = self._memory_thread()
+            ms, sub = entry_id.split("-")
+            index = thread.ids.index((int(ms), int(sub)))
+            del thread.ids[index], thread.entries[index]
+
+    async def rewrite(self, entries: list[tuple[str, Fields]]) -> None:
+        """Replace the whole stream (the only way to put an entry below the stream's top id)."""
+        if isinstance(self.store, es.RedisEventStore):
+            key = self.store.keys.log(self.thread_id)
+            await self.store.client.delete(key)
+            for entry_id, fields in entries:
+                await self.store.client.xadd(key, fields, id=entry_id)
+        else:
+            thread = self._memory_thread()
+            thread.ids.clear()
+            thread.entries.clear()
+            for entry_id, fields in entries:
+                await self.xadd(entry_id, fields)
+
+    def _memory_thread(self) -> _Thread:
+        assert isinstance(self.store, es.MemoryEventStore)
+        return self.store.server.namespaces[self.store.namespace].threads[self.thread_id]
+
+
+def user(text: str) -> es.Message:
+    return es.Message(role="user", content=text)
+
+
+def assistant(text: str) -> es.Message:
+    return es.Message(role="assistant", content=text)
+
+
+async def populate(store: es.EventStore, rounds: int = 3) -> int:
+    """A thread with every kind of event, appended through the projector; returns the version."""
+    projector = Projector(store)
+    for r in range(rounds):
+        root, child = es.new_ulid(), es.new_ulid()
+        await projector.append(
+            T,
+            [es.TurnOpened(turn_id=root, request=user(f"q{r}"), grant=es.Grant(max_steps=4))],
+        )
+        await projector.append(
+            T,
+            [
+                es.TurnOpened(turn_id=child, parent_turn_id=root),
+                es.StateUpdated(block="plan", value={"round": r}, turn_id=root),
+                es.TurnSettled(turn_id=child, parent_turn_id=root, outcome="failed"),
+            ],
+        )
+        await projector.append(T, [es.TranscriptAppended(messages=[user(f"q{r}")])])
+        await projector.append(
+            T,
+            [
+                es.TurnSettled(
+                    turn_id=root, outcome="completed", steps=2, assistant_message=assistant(f"a{r}")
+                ),
+                es.MessageAppended(message=user(f"note {r}")),
+            ],
+        )
+    await projector.append(T, [es.TranscriptReplaced(messages=[assistant("summary")])])
+    return await store.version(T)
+
+
+def assert_damage(verdict: Verdict, seq: int, kind: str) -> None:
+    assert not verdict.ok, verdict
+    assert (verdict.first_bad_seq, verdict.kind) == (seq, kind), verdict
+    assert verdict.problems[0].seq == seq and verdict.problems[0].kind == kind
+    assert verdict.detail.startswith(verdict.problems[0].detail)
+
+
+def edited(fields: Fields, text: str) -> Fields:
+    """The same entry with a different (still valid) payload."""
+    payload = es.MessageAppended(message=user(text))
+    return {**fields, b"d": msgspec.msgpack.encode(payload)}
+
+
+# -- verify: clean ----------------------------------------------------------------------------
+
+
+async def test_untouched_thread_verifies_clean(store: es.EventStore) -> None:
+    version = await populate(store)
+    verdict = await Auditor(store).verify(T)
+    assert verdict.ok and verdict.problems == []
+    assert (verdict.checked, verdict.version) == (version, version)
+    assert verdict.first_bad_seq is None and verdict.kind is None
+    (last,) = [e async for e in store.read(T, start=version)]
+    assert verdict.head == last.chain
+    assert not verdict.keyed
+
+
+async def test_untouched_keyed_thread_verifies_clean(keyed: es.EventStore) -> None:
+    version = await populate(keyed)
+    verdict = await Auditor(keyed).verify(T)
+    assert verdict.ok and verdict.keyed and verdict.checked == version
+
+
+async def test_long_thread_spanning_read_batches_verifies_clean(store: es.EventStore) -> None:
+    for start in range(0, 5000, 500):
+        batch = [es.MessageAppended(message=user(str(start + i))) for i in range(500)]
+        await store.append(T, batch)
+    verdict = await Auditor(store).verify(T)
+    assert verdict.ok and verdict.checked == 5000
+
+
+async def test_missing_thread_verifies_as_empty(store: es.EventStore) -> None:
+    verdict = await Auditor(store).verify("nobody")
+    assert verdict.ok and verdict.checked == 0 and verdict.version == 0
+
+
+# -- verify: tampering -------------------------------------------------------------------------
+
+
+async def test_edited_payload_is_modified(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    entries[5] = (entries[5][0], edited(entries[5][1], "I never said that"))
+    await raw.rewrite(entries)
+    # The edit decodes fine: only the chain catches it, at the edited seq and nowhere else.
+    assert len([e async for e in store.read(T)]) == version
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 6, "modified")
+    assert len(verdict.problems) == 1 and verdict.checked == version
+
+
+async def test_edited_last_entry_is_modified(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    entries[-1] = (entries[-1][0], {**entries[-1][1], b"s": b"1"})  # back-dated
+    await raw.rewrite(entries)
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, version, "modified")
+    assert len(verdict.problems) == 1
+
+
+async def test_xdel_is_deleted(store: es.EventStore) -> None:
+    version = await populate(store)
+    await Raw(store).xdel("7-0")
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 7, "deleted")
+    assert len(verdict.problems) == 1 and verdict.checked == version - 1
+
+
+async def test_xdel_of_a_run_and_of_the_tail_are_deleted(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    for seq in (3, 4, 5, version):
+        await raw.xdel(f"{seq}-0")
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 3, "deleted")
+    assert "3..5" in verdict.detail
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(3, "deleted"), (version, "deleted")]
+
+
+async def test_xadd_with_a_forged_id_at_the_end_is_inserted(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    _, fields = (await raw.entries())[1]
+    await raw.xadd(f"{version + 1}-0", edited(fields, "forged"))
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, version + 1, "inserted")
+    assert len(verdict.problems) == 1
+
+
+async def test_xadd_with_a_forged_id_mid_stream_is_inserted(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    entries.insert(3, ("3-5", edited(entries[1][1], "forged")))
+    await raw.rewrite(entries)
+    verdict = await Auditor(store).verify(T)
+    # An entry between 3-0 and 4-0 takes the place of seq 4 in a reading of the log.
+    assert_damage(verdict, 4, "inserted")
+    assert "3-5" in verdict.detail
+    assert len(verdict.problems) == 1 and verdict.checked == version + 1
+
+
+async def test_swapped_entries_are_reordered(store: es.EventStore) -> None:
+    await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    (id3, f3), (id6, f6) = entries[2], entries[5]
+    entries[2], entries[5] = (id3, f6), (id6, f3)  # ids kept, contents swapped
+    await raw.rewrite(entries)
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 3, "reordered")
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(3, "reordered"), (6, "reordered")]
+    assert "seq 6" in verdict.detail
+
+
+async def test_adjacent_swap_is_reordered(store: es.EventStore) -> None:
+    await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    (id9, f9), (id10, f10) = entries[8], entries[9]
+    entries[8], entries[9] = (id9, f10), (id10, f9)
+    await raw.rewrite(entries)
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 9, "reordered")
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(9, "reordered"), (10, "reordered")]
+
+
+async def test_garbage_entry_is_undecodable(store: es.EventStore) -> None:
+    version = await populate(store)
+    await Raw(store).xadd(f"{version + 1}-0", {b"x": b"y"})
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, version + 1, "undecodable")
+    assert f"seq {version + 1}" in verdict.detail
+
+
+async def test_garbage_payload_mid_stream_is_undecodable_only(store: es.EventStore) -> None:
+    await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    entries[4] = (entries[4][0], {**entries[4][1], b"d": b"\xc1 not msgpack"})
+    await raw.rewrite(entries)
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 5, "undecodable")
+    assert len(verdict.problems) == 1
+
+
+async def test_removal_with_renumbering_is_deleted(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    kept = entries[:5] + entries[6:]
+    await raw.rewrite([(f"{n}-0", fields) for n, (_, fields) in enumerate(kept, start=1)])
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 6, "deleted")
+    assert len(verdict.problems) == 1 and verdict.checked == version - 1
+
+
+async def test_addition_with_renumbering_is_inserted(store: es.EventStore) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    forged = {**edited(entries[1][1], "forged"), b"h": b"0" * 32}
+    grown = [*entries[:5], ("", forged), *entries[5:]]
+    await raw.rewrite([(f"{n}-0", fields) for n, (_, fields) in enumerate(grown, start=1)])
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 6, "inserted")
+    assert len(verdict.problems) == 1 and verdict.checked == version + 1
+
+
+async def test_copied_entry_with_renumbering_is_inserted(store: es.EventStore) -> None:
+    await populate(store)
+    raw = Raw(store)
+    entries = await raw.entries()
+    grown = [*entries[:5], entries[2], *entries[5:]]  # seq 3 again, verbatim
+    await raw.rewrite([(f"{n}-0", fields) for n, (_, fields) in enumerate(grown, start=1)])
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 6, "inserted")
+    assert len(verdict.problems) == 1
+
+
+# -- verify: keyed chains ------------------------------------------------------------------------
+
+
+async def forge_chain(raw: Raw, at: int, text: str) -> None:
+    """Edit the payload of ``at`` and recompute every link from there on, without the key."""
+    entries = await raw.entries()
+    prev = entries[at - 2][1][b"h"].decode() if at > 1 else ""
+    for index in range(at - 1, len(entries)):
+        entry_id, fields = entries[index]
+        if index == at - 1:
+            fields = edited(fields, text)
+        digest = es.entry_digest(raw.thread_id, fields, None)
+        assert digest is not None
+        prev = es.chain_link(prev, index + 1, int(fields[b"s"]), digest)
+        entries[index] = (entry_id, {**fields, b"h": prev.encode()})
+    await raw.rewrite(entries)
+
+
+async def test_forger_without_the_key_is_detected(keyed: es.EventStore) -> None:
+    version = await populate(keyed)
+    await forge_chain(Raw(keyed), 4, "forged")
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, 4, "modified")
+    assert "without the key" in verdict.detail
+    # Every re-linked entry is caught: none of their links holds under the key.
+    assert [p.seq for p in verdict.problems] == list(range(4, version + 1))
+
+
+async def test_without_a_key_a_recomputed_chain_goes_unnoticed(store: es.EventStore) -> None:
+    # The documented limit of unkeyed chains: whoever can write to Redis can re-link.
+    await populate(store)
+    await forge_chain(Raw(store), 4, "forged")
+    assert (await Auditor(store).verify(T)).ok
+
+
+async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> None:
+    version = await populate(keyed)
+    assert (await Auditor(keyed, secret=SECRET).verify(T)).ok
+    verdict = await Auditor(keyed, secret=b"another key").verify(T)
+    assert_damage(verdict, 1, "modified")
+    assert len(verdict.problems) == version
+    assert "another key" in verdict.detail
+
+
+# -- verify across a namespace -------------------------------------------------------------------
+
+
+async def test_verify_all_names_the_damaged_thread(store: es.EventStore) -> None:
+    await populate(store)
+    for name in ("clean-1", "clean-2"):
+        await store.append(name, [es.MessageAppended(message=user("hi"))] * 1)
+    await Raw(store).xdel("2-0")
+    calls: list[tuple[int, int]] = []
+    verdicts = await Auditor(store).verify_all(progress=lambda d, t: calls.append((d, t)))
+    assert set(verdicts) == {T, "clean-1", "clean-2"}
+    assert verdicts["clean-1"].ok and verdicts["clean-2"].ok
+    assert_damage(verdicts[T], 2, "deleted")
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+
+
+# -- replay and diff -----------------------------------------------------------------------------
+
+
+async def test_replay_matches_time_travel_at_every_step(store: es.EventStore) -> None:
+    version = await populate(store)
+    projector = Projector(store)
+    auditor = Auditor(store, projector)
+    steps = [step async for step in auditor.replay(T)]
+    assert [s.seq for s in steps] == list(range(1, version + 1))
+    # Steps are snapshots: each still shows its own point after the replay moved on.
+    for step in steps:
+        assert list(step.messages) == await projector.last(T, 1000, as_of=step.seq)
+        assert dict(step.state) == await projector.state(T, as_of=step.seq)
+        assert list(step.records) == await projector.turns(T, as_of=step.seq)
+        assert list(step.transcript) == await projector.transcript(T, as_of=step.seq)
+    assert [m.message.text for m in steps[-1].transcript] == ["summary"]
+    assert [m.message.text for m in steps[-2].transcript] == ["q0", "q1", "q2"]
+
+
+async def test_replay_window_and_as_of(store: es.EventStore) -> None:
+    version = await populate(store)
+    auditor = Auditor(store)
+    window = [s async for s in auditor.replay(T, start=5, stop=9)]
+    assert [s.seq for s in window] == [5, 6, 7, 8, 9]
+    # Events before `start` are folded in: the first step already shows them.
+    assert window[0].messages == [s async for s in auditor.replay(T, stop=5)][-1].messages
+    capped = [s async for s in auditor.replay(T, start=5, as_of=7)]
+    assert [s.seq for s in capped] == [5, 6, 7]
+    now = datetime.now(UTC)
+    assert len([s async for s in auditor.replay(T, as_of=now)]) == version
+    assert [s async for s in auditor.replay(T, start=5, stop=4)] == []
+    with pytest.raises(es.InvalidInputError):
+        [s async for s in auditor.replay(T, start=0)]
+    async for step in auditor.replay(T):
+        assert step.seq == 1
+        break  # leaving early is fine
+
+
+async def test_diff_between_two_points(store: es.EventStore) -> None:
+    await populate(store, rounds=2)
+    auditor = Auditor(store)
+    # Round 0 is seqs 1..7; round 1 opens with seq 8 (its request message).
+    d = await auditor.diff(T, 7, 14)
+    assert d.events == 7
+    assert [m.message.text for m in d.messages_added] == ["q1", "a1", "note 1"]
+    assert d.messages_removed == []
+    before, after = d.state_changed["plan"]
+    assert before is not None and after is not None
+    assert (before.value, after.value) == ({"round": 0}, {"round": 1})
+    assert len(d.records_changed) == 2  # round 1's root and child turns, new
+    assert all(old is None for old, _ in d.records_changed.values())
+    assert d.transcript is not None
+    assert [m.message.text for m in d.transcript[1]] == ["q0", "q1"]
+    assert not d.transcript_replaced and not d.empty
+
+    back = await auditor.diff(T, 14, 7)
+    assert back.messages_removed == d.messages_added and back.messages_added == []
+    assert (await auditor.diff(T, 4, 4)).empty
+
+
+async def test_diff_shows_a_transcript_replace(store: es.EventStore) -> None:
+    version = await populate(store)
+    d = await Auditor(store).diff(T, version - 1, version)
+    assert d.transcript_replaced and d.transcript is not None
+    old, new = d.transcript
+    assert [m.message.text for m in old] == ["q0", "q1", "q2"]
+    assert [m.message.text for m in new] == ["summary"]
+    assert d.messages_added == [] and d.state_changed == {} and d.records_changed == {}
+    everything = await Auditor(store).diff(T, 0, datetime.now(UTC))
+    assert everything.b == version and everything.events == version
+
+
+async def test_tiny_read_batches_see_every_entry_once(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_audit, "VERIFY_BATCH", 3)
+    version = await populate(store)
+    assert (await Auditor(store).verify(T)).ok
+    raw = Raw(store)
+    entries = await raw.entries()
+    forged = [(f"4-{n}", entries[0][1]) for n in range(1, 8)]  # more than a batch shares seq 4
+    await raw.rewrite([*entries[:4], *forged, *entries[4:]])
+    verdict = await Auditor(store).verify(T)
+    assert verdict.checked == version + 7
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(5, "inserted")] * 7
