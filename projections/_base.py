@@ -22,6 +22,7 @@ import msgspec
 
 from eventstore import (
     Event,
+    EventValidationError,
     InvalidInputError,
     NewEvent,
     OperationalError,
@@ -76,6 +77,22 @@ class Projection(abc.ABC, Generic[S]):
 
     def validate(self, payload: Event) -> None:
         """Refuse an event before it is appended (default: accept everything)."""
+
+
+def check_payload(payload: Event, index: int) -> None:
+    """Refuse a payload that would not come back from the log as it went in.
+
+    The store runs the same round trip, but projections compute their view ops before the
+    store sees the events; without this, a malformed payload would surface as whatever error
+    projection code happens to hit (``AttributeError``, ``TypeError``) instead of
+    `EventValidationError`, or as a misleading projection error.
+    """
+    try:
+        msgspec.msgpack.decode(encoder.encode(payload), type=type(payload))
+    except (msgspec.EncodeError, msgspec.DecodeError, TypeError, OverflowError) as exc:
+        raise EventValidationError(
+            f"event #{index} ({payload.event_type}) fails validation: {exc}"
+        ) from exc
 
 
 def decode_as(type_: type[Any], data: bytes, what: str) -> Any:

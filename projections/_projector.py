@@ -34,7 +34,7 @@ from eventstore import (
 )
 from eventstore._events import as_new_event
 
-from ._base import Projection
+from ._base import Projection, check_payload
 from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
 from ._state import Block, StateProjection
@@ -140,7 +140,15 @@ class Projector:
     # -- writes ---------------------------------------------------------------------------------
 
     def view_ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
-        """Every projection's view ops for appending ``events``; raises if one refuses them."""
+        """Every projection's view ops for appending ``events``; raises if one refuses them.
+
+        Raises:
+            EventValidationError: a payload fails its schema (checked before any projection
+                sees it).
+            InvalidInputError: a projection refuses an event (e.g. `UnknownBlockError`).
+        """
+        for index, new in enumerate(events):
+            check_payload(new.payload, index)
         ops: list[ViewOp] = []
         for p in self.projections:
             for new in events:
@@ -244,8 +252,7 @@ class Projector:
         rp = self.records_projection
         if as_of is not None:
             folded = await self.fold(thread_id, as_of=as_of)
-            settled = rp.settled_records(thread_id, folded.states[rp.name])
-            return settled[-last:] if last else settled
+            return rp.settled_records(thread_id, folded.states[rp.name], last)
         _, (result,) = await self._read(thread_id, [RecordsProjection.settled_read(last)])
         return RecordsProjection.parse(thread_id, result)
 

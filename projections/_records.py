@@ -239,17 +239,30 @@ class RecordsProjection(Projection[RecordsState]):
 
     @staticmethod
     def all_records(thread_id: str, state: RecordsState) -> list[TurnRecord]:
-        """Every turn of a folded state (open and settled), in first-seen order."""
-        return [_record(thread_id, t, e.seq, v) for t, (e, v) in state.turns.items()]
+        """Every turn of a folded state (open and settled), by turn id.
+
+        The order is the one a read of the ``turns`` hash can give (a hash has none of its
+        own); for ULID turn ids it is the order the turns were created in.
+        """
+        return [_record(thread_id, t, e.seq, v) for t, (e, v) in sorted(state.turns.items())]
 
     @staticmethod
-    def settled_records(thread_id: str, state: RecordsState) -> list[TurnRecord]:
-        """Settled records of a folded state, in settle order (each turn once)."""
+    def settled_records(
+        thread_id: str, state: RecordsState, last: int | None = None
+    ) -> list[TurnRecord]:
+        """Settled records of a folded state, in settle order (each turn once).
+
+        Like `settled_read`, this takes the latest ``last`` settlements first and then lists
+        each turn once, at its first place among them: a turn settled twice (an anomaly) then
+        shows the same way in a fold as in the materialized view.
+        """
+        entries = state.settled if last is None else state.settled[-last:] if last else []
         seen: dict[str, TurnRecord] = {}
-        for entry in state.settled:
+        for entry in entries:
             turn = entry.value.decode("utf-8")
-            e, v = state.turns[turn]
-            seen[turn] = _record(thread_id, turn, e.seq, v)
+            if turn not in seen:
+                e, v = state.turns[turn]
+                seen[turn] = _record(thread_id, turn, e.seq, v)
         return list(seen.values())
 
     @staticmethod
