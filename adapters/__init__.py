@@ -11,6 +11,7 @@ from ._access import (
     authorize,
 )
 from ._audit import Auditor, DamageKind, Diff, Problem, ReplayStep, Verdict
+from ._export import COLUMNS, Exporter, ExportResult, committed_positions, read_parquet_dir
 from ._jsonl import (
     ImportReport,
     JsonlImportError,
@@ -30,6 +31,11 @@ from ._threads import (
 )
 
 __all__ = [
+    "COLUMNS",
+    "ExportResult",
+    "Exporter",
+    "committed_positions",
+    "read_parquet_dir",
     "AccessDenied",
     "AccessPolicy",
     "Action",
