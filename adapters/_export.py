@@ -357,12 +357,12 @@ class Exporter:
                 if since_ms is None or e.time_ms >= since_ms:
                     out.append(_tombstone(ns, e))
                 continue
-            rows = fetched.get(e.thread_id, {})
+            thread_rows = fetched.get(e.thread_id, {})
             for seq in range(e.first_seq, e.last_seq + 1):
-                row = rows.get(seq)
+                found = thread_rows.get(seq)
                 # A thread deleted since leaves nothing to read; its tombstone follows.
-                if row is not None and (since_ms is None or row["time_ms"] >= since_ms):
-                    out.append(row)
+                if found is not None and (since_ms is None or found["time_ms"] >= since_ms):
+                    out.append(found)
         return out
 
 
