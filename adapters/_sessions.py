@@ -189,6 +189,12 @@ class SessionStore:
         self._seen.pop(session_id, None)
         return result
 
+    async def delete(self, session_id: str, *, principal: Principal | None = None) -> int:
+        """Delete a session's thread (events and views); returns its last version."""
+        await self._allow(principal, "write", session_id)
+        self._seen.pop(session_id, None)
+        return await self.projector.delete_thread(session_id)
+
     def forget(self, session_id: str) -> None:
         """Drop the remembered version (the next write will not check staleness)."""
         self._seen.pop(session_id, None)

@@ -288,6 +288,11 @@ class ThreadStore:
             )
         return Settlement(record=record, first_seq=result.first_seq, last_seq=result.last_seq)
 
+    async def delete_thread(self, thread_id: str, *, principal: Principal | None = None) -> int:
+        """Delete a thread, its events and its views (a tombstone reaches the change feed)."""
+        await self._allow(principal, "write", thread_id)
+        return await self.projector.delete_thread(thread_id)
+
     # -- records --------------------------------------------------------------------------------
 
     async def turn(

@@ -311,6 +311,11 @@ class Projector:
             thread_id=thread_id, version=version, messages=messages, state=state, records=recs
         )
 
+    async def delete_thread(self, thread_id: str) -> int:
+        """Delete the thread with every view of these projections; returns its last version."""
+        views = [v for p in self.projections for v in p.views]
+        return await self.store.delete_thread(thread_id, views=views)
+
     # -- rebuild and check ----------------------------------------------------------------------
 
     def _materialize(self, folded: Folded) -> list[ViewOp]:

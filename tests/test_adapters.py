@@ -416,3 +416,19 @@ async def test_records_across_threads_newest_first_paginated(store: es.EventStor
     assert one.next_cursor is not None
     rest = await threads.records("t0", limit=2, after=one.next_cursor)
     assert [r.turn_id for r in rest.records] == [settled[0]] and rest.next_cursor is None
+
+
+async def test_deleting_a_thread_and_a_session(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    sessions = SessionStore(store)
+    turn = await threads.open_turn("t", request_message=user("hi"))
+    await threads.settle_turn("t", turn, outcome="completed", assistant_message=assistant("yo"))
+    await sessions.append("s", [user("a")])
+    assert await threads.delete_thread("t") == 2
+    assert await threads.list_messages("t") == []
+    assert (await threads.records("t")).records == []
+    assert await threads.turn("t", turn) is None
+    assert await sessions.delete("s") == 1
+    assert (await sessions.load("s")).messages == []
+    await sessions.append("s", [user("fresh start")])
+    assert [m.text for m in (await sessions.load("s")).messages] == ["fresh start"]
