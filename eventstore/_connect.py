@@ -50,7 +50,9 @@ class StoreSettings:
 
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster).
-    Query parameters ``namespace``, ``partitions`` and ``socket_timeout`` override the defaults.
+    Query parameters ``namespace``, ``partitions`` and ``socket_timeout`` override the defaults;
+    ``db`` and ``ssl_cert_reqs`` / ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` go to
+    redis-py. Any other parameter is refused rather than ignored.
     """
 
     url: str

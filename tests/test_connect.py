@@ -1,0 +1,440 @@
+"""Settings from URLs, `connect()` against real servers, and the embedded private redis-server."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eventstore import (
+    EventStore,
+    InvalidInputError,
+    InvalidURLError,
+    MemoryEventStore,
+    MessageAppended,
+    RedisEventStore,
+    StoreConnectionError,
+    StoreSettings,
+    chain_link,
+    connect,
+    entry_digest,
+    redact,
+    stop_embedded,
+)
+from eventstore._connect import SECRET_ENV, URL_ENV
+from eventstore.servers import free_port
+from eventstore.testing import msg, read_all
+
+PASSWORD = "s3cret"
+
+
+def _ns() -> str:
+    return "c" + uuid.uuid4().hex[:12]
+
+
+def _with_query(url: str, query: str) -> str:
+    return url + ("&" if "?" in url else "?") + query
+
+
+async def _texts(store: EventStore, thread: str) -> list[str]:
+    out = []
+    for e in await read_all(store, thread):
+        assert isinstance(e.payload, MessageAppended)
+        out.append(e.payload.message.text)
+    return out
+
+
+# -- StoreSettings.from_url ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme"),
+    [
+        ("memory://", "memory"),
+        ("memory://shared-name", "memory"),
+        ("redis://", "redis"),
+        ("redis://localhost:6379/2", "redis"),
+        ("redis://user:pw@redis.example:6380", "redis"),
+        ("rediss://redis.example:6380/0", "rediss"),
+        ("unix:///tmp/redis.sock", "unix"),
+        ("unix://user:pw@/tmp/redis.sock", "unix"),
+        ("redis+cluster://h1:7000,h2:7001,h3:7002", "redis+cluster"),
+        ("redis+cluster://u:pw@h1:7000", "redis+cluster"),
+        ("rediss+cluster://h1:7000,h2", "rediss+cluster"),
+    ],
+)
+def test_every_scheme_parses(url: str, scheme: str) -> None:
+    settings = StoreSettings.from_url(url)
+    assert settings.scheme == scheme
+    assert settings.url == url
+    assert settings.namespace == "default"
+    assert settings.partitions is None
+
+
+def test_query_parameters_and_overrides() -> None:
+    settings = StoreSettings.from_url(
+        "redis://h:6379/0?namespace=tenant-a&partitions=4&socket_timeout=1.5"
+    )
+    assert (settings.namespace, settings.partitions, settings.socket_timeout) == (
+        "tenant-a",
+        4,
+        1.5,
+    )
+    # Keyword overrides win over the URL; None means "not given".
+    settings = StoreSettings.from_url(
+        "memory://?namespace=a&partitions=4", namespace="b", partitions=None
+    )
+    assert (settings.namespace, settings.partitions) == ("b", 4)
+    # The last of repeated parameters counts.
+    assert StoreSettings.from_url("memory://?namespace=x&namespace=y").namespace == "y"
+
+
+def test_settings_are_frozen() -> None:
+    settings = StoreSettings.from_url("memory://")
+    with pytest.raises(AttributeError):
+        settings.namespace = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "localhost:6379",
+        "redis:/localhost",
+        "http://localhost",
+        "mysql://db",
+        "redis://[::1",
+        "redis://h:99999",
+        "redis://h:abc",
+        "redis://h:0",
+        "redis://h/not-a-db",
+        "redis://h?partitions=x",
+        "redis://h?partitions=1e3",
+        "redis://h?partitions=0",
+        "redis://h?partitions=16385",
+        "memory://?partitions=-3",
+        "redis://h?namespace=bad%20ns",
+        "redis://h?namespace=a:b",
+        "redis://h?namespace={x}",
+        "redis://h?namespace=",
+        "redis://h?socket_timeout=soon",
+        "redis://h?socket_timeout=-1",
+        "redis://h?socket_timeout=nan",
+        "redis://h?socket_timeout=inf",
+        "redis://h?db=-1",
+        "redis://h?namespce=typo",
+        "redis://h?password=pw",
+        "unix://",
+        "unix://relative/redis.sock",
+        "redis+cluster://h1:7000,h2:x",
+        "redis+cluster://h1:7000,h2:70000",
+        "rediss+cluster://h1:-1",
+    ],
+)
+def test_bad_urls_raise_invalid_url_error(url: str) -> None:
+    with pytest.raises(InvalidURLError):
+        StoreSettings.from_url(url)
+
+
+@pytest.mark.parametrize("url", [None, 42, b"redis://h"])
+def test_non_string_urls_raise_invalid_url_error(url: object) -> None:
+    with pytest.raises(InvalidURLError):
+        StoreSettings.from_url(url)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://user:{PASSWORD}@h:abc",
+        f"redis://:{PASSWORD}@h/not-a-db",
+        f"redis:/user:{PASSWORD}@h",
+        f"user:{PASSWORD}@h:6379",
+        f"redis+cluster://u:{PASSWORD}@h1:1,h2:x",
+        f"redis://u:{PASSWORD}@h?partitions=x",
+        f"redis://u:{PASSWORD}@[::1",
+    ],
+)
+def test_bad_url_messages_hide_the_password(url: str) -> None:
+    with pytest.raises(InvalidURLError) as info:
+        StoreSettings.from_url(url)
+    assert PASSWORD not in str(info.value)
+
+
+def test_redact() -> None:
+    assert redact("redis://h:6379/0") == "redis://h:6379/0"
+    assert redact(f"redis://user:{PASSWORD}@h:6379") == "redis://user:***@h:6379"
+    assert redact(f"redis://:{PASSWORD}@h") == "redis://:***@h"
+    assert PASSWORD not in redact(f"redis://u:p@{PASSWORD}@h")
+    assert PASSWORD not in redact(f"redis+cluster://u:{PASSWORD}@h1:1,h2:2")
+
+
+# -- connect() -------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_connect_to_real_redis(redis_url: str) -> None:
+    ns = _ns()
+    async with await connect(redis_url, namespace=ns) as store:
+        assert isinstance(store, RedisEventStore)
+        assert store.namespace == ns
+        assert await store.client.ping()
+        await store.append("t", [msg("hello")])
+    async with await connect(_with_query(redis_url, f"namespace={ns}")) as again:
+        assert await _texts(again, "t") == ["hello"]
+
+
+@pytest.mark.anyio
+async def test_bad_url_is_refused_before_connecting() -> None:
+    with pytest.raises(InvalidURLError):
+        await connect("redis://h:99999")
+    with pytest.raises(InvalidURLError):
+        await connect("redis+cluster://h:1,h:x")
+
+
+@pytest.mark.anyio
+async def test_named_memory_store_is_shared_and_unnamed_is_private() -> None:
+    name = f"memory://shared-{uuid.uuid4().hex[:8]}"
+    async with await connect(name) as a, await connect(name) as b:
+        assert isinstance(a, MemoryEventStore) and isinstance(b, MemoryEventStore)
+        await a.append("t", [msg("from a")])
+        assert await _texts(b, "t") == ["from a"]
+    async with await connect("memory://") as c, await connect("memory://") as d:
+        await c.append("t", [msg("private")])
+        assert await d.version("t") == 0
+
+
+@pytest.mark.anyio
+async def test_partition_count_is_pinned_per_namespace_on_redis(redis_url: str) -> None:
+    ns = _ns()
+    async with await connect(redis_url, namespace=ns, partitions=4) as first:
+        assert first.partitions == 4
+    with pytest.raises(InvalidInputError):
+        await connect(redis_url, namespace=ns, partitions=8)
+    with pytest.raises(InvalidInputError):
+        await connect(_with_query(redis_url, f"namespace={ns}&partitions=8"))
+    async with await connect(redis_url, namespace=ns) as adopting:
+        assert adopting.partitions == 4
+        assert isinstance(adopting, RedisEventStore) and adopting.keys.partitions == 4
+    async with await connect(redis_url, namespace=ns, partitions=4) as same:
+        assert same.partitions == 4
+    # Another namespace is free to choose.
+    async with await connect(redis_url, namespace=_ns(), partitions=8) as other:
+        assert other.partitions == 8
+
+
+@pytest.mark.anyio
+async def test_partition_count_is_pinned_per_namespace_in_memory() -> None:
+    url = f"memory://pinned-{uuid.uuid4().hex[:8]}?namespace=n"
+    async with await connect(url, partitions=4) as first:
+        assert first.partitions == 4
+    with pytest.raises(InvalidInputError):
+        await connect(url, partitions=8)
+    async with await connect(url) as adopting:
+        assert adopting.partitions == 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "template",
+    [
+        "redis://127.0.0.1:{port}",
+        "redis://user:" + PASSWORD + "@127.0.0.1:{port}",
+        "redis://:" + PASSWORD + "@127.0.0.1:{port}/3",
+        "redis+cluster://user:" + PASSWORD + "@127.0.0.1:{port},127.0.0.1:{port}",
+        "unix:///tmp/threadlog-test-{port}-nothing-here.sock",
+    ],
+)
+async def test_unreachable_server_raises_store_connection_error_quickly(template: str) -> None:
+    url = template.format(port=free_port())
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError) as info:
+        await connect(url, namespace=_ns())
+    assert time.monotonic() - started < 5
+    assert isinstance(info.value, ConnectionError)
+    rendered = "".join(traceback.format_exception(info.value))
+    assert PASSWORD not in rendered
+    assert redact(url) in str(info.value)
+
+
+# -- environment -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_threadlog_url_is_honoured(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(URL_ENV, redis_url)
+    async with await connect(namespace=_ns()) as store:
+        assert isinstance(store, RedisEventStore)
+    name = f"memory://env-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(URL_ENV, name)
+    async with await connect() as a, await connect() as b:
+        assert isinstance(a, MemoryEventStore)
+        await a.append("t", [msg("via env")])
+        assert await b.version("t") == 1
+    # An explicit URL wins over the environment.
+    async with await connect(redis_url, namespace=_ns()) as explicit:
+        assert isinstance(explicit, RedisEventStore)
+
+
+@pytest.mark.anyio
+async def test_threadlog_secret_keys_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "chain-key")
+    async with await connect("memory://") as store:
+        await store.append("t", [msg("a")])
+        ((_, fields),) = await store.read_raw("t")
+    keyed = entry_digest("t", fields, b"chain-key")
+    unkeyed = entry_digest("t", fields, None)
+    assert keyed is not None and unkeyed is not None
+    link = fields[b"h"].decode()
+    assert link == chain_link("", 1, int(fields[b"s"]), keyed)
+    assert link != chain_link("", 1, int(fields[b"s"]), unkeyed)
+
+
+# -- the embedded server ---------------------------------------------------------------------
+
+
+def _pid(directory: Path) -> int:
+    return int((directory / "redis.pid").read_text().strip())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with contextlib.suppress(OSError):
+        # A reparented daemon lingers as a zombie until its new parent reaps it.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    return False
+
+
+@contextlib.contextmanager
+def _stopped_afterwards(directory: Path) -> Iterator[Path]:
+    """Yield ``directory``; afterwards always stop an embedded server started there."""
+    try:
+        yield directory
+    finally:
+        if not stop_embedded(directory) and (directory / "redis.pid").exists():
+            # stop_embedded refused (e.g. the server no longer answers): this test started
+            # that server, so end it by the pid it wrote.
+            pid = _pid(directory)
+            cmdline = Path(f"/proc/{pid}/cmdline")
+            if cmdline.exists() and b"redis-server" in cmdline.read_bytes():
+                os.kill(pid, 9)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory with a short path (unix socket paths must stay under ~100 bytes)."""
+    directory = Path(tempfile.mkdtemp(prefix="tl-emb-", dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def no_url_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(URL_ENV, raising=False)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_embedded_server_is_started_reused_and_stopped(short_dir: Path) -> None:
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        ns = _ns()
+        async with await connect(embedded_dir=home, namespace=ns) as store:
+            assert isinstance(store, RedisEventStore)
+            assert (home / "redis.sock").is_socket()
+            assert await store.client.config_get("appendonly") == {"appendonly": "yes"}
+            assert await store.client.config_get("port") == {"port": "0"}  # no TCP listener
+            await store.append("t", [msg("kept")])
+        pid = _pid(home)
+        async with await connect(embedded_dir=home, namespace=ns) as again:
+            assert isinstance(again, RedisEventStore)
+            assert _pid(home) == pid
+            assert (await again.client.info("server"))["process_id"] == pid
+            assert await _texts(again, "t") == ["kept"]
+
+        assert stop_embedded(home) is True
+        assert _gone(pid)
+        assert not (home / "redis.sock").exists()
+        assert stop_embedded(home) is False  # nothing left to stop
+
+        # Started again, the server replays its append-only file.
+        async with await connect(embedded_dir=home, namespace=ns) as revived:
+            assert _pid(home) != pid
+            assert await _texts(revived, "t") == ["kept"]
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_embedded_default_lives_in_dot_threadlog(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(short_dir)
+    with _stopped_afterwards(short_dir / ".threadlog"):
+        async with await connect(namespace=_ns()) as store:
+            assert isinstance(store, RedisEventStore)
+            assert (short_dir / ".threadlog" / "redis.sock").is_socket()
+        assert stop_embedded(Path(".threadlog")) is True
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_embedded_server_in_a_deep_directory_uses_a_short_socket(tmp_path: Path) -> None:
+    home = tmp_path / ("d" * 60) / ("e" * 60)
+    assert len(str(home / "redis.sock")) >= 100
+    with _stopped_afterwards(home):
+        async with await connect(embedded_dir=home, namespace=_ns()) as store:
+            assert isinstance(store, RedisEventStore)
+            await store.append("t", [msg("deep")])
+            assert not (home / "redis.sock").exists()
+        assert stop_embedded(home) is True
+
+
+def test_stale_pid_file_is_not_trusted(short_dir: Path) -> None:
+    home = short_dir / "stale"
+    home.mkdir()
+    # A pid file left by a crash may name any process by now: here, an unrelated child.
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        (home / "redis.pid").write_text(f"{bystander.pid}\n")
+        assert stop_embedded(home) is False
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=10)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_without_redis_server_falls_back_to_memory_with_a_notice(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    empty = short_dir / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert shutil.which("redis-server") is None
+    home = short_dir / "emb"
+    with caplog.at_level(logging.WARNING, logger="threadlog"):
+        async with await connect(embedded_dir=home) as store:
+            assert isinstance(store, MemoryEventStore)
+            await store.append("t", [msg("volatile")])
+    notices = [r for r in caplog.records if r.name == "threadlog"]
+    assert len(notices) == 1
+    assert notices[0].levelno == logging.WARNING
+    assert "in-memory" in notices[0].getMessage()
+    assert URL_ENV in notices[0].getMessage()
+    assert not (home / "redis.pid").exists()
