@@ -1,0 +1,1397 @@
+"""The `threadlog` command: record a demo, list, show, replay, follow, verify, export and repair.
+
+Every command takes ``--url`` (default: ``THREADLOG_URL``, else the embedded redis-server under
+``./.threadlog/``) and ``--namespace``. Output is rich tables and trees for people and, with
+``--json``, JSON for machines; progress bars appear only on a terminal. Errors are one line on
+stderr, ``threadlog: <message>``, with the exit codes of `EXIT_CODES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import sys
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+import anyio
+import anyio.abc
+import msgspec
+
+import eventstore as es
+from projections import (
+    DEFAULT_WINDOW,
+    AsOf,
+    Block,
+    CheckReport,
+    MessagesProjection,
+    Projector,
+    RecordsProjection,
+    StoredMessage,
+    TranscriptMessage,
+    TranscriptProjection,
+    TurnNode,
+    TurnRecord,
+)
+
+from ._audit import Auditor, Verdict
+from ._demo import PLANNER_VIEW, demo_state, record_demo
+from ._export import Exporter
+from ._jsonl import export_jsonl, import_jsonl
+from ._sessions import SessionStore
+
+try:
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.table import Table
+    from rich.text import Text
+    from rich.tree import Tree
+except ModuleNotFoundError as _missing:  # pragma: no cover - rich ships with the cli extra
+    sys.stderr.write(
+        f"threadlog: the command needs rich ({_missing}); pip install 'threadlog[cli]'\n"
+    )
+    raise SystemExit(2) from None
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+EXIT_CODES = """\
+exit codes:
+  0    ok
+  1    verification failed, differences found, or a stored event does not decode
+  2    usage error, bad input, or the store is unreachable or refused the request
+  3    internal error (a bug in threadlog; THREADLOG_DEBUG=1 shows the traceback)
+  130  interrupted (Ctrl-C); tail stops with 0
+"""
+URL_ENV = "THREADLOG_URL"
+EMBEDDED_DIR = Path(".threadlog")
+PLAIN_WIDTH = 120
+"""Output width when stdout is not a terminal (and COLUMNS is unset): wide enough for ids."""
+_MAX_STREAM_ID_SEQ = 2**64 - 1
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
+
+
+class UsageError(Exception):
+    """Raised when the command line or its input cannot be used (exit code 2)."""
+
+
+class Failed(Exception):
+    """Raised to end a command with exit code 1 after its report was printed."""
+
+
+# -- argument parsing ---------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, raised rather than printed."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)", re.IGNORECASE)
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(text: str) -> datetime:
+    """An ISO-8601 time (local time when it has no offset) or a duration ago (``15m``, ``2h``)."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is not None:
+        seconds = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        return datetime.now(UTC) - timedelta(seconds=seconds)
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO-8601 time (2024-06-13T09:40:00+02:00) or a duration "
+            "ago (90s, 15m, 2h, 7d)"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.astimezone()
+
+
+def parse_as_of(text: str) -> AsOf:
+    """A seq (digits) or a time (see `parse_time`)."""
+    stripped = text.strip()
+    if stripped.isdigit():
+        return int(stripped)
+    return parse_time(stripped)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.01 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 0.01 and 3600 seconds")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``threadlog`` argument parser with every subcommand."""
+    # SUPPRESS: --url and --namespace may come before or after the command name.
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=argparse.SUPPRESS,
+        help=f"store URL: redis://, rediss://, unix:///path, redis+cluster://, memory:// "
+        f"(default: ${URL_ENV}, else a private redis-server under ./{EMBEDDED_DIR}/)",
+    )
+    common.add_argument(
+        "--namespace",
+        default=argparse.SUPPRESS,
+        help="namespace (tenant) of the store (default: the URL's ?namespace=, else 'default')",
+    )
+    json_parent = _Parser(add_help=False)
+    json_parent.add_argument("--json", action="store_true", help="print JSON for machines")
+    target = _Parser(add_help=False)
+    target.add_argument("thread", nargs="?", metavar="THREAD", help="one thread")
+    target.add_argument("--all", action="store_true", help="every thread of the namespace")
+
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog="threadlog",
+        description="threadlog: event-sourced storage for AI agent runtimes on Redis Streams.",
+        epilog=EXIT_CODES,
+        formatter_class=formatter,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"threadlog {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(
+        name: str,
+        summary: str,
+        func: Callable[[Ctx, argparse.Namespace], Awaitable[None]],
+        *,
+        parents: Sequence[_Parser] = (),
+        description: str | None = None,
+    ) -> argparse.ArgumentParser:
+        inherited = [common, *parents]
+        p = sub.add_parser(
+            name,
+            help=summary,
+            description=description or summary,
+            epilog=EXIT_CODES,
+            formatter_class=formatter,
+            parents=inherited,
+        )
+        p.set_defaults(func=func)
+        return p
+
+    add(
+        "demo",
+        "record a multi-turn agent conversation and show what threadlog keeps of it",
+        cmd_demo,
+        description="Record a travel assistant's conversation into a new thread (child turns, "
+        "a failed turn, state updates, a transcript compaction), then show the history window, "
+        "a reader view of the state, the turn-record tree and the integrity verdict. "
+        "Each run uses a new thread.",
+    )
+    p = add(
+        "threads", "list threads, most recent activity first", cmd_threads, parents=[json_parent]
+    )
+    p.add_argument(
+        "--limit", type=_positive, default=100, help="show at most N threads (0: all; default 100)"
+    )
+    p = add(
+        "show",
+        "show a thread: history window, state blocks, turn tree, records, transcript",
+        cmd_show,
+        parents=[json_parent],
+    )
+    p.add_argument("thread", metavar="THREAD")
+    p.add_argument(
+        "--as-of",
+        type=parse_as_of,
+        metavar="SEQ|TIME",
+        help="show the thread as it stood at a seq, or at an ISO-8601 time (or 15m, 2h ago)",
+    )
+    p.add_argument(
+        "--window",
+        type=_positive,
+        default=DEFAULT_WINDOW,
+        metavar="N",
+        help=f"messages in the history window (default {DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--turns",
+        type=_positive,
+        default=20,
+        metavar="N",
+        help="the last N root turns in the tree and N records in the table (default 20; 0: all)",
+    )
+    p = add(
+        "replay",
+        "replay a thread event by event, with its read models after each event",
+        cmd_replay,
+        parents=[json_parent],
+    )
+    p.add_argument("thread", metavar="THREAD")
+    p.add_argument("--from", dest="start", type=_positive, default=1, metavar="SEQ")
+    p.add_argument("--to", dest="stop", type=_positive, metavar="SEQ")
+    p.add_argument("--as-of", type=parse_as_of, metavar="SEQ|TIME", help="stop at this point")
+    p = add(
+        "tail",
+        "follow new events as they are appended (one thread, or all); Ctrl-C stops",
+        cmd_tail,
+        parents=[json_parent],
+    )
+    p.add_argument("thread", nargs="?", metavar="THREAD")
+    p.add_argument(
+        "--since",
+        type=parse_time,
+        metavar="TIME",
+        help="start at a past time: ISO-8601, or a duration ago (15m, 2h)",
+    )
+    p.add_argument("--limit", type=_positive, metavar="N", help="exit after N events")
+    p.add_argument(
+        "--interval", type=_seconds, default=0.25, metavar="SEC", help="poll interval (0.25)"
+    )
+    add(
+        "verify",
+        "verify integrity chains: nothing altered, removed, inserted or reordered",
+        cmd_verify,
+        parents=[target, json_parent],
+    )
+    p = add(
+        "export",
+        "export events (incrementally) to Parquet or NDJSON part files",
+        cmd_export,
+        parents=[json_parent],
+    )
+    p.add_argument("--format", dest="fmt", choices=("parquet", "ndjson"), default="parquet")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument(
+        "--since",
+        type=parse_time,
+        metavar="TIME",
+        help="skip events older than this: ISO-8601, or a duration ago (15m, 2h)",
+    )
+    p.add_argument(
+        "--name", default="export", help="export name: its feed checkpoints (default 'export')"
+    )
+    add("rebuild", "recompute materialized views from the log", cmd_rebuild, parents=[target])
+    add(
+        "check",
+        "prove materialized views equal the fold of the log",
+        cmd_check,
+        parents=[target, json_parent],
+    )
+    p = add(
+        "import-jsonl",
+        "append a JSONL file of model messages to a session's transcript",
+        cmd_import_jsonl,
+    )
+    p.add_argument("file", type=Path, metavar="FILE")
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed lines (and list them)")
+    p = add("export-jsonl", "write a session's transcript as a JSONL file", cmd_export_jsonl)
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument("file", metavar="FILE", help="output file ('-': stdout)")
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("threadlog")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+# -- the context every command gets -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the data lives: the URL and, for the embedded server, its directory."""
+
+    url: str
+    embedded: Path | None = None
+    given: bool = False
+
+    def describe(self) -> str:
+        if self.url.startswith("memory:"):
+            return "in-memory backend (memory://: nothing persists after this command)"
+        if self.embedded is not None:
+            return f"embedded redis-server in {self.embedded}/ (unix socket, AOF on)"
+        return f"redis at {es.redact(self.url)}"
+
+
+@dataclass
+class Ctx:
+    """What a command works with."""
+
+    out: Console
+    err: Console
+    where: Where
+    store: es.EventStore
+    namespace_given: bool
+    progress_ok: bool
+
+    @property
+    def projector(self) -> Projector:
+        return Projector(self.store)
+
+    def json(self, value: Any) -> None:
+        data = msgspec.json.format(msgspec.json.encode(value), indent=2)
+        sys.stdout.write(data.decode("utf-8") + "\n")
+        sys.stdout.flush()
+
+    def progress(self, description: str, unit: str | None = None) -> _Progress:
+        return _Progress(self.err, description, enabled=self.progress_ok, unit=unit)
+
+
+def resolve_where(url: str | None) -> Where:
+    """The store location: ``--url``, else ``THREADLOG_URL``, else the embedded server."""
+    if url is not None:
+        if not url.strip():
+            raise UsageError("--url is empty")
+        return Where(url, given=True)
+    env = os.environ.get(URL_ENV)
+    if env:
+        return Where(env)
+    found = es.embedded_url(EMBEDDED_DIR)  # starts the server when needed
+    if found.startswith("unix://"):
+        return Where(found, embedded=EMBEDDED_DIR.resolve())
+    return Where(found)
+
+
+class _Progress:
+    """A rich progress bar on a terminal; nothing at all otherwise (pipes, tests, --json)."""
+
+    def __init__(
+        self, console: Console, description: str, *, enabled: bool, unit: str | None = None
+    ) -> None:
+        self.bar: Progress | None = None
+        self.task: Any = None
+        if enabled:
+            # With a unit the total is unknown: a running count instead of a bar.
+            counter = (
+                (TextColumn(f"{{task.completed:,.0f}} {unit}"),)
+                if unit is not None
+                else (BarColumn(), MofNCompleteColumn())
+            )
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("[progress.description]{task.description}"),
+                *counter,
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+            self.task = self.bar.add_task(description, total=None)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, done: int, total: int | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def fmt_time(ms: int) -> str:
+    """An epoch-ms time as local ISO-8601 with milliseconds and offset."""
+    if ms <= 0:
+        return "-"
+    moment = datetime.fromtimestamp(ms / 1000, tz=UTC).astimezone()
+    return moment.isoformat(sep=" ", timespec="milliseconds")
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def fmt_duration(ms: int) -> str:
+    if ms < 1000:
+        return f"{ms} ms"
+    if ms < 120_000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms / 60_000:.1f} min"
+
+
+def compact_json(value: Any, limit: int | None = None) -> str:
+    text = msgspec.json.encode(value).decode("utf-8")
+    if limit is not None and len(text) > limit:
+        return text[: limit - 3] + "..."
+    return text
+
+
+def short(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_id(turn_id: str | None) -> str:
+    """The tail of a ULID: its random part, which tells turns apart."""
+    if not turn_id:
+        return "-"
+    return "~" + turn_id[-8:] if len(turn_id) > 10 else turn_id
+
+
+def message_text(message: es.Message) -> str:
+    """A message's content as one readable line: text, tool calls and results, attachments."""
+    if isinstance(message.content, str):
+        return message.content
+    bits: list[str] = []
+    for part in message.content:
+        if isinstance(part, es.TextPart):
+            bits.append(part.text)
+        elif isinstance(part, es.ReasoningPart):
+            bits.append(f"(reasoning) {part.text}")
+        elif isinstance(part, es.ToolCallPart):
+            bits.append(f"call {part.tool_name}({compact_json(part.input, 80)})")
+        elif isinstance(part, es.ToolResultPart):
+            flag = " (error)" if part.is_error else ""
+            bits.append(f"result of {part.tool_name}{flag}: {compact_json(part.output, 80)}")
+        elif isinstance(part, es.FilePart):
+            bits.append(f"[file {part.filename or part.media_type}]")
+        elif isinstance(part, es.ImagePart):
+            bits.append("[image]")
+        elif isinstance(part, es.OtherPart):
+            bits.append(f"[{part.kind}]")
+    return " ".join(bits)
+
+
+def tokens(usage: es.Usage) -> str:
+    return f"{usage.input_tokens:,} in / {usage.output_tokens:,} out"
+
+
+def outcome_style(status: str) -> str:
+    return {
+        "completed": "green",
+        "open": "magenta",
+        "failed": "red",
+        "refused": "red",
+    }.get(status, "yellow")
+
+
+def record_label(record: TurnRecord) -> Text:
+    """One line describing a turn record, for the turn tree."""
+    status = record.outcome or "open"
+    label = Text(record.turn_id + "  ")
+    label.append(status if record.outcome else "open (not settled)", style=outcome_style(status))
+    details = []
+    if record.outcome is not None:
+        details.append(f"{record.steps} step{'s' if record.steps != 1 else ''}")
+        if record.model_tier:
+            details.append(record.model_tier)
+        details.append(tokens(record.usage) + " tokens")
+        if record.timing.settled_ms:
+            details.append(fmt_duration(record.timing.duration_ms))
+    for fb in record.fallbacks:
+        details.append(f"fallback {fb.from_tier}->{fb.to_tier}")
+    if details:
+        label.append("  " + ", ".join(details), style="dim")
+    if record.error is not None:
+        label.append(f"\n{record.error.kind}: {record.error.message}", style="red")
+    return label
+
+
+def event_summary(event: es.RecordedEvent) -> str:
+    """What an event says, in one line."""
+    p = event.payload
+    if isinstance(p, es.TurnOpened):
+        kind = f"child of {short_id(p.parent_turn_id)}" if p.parent_turn_id else "root"
+        text = f"turn {short_id(p.turn_id)} opened ({kind})"
+        if p.request is not None:
+            text += f": {short(message_text(p.request), 80)}"
+        return text
+    if isinstance(p, es.TurnSettled):
+        text = f"turn {short_id(p.turn_id)} {p.outcome}, {p.steps} steps"
+        if p.model_tier:
+            text += f", {p.model_tier}"
+        text += f", {tokens(p.usage)} tokens"
+        if p.error is not None:
+            text += f"; {p.error.kind}: {p.error.message}"
+        if p.assistant_message is not None:
+            text += f"; assistant: {short(message_text(p.assistant_message), 60)}"
+        return text
+    if isinstance(p, es.MessageAppended):
+        return f"{p.message.role}: {short(message_text(p.message), 100)}"
+    if isinstance(p, es.StateUpdated):
+        return f"{p.block} = {compact_json(p.value, 100)}"
+    if isinstance(p, es.TranscriptAppended):
+        return f"+{len(p.messages)} transcript message{'s' if len(p.messages) != 1 else ''}"
+    if isinstance(p, es.TranscriptReplaced):
+        return f"transcript replaced ({p.reason}) by {len(p.messages)} messages"
+    return compact_json(p, 100)
+
+
+def event_json(event: es.RecordedEvent) -> dict[str, Any]:
+    return {
+        "thread": event.thread_id,
+        "seq": event.seq,
+        "id": event.id,
+        "time_ms": event.time_ms,
+        "time": event.time.isoformat(),
+        "type": event.type,
+        "turn": event.turn_id,
+        "payload": msgspec.to_builtins(event.payload),
+    }
+
+
+def messages_table(title: str, messages: Sequence[StoredMessage | TranscriptMessage]) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, expand=False)
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("role", no_wrap=True)
+    if messages and isinstance(messages[0], StoredMessage):
+        table.add_column("turn", no_wrap=True)
+    table.add_column("message", overflow="fold")
+    for m in messages:
+        row = [str(m.seq), m.message.role]
+        if isinstance(m, StoredMessage):
+            row.append(short_id(m.turn_id))
+        row.append(message_text(m.message))
+        table.add_row(*(Text(cell) for cell in row))
+    return table
+
+
+def state_table(title: str, blocks: dict[str, Block]) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("block", no_wrap=True)
+    table.add_column("version", justify="right", no_wrap=True)
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for name, block in blocks.items():
+        table.add_row(
+            Text(name), str(block.version), str(block.seq), Text(compact_json(block.value))
+        )
+    return table
+
+
+def turn_tree(title: str, nodes: Sequence[TurnNode]) -> Tree:
+    tree = Tree(Text(title, style="bold"), guide_style="dim")
+
+    def add(parent: Tree, node: TurnNode) -> None:
+        branch = parent.add(record_label(node.record))
+        for child in node.children:
+            add(branch, child)
+
+    for node in nodes:
+        add(tree, node)
+    return tree
+
+
+def records_table(title: str, records: Sequence[TurnRecord]) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (
+        ("seq", "right"),
+        ("turn", "left"),
+        ("parent", "left"),
+        ("outcome", "left"),
+        ("steps", "right"),
+        ("tier", "left"),
+        ("tokens in/out", "right"),
+        ("took", "right"),
+        ("error / fallbacks", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name != "error / fallbacks")  # type: ignore[arg-type]
+    for r in records:
+        notes = []
+        if r.error is not None:
+            notes.append(f"{r.error.kind}: {r.error.message}")
+        notes += [f"fallback {f.from_tier}->{f.to_tier} ({f.reason})" for f in r.fallbacks]
+        status = r.outcome or "open"
+        table.add_row(
+            str(r.seq),
+            short_id(r.turn_id),
+            short_id(r.parent_turn_id),
+            Text(status, style=outcome_style(status)),
+            str(r.steps),
+            r.model_tier or "-",
+            f"{r.usage.input_tokens:,}/{r.usage.output_tokens:,}",
+            fmt_duration(r.timing.duration_ms) if r.timing.settled_ms else "-",
+            Text("; ".join(notes)),
+        )
+    return table
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+async def _require_thread(ctx: Ctx, thread: str) -> int:
+    """The thread's version; a usage error when the thread has no events."""
+    es.validate_thread_id(thread)
+    version = await ctx.store.version(thread)
+    if version == 0:
+        raise UsageError(f"no thread {thread!r} in namespace {ctx.store.namespace!r}")
+    return version
+
+
+def _target(args: argparse.Namespace) -> str | None:
+    """THREAD or --all (exactly one); returns the thread or None for --all."""
+    if args.all and args.thread is not None:
+        raise UsageError(
+            f"give a THREAD or --all, not both (see 'threadlog {args.command} --help')"
+        )
+    if not args.all and args.thread is None:
+        raise UsageError(f"give a THREAD or --all (see 'threadlog {args.command} --help')")
+    thread: str | None = args.thread
+    return thread
+
+
+def _hint_args(ctx: Ctx, args: argparse.Namespace) -> str:
+    """The --url/--namespace options a follow-up command needs to find the same data."""
+    parts = []
+    if ctx.where.given:
+        parts.append(f"--url {shlex.quote(es.redact(ctx.where.url))}")
+    if ctx.namespace_given:
+        parts.append(f"--namespace {args.namespace}")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+async def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> None:
+    out, store = ctx.out, ctx.store
+    thread = f"demo-{es.new_ulid()}"
+    out.print("[bold]threadlog demo[/]: a travel assistant's conversation, recorded as events")
+    out.print(f"  store      {escape(ctx.where.describe())}")
+    out.print(f"  namespace  {escape(store.namespace)} ({store.partitions} partitions)")
+    out.print(f"  thread     {escape(thread)}")
+    out.print()
+    summary = await record_demo(store, thread)
+    out.print(
+        f"Recorded {summary.root_turns} user turns and {summary.child_turns} child turns "
+        f"({summary.failed_turns} of them failed), {summary.state_updates} state updates and "
+        f"{summary.compactions} transcript compaction: [bold]{summary.version} events[/], each "
+        "append atomic with its views."
+    )
+    out.print()
+    projector = Projector(store, state=demo_state())
+    window = await projector.last(thread)
+    out.print(
+        messages_table(
+            f"History window: the last {DEFAULT_WINDOW} messages, as the context assembler "
+            "reads them",
+            window,
+        )
+    )
+    out.print(
+        Text(
+            "  The failed turn added its user message but no assistant reply; child turns "
+            "added none.",
+            style="dim",
+        )
+    )
+    out.print()
+    full = await projector.state(thread)
+    view = await projector.state(thread, PLANNER_VIEW)
+    out.print(state_table(f"State as the {PLANNER_VIEW!r} reader view sees it", view))
+    hidden = _hidden_fields(full, view)
+    if hidden:
+        out.print(Text(f"  Hidden from this reader: {', '.join(hidden)}.", style="dim"))
+    out.print()
+    nodes = await projector.turn_tree(thread)
+    out.print(turn_tree("Turn records: root turns and their child turns", nodes), soft_wrap=False)
+    out.print()
+    verdict = await Auditor(store).verify(thread)
+    _print_verdict(ctx, verdict)
+    out.print()
+    extra = _hint_args(ctx, args)
+    if ctx.where.url.startswith("memory:"):
+        out.print("The in-memory backend keeps nothing after this command exits.")
+    else:
+        out.print("Explore it further:")
+        for command in ("show", "replay", "verify"):
+            out.print(Text(f"  threadlog {command} {thread}{extra}"))
+        out.print(
+            Text(
+                f"  threadlog show {thread} --as-of {summary.failing_seq}{extra}   "
+                "(the thread while its turn was failing)"
+            )
+        )
+    if not ctx.where.given and ctx.where.embedded is not None:
+        out.print(
+            Text(
+                "The embedded redis-server keeps running for the next command; stop it with "
+                'python -c "import eventstore; eventstore.stop_embedded()"',
+                style="dim",
+            )
+        )
+    if not verdict.ok:
+        raise Failed
+
+
+def _hidden_fields(full: dict[str, Block], view: dict[str, Block]) -> list[str]:
+    hidden: list[str] = []
+    for name, block in full.items():
+        seen = view.get(name)
+        if seen is None:
+            hidden.append(name)
+        elif isinstance(block.value, dict) and isinstance(seen.value, dict):
+            hidden += [f"{name}.{key}" for key in block.value if key not in seen.value]
+    return hidden
+
+
+async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
+    store = ctx.store
+    limit = args.limit or None
+    infos = await store.threads(limit=None if limit is None else limit + 1)
+    more = limit is not None and len(infos) > limit
+    infos = infos[:limit] if limit is not None else infos
+    rows = [(info, await store.version(info.thread_id)) for info in infos]
+    if args.json:
+        ctx.json(
+            {
+                "namespace": store.namespace,
+                "threads": [
+                    {
+                        "thread": info.thread_id,
+                        "version": version,
+                        "last_activity_ms": info.last_activity_ms,
+                        "last_activity": fmt_time(info.last_activity_ms),
+                        "partition": info.partition,
+                    }
+                    for info, version in rows
+                ],
+                "more": more,
+            }
+        )
+        return
+    if not rows:
+        ctx.out.print(f"No threads in namespace {escape(store.namespace)!r}.")
+        return
+    table = Table(
+        title=f"Threads in namespace {store.namespace!r}, most recent activity first",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("thread", overflow="fold")
+    table.add_column("events", justify="right", no_wrap=True)
+    table.add_column("last activity", no_wrap=True)
+    table.add_column("partition", justify="right", no_wrap=True)
+    for info, version in rows:
+        table.add_row(
+            Text(info.thread_id), str(version), fmt_time(info.last_activity_ms), str(info.partition)
+        )
+    ctx.out.print(table)
+    if more:
+        ctx.out.print(Text(f"(more threads: raise --limit {limit} or use --limit 0)", style="dim"))
+
+
+@dataclass
+class _Shown:
+    version: int
+    messages: list[StoredMessage]
+    state: dict[str, Block]
+    turns: list[TurnRecord]
+    records: list[TurnRecord]
+    transcript: list[TranscriptMessage]
+
+
+async def _read_thread(projector: Projector, thread: str, window: int, as_of: int | None) -> _Shown:
+    """The read models of a thread: current ones in one atomic read, past ones by a fold."""
+    sp, rp, tp = (
+        projector.state_projection,
+        projector.records_projection,
+        projector.transcript_projection,
+    )
+    if as_of is not None:
+        folded = await projector.fold(thread, as_of=as_of)
+        records_state = folded.states[rp.name]
+        return _Shown(
+            version=folded.version,
+            messages=MessagesProjection.window(folded.states[projector.messages.name], window),
+            state=sp.select(folded.states[sp.name], None),
+            turns=RecordsProjection.all_records(thread, records_state),
+            records=RecordsProjection.settled_records(thread, records_state),
+            transcript=list(folded.states[tp.name]),
+        )
+    reads = [
+        sp.read_for(None),
+        rp.full_reads()[0],
+        RecordsProjection.settled_read(None),
+        *tp.full_reads(),
+    ]
+    if window:
+        reads.append(MessagesProjection.window_read(window))
+    snap = await projector.store.read_views(thread, reads)
+    results = snap.results
+    turns = sorted(RecordsProjection.parse(thread, results[1]), key=lambda r: r.turn_id)
+    return _Shown(
+        version=snap.version,
+        messages=MessagesProjection.parse(results[4]) if window else [],
+        state=sp.parse(results[0], None),
+        turns=turns,
+        records=RecordsProjection.parse(thread, results[2]),
+        transcript=TranscriptProjection.parse(results[3]),
+    )
+
+
+async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
+    thread: str = args.thread
+    version = await _require_thread(ctx, thread)
+    projector = ctx.projector
+    as_of: int | None = None
+    if args.as_of is not None:
+        as_of = await projector.seq_of(thread, args.as_of)
+        if isinstance(args.as_of, int) and as_of > version:
+            raise UsageError(f"--as-of {as_of}: thread {thread!r} ends at seq {version}")
+    shown = await _read_thread(projector, thread, args.window, as_of)
+    whole_tree = RecordsProjection.tree(shown.turns)
+    limit: int | None = args.turns or None
+    tree = whole_tree[-limit:] if limit else whole_tree
+    records = shown.records[-limit:] if limit else shown.records
+    if args.json:
+        ctx.json(
+            {
+                "namespace": ctx.store.namespace,
+                "thread": thread,
+                "version": shown.version,
+                "latest_version": version,
+                "as_of": as_of,
+                "messages": shown.messages,
+                "state": shown.state,
+                "turns": len(shown.turns),
+                "turn_tree": tree,
+                "records": records,
+                "transcript": shown.transcript,
+            }
+        )
+        return
+    out = ctx.out
+    head = Text("Thread ", style="bold")
+    head.append(thread)
+    head.append(f"  namespace {ctx.store.namespace}, version {version}")
+    out.print(head)
+    if as_of is not None:
+        when = ""
+        if shown.version:
+            async for event in ctx.store.read(thread, start=shown.version, stop=shown.version):
+                when = f", recorded {fmt_time(event.time_ms)}"
+        out.print(Text(f"as of seq {shown.version}{when} (folded from the log)", style="yellow"))
+        if shown.version == 0:
+            out.print("Nothing had been recorded in this thread by then.")
+            return
+    out.print()
+    n = args.window
+    if n:
+        out.print(messages_table(f"History window: the last {n} messages", shown.messages))
+    out.print(state_table(f"State: {len(shown.state)} blocks", shown.state))
+    title = f"Turn tree: {plural(len(shown.turns), 'turn')}"
+    if len(tree) < len(whole_tree):
+        title += f", the last {len(tree)} of {len(whole_tree)} root turns"
+    out.print(turn_tree(title, tree), soft_wrap=False)
+    out.print()
+    title = f"Turn records in settle order: {len(shown.records)}"
+    if len(records) < len(shown.records):
+        title += f", the last {len(records)}"
+    out.print(records_table(title, records))
+    if shown.transcript:
+        title = f"Session transcript: {plural(len(shown.transcript), 'message')}"
+        recent = shown.transcript[-n:] if n else []
+        if not recent:
+            out.print(title)
+            return
+        if len(recent) < len(shown.transcript):
+            title += f", the last {len(recent)}"
+        out.print(messages_table(title, recent))
+
+
+async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
+    thread: str = args.thread
+    await _require_thread(ctx, thread)
+    if args.start < 1:
+        raise UsageError("--from must be a seq >= 1")
+    auditor = Auditor(ctx.store)
+    out = ctx.out
+    count = 0
+    async for step in auditor.replay(thread, start=args.start, stop=args.stop, as_of=args.as_of):
+        count += 1
+        event = step.event
+        if args.json:
+            row = event_json(event)
+            row["models"] = {
+                "messages": len(step.messages),
+                "state_blocks": len(step.state),
+                "turns": len(step.records),
+                "transcript": len(step.transcript),
+            }
+            sys.stdout.write(msgspec.json.encode(row).decode("utf-8") + "\n")
+            continue
+        line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
+        line.append(f"{event.type:<20}", style="cyan")
+        line.append(event_summary(event))
+        models = (
+            f"  [messages {len(step.messages)}, blocks {len(step.state)}, "
+            f"turns {len(step.records)}, transcript {len(step.transcript)}]"
+        )
+        line.append(models, style="dim")
+        out.print(line)
+    if args.json:
+        sys.stdout.flush()
+    elif count == 0:
+        out.print("No events in that range.")
+
+
+async def _feed_positions(
+    store: es.EventStore, partitions: Sequence[int], since: datetime | None
+) -> dict[int, str]:
+    """Where following starts in each partition: at ``since``, or at the feed's current end."""
+    if since is not None:
+        ms = int(since.timestamp() * 1000)
+        start = f"{ms - 1}-{_MAX_STREAM_ID_SEQ}" if ms > 0 else "0-0"
+        return dict.fromkeys(partitions, start)
+    # The contract reads feeds forwards only; the newest thread activity bounds where the end
+    # is (a minute earlier absorbs clock steps), and reading on from there finds it.
+    newest = await store.threads(limit=1)
+    start = f"{max(0, newest[0].last_activity_ms - 60_000)}-0" if newest else "0-0"
+    positions: dict[int, str] = {}
+    for p in partitions:
+        position = start
+        while entries := await store.read_feed(p, after=position, count=1024):
+            position = entries[-1].id
+        positions[p] = position
+    return positions
+
+
+async def _stop_on_signal(
+    scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
+    store = ctx.store
+    thread: str | None = args.thread
+    if thread is not None:
+        es.validate_thread_id(thread)
+        partitions = [es.partition_of(thread, store.partitions)]
+    else:
+        partitions = list(range(store.partitions))
+    limit: int | None = args.limit or None
+    shown = 0
+
+    def emit(line: Text | dict[str, Any]) -> bool:
+        nonlocal shown
+        if isinstance(line, dict):
+            sys.stdout.write(msgspec.json.encode(line).decode("utf-8") + "\n")
+            sys.stdout.flush()
+        else:
+            ctx.out.print(line)
+        shown += 1
+        return limit is not None and shown >= limit
+
+    async def follow(positions: dict[int, str]) -> None:
+        while True:
+            found = False
+            for p in partitions:
+                while entries := await store.read_feed(p, after=positions[p], count=256):
+                    found = True
+                    for entry in entries:
+                        positions[p] = entry.id
+                        if thread is not None and entry.thread_id != thread:
+                            continue
+                        if await _show_change(store, entry, emit, json=args.json):
+                            return
+            if not found:
+                await anyio.sleep(args.interval)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(_stop_on_signal, tg.cancel_scope)
+        positions = await _feed_positions(store, partitions, args.since)
+        what = f"thread {thread!r}" if thread is not None else "every thread"
+        since = f" since {args.since.isoformat(timespec='seconds')}" if args.since else ""
+        sys.stderr.write(
+            f"threadlog: following {what} in namespace {store.namespace!r}{since}; Ctrl-C stops\n"
+        )
+        sys.stderr.flush()
+        await follow(positions)
+        tg.cancel_scope.cancel()
+
+
+async def _show_change(
+    store: es.EventStore,
+    entry: es.FeedEntry,
+    emit: Callable[[Text | dict[str, Any]], bool],
+    *,
+    json: bool,
+) -> bool:
+    """Print the events of one feed entry; True once the --limit is reached."""
+    if entry.deleted:
+        if json:
+            row = {"thread": entry.thread_id, "type": "thread.deleted", "version": entry.last_seq}
+            return emit({**row, "time_ms": entry.time_ms})
+        line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
+        line.append(f"thread deleted (it had {entry.last_seq} events)", style="red")
+        return emit(line)
+    async for event in store.read(entry.thread_id, start=entry.first_seq, stop=entry.last_seq):
+        if json:
+            done = emit(event_json(event))
+        else:
+            line = Text(f"{fmt_time(event.time_ms)}  {event.thread_id} #{event.seq}  ")
+            line.append(f"{event.type:<20}", style="cyan")
+            line.append(event_summary(event))
+            done = emit(line)
+        if done:
+            return True
+    return False
+
+
+def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
+    line = Text(f"verify {verdict.thread_id}: ")
+    if verdict.ok:
+        line.append("OK", style="bold green")
+    else:
+        line.append("FAILED", style="bold red")
+    line.append(f" - {verdict.detail}")
+    ctx.out.print(line)
+    if not verdict.ok:
+        table = Table(box=box.SIMPLE_HEAD)
+        table.add_column("seq", justify="right", no_wrap=True)
+        table.add_column("damage", no_wrap=True)
+        table.add_column("detail", overflow="fold")
+        for problem in verdict.problems:
+            table.add_row(str(problem.seq), Text(problem.kind, style="red"), Text(problem.detail))
+        ctx.out.print(table)
+        if verdict.problems_omitted:
+            ctx.out.print(f"... and {verdict.problems_omitted} more problems")
+
+
+async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
+    thread = _target(args)
+    auditor = Auditor(ctx.store)
+    if thread is not None:
+        await _require_thread(ctx, thread)
+        verdict = await auditor.verify(thread)
+        if args.json:
+            ctx.json(verdict)
+        else:
+            _print_verdict(ctx, verdict)
+        if not verdict.ok:
+            raise Failed
+        return
+    with ctx.progress("verifying") as bar:
+        verdicts = await auditor.verify_all(progress=bar.update)
+    bad = [v for v in verdicts.values() if not v.ok]
+    if args.json:
+        ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": verdicts})
+    else:
+        events = sum(v.checked for v in verdicts.values())
+        line = Text(
+            f"verified {plural(len(verdicts), 'thread')} ({plural(events, 'event')}) in namespace "
+            f"{ctx.store.namespace!r}: "
+        )
+        if bad:
+            line.append(f"{len(bad)} FAILED", style="bold red")
+        else:
+            line.append("all OK", style="bold green")
+        ctx.out.print(line)
+        if bad:
+            table = Table(box=box.SIMPLE_HEAD)
+            table.add_column("thread", overflow="fold")
+            table.add_column("first bad seq", justify="right", no_wrap=True)
+            table.add_column("damage", no_wrap=True)
+            table.add_column("problems", justify="right", no_wrap=True)
+            table.add_column("detail", overflow="fold")
+            for v in bad:
+                table.add_row(
+                    Text(v.thread_id),
+                    str(v.first_bad_seq),
+                    Text(v.kind or "", style="red"),
+                    str(len(v.problems) + v.problems_omitted),
+                    Text(v.detail),
+                )
+            ctx.out.print(table)
+    if bad:
+        raise Failed
+
+
+async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
+    if args.fmt == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ModuleNotFoundError:
+            raise UsageError(
+                "parquet export needs pyarrow: pip install 'threadlog[export]' "
+                "(or use --format ndjson)"
+            ) from None
+    exporter = Exporter(ctx.store, args.out, fmt=args.fmt, name=args.name)
+    with ctx.progress("exporting", unit="events") as bar:
+        result = await exporter.run(since=args.since, progress=bar.update)
+    if args.json:
+        ctx.json(result)
+        return
+    if not result.files:
+        ctx.out.print(f"Nothing new to export to {escape(str(args.out))} since the last run.")
+        return
+    names = ", ".join(Path(f).name for f in result.files)
+    ctx.out.print(
+        Text(
+            f"Exported {plural(result.events, 'event')} and "
+            f"{plural(result.tombstones, 'deletion')} of namespace {ctx.store.namespace!r} "
+            f"to {args.out}: {names}"
+        )
+    )
+
+
+async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
+    thread = _target(args)
+    projector = ctx.projector
+    if thread is not None:
+        await _require_thread(ctx, thread)
+        version = await projector.rebuild(thread)
+        ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
+        return
+    with ctx.progress("rebuilding") as bar:
+        done = await projector.rebuild_all(progress=bar.update)
+    ctx.out.print(
+        Text(
+            f"rebuilt the views of {plural(len(done), 'thread')} in namespace "
+            f"{ctx.store.namespace!r}"
+        )
+    )
+
+
+def _print_report(ctx: Ctx, report: CheckReport) -> None:
+    line = Text(f"check {report.thread_id}: ")
+    if report.ok:
+        line.append("OK", style="bold green")
+        line.append(f" - every view equals the fold of the log at version {report.version}")
+    else:
+        line.append("DIFFERENT", style="bold red")
+        line.append(
+            f" - {len(report.differences)} differences at version {report.version}; "
+            f"'threadlog rebuild {report.thread_id}' restores the views"
+        )
+    ctx.out.print(line)
+    if report.differences:
+        table = Table(box=box.SIMPLE_HEAD)
+        for name in ("view", "key", "from the log", "materialized"):
+            table.add_column(name, overflow="fold")
+        for d in report.differences:
+            table.add_row(Text(d.view), Text(d.key), Text(d.expected), Text(d.actual))
+        ctx.out.print(table)
+    for a in report.anomalies:
+        ctx.out.print(
+            Text(
+                f"  note: seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}", style="yellow"
+            )
+        )
+
+
+async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
+    thread = _target(args)
+    projector = ctx.projector
+    if thread is not None:
+        await _require_thread(ctx, thread)
+        report = await projector.check(thread)
+        if args.json:
+            ctx.json({"ok": report.ok, **msgspec.to_builtins(report)})
+        else:
+            _print_report(ctx, report)
+        if not report.ok:
+            raise Failed
+        return
+    with ctx.progress("checking") as bar:
+        reports = await projector.check_all(progress=bar.update)
+    bad = [r for r in reports.values() if not r.ok]
+    if args.json:
+        ctx.json(
+            {
+                "namespace": ctx.store.namespace,
+                "ok": not bad,
+                "threads": {t: {"ok": r.ok, **msgspec.to_builtins(r)} for t, r in reports.items()},
+            }
+        )
+    else:
+        line = Text(
+            f"checked {plural(len(reports), 'thread')} in namespace {ctx.store.namespace!r}: "
+        )
+        if bad:
+            line.append(f"{len(bad)} DIFFERENT", style="bold red")
+        else:
+            line.append("all OK", style="bold green")
+        ctx.out.print(line)
+        for report in bad:
+            _print_report(ctx, report)
+    if bad:
+        raise Failed
+
+
+async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
+    es.validate_thread_id(args.session)
+    report = await import_jsonl(
+        SessionStore(ctx.store), args.file, args.session, skip_bad=args.skip_bad
+    )
+    where = f"session {report.session_id} (version {report.version})"
+    if report.duplicate:
+        text = f"{args.file}: already imported into {where}; nothing written"
+    else:
+        lines = plural(report.lines, "line")
+        text = f"{args.file}: imported {report.imported} of {lines} into {where}"
+    ctx.out.print(Text(text))
+    for bad in report.skipped:
+        ctx.out.print(Text(f"  skipped line {bad.line}: {bad.reason}", style="yellow"))
+
+
+async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
+    session: str = args.session
+    await _require_thread(ctx, session)
+    sessions = SessionStore(ctx.store)
+    if args.file == "-":
+        transcript = await sessions.load(session)
+        sys.stdout.buffer.write(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
+        sys.stdout.flush()
+        return
+    lines = await export_jsonl(sessions, session, args.file)
+    ctx.err.print(Text(f"wrote {lines} messages of session {session} to {args.file}"))
+
+
+# -- the entry point ----------------------------------------------------------------------------
+
+
+def _consoles() -> tuple[Console, Console]:
+    width = None
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        width = PLAIN_WIDTH
+    out = Console(highlight=False, soft_wrap=True, width=width)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    return out, err
+
+
+async def _run(args: argparse.Namespace, where: Where) -> None:
+    out, err = _consoles()
+    namespace: str | None = getattr(args, "namespace", None)
+    store = await es.connect(where.url, namespace=namespace)
+    async with store:
+        ctx = Ctx(
+            out=out,
+            err=err,
+            where=where,
+            store=store,
+            namespace_given=namespace is not None,
+            progress_ok=err.is_terminal and not getattr(args, "json", False),
+        )
+        await args.func(ctx, args)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, es.EventStoreError):
+        return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The error inside task-group exception groups (the first one that says something)."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = exc.exceptions
+        chosen = next((e for e in inner if isinstance(e, es.EventStoreError | OSError)), inner[0])
+        exc = chosen
+    return exc
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"threadlog: {_one_line(message)}\n")
+    sys.stderr.flush()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    command: str | None = None
+    try:
+        args = parser.parse_args(argv)
+        command = args.command
+        if command is None:
+            names = ", ".join(_command_names(parser))
+            raise UsageError(f"choose a command: {names} (see 'threadlog --help')")
+        where = resolve_where(getattr(args, "url", None))
+        anyio.run(_run, args, where)
+    except KeyboardInterrupt:
+        if command == "tail":
+            return EXIT_OK
+        return _fail("interrupted", 130)
+    except Failed:
+        return EXIT_FAILED
+    except SystemExit:
+        raise
+    except BaseException as caught:
+        exc = _unwrap(caught)
+        if isinstance(exc, Failed):
+            return EXIT_FAILED
+        if isinstance(exc, KeyboardInterrupt):
+            return EXIT_OK if command == "tail" else _fail("interrupted", 130)
+        if isinstance(exc, UsageError):
+            return _fail(str(exc), EXIT_USAGE)
+        if isinstance(exc, es.CorruptEventError):
+            hint = f" (run 'threadlog verify {exc.thread_id}')"
+            return _fail(str(exc) + hint, EXIT_FAILED)
+        if isinstance(exc, es.EventStoreError | OSError):
+            return _fail(_describe(exc), EXIT_USAGE)
+        if not isinstance(exc, Exception):
+            raise
+        if os.environ.get("THREADLOG_DEBUG"):
+            traceback.print_exception(exc)
+        return _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
+    return EXIT_OK
+
+
+def _command_names(parser: argparse.ArgumentParser) -> Iterable[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices
+
+
+def _entry() -> NoReturn:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _entry()
+
+
+__all__ = ["EXIT_CODES", "build_parser", "main", "parse_as_of", "parse_time"]

@@ -1,0 +1,688 @@
+"""The `threadlog` command through its real entry point: output and exit code of every command.
+
+Every run is a subprocess (``python -m adapters.cli``, and once the installed ``threadlog``
+script) against the test Redis with a fresh namespace. ``THREADLOG_URL`` defaults to
+``memory://`` in the child environment so that no run can start the embedded server in the
+repository by accident; the one test of the embedded default runs in a temporary directory and
+stops the server it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import anyio
+import pytest
+
+import eventstore as es
+from adapters import ThreadStore, read_parquet_dir
+from eventstore.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = (sys.executable, "-m", "adapters.cli")
+T = TypeVar("T")
+
+
+def child_env(**changes: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("THREADLOG_")}
+    env.update(THREADLOG_URL="memory://", COLUMNS="160", PYTHONPATH=str(ROOT))
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+@dataclass(frozen=True)
+class Run:
+    argv: Sequence[str]
+    code: int
+    out: str
+    err: str
+
+    def lines(self) -> list[str]:
+        return [line for line in self.out.splitlines() if line.strip()]
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+def cli(
+    *args: str,
+    url: str | None = None,
+    namespace: str | None = None,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    command: Sequence[str] = CLI,
+    timeout: float = 60,
+) -> Run:
+    argv = [*args]
+    if url is not None:
+        argv += ["--url", url]
+    if namespace is not None:
+        argv += ["--namespace", namespace]
+    done = subprocess.run(
+        [*command, *argv],
+        cwd=cwd,
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return Run(argv, done.returncode, done.stdout, done.stderr)
+
+
+def assert_one_line_error(run: Run, code: int = 2) -> str:
+    assert run.code == code, run
+    assert "Traceback" not in run.err, run
+    lines = run.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("threadlog: "), run
+    return lines[0]
+
+
+def with_store(url: str, namespace: str, job: Callable[[es.EventStore], Awaitable[T]]) -> T:
+    """Run ``job`` with an open store, in this process (setup and tampering)."""
+
+    async def main() -> T:
+        async with await es.connect(url, namespace=namespace) as store:
+            return await job(store)
+
+    return anyio.run(main)
+
+
+def fresh_namespace() -> str:
+    return "cli" + uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True)
+class Demo:
+    url: str
+    namespace: str
+    thread: str
+    run: Run
+    version: int
+
+
+@pytest.fixture(scope="module")
+def demo(redis_url: str) -> Demo:
+    """One demo recorded on the test Redis; tests that use it only read."""
+    namespace = fresh_namespace()
+    run = cli("demo", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    match = re.search(r"thread\s+(demo-[0-9A-Z]+)", run.out)
+    assert match is not None, run.out
+    thread = match.group(1)
+    version = with_store(redis_url, namespace, lambda s: s.version(thread))
+    return Demo(redis_url, namespace, thread, run, version)
+
+
+# -- help, usage errors, unreachable servers ------------------------------------------------------
+
+
+def test_help_lists_every_command_and_the_exit_codes() -> None:
+    run = cli("--help")
+    assert run.code == 0, run
+    for command in (
+        "demo",
+        "threads",
+        "show",
+        "replay",
+        "tail",
+        "verify",
+        "export",
+        "rebuild",
+        "check",
+        "import-jsonl",
+        "export-jsonl",
+    ):
+        assert command in run.out
+    assert "exit codes:" in run.out and "verification failed" in run.out
+    sub = cli("show", "--help")
+    assert (
+        sub.code == 0 and "--as-of" in sub.out and "--url" in sub.out and "exit codes:" in sub.out
+    )
+    version = cli("--version")
+    assert version.code == 0 and version.out.startswith("threadlog ")
+
+
+USAGE_ERRORS: list[tuple[list[str], str]] = [
+    ([], "choose a command"),
+    (["frobnicate"], "invalid choice"),
+    (["threads", "--bogus"], "unrecognized arguments"),
+    (["verify"], "give a THREAD or --all"),
+    (["check", "t1", "--all"], "not both"),
+    (["show"], "required: THREAD"),
+    (["show", "t1", "--as-of", "yesterday"], "not an ISO-8601 time"),
+    (["export", "--format", "csv", "--out", "x"], "invalid choice: 'csv'"),
+    (["tail", "--limit", "-1"], "must be >= 0"),
+    (["show", "no-such-thread"], "no thread 'no-such-thread'"),
+    (["show", "bad{id}"], "forbidden character"),
+    (["verify", "no-such-thread"], "no thread"),
+    (["export-jsonl", "no-such-session", "-"], "no thread"),
+    (["import-jsonl", "/nonexistent/x.jsonl", "s1"], "cannot read /nonexistent/x.jsonl"),
+    (["threads", "--url", "foo://x"], "unsupported URL scheme 'foo'"),
+    (["threads", "--url", ""], "--url is empty"),
+    (["threads", "--namespace", "bad/ns"], "namespace 'bad/ns'"),
+]
+
+
+def test_usage_errors_are_one_line_with_exit_code_2() -> None:
+    # Started together: each is a separate interpreter, and they are independent.
+    procs = [
+        (
+            argv,
+            expected,
+            subprocess.Popen(
+                [*CLI, *argv],
+                cwd=ROOT,
+                env=child_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for argv, expected in USAGE_ERRORS
+    ]
+    for argv, expected, proc in procs:
+        out, err = proc.communicate(timeout=60)
+        line = assert_one_line_error(Run(argv, proc.returncode, out, err))
+        assert expected in line, (argv, line)
+        assert out == "", (argv, out)
+
+
+def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> None:
+    url = f"redis://alice:s3cret@127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    for argv in (["threads"], ["verify", "--all"], ["demo"]):
+        run = cli(*argv, url=url)
+        line = assert_one_line_error(run)
+        assert "cannot use redis at redis://alice:***@127.0.0.1" in line, line
+        assert "s3cret" not in run.err + run.out
+    assert time.monotonic() - started < 30
+
+
+# -- demo -----------------------------------------------------------------------------------------
+
+
+def test_demo_on_redis_shows_window_state_view_turn_tree_and_verdict(demo: Demo) -> None:
+    out = demo.run.out
+    assert f"store      redis at {demo.url}" in out
+    assert f"namespace  {demo.namespace}" in out
+    assert "Recorded 4 user turns and 5 child turns (2 of them failed)" in out
+    assert f"{demo.version} events" in out
+    assert "History window: the last 6 messages" in out
+    assert "Yes, book both please." in out  # the failed turn's request joined the conversation
+    assert "State as the 'planner' reader view sees it" in out
+    assert "Hidden from this reader: booking.total_eur, profile.email, profile.loyalty_no." in out
+    assert "ada@example.com" not in out
+    assert "Turn records: root turns and their child turns" in out
+    assert "child_failed: booking aborted" in out and "tool_timeout" in out
+    assert f"verify {demo.thread}: OK - {demo.version} events verified, chain intact" in out
+    assert f"threadlog show {demo.thread} --url {demo.url} --namespace {demo.namespace}" in out
+    assert demo.run.err == ""
+
+
+def test_demo_on_the_memory_backend() -> None:
+    run = cli("demo", url="memory://")
+    assert run.code == 0, run
+    assert "in-memory backend" in run.out
+    assert ": OK - " in run.out
+    assert "keeps nothing after this command exits" in run.out
+
+
+def _installed_script() -> list[str]:
+    beside = Path(sys.executable).parent / "threadlog"
+    found = str(beside) if beside.exists() else shutil.which("threadlog")
+    if found is None:
+        pytest.skip("the threadlog console script is not installed (pip install -e .)")
+    return [found]
+
+
+def test_installed_script_runs_the_demo_on_the_embedded_default_repeatedly(
+    tmp_path: Path,
+) -> None:
+    script = _installed_script()
+    env = child_env(THREADLOG_URL=None)
+    home = tmp_path / ".threadlog"
+    try:
+        first = cli("demo", cwd=tmp_path, env=env, command=script)
+        second = cli("demo", cwd=tmp_path, env=env, command=script)
+        listed = cli("threads", "--json", cwd=tmp_path, env=env, command=script)
+    finally:
+        es.stop_embedded(home)
+    for run in (first, second, listed):
+        assert run.code == 0, run
+    threads = [re.search(r"thread\s+(demo-\w+)", r.out) for r in (first, second)]
+    assert threads[0] is not None and threads[1] is not None
+    assert threads[0].group(1) != threads[1].group(1)
+    if shutil.which("redis-server") is not None:
+        assert f"embedded redis-server in {home.resolve()}/" in first.out
+        # The second run reused the server the first one started: both threads are there.
+        ids = [t["thread"] for t in listed.json()["threads"]]
+        assert ids == [threads[1].group(1), threads[0].group(1)]
+    else:
+        assert "in-memory backend" in first.out
+
+
+# -- threads, show, replay ------------------------------------------------------------------------
+
+
+def test_threads_lists_newest_activity_first(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for name in ("older", "middle", "newer"):
+            await threads.append_message(name, {"role": "user", "content": name})
+            await anyio.sleep(0.01)
+        await threads.append_message("middle", {"role": "assistant", "content": "again"})
+
+    with_store(redis_url, namespace, setup)
+    run = cli("threads", "--json", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    listed = run.json()
+    # --url and --namespace work before the command name too.
+    before = cli("--url", redis_url, "--namespace", namespace, "threads", "--json")
+    assert before.code == 0 and before.json() == listed
+    assert [t["thread"] for t in listed["threads"]] == ["middle", "newer", "older"]
+    assert [t["version"] for t in listed["threads"]] == [2, 1, 1]
+    assert listed["namespace"] == namespace and listed["more"] is False
+    human = cli("threads", "--limit", "2", url=redis_url, namespace=namespace)
+    assert human.code == 0, human
+    assert human.out.index("middle") < human.out.index("newer")
+    assert "older" not in human.out and "raise --limit" in human.out
+    empty = cli("threads", url=redis_url, namespace=fresh_namespace())
+    assert empty.code == 0 and "No threads in namespace" in empty.out
+
+
+def replay_rows(demo: Demo) -> list[dict[str, Any]]:
+    run = cli("replay", demo.thread, "--json", url=demo.url, namespace=demo.namespace)
+    assert run.code == 0, run
+    return [json.loads(line) for line in run.lines()]
+
+
+def test_show_prints_window_state_tree_records_and_transcript(demo: Demo) -> None:
+    run = cli("show", demo.thread, url=demo.url, namespace=demo.namespace)
+    assert run.code == 0, run
+    for heading in (
+        f"Thread {demo.thread}  namespace {demo.namespace}, version {demo.version}",
+        "History window: the last 6 messages",
+        "State: 3 blocks",
+        "Turn tree: 9 turns",
+        "Turn records in settle order: 9",
+        "Session transcript: 5 messages",
+    ):
+        assert heading in run.out, heading
+    assert "ada@example.com" in run.out  # every block, unfiltered
+    assert "open (not settled)" not in run.out
+
+    shown = cli("show", demo.thread, "--json", url=demo.url, namespace=demo.namespace).json()
+    assert shown["version"] == demo.version and shown["as_of"] is None
+    assert len(shown["messages"]) == 6
+    assert shown["state"]["plan"]["value"]["status"] == "booked"
+    roots = shown["turn_tree"]
+    assert len(roots) == 4 and [len(r["children"]) for r in roots] == [2, 1, 1, 1]
+    assert roots[1]["record"]["outcome"] == "failed"
+    assert roots[1]["children"][0]["record"]["error"]["kind"] == "tool_timeout"
+    assert len(shown["records"]) == 9
+    assert shown["transcript"][0]["message"]["role"] == "system"  # compacted
+
+
+def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
+    rows = replay_rows(demo)
+    booking = next(
+        r
+        for r in rows
+        if r["type"] == "state.updated" and r["payload"]["value"].get("status") == "booking"
+    )
+    seq = booking["seq"]
+    run = cli(
+        "show", demo.thread, "--as-of", str(seq), "--json", url=demo.url, namespace=demo.namespace
+    )
+    assert run.code == 0, run
+    past = run.json()
+    assert past["as_of"] == seq and past["version"] == seq
+    assert past["latest_version"] == demo.version
+    assert past["state"]["plan"]["value"]["status"] == "booking"  # failure is not rollback
+    assert "booking" not in past["state"]
+    assert len(past["transcript"]) == 6  # before the compaction
+
+    human = cli("show", demo.thread, "--as-of", str(seq), url=demo.url, namespace=demo.namespace)
+    assert human.code == 0 and f"as of seq {seq}, recorded " in human.out
+    assert "open (not settled)" in human.out  # the failing turn had not settled yet
+
+    moment = rows[seq - 1]["time_ms"]
+    expected = max(r["seq"] for r in rows if r["time_ms"] <= moment)
+    iso = datetime.fromtimestamp(moment / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    at_time = cli(
+        "show", demo.thread, "--as-of", iso, "--json", url=demo.url, namespace=demo.namespace
+    )
+    assert at_time.code == 0, at_time
+    assert at_time.json()["version"] == expected
+
+    before = cli(
+        "show",
+        demo.thread,
+        "--as-of",
+        "2001-01-01T00:00:00Z",
+        url=demo.url,
+        namespace=demo.namespace,
+    )
+    assert before.code == 0 and "Nothing had been recorded" in before.out
+    beyond = cli(
+        "show",
+        demo.thread,
+        "--as-of",
+        str(demo.version + 1),
+        url=demo.url,
+        namespace=demo.namespace,
+    )
+    assert f"ends at seq {demo.version}" in assert_one_line_error(beyond)
+
+
+def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
+    run = cli("replay", demo.thread, url=demo.url, namespace=demo.namespace)
+    assert run.code == 0, run
+    lines = run.lines()
+    assert len(lines) == demo.version
+    assert lines[0].startswith("#1 ") and "turn.opened" in lines[0] and "(root)" in lines[0]
+    assert "transcript replaced (compaction)" in run.out
+    rows = replay_rows(demo)
+    assert [r["seq"] for r in rows] == list(range(1, demo.version + 1))
+    assert rows[-1]["models"] == {"messages": 7, "state_blocks": 3, "turns": 9, "transcript": 5}
+    part = cli(
+        "replay", demo.thread, "--from", "3", "--to", "5", url=demo.url, namespace=demo.namespace
+    )
+    assert part.code == 0 and [line.split()[0] for line in part.lines()] == ["#3", "#4", "#5"]
+
+
+# -- verify, check, rebuild -----------------------------------------------------------------------
+
+
+def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for thread in ("intact", "tampered", "garbled"):
+            turn = await threads.open_turn(
+                thread, request_message={"role": "user", "content": "hi"}
+            )
+            await threads.update_state(thread, "plan", {"step": 1}, turn_id=turn)
+            await threads.settle_turn(thread, turn, outcome="completed", steps=1)
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.xdel(store.keys.log("tampered"), "2-0") == 1
+        # Garble the payload of seq 2: the stream is rewritten, ids and all other fields kept.
+        key = store.keys.log("garbled")
+        entries = await store.client.xrange(key)
+        await store.client.delete(key)
+        for entry_id, fields in entries:
+            if entry_id == b"2-0":
+                fields[b"d"] = b"\xc1 not msgpack"
+            await store.client.xadd(key, fields, id=entry_id)
+
+    with_store(redis_url, namespace, setup)
+    ok = cli("verify", "intact", url=redis_url, namespace=namespace)
+    assert ok.code == 0, ok
+    assert "verify intact: OK - 3 events verified, chain intact (unkeyed)" in ok.out
+
+    bad = cli("verify", "tampered", url=redis_url, namespace=namespace)
+    assert bad.code == 1, bad
+    assert "verify tampered: FAILED" in bad.out and "deleted" in bad.out
+    verdict = cli("verify", "tampered", "--json", url=redis_url, namespace=namespace)
+    assert verdict.code == 1
+    assert verdict.json()["ok"] is False and verdict.json()["first_bad_seq"] == 2
+
+    garbled = cli("verify", "garbled", url=redis_url, namespace=namespace)
+    assert garbled.code == 1 and "undecodable" in garbled.out, garbled
+    # Reading the damaged log elsewhere is exit code 1 too, with a pointer to verify.
+    replay = cli("replay", "garbled", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(replay, code=1)
+    assert "seq 2" in line and "run 'threadlog verify garbled'" in line
+
+    everything = cli("verify", "--all", url=redis_url, namespace=namespace)
+    assert everything.code == 1, everything
+    assert "verified 3 threads" in everything.out and "2 FAILED" in everything.out
+    assert "tampered" in everything.out and "garbled" in everything.out
+    report = cli("verify", "--all", "--json", url=redis_url, namespace=namespace).json()
+    assert report["ok"] is False and report["threads"]["intact"]["ok"] is True
+
+
+def test_check_finds_differences_and_rebuild_repairs_them(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for thread in ("alpha", "beta"):
+            await threads.append_message(thread, {"role": "user", "content": "hello"})
+            await threads.append_message(thread, {"role": "assistant", "content": "hi"})
+
+    async def damage(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.delete(store.keys.view("alpha", "messages")) == 1
+
+    with_store(redis_url, namespace, setup)
+    assert cli("check", "--all", url=redis_url, namespace=namespace).code == 0
+    with_store(redis_url, namespace, damage)
+
+    found = cli("check", "alpha", url=redis_url, namespace=namespace)
+    assert found.code == 1, found
+    assert "check alpha: DIFFERENT" in found.out and "messages" in found.out
+    assert "'threadlog rebuild alpha' restores the views" in found.out
+    as_json = cli("check", "alpha", "--json", url=redis_url, namespace=namespace)
+    assert as_json.code == 1 and as_json.json()["ok"] is False
+    assert as_json.json()["differences"][0]["view"] == "messages"
+    every = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert every.code == 1 and "checked 2 threads" in every.out and "1 DIFFERENT" in every.out
+
+    rebuilt = cli("rebuild", "alpha", url=redis_url, namespace=namespace)
+    assert rebuilt.code == 0 and "rebuilt the views of alpha at version 2" in rebuilt.out
+    assert cli("check", "alpha", url=redis_url, namespace=namespace).code == 0
+    all_rebuilt = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert all_rebuilt.code == 0 and "rebuilt the views of 2 threads" in all_rebuilt.out
+    clean = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert clean.code == 0 and "all OK" in clean.out
+    assert clean.err == ""  # no progress bar without a terminal
+
+
+# -- export, JSONL --------------------------------------------------------------------------------
+
+
+def test_export_ndjson_and_parquet_incrementally(demo: Demo, tmp_path: Path) -> None:
+    nd = tmp_path / "nd"
+    run = cli(
+        "export", "--format", "ndjson", "--out", str(nd), url=demo.url, namespace=demo.namespace
+    )
+    assert run.code == 0, run
+    assert f"Exported {demo.version} events and 0 deletions" in run.out
+    assert run.err == ""
+    rows = [
+        json.loads(line)
+        for path in nd.glob("part-*.ndjson")
+        for line in path.read_text().splitlines()
+    ]
+    assert sorted(r["seq"] for r in rows) == list(range(1, demo.version + 1))
+    again = cli(
+        "export", "--format", "ndjson", "--out", str(nd), url=demo.url, namespace=demo.namespace
+    )
+    assert again.code == 0 and "Nothing new to export" in again.out
+
+    pq = tmp_path / "pq"
+    result = cli(
+        "export",
+        "--out",
+        str(pq),
+        "--since",
+        "1h",
+        "--json",
+        url=demo.url,
+        namespace=demo.namespace,
+    )
+    assert result.code == 0, result
+    assert result.json()["events"] == demo.version
+    assert len(list(read_parquet_dir(pq))) == demo.version
+    future = cli(
+        "export", "--format", "ndjson", "--out", str(tmp_path / "future"), "--since",
+        "2999-01-01T00:00:00+00:00", "--json", url=demo.url, namespace=demo.namespace,
+    )  # fmt: skip
+    assert future.code == 0 and future.json()["events"] == 0
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    error = cli("export", "--out", str(blocked / "x"), url=demo.url, namespace=demo.namespace)
+    assert str(blocked) in assert_one_line_error(error)
+
+
+def test_jsonl_import_and_export_round_trip(redis_url: str, tmp_path: Path) -> None:
+    namespace = fresh_namespace()
+    source = tmp_path / "session.jsonl"
+    data = (
+        b'{"role":"user","content":"Plan my trip"}\n'
+        b'{"role": "assistant",  "content": [{"type": "text", "text": "Where to?"}], "x": 1}\n'
+        b'{"role":"user","content":"Lisbon"}\n'
+    )
+    source.write_bytes(data)
+    run = cli("import-jsonl", str(source), "s1", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert "imported 3 of 3 lines into session s1 (version 1)" in run.out
+    again = cli("import-jsonl", str(source), "s1", url=redis_url, namespace=namespace)
+    assert again.code == 0 and "already imported into session s1" in again.out
+
+    target = tmp_path / "out.jsonl"
+    written = cli("export-jsonl", "s1", str(target), url=redis_url, namespace=namespace)
+    assert written.code == 0, written
+    assert target.read_bytes() == data  # byte for byte
+    to_stdout = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
+    assert to_stdout.code == 0 and to_stdout.out.encode() == data
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"role":"user","content":"ok"}\n{"oops"\n')
+    refused = cli("import-jsonl", str(bad), "s2", url=redis_url, namespace=namespace)
+    assert "1 malformed line(s): line 2" in assert_one_line_error(refused)
+    skipped = cli("import-jsonl", str(bad), "s2", "--skip-bad", url=redis_url, namespace=namespace)
+    assert skipped.code == 0, skipped
+    assert "imported 1 of 2 lines" in skipped.out and "skipped line 2" in skipped.out
+
+
+# -- tail -----------------------------------------------------------------------------------------
+
+
+def test_tail_since_a_time_with_a_limit(demo: Demo) -> None:
+    run = cli(
+        "tail", demo.thread, "--since", "1h", "--limit", "5", url=demo.url, namespace=demo.namespace
+    )
+    assert run.code == 0, run
+    lines = run.lines()
+    assert len(lines) == 5
+    assert f"{demo.thread} #1 " in lines[0] and f"{demo.thread} #5 " in lines[4]
+    assert "following thread" in run.err
+    as_json = cli(
+        "tail", "--since", "1h", "--limit", "3", "--json", url=demo.url, namespace=demo.namespace
+    )
+    assert as_json.code == 0, as_json
+    assert [json.loads(line)["seq"] for line in as_json.lines()] == [1, 2, 3]
+
+
+def _read_line(stream: IO[str], timeout: float) -> str:
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            raise AssertionError(f"no output within {timeout} s")
+    return stream.readline()
+
+
+@pytest.fixture
+def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*CLI, *args],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_tail_follows_new_events_until_its_limit(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    namespace = fresh_namespace()
+    with_store(
+        redis_url,
+        namespace,
+        lambda s: ThreadStore(s).append_message("live", {"role": "user", "content": "old"}),
+    )
+    proc = popen("tail", "live", "--limit", "3", "--url", redis_url, "--namespace", namespace)
+    assert proc.stderr is not None
+    assert "following thread 'live'" in _read_line(proc.stderr, 30)
+
+    async def write(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        await threads.append_message("elsewhere", {"role": "user", "content": "not followed"})
+        turn = await threads.open_turn("live", request_message={"role": "user", "content": "new"})
+        await threads.update_state("live", "plan", {"step": 1}, turn_id=turn)
+        await threads.settle_turn(
+            "live",
+            turn,
+            outcome="completed",
+            assistant_message={"role": "assistant", "content": "ok"},
+        )
+
+    with_store(redis_url, namespace, write)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 3, out
+    assert "live #2" in lines[0] and "turn.opened" in lines[0]
+    assert "live #3" in lines[1] and 'plan = {"step":1}' in lines[1]
+    assert "live #4" in lines[2] and "completed" in lines[2]
+    assert "old" not in out and "elsewhere" not in out
+
+
+def test_tail_stops_cleanly_on_ctrl_c(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    namespace = fresh_namespace()
+    proc = popen("tail", "--url", redis_url, "--namespace", namespace)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert "following every thread" in _read_line(proc.stderr, 30)
+    with_store(
+        redis_url,
+        namespace,
+        lambda s: ThreadStore(s).append_message("t9", {"role": "user", "content": "ping"}),
+    )
+    assert "t9 #1" in _read_line(proc.stdout, 30)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
