@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.cluster import PRIMARY
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -271,6 +272,28 @@ def _strip_url(message: str, url: str) -> str:
     return message.replace(url, redact(url))
 
 
+class _ClusterClient(RedisCluster):
+    """redis-py's cluster client, able to follow an ASK to a primary that serves no slot yet.
+
+    While a reshard moves a slot onto a newly added node, the slot's owner answers ASK with that
+    node's address. redis-py (8.1) looks the address up among the nodes ``CLUSTER SLOTS`` listed,
+    which a slotless node is not, and fails with AttributeError (redis/redis-py#4015). This adds
+    the node as its MOVED handling does for a new owner. (The other callers that look a node up
+    by name, ``set_default_node`` and sharded pub/sub, are not used by threadlog.)
+    """
+
+    def get_node(
+        self, host: str | None = None, port: int | None = None, node_name: str | None = None
+    ) -> ClusterNode | None:
+        node = super().get_node(host, port, node_name)
+        if node is None and node_name and ":" in node_name:
+            manager = self.nodes_manager
+            address, _, number = node_name.rpartition(":")
+            node = ClusterNode(address, int(number), PRIMARY, **manager.connection_kwargs)
+            manager.set_nodes(manager.nodes_cache, {node.name: node})
+        return node
+
+
 def _redis_client(settings: StoreSettings) -> Any:
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.02), settings.retries)
     common: dict[str, Any] = {
@@ -284,11 +307,16 @@ def _redis_client(settings: StoreSettings) -> Any:
     # Strip threadlog's own query parameters; redis-py rejects what it does not know.
     base_url = settings.url.split("?", 1)[0]
     if parts.scheme.endswith("+cluster"):
-        return RedisCluster(
+        return _ClusterClient(
             startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],
             username=unquote(parts.username) if parts.username else None,
             password=unquote(parts.password) if parts.password else None,
             ssl=parts.scheme.startswith("rediss"),
+            # A MOVED reply names the slot's new owner: patch that one slot. The default (a full
+            # re-initialization every 5th MOVED) disconnects every node's connections, including
+            # those other tasks are using mid-command; during a reshard under load that surfaces
+            # as AttributeError from inside redis-py (8.1), not as a redis error.
+            reinitialize_steps=0,
             **common,
         )
     extra: dict[str, Any] = {}

@@ -1,7 +1,8 @@
 """Real redis-server processes for tests and benchmarks: one place that starts and stops them.
 
 Servers listen on a unix socket (or a free loopback port) only, are started with bounded waits,
-and are stopped by the pid they were started with.
+and are stopped by the pid they were started with. `RedisCluster` builds a local Redis Cluster
+from such servers and moves slots between its nodes (resharding) for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import redis
 
 
 class RedisServerError(RuntimeError):
@@ -31,6 +36,80 @@ def free_port() -> int:
         return port
 
 
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_tls_files(directory: Path, *, days: int = 2, timeout: float = 30.0) -> TlsFiles:
+    """Generate a test CA and certificates it signed into ``directory``, with the openssl CLI.
+
+    Raises `RedisServerError` when openssl is missing or fails.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisServerError("the openssl CLI is not on PATH; it is needed to make test certs")
+    directory.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        server_cert=directory / "server.crt",
+        server_key=directory / "server.key",
+        client_cert=directory / "client.crt",
+        client_key=directory / "client.key",
+    )
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        try:
+            done = subprocess.run(
+                [openssl, *args], capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RedisServerError(f"openssl {args[0]} timed out") from exc
+        if done.returncode != 0:
+            raise RedisServerError(f"openssl {args[0]} failed: {done.stderr.strip()[-1000:]}")
+
+    run(
+        "req", "-x509", *ec, "-days", str(days), "-subj", "/CN=threadlog test CA",
+        "-keyout", str(files.ca_key), "-out", str(files.ca_cert),
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+    )  # fmt: skip
+    leaves = [
+        ("server", files.server_cert, files.server_key, "serverAuth"),
+        ("client", files.client_cert, files.client_key, "clientAuth"),
+    ]
+    for name, cert, key, usage in leaves:
+        csr = directory / f"{name}.csr"
+        ext = directory / f"{name}.ext"
+        ext.write_text(
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+            "basicConstraints=critical,CA:FALSE\n"
+            "keyUsage=critical,digitalSignature,keyEncipherment\n"
+            f"extendedKeyUsage={usage}\n"
+        )
+        run(
+            "req", *ec, "-subj", f"/CN=threadlog test {name}", "-keyout", str(key), "-out", str(csr)
+        )
+        run(
+            "x509", "-req", "-in", str(csr), "-days", str(days),
+            "-CA", str(files.ca_cert), "-CAkey", str(files.ca_key),
+            "-set_serial", "0x" + os.urandom(8).hex(), "-extfile", str(ext), "-out", str(cert),
+        )  # fmt: skip
+    return files
+
+
 @dataclass
 class RedisServer:
     """A redis-server child process this code started (and will stop)."""
@@ -41,12 +120,22 @@ class RedisServer:
     extra_args: list[str] = field(default_factory=list)
     binary: str | None = None
     process: subprocess.Popen[bytes] | None = None
+    tls: TlsFiles | None = None
+    tls_port: int = 0
+    tls_auth_clients: str = "no"
 
     @property
     def url(self) -> str:
         if self.unix_socket is not None:
             return f"unix://{self.unix_socket}"
         return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def tls_url(self) -> str:
+        """``rediss://127.0.0.1:<tls_port>`` trusting the test CA (the server must have TLS)."""
+        if self.tls is None:
+            raise RedisServerError("this server was started without TLS")
+        return f"rediss://127.0.0.1:{self.tls_port}?ssl_ca_certs={quote(str(self.tls.ca_cert))}"
 
     def args(self) -> list[str]:
         binary = self.binary or shutil.which("redis-server")
@@ -67,6 +156,14 @@ class RedisServer:
         ]  # fmt: skip
         if self.unix_socket is not None:
             args += ["--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]
+        if self.tls is not None:
+            args += [
+                "--tls-port", str(self.tls_port),
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca_cert),
+                "--tls-auth-clients", self.tls_auth_clients,
+            ]  # fmt: skip
         return args + self.extra_args
 
     def start(self, timeout: float = 10.0) -> RedisServer:
@@ -122,9 +219,18 @@ class RedisServer:
 
 @contextlib.contextmanager
 def redis_server(
-    *, unix: bool = True, extra_args: list[str] | None = None, directory: Path | None = None
+    *,
+    unix: bool = True,
+    extra_args: list[str] | None = None,
+    directory: Path | None = None,
+    tls: TlsFiles | None = None,
+    tls_auth_clients: str = "no",
 ) -> Iterator[RedisServer]:
-    """Start a private redis-server for the duration of the block."""
+    """Start a private redis-server for the duration of the block.
+
+    With ``tls`` it also serves TLS on a free loopback port (`RedisServer.tls_port`);
+    ``tls_auth_clients`` is redis-server's ``--tls-auth-clients`` (``no``, ``yes``, ``optional``).
+    """
     with contextlib.ExitStack() as stack:
         if directory is None:
             # Short base path: unix socket paths are limited to ~107 bytes.
@@ -136,12 +242,279 @@ def redis_server(
             port=0 if unix else free_port(),
             unix_socket=directory / "r.sock" if unix else None,
             extra_args=list(extra_args or []),
+            tls=tls,
+            tls_port=free_port() if tls is not None else 0,
+            tls_auth_clients=tls_auth_clients,
         )
         server.start()
         try:
             yield server
         finally:
             server.stop()
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------
+
+CLUSTER_SLOTS = 16384
+_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000 (the cluster bus)
+
+
+def free_cluster_port() -> int:
+    """A loopback port that, like its cluster-bus port (+10000), was free a moment ago."""
+    for _ in range(100):
+        port = free_port()
+        if port + _BUS_OFFSET > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + _BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise RedisServerError("no free pair of loopback ports for a cluster node")
+
+
+def _redis_cli() -> str:
+    binary = shutil.which("redis-cli")
+    if binary is None:
+        raise RedisServerError("redis-cli is not on PATH; it is needed to build a Redis Cluster")
+    return binary
+
+
+@dataclass
+class RedisCluster:
+    """A local Redis Cluster of ``primaries`` redis-server children (no replicas) on loopback.
+
+    `start` launches the nodes with ``cluster-enabled yes``, joins them with
+    ``redis-cli --cluster create`` and waits (bounded) until every node reports
+    ``cluster_state:ok`` and the same slot map. `add_node`, `migrate_slot` and `reshard` move
+    slots while clients keep working; `stop` stops every node by its pid.
+    """
+
+    directory: Path
+    primaries: int = 3
+    node_timeout_ms: int = 5000
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` over every node."""
+        return "redis+cluster://" + ",".join(self.addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{node.port}" for node in self.nodes]
+
+    def _launch(self, index: int, timeout: float) -> RedisServer:
+        last: RedisServerError | None = None
+        for _ in range(5):  # a "free" port may be taken by the time the node binds it
+            node = RedisServer(
+                directory=self.directory / f"node{index}",
+                port=free_cluster_port(),
+                extra_args=[
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(self.node_timeout_ms),
+                    "--cluster-require-full-coverage", "yes",
+                ],
+            )  # fmt: skip
+            try:
+                return node.start(timeout)
+            except RedisServerError as exc:
+                last = exc
+                with contextlib.suppress(OSError):
+                    (node.directory / "nodes.conf").unlink()
+        raise RedisServerError(f"cluster node {index} did not start: {last}")
+
+    def start(self, timeout: float = 60.0) -> RedisCluster:
+        """Start the nodes, create the cluster, and wait until it is ready (bounded)."""
+        if self.primaries < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 primaries")
+        deadline = time.monotonic() + timeout
+        try:
+            for index in range(self.primaries):
+                self.nodes.append(self._launch(index, timeout=10.0))
+            self._cli(
+                ["--cluster", "create", *self.addresses, "--cluster-replicas", "0"],
+                deadline,
+            )
+            self.wait_ready(deadline - time.monotonic())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _cli(self, args: list[str], deadline: float) -> str:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RedisServerError(f"no time left for redis-cli {' '.join(args[:2])}")
+        try:
+            done = subprocess.run(
+                [_redis_cli(), *args, "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=remaining,
+                check=False,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RedisServerError(f"redis-cli {' '.join(args[:2])} timed out") from exc
+        if done.returncode != 0 or "[ERR]" in done.stdout:
+            raise RedisServerError(
+                f"redis-cli {' '.join(args[:2])} failed ({done.returncode}): "
+                f"{(done.stdout + done.stderr)[-2000:]}"
+            )
+        return done.stdout
+
+    def client(self, node: RedisServer) -> redis.Redis:
+        """A plain (non-cluster) client of one node, for cluster administration."""
+        return redis.Redis(
+            host="127.0.0.1", port=node.port, socket_timeout=10.0, decode_responses=True
+        )
+
+    def _ask(self, node: RedisServer, *args: Any) -> Any:
+        with self.client(node) as c:
+            return c.execute_command(*args)
+
+    def node_id(self, node: RedisServer) -> str:
+        """The cluster node id of ``node``."""
+        return str(self._ask(node, "CLUSTER", "MYID"))
+
+    def slot_map(self, node: RedisServer | None = None) -> dict[int, int]:
+        """Slot -> port of the primary that serves it, as ``node`` (default: the first) sees it."""
+        rows = self._ask(node or self.nodes[0], "CLUSTER", "SLOTS")
+        out: dict[int, int] = {}
+        for row in rows:
+            start, end, primary = int(row[0]), int(row[1]), row[2]
+            for slot in range(start, end + 1):
+                out[slot] = int(primary[1])
+        return out
+
+    def owner(self, slot: int) -> RedisServer:
+        """The node that serves ``slot`` now."""
+        port = self.slot_map()[slot]
+        return next(node for node in self.nodes if node.port == port)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) until every node says ``cluster_state:ok``, knows every other node
+        and reports the same full slot map."""
+        deadline = time.monotonic() + timeout
+        problem = "not checked"
+        while time.monotonic() < deadline:
+            problem = self._not_ready()
+            if not problem:
+                return
+            time.sleep(0.05)
+        raise RedisServerError(
+            f"the cluster did not become ready within {timeout:.0f} s: {problem}"
+        )
+
+    def _not_ready(self) -> str:
+        maps = []
+        try:
+            for node in self.nodes:
+                info = self._ask(node, "CLUSTER", "INFO")
+                text = info if isinstance(info, str) else str(info)
+                fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+                if fields.get("cluster_state") != "ok":
+                    return f"{node.port}: cluster_state:{fields.get('cluster_state')}"
+                if int(fields.get("cluster_known_nodes", 0)) != len(self.nodes):
+                    return f"{node.port} knows {fields.get('cluster_known_nodes')} nodes"
+                maps.append(self.slot_map(node))
+        except (redis.RedisError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if len(maps[0]) != CLUSTER_SLOTS:
+            return f"{CLUSTER_SLOTS - len(maps[0])} slots unassigned"
+        if any(m != maps[0] for m in maps[1:]):
+            return "the nodes disagree on the slot map"
+        return ""
+
+    def add_node(self, timeout: float = 30.0) -> RedisServer:
+        """Start an empty primary and join it to the cluster (it serves no slots yet)."""
+        deadline = time.monotonic() + timeout
+        node = self._launch(len(self.nodes), timeout=10.0)
+        try:
+            self._cli(
+                ["--cluster", "add-node", f"127.0.0.1:{node.port}", self.addresses[0]], deadline
+            )
+        except BaseException:
+            node.stop()
+            raise
+        self.nodes.append(node)
+        self.wait_ready(deadline - time.monotonic())
+        return node
+
+    def migrate_slot(
+        self,
+        slot: int,
+        target: RedisServer,
+        *,
+        batch: int = 10,
+        on_batch: Callable[[int], None] | None = None,
+        timeout_ms: int = 5000,
+    ) -> int:
+        """Move ``slot`` to ``target`` the way ``redis-cli --cluster reshard`` does, while
+        clients keep writing: SETSLOT IMPORTING/MIGRATING, MIGRATE the keys ``batch`` at a time,
+        then SETSLOT NODE on the target, the source and every other node. Returns the number
+        of keys moved. ``on_batch(moved_so_far)`` runs after each MIGRATE (to widen the window
+        in which the slot is split between two nodes, for tests).
+        """
+        source = self.owner(slot)
+        if source is target:
+            return 0
+        source_id, target_id = self.node_id(source), self.node_id(target)
+        self._ask(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        self._ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        moved = 0
+        while True:
+            keys = self._ask(source, "CLUSTER", "GETKEYSINSLOT", slot, batch)
+            if not keys:
+                break
+            self._ask(source, "MIGRATE", "127.0.0.1", target.port, "", 0, timeout_ms, "KEYS", *keys)
+            moved += len(keys)
+            if on_batch is not None:
+                on_batch(moved)
+        # The order redis-cli uses: the target first, so it never answers MOVED back.
+        for node in [target, source, *(n for n in self.nodes if n not in (target, source))]:
+            self._ask(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        return moved
+
+    def reshard(
+        self, source: RedisServer, target: RedisServer, slots: int, timeout: float = 120.0
+    ) -> str:
+        """Move ``slots`` slots from ``source`` to ``target`` (``redis-cli --cluster reshard``)."""
+        deadline = time.monotonic() + timeout
+        out = self._cli(
+            [
+                "--cluster", "reshard", self.addresses[0],
+                "--cluster-from", self.node_id(source),
+                "--cluster-to", self.node_id(target),
+                "--cluster-slots", str(slots),
+            ],
+            deadline,
+        )  # fmt: skip
+        self.wait_ready(deadline - time.monotonic())
+        return out
+
+    def stop(self) -> None:
+        """Stop every node this object started, by its pid."""
+        for node in self.nodes:
+            node.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster(*, primaries: int = 3, directory: Path | None = None) -> Iterator[RedisCluster]:
+    """Start a private local Redis Cluster for the duration of the block."""
+    with contextlib.ExitStack() as stack:
+        if directory is None:
+            directory = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="tlc-", dir="/tmp"))
+            )
+        cluster = RedisCluster(directory=directory, primaries=primaries).start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 def docker_engine_answers(timeout: float = 2.0) -> bool:

@@ -1,18 +1,38 @@
-"""The one fixture that provides a real Redis, and the anyio backend.
+"""The fixtures that provide a real Redis and a real Redis Cluster, the shared `store` fixture,
+and the anyio backend.
 
-Order: ``THREADLOG_TEST_REDIS_URL`` if set; else testcontainers when a Docker engine answers;
+Redis: ``THREADLOG_TEST_REDIS_URL`` if set; else testcontainers when a Docker engine answers;
 else a ``redis-server`` from PATH on a unix socket, stopped after the session.
+
+Redis Cluster: ``THREADLOG_TEST_CLUSTER_URL`` (``redis+cluster://h:p,h:p``) if set; else a local
+cluster of three primaries started from ``redis-server`` and ``redis-cli`` on PATH, stopped
+after the session.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from eventstore.servers import RedisServerError, docker_engine_answers, redis_server
+import eventstore as es
+from eventstore.servers import (
+    RedisServerError,
+    docker_engine_answers,
+    redis_cluster,
+    redis_server,
+)
+
+BACKENDS = ["memory", "redis", "cluster"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "partitions(n): the partition count of the namespace the `store` fixture opens",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +63,46 @@ def redis_url() -> Iterator[str]:
         pytest.fail(f"no Redis available for the tests: {exc}")
 
 
+@pytest.fixture(scope="session")
+def cluster_url() -> Iterator[str]:
+    """A ``redis+cluster://`` URL of a real Redis Cluster for this test session."""
+    given = os.environ.get("THREADLOG_TEST_CLUSTER_URL")
+    if given:
+        yield given
+        return
+    try:
+        with redis_cluster(primaries=3) as cluster:
+            yield cluster.url
+    except RedisServerError as exc:
+        pytest.fail(f"no Redis Cluster available for the tests: {exc}")
+
+
 @pytest.fixture
 def namespace() -> str:
     """A fresh namespace per test, so tests never see each other's threads."""
     return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(params=BACKENDS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    """A store on a fresh namespace: in memory, on standalone Redis, and on Redis Cluster.
+
+    ``@pytest.mark.partitions(n)`` on the test (or its module or class) sets the namespace's
+    partition count; the default is the store's own.
+    """
+    namespace = "s" + uuid.uuid4().hex[:12]
+    marker = request.node.get_closest_marker("partitions")
+    partitions: int | None = int(marker.args[0]) if marker is not None else None
+    if request.param == "memory":
+        opened: es.EventStore = es.MemoryEventStore(
+            namespace=namespace, partitions=partitions or es.DEFAULT_PARTITIONS
+        )
+    else:
+        url: str = request.getfixturevalue(
+            "redis_url" if request.param == "redis" else "cluster_url"
+        )
+        opened = await es.connect(url, namespace=namespace, partitions=partitions)
+    try:
+        yield opened
+    finally:
+        await opened.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +29,6 @@ from eventstore.testing import read_all
 from projections import Projector, ReaderView, StateProjection
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
-    namespace = "a" + uuid.uuid4().hex[:12]
-    if request.param == "memory":
-        opened: es.EventStore = es.MemoryEventStore(namespace=namespace)
-    else:
-        url = request.getfixturevalue("redis_url")
-        opened = await es.connect(url, namespace=namespace)
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 def user(text: str) -> es.Message:

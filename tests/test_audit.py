@@ -37,15 +37,6 @@ async def open_backend(
 
 
 @pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
-    opened = await open_backend(request, "u" + uuid.uuid4().hex[:12], None)
-    try:
-        yield opened
-    finally:
-        await opened.close()
-
-
-@pytest.fixture(params=["memory", "redis"])
 async def keyed(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
     opened = await open_backend(request, "k" + uuid.uuid4().hex[:12], SECRET)
     try:

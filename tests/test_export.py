@@ -10,7 +10,6 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +21,7 @@ import eventstore as es
 from adapters import Exporter, ThreadStore, read_parquet_dir
 from eventstore.testing import read_all
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
-    namespace = "x" + uuid.uuid4().hex[:12]
-    if request.param == "memory":
-        opened: es.EventStore = es.MemoryEventStore(namespace=namespace, partitions=4)
-    else:
-        url = request.getfixturevalue("redis_url")
-        opened = await es.connect(url, namespace=namespace, partitions=4)
-    try:
-        yield opened
-    finally:
-        await opened.close()
+pytestmark = [pytest.mark.anyio, pytest.mark.partitions(4)]
 
 
 async def conversation(store: es.EventStore, thread: str, turns: int) -> None:

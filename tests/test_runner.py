@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import anyio
 import pytest
@@ -22,21 +22,7 @@ from projections import (
     partitions_for,
 )
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
-    namespace = "r" + uuid.uuid4().hex[:12]
-    if request.param == "memory":
-        opened: es.EventStore = es.MemoryEventStore(namespace=namespace, partitions=4)
-    else:
-        url = request.getfixturevalue("redis_url")
-        opened = await es.connect(url, namespace=namespace, partitions=4)
-    try:
-        yield opened
-    finally:
-        await opened.close()
+pytestmark = [pytest.mark.anyio, pytest.mark.partitions(4)]
 
 
 async def settle(store: es.EventStore, thread: str, tier: str, tokens: int) -> None:

@@ -1,0 +1,403 @@
+"""Tenant isolation, TLS, and secrets kept out of errors and logs, on dedicated redis-servers.
+
+Namespaces are tenants. Every key of namespace ``ns`` starts with ``tl:{ns:``, so a Redis ACL
+user with the key pattern `eventstore.acl_key_pattern` (``~tl:{ns:*``) and the commands in
+`TENANT_COMMANDS` can run a whole store and nothing else: the event-store conformance suite runs
+here as such a user, one user per test namespace. Above Redis, the adapters' `TenantPolicy`
+refuses a principal of another tenant before any command is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import redis
+from redis.asyncio.connection import SSLConnection
+
+import eventstore as es
+from adapters import AccessDenied, Principal, SessionStore, TenantPolicy, ThreadStore
+from eventstore import (
+    EventStore,
+    KeyLayout,
+    OperationalError,
+    RedisEventStore,
+    StoreConnectionError,
+    acl_key_pattern,
+    open_store,
+)
+from eventstore._connect import StoreSettings, redact
+from eventstore.servers import RedisServer, RedisServerError, TlsFiles, make_tls_files, redis_server
+from eventstore.testing import EventStoreConformance, msg, read_all
+from projections import Projector
+
+pytestmark = pytest.mark.anyio
+
+# What a tenant's user needs, and all it gets. Redis checks ACLs for the commands a Lua script
+# calls too, so the list is the client's own commands plus those the scripts in eventstore/lua
+# call. Nothing administrative: no SCRIPT, no KEYS/SCAN, no FLUSH*, no CONFIG, no pub/sub.
+TENANT_COMMANDS = (
+    # connect(): PING, then the namespace's settings hash
+    "+ping", "+hsetnx", "+hget",
+    # reads, the change feed and its consumer groups
+    "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists",
+    "+xgroup|create", "+xgroup|setid", "+xreadgroup", "+xautoclaim", "+xack", "+xpending",
+    "+xinfo|groups", "+xtrim",
+    # the scripts (called by SHA, re-sent with EVAL after NOSCRIPT) and what they call
+    "+evalsha", "+eval",
+    "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
+    "+rpush", "+rpop", "+lrange", "+zadd", "+zrem",
+)  # fmt: skip
+
+
+def tenant_rules(namespace: str, password: str) -> list[str]:
+    """``ACL SETUSER`` rules confining a user to ``namespace`` and `TENANT_COMMANDS`."""
+    return [
+        "reset", "on", f">{password}", acl_key_pattern(namespace), "resetchannels",
+        "-@all", *TENANT_COMMANDS,
+    ]  # fmt: skip
+
+
+def admin(server: RedisServer) -> redis.Redis:
+    """The default (unrestricted) user, over the server's unix socket or loopback port."""
+    if server.unix_socket is not None:
+        return redis.Redis(unix_socket_path=str(server.unix_socket), socket_timeout=5)
+    return redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
+
+
+def add_tenant(server: RedisServer, namespace: str) -> tuple[str, str]:
+    """Create the ACL user of tenant ``namespace``; returns (user, password)."""
+    user, password = f"tenant-{namespace}", secrets.token_urlsafe(18)
+    with admin(server) as c:
+        c.execute_command("ACL", "SETUSER", user, *tenant_rules(namespace, password))
+    return user, password
+
+
+def tenant_url(server: RedisServer, user: str, password: str) -> str:
+    return f"redis://{quote(user)}:{quote(password)}@127.0.0.1:{server.port}"
+
+
+def key_dump(server: RedisServer, namespace: str) -> dict[bytes, bytes | None]:
+    """Every key of ``namespace`` with its serialized value, as the admin sees them."""
+    with admin(server) as c:
+        keys = sorted(c.scan_iter(match=f"tl:{{{namespace}:*", count=1000))
+        return {k: c.dump(k) for k in keys}
+
+
+@pytest.fixture(scope="module")
+def acl_server() -> Iterator[RedisServer]:
+    """A private redis-server on a loopback port, where each test adds its tenants' users."""
+    try:
+        with redis_server(unix=False) as server:
+            yield server
+    except RedisServerError as exc:
+        pytest.fail(f"no redis-server for the security tests: {exc}")
+
+
+def new_namespace() -> str:
+    return "ten" + uuid.uuid4().hex[:10]
+
+
+# -- the whole event-store contract, as a tenant's confined user ------------------------------
+
+
+class TestTenantConfinedEventStore(EventStoreConformance):
+    """Every inherited test as the ACL user of its namespace: every key the store touches lies
+    under the tenant's pattern, and `TENANT_COMMANDS` is enough for every operation."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, acl_server: RedisServer) -> None:
+        self.server = acl_server
+        self.users: dict[str, tuple[str, str]] = {}
+
+    async def make_store(self, namespace: str, **options: Any) -> EventStore:
+        if namespace not in self.users:
+            self.users[namespace] = add_tenant(self.server, namespace)
+        url = tenant_url(self.server, *self.users[namespace])
+        registry = options.pop("registry", None)
+        store = await open_store(
+            StoreSettings.from_url(url, namespace=namespace, **options), registry=registry
+        )
+        with admin(self.server) as c:
+            users = {line["user"] for line in c.client_list()}
+        assert self.users[namespace][0] in users, "the store is not connected as the tenant"
+        return store
+
+    async def flush_scripts(self, store: EventStore) -> None:
+        with admin(self.server) as c:  # SCRIPT FLUSH is not the tenant's to run
+            c.script_flush()
+
+    async def write_raw_entry(
+        self, store: EventStore, thread_id: str, entry_id: str, fields: dict[bytes, bytes]
+    ) -> None:
+        assert isinstance(store, RedisEventStore)
+        await store.client.xadd(store.keys.log(thread_id), fields, id=entry_id)
+
+
+# -- isolation at the Redis level -------------------------------------------------------------
+
+
+def assert_no_secret(text: str, *secrets_: str) -> None:
+    for secret in secrets_:
+        assert secret not in text, f"a secret leaked into: {text[:300]!r}"
+
+
+def rendered(exc: BaseException) -> str:
+    """Everything an exception can show: str, repr, the printed traceback and its whole chain."""
+    parts = ["".join(traceback.format_exception(exc))]
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts += [str(current), repr(current)]
+        current = current.__cause__ or current.__context__
+    return "\n".join(parts)
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> str:
+    """Every captured log record, formatted with its traceback if it has one."""
+    formatter = logging.Formatter()
+    return "\n".join(formatter.format(record) for record in caplog.records)
+
+
+async def test_a_tenant_user_can_neither_read_nor_write_another_tenants_keys(
+    acl_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    a = new_namespace()
+    b = a + "-2"  # B's name extends A's: the pattern must not reach B by prefix
+    user_a, password_a = add_tenant(acl_server, a)
+    user_b, password_b = add_tenant(acl_server, b)
+    url_a = tenant_url(acl_server, user_a, password_a)
+
+    async with await es.connect(tenant_url(acl_server, user_b, password_b), namespace=b) as store_b:
+        await Projector(store_b).append("t", [msg("b's secret")])
+        assert isinstance(store_b, RedisEventStore)
+        await store_b.create_feed_group(store_b.keys.partition("t"), "export")
+        layout_b = store_b.keys
+    before = key_dump(acl_server, b)
+    assert before, "tenant B wrote nothing"
+
+    async with await es.connect(url_a, namespace=a) as store_a:
+        assert isinstance(store_a, RedisEventStore)
+        await Projector(store_a).append("t", [msg("a's own")])  # its own tenant: fine
+        client: Any = store_a.client
+        p = layout_b.partition("t")
+        log_b, meta_b, ledger_b = layout_b.log("t"), layout_b.meta("t"), layout_b.ledger("t")
+        view_b, feed_b, index_b = (
+            layout_b.view("t", "messages"),
+            layout_b.feed(p),
+            layout_b.index(p),
+        )
+        config_b = KeyLayout.config_key(b)
+        a_key = store_a.keys.meta("t")
+        attempts: list[Any] = [
+            client.xrange(log_b),
+            client.hgetall(meta_b),
+            client.hgetall(ledger_b),
+            client.lrange(view_b, 0, -1),
+            client.xrange(feed_b),
+            client.zrevrangebyscore(index_b, "+inf", "-inf"),
+            client.hget(config_b, "partitions"),
+            client.xreadgroup("export", "a", {feed_b: ">"}),
+            client.xadd(log_b, {b"d": b"forged"}, id="99-0"),
+            client.hset(meta_b, "v", "99"),
+            client.delete(log_b),
+            client.hsetnx(config_b, "partitions", "1"),
+            client.xgroup_create(feed_b, "spy", "0-0", mkstream=True),
+            client.rpush(view_b, b"forged"),
+            # A script declaring B's key, and one declaring only A's key but touching B's.
+            client.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1, log_b),
+            client.eval("return redis.call('DEL', ARGV[1])", 1, a_key, log_b),
+        ]
+        for attempt in attempts:
+            with pytest.raises(redis.ResponseError) as denied:
+                await attempt
+            # NOPERM before a command runs; a script's own call fails with ACL's wording for it.
+            text = str(denied.value).lower()
+            assert "no permissions" in text or "can't access" in text, text
+
+        # Through the store API on B's namespace: typed errors that name the ACL.
+        spy = RedisEventStore(client, namespace=b, owns_client=False)
+        spy_calls: list[Any] = [
+            spy.append("t", [msg("forged")]),
+            read_all(spy, "t"),
+            spy.version("t"),
+            spy.threads(),
+            spy.read_feed(p),
+            spy.delete_thread("t"),
+            Projector(spy).last("t"),
+        ]
+        for call in spy_calls:
+            with pytest.raises(OperationalError) as info:
+                await call
+            assert "ACL" in str(info.value)
+            assert_no_secret(rendered(info.value), password_a, password_b)
+
+    # Opening B's namespace with A's user fails, typed, and says why without the password.
+    with pytest.raises(StoreConnectionError) as refused:
+        await es.connect(url_a, namespace=b)
+    assert "ACL" in str(refused.value) and redact(url_a) in str(refused.value)
+    assert_no_secret(rendered(refused.value), password_a, url_a)
+    assert_no_secret(logged(caplog), password_a, password_b, url_a)
+
+    assert key_dump(acl_server, b) == before  # B's keys: byte for byte as they were
+
+
+async def test_access_policy_refuses_other_tenants_before_redis_is_asked(
+    acl_server: RedisServer,
+) -> None:
+    a, b = new_namespace(), new_namespace()
+    async with await es.connect(
+        tenant_url(acl_server, *add_tenant(acl_server, a)), namespace=a
+    ) as store:
+        policy = TenantPolicy()
+        threads, sessions = ThreadStore(store, policy=policy), SessionStore(store, policy=policy)
+        alice, mallory = Principal(id="alice", tenant=a), Principal(id="mallory", tenant=b)
+        await threads.append_message("t", es.Message(role="user", content="hi"), principal=alice)
+        with admin(acl_server) as c:
+            processed = int(c.info("stats")["total_commands_processed"])
+            calls: list[Any] = [
+                threads.list_messages("t", principal=mallory),
+                threads.append_message(
+                    "t", es.Message(role="user", content="x"), principal=mallory
+                ),
+                threads.state("t", principal=mallory),
+                threads.records("t", principal=mallory),
+                threads.records(principal=mallory),
+                threads.open_turn("t", principal=mallory),
+                sessions.load("t", principal=mallory),
+                sessions.append("t", [es.Message(role="user", content="x")], principal=mallory),
+                threads.list_messages("t"),  # no principal at all
+            ]
+            for call in calls:
+                with pytest.raises(AccessDenied):
+                    await call
+            # Only the INFO above ran in between: the policy decided before any command.
+            assert int(c.info("stats")["total_commands_processed"]) == processed + 1
+        assert await store.version("t") == 1
+        assert len(await threads.list_messages("t", principal=alice)) == 1
+
+
+# -- secrets in errors and logs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["wrong password", "unknown user", "other tenant"])
+async def test_failed_connects_name_no_password(
+    acl_server: RedisServer, caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    a = new_namespace()
+    user, password = add_tenant(acl_server, a)
+    namespace = a
+    if failure == "wrong password":
+        password = secrets.token_urlsafe(18)
+    elif failure == "unknown user":
+        user = "nobody-" + uuid.uuid4().hex[:6]
+    else:
+        namespace = new_namespace()
+    url = tenant_url(acl_server, user, password)
+    with pytest.raises(StoreConnectionError) as info:
+        await es.connect(url, namespace=namespace)
+    assert redact(url) in str(info.value)
+    assert_no_secret(rendered(info.value), password, url)
+    assert_no_secret(logged(caplog), password, url)
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    try:
+        return make_tls_files(tmp_path_factory.mktemp("tls"))
+    except RedisServerError as exc:
+        pytest.skip(f"cannot make test certificates: {exc}")
+
+
+@pytest.fixture(scope="module")
+def tls_server(tls_files: TlsFiles) -> Iterator[RedisServer]:
+    """TLS on a loopback port (plain TCP off); the admin uses the unix socket."""
+    with redis_server(unix=True, tls=tls_files) as server:
+        yield server
+
+
+def with_query(url: str, **params: Path | str) -> str:
+    joined = "&".join(f"{k}={quote(str(v))}" for k, v in params.items())
+    return url + ("&" if "?" in url else "?") + joined
+
+
+@pytest.fixture
+async def tls_store(tls_server: RedisServer) -> AsyncIterator[EventStore]:
+    store = await es.connect(tls_server.tls_url, namespace=new_namespace())
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def test_tls_round_trip(tls_server: RedisServer, tls_store: EventStore) -> None:
+    assert isinstance(tls_store, RedisEventStore)
+    assert tls_store.client.connection_pool.connection_class is SSLConnection
+    await Projector(tls_store).append("t", [msg("over TLS")])
+    assert [e.payload for e in await read_all(tls_store, "t")] == [msg("over TLS")]
+    # The port speaks TLS only: a plaintext client is turned away, with a typed error.
+    with pytest.raises(StoreConnectionError):
+        await es.connect(f"redis://127.0.0.1:{tls_server.tls_port}", namespace="x")
+
+
+async def test_tls_with_a_tenant_user(
+    tls_server: RedisServer, tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    a = new_namespace()
+    user, password = add_tenant(tls_server, a)
+    url = with_query(
+        f"rediss://{user}:{password}@127.0.0.1:{tls_server.tls_port}",
+        ssl_ca_certs=tls_files.ca_cert,
+    )
+    async with await es.connect(url, namespace=a) as store:
+        await store.append("t", [msg("confined and encrypted")])
+        assert await store.version("t") == 1
+    with pytest.raises(StoreConnectionError) as denied:
+        await es.connect(url, namespace=new_namespace())
+    assert "ACL" in str(denied.value)
+    assert_no_secret(rendered(denied.value), password, url)
+    assert_no_secret(logged(caplog), password, url)
+
+
+async def test_tls_verifies_the_server_certificate(
+    tls_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    a = new_namespace()
+    user, password = add_tenant(tls_server, a)
+    url = f"rediss://{user}:{password}@127.0.0.1:{tls_server.tls_port}"
+    # Without the test CA the server's certificate is not trusted: refused, typed, no password.
+    with pytest.raises(StoreConnectionError) as untrusted:
+        await es.connect(url, namespace=a)
+    assert "certificate" in str(untrusted.value).lower()
+    assert_no_secret(rendered(untrusted.value), password, url)
+    assert_no_secret(logged(caplog), password, url)
+    # Verification can only be switched off by saying so.
+    async with await es.connect(url + "?ssl_cert_reqs=none", namespace=a) as store:
+        assert await store.version("t") == 0
+
+
+async def test_mutual_tls(tls_files: TlsFiles) -> None:
+    with redis_server(unix=True, tls=tls_files, tls_auth_clients="yes") as server:
+        with pytest.raises(StoreConnectionError):
+            await es.connect(server.tls_url, namespace=new_namespace())
+        url = with_query(
+            server.tls_url, ssl_certfile=tls_files.client_cert, ssl_keyfile=tls_files.client_key
+        )
+        async with await es.connect(url, namespace=new_namespace()) as store:
+            await store.append("t", [msg("both sides verified")])
+            assert await store.version("t") == 1
