@@ -69,6 +69,16 @@ class StoreSettings:
     def scheme(self) -> str:
         return urlsplit(self.url).scheme
 
+    def __repr__(self) -> str:
+        # Settings get logged; the password and the chain secret must not be.
+        secret = "***" if self.secret is not None else "None"
+        return (
+            f"StoreSettings(url={redact(self.url)!r}, namespace={self.namespace!r}, "
+            f"partitions={self.partitions!r}, max_event_bytes={self.max_event_bytes}, "
+            f"secret={secret}, socket_timeout={self.socket_timeout}, "
+            f"connect_timeout={self.connect_timeout}, retries={self.retries})"
+        )
+
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> StoreSettings:
         """Parse ``url``; keyword overrides win over query parameters.
@@ -306,6 +316,11 @@ def _redis_client(settings: StoreSettings) -> Any:
     parts = urlsplit(settings.url)
     # Strip threadlog's own query parameters; redis-py rejects what it does not know.
     base_url = settings.url.split("?", 1)[0]
+    extra: dict[str, Any] = {}
+    query = parse_qs(parts.query)
+    for key in ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        if key in query:
+            extra[key] = query[key][-1]
     if parts.scheme.endswith("+cluster"):
         return _ClusterClient(
             startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],
@@ -318,12 +333,8 @@ def _redis_client(settings: StoreSettings) -> Any:
             # as AttributeError from inside redis-py (8.1), not as a redis error.
             reinitialize_steps=0,
             **common,
+            **(extra if parts.scheme.startswith("rediss") else {}),
         )
-    extra: dict[str, Any] = {}
-    query = parse_qs(parts.query)
-    for key in ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-        if key in query:
-            extra[key] = query[key][-1]
     if "db" in query:
         extra["db"] = int(query["db"][-1])
     try:

@@ -438,3 +438,10 @@ async def test_without_redis_server_falls_back_to_memory_with_a_notice(
     assert "in-memory" in notices[0].getMessage()
     assert URL_ENV in notices[0].getMessage()
     assert not (home / "redis.pid").exists()
+
+
+def test_settings_repr_hides_password_and_secret() -> None:
+    settings = StoreSettings.from_url("redis://alice:pa55word@127.0.0.1:1/0", secret=b"k3y-s3cret")
+    text = repr(settings)
+    assert "pa55word" not in text and "k3y-s3cret" not in text
+    assert "alice:***@" in text
