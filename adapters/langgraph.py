@@ -1,0 +1,1432 @@
+"""`ThreadlogCheckpointSaver`: LangGraph checkpoints and pending writes as events in threadlog.
+
+Install with ``pip install threadlog[langgraph]``; the core never imports this module.
+
+One LangGraph thread is one threadlog thread (``lg:<thread id>``), every checkpoint namespace
+included, so a thread's keys share one Redis Cluster slot and every call touches one thread.
+The log holds what happened:
+
+* `BlobsPut` -- the channel values of the versions a checkpoint introduces (``new_versions``),
+  each stored once. A ``list`` value (a message history) is stored as a run of elements that
+  extends the channel's earlier version: only the elements that were not there before are new,
+  so a history that grows by one message per step grows the store by one message per step;
+* `CheckpointPut` -- the checkpoint itself (without channel values) and its metadata;
+* `WritesPut` -- a task's pending writes;
+* `CheckpointsRemoved` -- ``prune`` and ``delete_for_runs``: the views drop the checkpoints,
+  the log keeps them for audit. ``delete_thread`` deletes the thread for good.
+
+Hash views (``lg.*``) answer reads in two or three round trips: the checkpoint record, then
+its blobs and writes, then list elements. `LangGraphProjection` folds the log into the same
+views, so `projections.Projector` can check and rebuild them and read any past state.
+
+The sync methods run the async ones on a private event loop thread. A Redis client belongs to
+the loop that opened it, so the sync API needs a store the saver can open itself:
+`ThreadlogCheckpointSaver.from_url` (or ``connect=``). A `MemoryEventStore` works anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import random
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import msgspec
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    PendingWrite,
+    get_checkpoint_id,
+    get_checkpoint_metadata,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from eventstore import (
+    NO_THREAD,
+    ConcurrencyError,
+    Event,
+    EventRegistry,
+    EventStore,
+    ExpectedVersion,
+    HashDelete,
+    HashGet,
+    HashGetAll,
+    HashLoad,
+    HashSet,
+    InvalidInputError,
+    InvalidThreadIdError,
+    MemoryEventStore,
+    NewEvent,
+    OperationalError,
+    RecordedEvent,
+    ViewConflictError,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    ViewResult,
+    connect,
+    validate_thread_id,
+)
+from projections import CheckReport, Projection, Projector
+
+__all__ = [
+    "DEFAULT_THREAD_PREFIX",
+    "VIEWS",
+    "BlobsPut",
+    "CheckpointPut",
+    "CheckpointsRemoved",
+    "LangGraphProjection",
+    "ThreadlogCheckpointSaver",
+    "WritesPut",
+    "checkpoint_thread_id",
+    "register_langgraph_events",
+]
+
+DEFAULT_THREAD_PREFIX = "lg:"
+
+# Views (hash views of the thread). Field names are built by the ``_*_field`` helpers below.
+RECORDS = "lg.checkpoints"  # <ns><checkpoint id> -> Record
+HEADS = "lg.heads"  # <ns> -> Record of the namespace's latest checkpoint (saves a round trip)
+WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]
+BLOBS = "lg.blobs"  # <ns><channel><version> -> (type, data)
+RANGES = "lg.ranges"  # <ns><channel><version> -> [(start, count), ...] into the lineage
+ELEMS = "lg.elements"  # <lineage>.<index> -> (type, data)
+LISTS = "lg.lineages"  # <lineage> -> number of elements (guards concurrent extension)
+VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS)
+
+ATTEMPTS = 16
+READ_CHUNK = 1000  # fields per HashGet: the read script unpacks them onto the Lua stack
+COPY_CHUNK = 256
+CACHE_SIZE = 1024
+
+Typed = tuple[str, bytes]
+Version = str | int | float
+V = TypeVar("V")
+
+_enc = msgspec.msgpack.Encoder()
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A checkpoint as stored: everything but its channel values, which live in blobs.
+
+    ``checkpoint`` and ``metadata`` are serialized with the saver's serde (the channel versions
+    are in ``checkpoint``); ``run_id`` is repeated for `delete_for_runs`.
+    """
+
+    ns: str
+    checkpoint_id: str
+    parent_id: str | None = None
+    checkpoint: Typed
+    metadata: Typed
+    run_id: str | None = None
+
+
+class InlineBlob(msgspec.Struct, frozen=True, array_like=True):
+    """One channel value at one version (``type`` "empty": the channel has no value)."""
+
+    channel: str
+    version: Version
+    type: str
+    data: bytes
+
+
+class ListBlob(msgspec.Struct, frozen=True, array_like=True):
+    """A list value at one version: ``(start, count)`` runs of its channel's lineage."""
+
+    channel: str
+    version: Version
+    ranges: list[tuple[int, int]]
+
+
+class Elements(msgspec.Struct, frozen=True, array_like=True):
+    """New elements of a channel's lineage, at indexes ``start``, ``start + 1``, ..."""
+
+    channel: str
+    start: int
+    items: list[Typed]
+
+
+class StoredWrite(msgspec.Struct, frozen=True, array_like=True):
+    """A pending write: ``idx`` is the write's index, or its `WRITES_IDX_MAP` slot."""
+
+    task_id: str
+    idx: int
+    channel: str
+    type: str
+    data: bytes
+    task_path: str = ""
+
+
+class BlobsPut(Event, tag="langgraph.blobs_put", frozen=True):
+    """Channel values of the versions the next checkpoint of ``ns`` introduces."""
+
+    ns: str
+    values: list[InlineBlob] = msgspec.field(default_factory=list)
+    lists: list[ListBlob] = msgspec.field(default_factory=list)
+    elements: list[Elements] = msgspec.field(default_factory=list)
+
+
+class CheckpointPut(Event, tag="langgraph.checkpoint_put", frozen=True):
+    """A checkpoint was saved (its new channel values are in the `BlobsPut` before it)."""
+
+    record: Record
+
+
+class WritesPut(Event, tag="langgraph.writes_put", frozen=True):
+    """A task's pending writes for a checkpoint (only those that were not stored yet)."""
+
+    ns: str
+    checkpoint_id: str
+    writes: list[StoredWrite]
+
+
+class CheckpointRef(msgspec.Struct, frozen=True, array_like=True):
+    ns: str
+    checkpoint_id: str
+
+
+class BlobRef(msgspec.Struct, frozen=True, array_like=True):
+    ns: str
+    channel: str
+    version: Version
+
+
+class CheckpointsRemoved(Event, tag="langgraph.checkpoints_removed", frozen=True):
+    """Checkpoints left the views (``reason``: "prune:keep_latest", "delete_for_runs", ...).
+
+    ``heads`` is each affected namespace's latest checkpoint afterwards (None: none left);
+    ``unreferenced`` the channel versions no remaining checkpoint refers to any more.
+    """
+
+    reason: str
+    checkpoints: list[CheckpointRef]
+    heads: dict[str, Record | None] = msgspec.field(default_factory=dict)
+    unreferenced: list[BlobRef] = msgspec.field(default_factory=list)
+
+
+LANGGRAPH_EVENTS: tuple[type[Event], ...] = (BlobsPut, CheckpointPut, WritesPut, CheckpointsRemoved)
+
+
+def register_langgraph_events(into: EventRegistry) -> None:
+    """Register the saver's event types in ``into`` (done for the default registry on import)."""
+    for cls in LANGGRAPH_EVENTS:
+        if cls.__struct_config__.tag not in into:
+            into.register(cls)
+
+
+def _register_default() -> None:
+    from eventstore import registry
+
+    register_langgraph_events(registry)
+
+
+_register_default()
+
+
+# -- ids and field names ----------------------------------------------------------------------
+
+_ESCAPED = frozenset("%{}\x7f") | frozenset(chr(c) for c in range(0x20))
+
+
+def _escape(text: str) -> str:
+    if not any(ch in _ESCAPED for ch in text):
+        return text
+    return "".join(f"%{ord(ch):02X}" if ch in _ESCAPED else ch for ch in text)
+
+
+def _unescape(text: str) -> str:
+    if "%" not in text:
+        return text
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "%":
+            out.append(chr(int(text[i + 1 : i + 3], 16)))
+            i += 3
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def checkpoint_thread_id(thread_id: object, *, prefix: str = DEFAULT_THREAD_PREFIX) -> str:
+    """The threadlog thread of a LangGraph ``thread_id`` (all its checkpoint namespaces).
+
+    Braces, control characters and ``%`` are percent-encoded, so any LangGraph thread id maps
+    to a distinct, valid thread id. Raises `InvalidThreadIdError` if it is empty or too long.
+    """
+    text = thread_id if isinstance(thread_id, str) else str(thread_id)
+    if not text or thread_id is None:
+        raise InvalidThreadIdError(f"LangGraph thread_id must be non-empty, not {thread_id!r}")
+    return validate_thread_id(prefix + _escape(text))
+
+
+def _p(text: str) -> str:
+    """Length-prefixed, so fields built from several free-text parts never collide."""
+    return f"{len(text)}:{text}"
+
+
+def _ck_field(ns: str, checkpoint_id: str) -> str:
+    return _p(ns) + checkpoint_id
+
+
+def _vkey(version: Version) -> str:
+    if isinstance(version, str):
+        return "s" + version
+    if isinstance(version, int):
+        return f"i{version}"
+    return f"f{version!r}"
+
+
+def _blob_field(ns: str, channel: str, version: Version) -> str:
+    return _p(ns) + _p(channel) + _vkey(version)
+
+
+def _lineage(ns: str, channel: str) -> str:
+    return hashlib.blake2b((_p(ns) + _p(channel)).encode(), digest_size=6).hexdigest()
+
+
+def _elem_field(lineage: str, index: int) -> str:
+    return f"{lineage}.{index}"
+
+
+def _digest(item: Typed) -> bytes:
+    return hashlib.blake2b(item[0].encode() + b"\0" + item[1], digest_size=16).digest()
+
+
+_record_dec = msgspec.msgpack.Decoder(Record)
+_writes_dec = msgspec.msgpack.Decoder(list[StoredWrite])
+_typed_dec = msgspec.msgpack.Decoder(Typed)
+_ranges_dec = msgspec.msgpack.Decoder(list[tuple[int, int]])
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[V], entry: ViewEntry, what: str) -> V:
+    try:
+        return decoder.decode(entry.value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise OperationalError(
+            f"{what} (written at seq {entry.seq}) does not decode ({exc}); run rebuild"
+        ) from None
+
+
+# -- view ops: one function for appends, copies and the fold ----------------------------------
+
+
+class _Views:
+    """An in-process model of the saver's hash views, with the store's stamping rules."""
+
+    def __init__(self) -> None:
+        self.hashes: dict[str, dict[str, ViewEntry]] = {v: {} for v in VIEWS}
+
+    def get(self, view: str, field: str) -> ViewEntry | None:
+        return self.hashes[view].get(field)
+
+    def apply(self, op: ViewOp, seq: int) -> None:
+        if isinstance(op, HashSet):
+            h = self.hashes[op.view]
+            old = h.get(op.field)
+            h[op.field] = ViewEntry(seq, op.value, (old.version if old else 0) + 1)
+        elif isinstance(op, HashDelete):
+            self.hashes[op.view].pop(op.field, None)
+        else:  # pragma: no cover - the saver emits hash ops only
+            raise InvalidInputError(f"unexpected view op {op!r}")
+
+
+def merge_writes(current: list[StoredWrite], new: Sequence[StoredWrite]) -> list[StoredWrite]:
+    """``current`` with ``new`` set: a write replaces the one with the same task and index."""
+    out = list(current)
+    at = {(w.task_id, w.idx): i for i, w in enumerate(out)}
+    for w in new:
+        i = at.get((w.task_id, w.idx))
+        if i is None:
+            at[(w.task_id, w.idx)] = len(out)
+            out.append(w)
+        else:
+            out[i] = w
+    return out
+
+
+def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]:
+    """The view ops of one event; `WritesPut` merges into the writes ``views`` holds."""
+    ops: list[ViewOp] = []
+    if isinstance(payload, BlobsPut):
+        ns = payload.ns
+        for b in payload.values:
+            value = _enc.encode((b.type, b.data))
+            ops.append(HashSet(BLOBS, _blob_field(ns, b.channel, b.version), value, index))
+        for lb in payload.lists:
+            value = _enc.encode(lb.ranges)
+            ops.append(HashSet(RANGES, _blob_field(ns, lb.channel, lb.version), value, index))
+        for el in payload.elements:
+            lin = _lineage(ns, el.channel)
+            for i, item in enumerate(el.items):
+                ops.append(HashSet(ELEMS, _elem_field(lin, el.start + i), _enc.encode(item), index))
+            ops.append(HashSet(LISTS, lin, b"%d" % (el.start + len(el.items)), index))
+    elif isinstance(payload, CheckpointPut):
+        rec = payload.record
+        value = _enc.encode(rec)
+        ops.append(HashSet(RECORDS, _ck_field(rec.ns, rec.checkpoint_id), value, index))
+        ops.append(HashSet(HEADS, rec.ns, value, index))
+    elif isinstance(payload, WritesPut):
+        field = _ck_field(payload.ns, payload.checkpoint_id)
+        if views is None:
+            raise InvalidInputError(
+                "langgraph.writes_put merges into the stored writes: append it through "
+                "ThreadlogCheckpointSaver"
+            )
+        entry = views.get(WRITES, field)
+        current = _decode(_writes_dec, entry, "lg.writes") if entry else []
+        merged = merge_writes(current, payload.writes)
+        ops.append(HashSet(WRITES, field, _enc.encode(merged), index))
+    elif isinstance(payload, CheckpointsRemoved):
+        for ref in payload.checkpoints:
+            field = _ck_field(ref.ns, ref.checkpoint_id)
+            ops.append(HashDelete(RECORDS, field))
+            ops.append(HashDelete(WRITES, field))
+        for ns, head in payload.heads.items():
+            if head is None:
+                ops.append(HashDelete(HEADS, ns))
+            else:
+                ops.append(HashSet(HEADS, ns, _enc.encode(head), index))
+        for br in payload.unreferenced:
+            field = _blob_field(br.ns, br.channel, br.version)
+            ops.append(HashDelete(BLOBS, field))
+            ops.append(HashDelete(RANGES, field))
+    return ops
+
+
+class LangGraphProjection(Projection[_Views]):
+    """The saver's views as a fold of the log (for check, rebuild and time travel)."""
+
+    name = "langgraph"
+    views = VIEWS
+
+    def initial(self) -> _Views:
+        return _Views()
+
+    def apply(self, state: _Views, event: RecordedEvent) -> _Views:
+        for op in _event_ops(event.payload, 0, state):
+            state.apply(op, event.seq)
+        return state
+
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        """Ops of self-contained events; `WritesPut` needs the stored writes (the saver has them).
+
+        Raises:
+            InvalidInputError: for a `WritesPut`.
+        """
+        out: list[ViewOp] = []
+        for index, new in enumerate(events):
+            out += _event_ops(new.payload, index, None)
+        return out
+
+    def materialize(self, state: _Views) -> list[ViewOp]:
+        return [HashLoad(view, dict(state.hashes[view])) for view in VIEWS]
+
+    def full_reads(self) -> list[ViewRead]:
+        return [HashGetAll(view) for view in VIEWS]
+
+
+# -- caches -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Lineage:
+    """What the saver knows of a channel's lineage: its length and field version, and the
+    elements of the version it last wrote or read (to find the prefix a new version shares)."""
+
+    length: int
+    field_version: int
+    version: Version | None = None
+    ranges: tuple[tuple[int, int], ...] = ()
+    digests: tuple[bytes, ...] = ()
+
+
+class _Cache:
+    """A small LRU map, shared by the caller's loop and the saver's private loop thread."""
+
+    def __init__(self) -> None:
+        self._data: OrderedDict[tuple[str, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, ...]) -> Any:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: tuple[str, ...], value: Any) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > CACHE_SIZE:
+                self._data.popitem(last=False)
+
+    def pop(self, key: tuple[str, ...]) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def forget_thread(self, tid: str) -> None:
+        with self._lock:
+            for key in [k for k in self._data if k[0] == tid]:
+                del self._data[key]
+
+
+def _truncate(ranges: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, count in ranges:
+        if n <= 0:
+            break
+        take = min(count, n)
+        out.append((start, take))
+        n -= take
+    return out
+
+
+def _extend(ranges: list[tuple[int, int]], start: int, count: int) -> list[tuple[int, int]]:
+    if count <= 0:
+        return ranges
+    if ranges and ranges[-1][0] + ranges[-1][1] == start:
+        ranges[-1] = (ranges[-1][0], ranges[-1][1] + count)
+    else:
+        ranges.append((start, count))
+    return ranges
+
+
+def _chunks(fields: Sequence[str]) -> list[tuple[str, ...]]:
+    return [tuple(fields[i : i + READ_CHUNK]) for i in range(0, len(fields), READ_CHUNK)]
+
+
+def _merge_hash(results: Sequence[ViewResult]) -> dict[str, ViewEntry]:
+    out: dict[str, ViewEntry] = {}
+    for r in results:
+        assert isinstance(r, dict)
+        out.update(r)
+    return out
+
+
+def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
+    conf = (config or {}).get("configurable")
+    if not isinstance(conf, Mapping) or "thread_id" not in conf:
+        raise InvalidInputError("config must have configurable.thread_id")
+    return dict(conf)
+
+
+Opener = Callable[[], Awaitable[EventStore]]
+
+
+# -- the saver --------------------------------------------------------------------------------
+
+
+class ThreadlogCheckpointSaver(
+    BaseCheckpointSaver[str],
+    AbstractContextManager["ThreadlogCheckpointSaver"],
+    AbstractAsyncContextManager["ThreadlogCheckpointSaver"],
+):
+    """A LangGraph checkpointer on a threadlog `EventStore` (plain Redis, Redis Cluster, memory).
+
+    ``store`` serves the async methods. The sync methods need a store opened on the saver's
+    private loop: pass ``connect`` (a coroutine function opening one) or build the saver with
+    `from_url`; a `MemoryEventStore` is used as is. ``dedupe_lists=False`` stores every list
+    value whole, as other savers do.
+
+    Raises `InvalidThreadIdError` for a thread id that cannot be stored, `InvalidInputError`
+    for a config without ``configurable.thread_id``, and the store's errors otherwise.
+    """
+
+    def __init__(
+        self,
+        store: EventStore | None = None,
+        *,
+        connect: Opener | None = None,
+        serde: SerializerProtocol | None = None,
+        thread_prefix: str = DEFAULT_THREAD_PREFIX,
+        dedupe_lists: bool = True,
+    ) -> None:
+        super().__init__(serde=serde)
+        if store is None and connect is None:
+            raise InvalidInputError("pass a store, or connect= to open one")
+        self._store = store
+        self._connect = connect
+        self.thread_prefix = thread_prefix
+        self.dedupe_lists = dedupe_lists
+        self.projection = LangGraphProjection()
+        if store is not None:
+            register_langgraph_events(store.registry)
+        self._opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventStore] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._locks: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, asyncio.Lock]
+        ] = weakref.WeakKeyDictionary()
+        self._lineages = _Cache()  # (thread, ns, channel) -> _Lineage
+        self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
+        self._portal: BlockingPortal | None = None
+        self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
+        self._portal_loop: asyncio.AbstractEventLoop | None = None
+        self._portal_lock = threading.Lock()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str | None = None,
+        *,
+        namespace: str | None = None,
+        registry: EventRegistry | None = None,
+        serde: SerializerProtocol | None = None,
+        thread_prefix: str = DEFAULT_THREAD_PREFIX,
+        dedupe_lists: bool = True,
+    ) -> ThreadlogCheckpointSaver:
+        """A saver that opens its own stores (see `eventstore.connect`), one per event loop.
+
+        Close it with ``close()`` (sync) or ``await aclose()`` on the loop it ran on, or use it
+        as a context manager.
+        """
+
+        async def opener() -> EventStore:
+            return await connect(url, namespace=namespace, registry=registry)
+
+        return cls(
+            connect=opener, serde=serde, thread_prefix=thread_prefix, dedupe_lists=dedupe_lists
+        )
+
+    # -- stores, loops and the sync bridge -----------------------------------------------------
+
+    async def _get_store(self) -> EventStore:
+        loop = asyncio.get_running_loop()
+        on_portal = loop is self._portal_loop
+        if self._store is not None and not (on_portal and self._connect is not None):
+            if on_portal and not isinstance(self._store, MemoryEventStore):
+                raise InvalidInputError(
+                    "the sync API needs a store of its own loop: build the saver with "
+                    "ThreadlogCheckpointSaver.from_url(...) or pass connect="
+                )
+            return self._store
+        store = self._opened.get(loop)
+        if store is None:
+            assert self._connect is not None
+            opened = await self._connect()
+            store = self._opened.setdefault(loop, opened)
+            if store is not opened:  # another task of this loop opened one meanwhile
+                await opened.close()
+            register_langgraph_events(store.registry)
+        return store
+
+    def _lock(self, thread: str) -> asyncio.Lock:
+        # Serializes this process's writes to one thread, so its own concurrent put_writes
+        # (LangGraph runs a step's tasks at once) do not trip each other's view guards.
+        locks = self._locks.setdefault(asyncio.get_running_loop(), {})
+        lock = locks.get(thread)
+        if lock is None:
+            if len(locks) > CACHE_SIZE:
+                for key in [k for k, v in locks.items() if not v.locked()]:
+                    del locks[key]
+            lock = locks[thread] = asyncio.Lock()
+        return lock
+
+    def _ensure_portal(self) -> BlockingPortal:
+        with self._portal_lock:
+            if self._portal is None:
+                cm = start_blocking_portal(backend="asyncio")
+                portal = cm.__enter__()
+                self._portal_loop = portal.call(asyncio.get_running_loop)
+                self._portal_cm = cm
+                self._portal = portal
+            return self._portal
+
+    def _run(self, fn: Callable[..., Awaitable[V]], *args: Any, **kwargs: Any) -> V:
+        portal = self._ensure_portal()
+        return portal.call(functools.partial(fn, *args, **kwargs))
+
+    async def aclose(self) -> None:
+        """Close the store this saver opened on the running loop (a given store stays open)."""
+        store = self._opened.pop(asyncio.get_running_loop(), None)
+        if store is not None:
+            await store.close()
+
+    def close(self) -> None:
+        """Close the saver's private loop and the store it opened there."""
+        with self._portal_lock:
+            portal, cm = self._portal, self._portal_cm
+            self._portal = self._portal_cm = self._portal_loop = None
+        if portal is not None and cm is not None:
+            try:
+                portal.call(self.aclose)
+            finally:
+                cm.__exit__(None, None, None)
+
+    def __enter__(self) -> ThreadlogCheckpointSaver:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ThreadlogCheckpointSaver:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+        self.close()
+
+    def thread_id_of(self, thread_id: object) -> str:
+        """The threadlog thread of a LangGraph thread id."""
+        return checkpoint_thread_id(thread_id, prefix=self.thread_prefix)
+
+    # -- versions -----------------------------------------------------------------------------
+
+    def get_next_version(self, current: str | None, channel: None) -> str:
+        """``<counter>.<random>``: increasing, and distinct on two branches of a fork.
+
+        Shorter than InMemorySaver's (16 digits and 48 random bits): versions are repeated in
+        every checkpoint and blob, so their length is paid at every step.
+        """
+        if current is None:
+            n = 0
+        elif isinstance(current, int):
+            n = current
+        else:
+            n = int(str(current).split(".")[0])
+        return f"{n + 1:016}.{random.getrandbits(48):012x}"
+
+    # -- reads --------------------------------------------------------------------------------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        conf = _configurable(config)
+        ns = conf.get("checkpoint_ns") or ""
+        checkpoint_id = get_checkpoint_id(config)
+        tid = self.thread_id_of(conf["thread_id"])
+        store = await self._get_store()
+        return await self._get(store, tid, conf["thread_id"], ns, checkpoint_id, warm=True)
+
+    async def _get(
+        self,
+        store: EventStore,
+        tid: str,
+        thread_id: Any,
+        ns: str,
+        checkpoint_id: str | None,
+        *,
+        warm: bool,
+    ) -> CheckpointTuple | None:
+        if checkpoint_id:
+            field = _ck_field(ns, checkpoint_id)
+            snap = await store.read_views(
+                tid, [HashGet(RECORDS, (field,)), HashGet(WRITES, (field,))]
+            )
+            found, writes = snap.results
+            assert isinstance(found, dict) and isinstance(writes, dict)
+            entry = found.get(field)
+            if entry is None:
+                return None
+            rec = _decode(_record_dec, entry, "lg.checkpoints")
+            tuples = await self._resolve(store, tid, thread_id, [rec], writes, warm=warm)
+        else:
+            snap = await store.read_views(tid, [HashGet(HEADS, (ns,))])
+            heads = snap.results[0]
+            assert isinstance(heads, dict)
+            if ns not in heads:
+                return None
+            rec = _decode(_record_dec, heads[ns], "lg.heads")
+            tuples = await self._resolve(store, tid, thread_id, [rec], None, warm=warm)
+        return tuples[0]
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        store = await self._get_store()
+        targets: list[tuple[str, Any, str | None, str | None]]
+        if config is None:
+            # Every LangGraph thread of the namespace: one thread after another.
+            threads = [
+                t.thread_id
+                for t in await store.threads()
+                if t.thread_id.startswith(self.thread_prefix)
+            ]
+            targets = [
+                (tid, _unescape(tid[len(self.thread_prefix) :]), None, None) for tid in threads
+            ]
+        else:
+            conf = _configurable(config)
+            targets = [
+                (
+                    self.thread_id_of(conf["thread_id"]),
+                    conf["thread_id"],
+                    conf.get("checkpoint_ns"),
+                    get_checkpoint_id(config),
+                )
+            ]
+        before_id = get_checkpoint_id(before) if before else None
+        remaining = limit
+        for tid, thread_id, ns, checkpoint_id in targets:
+            if remaining is not None and remaining <= 0:
+                return
+            snap = await store.read_views(tid, [HashGetAll(RECORDS)])
+            entries = snap.results[0]
+            assert isinstance(entries, dict)
+            records = [_decode(_record_dec, e, "lg.checkpoints") for e in entries.values()]
+            records = [
+                r
+                for r in records
+                if (ns is None or r.ns == ns)
+                and (not checkpoint_id or r.checkpoint_id == checkpoint_id)
+                and (before_id is None or r.checkpoint_id < before_id)
+            ]
+            records.sort(key=lambda r: (r.checkpoint_id, r.ns), reverse=True)
+            if filter:
+                records = [r for r in records if self._matches(r, filter)]
+            if remaining is not None:
+                records = records[:remaining]
+                remaining -= len(records)
+            for i in range(0, len(records), 32):
+                page = records[i : i + 32]
+                for tup in await self._resolve(store, tid, thread_id, page, None, warm=False):
+                    yield tup
+
+    def _body(self, rec: Record) -> Checkpoint:
+        return cast(Checkpoint, self.serde.loads_typed(rec.checkpoint))
+
+    def _matches(self, rec: Record, filter: Mapping[str, Any]) -> bool:
+        metadata = self.serde.loads_typed(rec.metadata)
+        return all(metadata.get(k) == v for k, v in filter.items())
+
+    async def _resolve(
+        self,
+        store: EventStore,
+        tid: str,
+        thread_id: Any,
+        records: Sequence[Record],
+        writes: dict[str, ViewEntry] | None,
+        *,
+        warm: bool,
+    ) -> list[CheckpointTuple]:
+        """Fetch the blobs (and writes) of ``records``: one round trip, two with list values."""
+        bodies = [self._body(r) for r in records]
+        blob_fields = sorted(
+            {
+                _blob_field(r.ns, ch, v)
+                for r, body in zip(records, bodies, strict=True)
+                for ch, v in body["channel_versions"].items()
+            }
+        )
+        lineages = sorted(
+            {
+                _lineage(r.ns, ch)
+                for r, body in zip(records, bodies, strict=True)
+                for ch in body["channel_versions"]
+            }
+        )
+        reads: list[ViewRead] = []
+        blob_reads = _chunks(blob_fields)
+        lin_reads = _chunks(lineages)
+        reads += [HashGet(BLOBS, c) for c in blob_reads]
+        reads += [HashGet(RANGES, c) for c in blob_reads]
+        reads += [HashGet(LISTS, c) for c in lin_reads]
+        ck_fields = [_ck_field(r.ns, r.checkpoint_id) for r in records]
+        if writes is None:
+            reads += [HashGet(WRITES, c) for c in _chunks(ck_fields)]
+        snap = await store.read_views(tid, reads)
+        results = snap.results
+        nb, nl = len(blob_reads), len(lin_reads)
+        blobs = _merge_hash(results[:nb])
+        ranges = _merge_hash(results[nb : 2 * nb])
+        lins = _merge_hash(results[2 * nb : 2 * nb + nl])
+        if writes is None:
+            writes = _merge_hash(results[2 * nb + nl :])
+
+        decoded_ranges = {f: _decode(_ranges_dec, e, "lg.ranges") for f, e in ranges.items()}
+        elem_fields: set[str] = set()
+        for r, body in zip(records, bodies, strict=True):
+            for ch, v in body["channel_versions"].items():
+                rg = decoded_ranges.get(_blob_field(r.ns, ch, v))
+                if rg is not None:
+                    lin = _lineage(r.ns, ch)
+                    for start, count in rg:
+                        elem_fields.update(_elem_field(lin, i) for i in range(start, start + count))
+        elems: dict[str, ViewEntry] = {}
+        if elem_fields:
+            chunks = _chunks(sorted(elem_fields))
+            snap2 = await store.read_views(tid, [HashGet(ELEMS, c) for c in chunks])
+            elems = _merge_hash(snap2.results)
+
+        out: list[CheckpointTuple] = []
+        for r, body in zip(records, bodies, strict=True):
+            values: dict[str, Any] = {}
+            for ch, v in body["channel_versions"].items():
+                field = _blob_field(r.ns, ch, v)
+                if field in decoded_ranges:
+                    lin = _lineage(r.ns, ch)
+                    items: list[Typed] = []
+                    for start, count in decoded_ranges[field]:
+                        for i in range(start, start + count):
+                            e = elems.get(_elem_field(lin, i))
+                            if e is None:
+                                raise OperationalError(
+                                    f"thread {tid!r}: element {i} of channel {ch!r} is missing"
+                                )
+                            items.append(_decode(_typed_dec, e, "lg.elements"))
+                    values[ch] = [self.serde.loads_typed(item) for item in items]
+                    if warm and len(records) == 1:
+                        lin_entry = lins.get(lin)
+                        self._lineages.put(
+                            (tid, r.ns, ch),
+                            _Lineage(
+                                length=int(lin_entry.value) if lin_entry else 0,
+                                field_version=lin_entry.version if lin_entry else 0,
+                                version=v,
+                                ranges=tuple(decoded_ranges[field]),
+                                digests=tuple(_digest(item) for item in items),
+                            ),
+                        )
+                elif field in blobs:
+                    typ, data = _decode(_typed_dec, blobs[field], "lg.blobs")
+                    if typ != "empty":
+                        values[ch] = self.serde.loads_typed((typ, data))
+            checkpoint = cast(Checkpoint, {**body, "channel_values": values})
+            ck = _ck_field(r.ns, r.checkpoint_id)
+            stored = _decode(_writes_dec, writes[ck], "lg.writes") if ck in writes else []
+            if warm and len(records) == 1 and ck in writes:
+                self._writes.put((tid, ck), (writes[ck].version, stored))
+            # LangGraph's writes_sort_key: the order a super-step applies its tasks' writes.
+            ordered = sorted(stored, key=lambda w: (w.task_path, w.task_id, w.idx))
+            pending: list[PendingWrite] = [
+                (w.task_id, w.channel, self.serde.loads_typed((w.type, w.data))) for w in ordered
+            ]
+            conf = {"thread_id": thread_id, "checkpoint_ns": r.ns}
+            out.append(
+                CheckpointTuple(
+                    config={"configurable": {**conf, "checkpoint_id": r.checkpoint_id}},
+                    checkpoint=checkpoint,
+                    metadata=cast(CheckpointMetadata, self.serde.loads_typed(r.metadata)),
+                    parent_config=(
+                        {"configurable": {**conf, "checkpoint_id": r.parent_id}}
+                        if r.parent_id
+                        else None
+                    ),
+                    pending_writes=pending,
+                )
+            )
+        return out
+
+    # -- writes -------------------------------------------------------------------------------
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        conf = _configurable(config)
+        ns = conf.get("checkpoint_ns") or ""
+        parent_id = conf.get("checkpoint_id")
+        tid = self.thread_id_of(conf["thread_id"])
+        body = {k: v for k, v in checkpoint.items() if k != "channel_values"}
+        values = checkpoint.get("channel_values", {})
+        meta = get_checkpoint_metadata(config, metadata)
+        run_id = meta.get("run_id")
+        record = Record(
+            ns=ns,
+            checkpoint_id=checkpoint["id"],
+            parent_id=parent_id,
+            checkpoint=self.serde.dumps_typed(body),
+            metadata=self.serde.dumps_typed(meta),
+            run_id=run_id if isinstance(run_id, str) else None,
+        )
+        inline: list[InlineBlob] = []
+        as_lists: dict[str, tuple[Version, list[Typed]]] = {}
+        for ch, ver in new_versions.items():
+            if ch not in values:
+                inline.append(InlineBlob(ch, ver, "empty", b""))
+            elif self.dedupe_lists and type(values[ch]) is list:
+                as_lists[ch] = (ver, [self.serde.dumps_typed(x) for x in values[ch]])
+            else:
+                inline.append(InlineBlob(ch, ver, *self.serde.dumps_typed(values[ch])))
+
+        store = await self._get_store()
+        budget = max(store.max_event_bytes // 2, 1024)
+        async with self._lock(tid):
+            cold = [ch for ch in as_lists if self._lineages.get((tid, ns, ch)) is None]
+            if cold and parent_id:
+                # A cold cache (a new process): load the parent, as LangGraph itself did before
+                # running, so that the new versions can share its elements.
+                await self._get(store, tid, conf["thread_id"], ns, parent_id, warm=True)
+            conflict: ViewConflictError | None = None
+            for _ in range(ATTEMPTS):
+                missing = [ch for ch in as_lists if self._lineages.get((tid, ns, ch)) is None]
+                if missing:
+                    await self._load_lineages(store, tid, ns, missing)
+                plan = self._plan_lists(tid, ns, as_lists, budget)
+                events = self._pack(ns, inline, plan, budget)
+                events.append(CheckpointPut(record=record))
+                try:
+                    await self._append(store, tid, events, self._guarded_ops(events, ns, plan))
+                except ViewConflictError as exc:
+                    # Another writer extended a lineage: forget what we knew and reload it
+                    # with the parent's elements, so the new version still shares them.
+                    conflict = exc
+                    for ch in as_lists:
+                        self._lineages.pop((tid, ns, ch))
+                    if parent_id:
+                        await self._get(store, tid, conf["thread_id"], ns, parent_id, warm=True)
+                    continue
+                for ch, p in plan.items():
+                    self._lineages.put((tid, ns, ch), p.after)
+                self._writes.put((tid, _ck_field(ns, checkpoint["id"])), (0, []))
+                break
+            else:
+                assert conflict is not None
+                raise conflict
+        return {
+            "configurable": {
+                "thread_id": conf["thread_id"],
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint["id"],
+            }
+        }
+
+    async def _load_lineages(
+        self, store: EventStore, tid: str, ns: str, channels: list[str]
+    ) -> None:
+        fields = tuple(_lineage(ns, ch) for ch in channels)
+        snap = await store.read_views(tid, [HashGet(LISTS, fields)])
+        found = snap.results[0]
+        assert isinstance(found, dict)
+        for ch, lin in zip(channels, fields, strict=True):
+            e = found.get(lin)
+            self._lineages.put(
+                (tid, ns, ch),
+                _Lineage(length=int(e.value) if e else 0, field_version=e.version if e else 0),
+            )
+
+    def _plan_lists(
+        self,
+        tid: str,
+        ns: str,
+        as_lists: dict[str, tuple[Version, list[Typed]]],
+        budget: int,
+    ) -> dict[str, _ListPlan]:
+        plan: dict[str, _ListPlan] = {}
+        for ch, (ver, items) in as_lists.items():
+            known: _Lineage = self._lineages.get((tid, ns, ch)) or _Lineage(0, 0)
+            digests = tuple(_digest(x) for x in items)
+            shared = 0
+            for a, b in zip(known.digests, digests, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            ranges = _extend(_truncate(known.ranges, shared), known.length, len(items) - shared)
+            # New elements in runs that fit in an event each; every run sets the lineage's
+            # length once, so the field version moves by the number of runs.
+            runs: list[tuple[int, list[Typed]]] = []
+            start, size = known.length, 0
+            for item in items[shared:]:
+                n = len(item[0]) + len(item[1]) + 8
+                if runs and runs[-1][0] + len(runs[-1][1]) == start and size + n <= budget:
+                    runs[-1][1].append(item)
+                else:
+                    runs.append((start, [item]))
+                    size = 0
+                size += n
+                start += 1
+            after = _Lineage(
+                length=start,
+                field_version=known.field_version + len(runs),
+                version=ver,
+                ranges=tuple(ranges),
+                digests=digests,
+            )
+            plan[ch] = _ListPlan(ver, ranges, runs, known, after)
+        return plan
+
+    @staticmethod
+    def _pack(
+        ns: str, inline: list[InlineBlob], plan: dict[str, _ListPlan], budget: int
+    ) -> list[Event]:
+        # Values go into as few events as the size limit allows (a value larger than the
+        # store's max_event_bytes is refused by the store).
+        events: list[Event] = []
+        values: list[InlineBlob] = []
+        lists: list[ListBlob] = []
+        elements: list[Elements] = []
+        size = 0
+
+        def add(n: int) -> None:
+            nonlocal size
+            if size and size + n > budget:
+                flush()
+            size += n
+
+        def flush() -> None:
+            nonlocal values, lists, elements, size
+            if values or lists or elements:
+                events.append(BlobsPut(ns=ns, values=values, lists=lists, elements=elements))
+            values, lists, elements, size = [], [], [], 0
+
+        for b in inline:
+            add(len(b.data) + len(b.channel) + 64)
+            values.append(b)
+        for ch, p in plan.items():
+            for start, run in p.runs:
+                add(sum(len(t) + len(d) + 8 for t, d in run) + len(ch))
+                elements.append(Elements(ch, start, run))
+            add(len(ch) + 64 + 16 * len(p.ranges))
+            lists.append(ListBlob(ch, p.version, p.ranges))
+        flush()
+        return events
+
+    @staticmethod
+    def _guarded_ops(events: list[Event], ns: str, plan: dict[str, _ListPlan]) -> list[ViewOp]:
+        # The first length update of each lineage carries the version this saver planned from:
+        # if another writer extended the lineage meanwhile, the append is refused whole.
+        guards = {_lineage(ns, ch): p.before.field_version for ch, p in plan.items()}
+        ops: list[ViewOp] = []
+        for index, event in enumerate(events):
+            for op in _event_ops(event, index, None):
+                if isinstance(op, HashSet) and op.view == LISTS and op.field in guards:
+                    expected = guards.pop(op.field)
+                    op = HashSet(op.view, op.field, op.value, op.event, expected_version=expected)
+                ops.append(op)
+        return ops
+
+    @staticmethod
+    async def _append(
+        store: EventStore,
+        tid: str,
+        events: Sequence[Event],
+        ops: Sequence[ViewOp],
+        *,
+        expected_version: ExpectedVersion | None = None,
+    ) -> int:
+        news = [NewEvent(payload=e) for e in events]
+        if expected_version is None:
+            result = await store.append(tid, news, view_ops=ops)
+        else:
+            result = await store.append(tid, news, view_ops=ops, expected_version=expected_version)
+        return result.last_seq
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        conf = _configurable(config)
+        ns = conf.get("checkpoint_ns") or ""
+        checkpoint_id = conf.get("checkpoint_id")
+        if not checkpoint_id:
+            raise InvalidInputError("put_writes needs configurable.checkpoint_id")
+        tid = self.thread_id_of(conf["thread_id"])
+        field = _ck_field(ns, checkpoint_id)
+        incoming: list[StoredWrite] = []
+        for idx, (channel, value) in enumerate(writes):
+            typ, data = self.serde.dumps_typed(value)
+            slot = WRITES_IDX_MAP.get(channel, idx)
+            incoming.append(StoredWrite(task_id, slot, channel, typ, data, task_path))
+        store = await self._get_store()
+        async with self._lock(tid):
+            conflict: ViewConflictError | None = None
+            for _ in range(ATTEMPTS):
+                known = self._writes.get((tid, field))
+                if known is None:
+                    snap = await store.read_views(tid, [HashGet(WRITES, (field,))])
+                    found = snap.results[0]
+                    assert isinstance(found, dict)
+                    e = found.get(field)
+                    known = (e.version, _decode(_writes_dec, e, "lg.writes")) if e else (0, [])
+                version, current = known
+                have = {(w.task_id, w.idx) for w in current}
+                # As LangGraph's own savers do: a regular write already stored is kept, special
+                # writes (errors, interrupts; negative slots) are replaced.
+                new = [w for w in incoming if w.idx < 0 or (w.task_id, w.idx) not in have]
+                if not new:
+                    return
+                merged = merge_writes(current, new)
+                event = WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=new)
+                op = HashSet(WRITES, field, _enc.encode(merged), 0, expected_version=version)
+                try:
+                    await self._append(store, tid, [event], [op])
+                except ViewConflictError as exc:  # another process wrote them meanwhile
+                    conflict = exc
+                    self._writes.pop((tid, field))
+                    continue
+                self._writes.put((tid, field), (version + 1, merged))
+                return
+            assert conflict is not None
+            raise conflict
+
+    # -- thread maintenance -------------------------------------------------------------------
+
+    def _forget(self, tid: str) -> None:
+        self._lineages.forget_thread(tid)
+        self._writes.forget_thread(tid)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        tid = self.thread_id_of(thread_id)
+        store = await self._get_store()
+        async with self._lock(tid):
+            await store.delete_thread(tid, views=list(VIEWS))
+            self._forget(tid)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every event of the source thread to the (new) target thread.
+
+        The copy is appended in chunks; each event's ``causation_id`` names its original.
+
+        Raises:
+            InvalidInputError: the target thread already has checkpoints.
+        """
+        src = self.thread_id_of(source_thread_id)
+        dst = self.thread_id_of(target_thread_id)
+        store = await self._get_store()
+        views = _Views()
+        expected: ExpectedVersion = NO_THREAD
+        batch: list[RecordedEvent] = []
+
+        async def flush() -> None:
+            nonlocal expected, batch
+            if not batch:
+                return
+            ops: list[ViewOp] = []
+            for index, e in enumerate(batch):
+                event_ops = _event_ops(e.payload, index, views)
+                for op in event_ops:
+                    views.apply(op, 0)
+                ops += event_ops
+            news = [
+                NewEvent(
+                    payload=e.payload,
+                    turn_id=e.turn_id,
+                    correlation_id=e.correlation_id,
+                    causation_id=e.id,
+                )
+                for e in batch
+            ]
+            try:
+                result = await store.append(dst, news, view_ops=ops, expected_version=expected)
+            except ConcurrencyError:
+                raise InvalidInputError(
+                    f"copy_thread: target thread {target_thread_id!r} is not empty"
+                ) from None
+            expected = result.last_seq
+            batch = []
+
+        async with self._lock(dst):
+            async for event in store.read(src):
+                batch.append(event)
+                if len(batch) >= COPY_CHUNK:
+                    await flush()
+            await flush()
+            self._forget(dst)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest,
+        ``delete`` drops them all. The log keeps them (`CheckpointsRemoved`); delete the thread
+        to reclaim its storage.
+
+        Not `DeltaChannel`-aware: with delta channels, a kept checkpoint may need ancestors.
+        """
+        if strategy not in ("keep_latest", "delete"):
+            raise InvalidInputError(f"unknown prune strategy {strategy!r}")
+        store = await self._get_store()
+
+        def select(records: list[tuple[Record, ViewEntry]]) -> set[tuple[str, str]]:
+            if strategy == "delete":
+                return {(r.ns, r.checkpoint_id) for r, _ in records}
+            latest: dict[str, str] = {}
+            for r, _ in records:
+                if r.checkpoint_id > latest.get(r.ns, ""):
+                    latest[r.ns] = r.checkpoint_id
+            return {(r.ns, r.checkpoint_id) for r, _ in records if latest[r.ns] != r.checkpoint_id}
+
+        for thread_id in thread_ids:
+            await self._remove(store, self.thread_id_of(thread_id), select, f"prune:{strategy}")
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Drop the checkpoints of these runs from every thread of the namespace (a scan).
+
+        The log keeps them (`CheckpointsRemoved`).
+        """
+        wanted = set(run_ids)
+        if not wanted:
+            return
+        store = await self._get_store()
+
+        def select(records: list[tuple[Record, ViewEntry]]) -> set[tuple[str, str]]:
+            return {(r.ns, r.checkpoint_id) for r, _ in records if r.run_id in wanted}
+
+        for info in await store.threads():
+            if info.thread_id.startswith(self.thread_prefix):
+                await self._remove(store, info.thread_id, select, "delete_for_runs")
+
+    async def _remove(
+        self,
+        store: EventStore,
+        tid: str,
+        select: Callable[[list[tuple[Record, ViewEntry]]], set[tuple[str, str]]],
+        reason: str,
+    ) -> int:
+        async with self._lock(tid):
+            conflict: ConcurrencyError | None = None
+            for _ in range(ATTEMPTS):
+                snap = await store.read_views(tid, [HashGetAll(RECORDS)])
+                entries = snap.results[0]
+                assert isinstance(entries, dict)
+                records = [(_decode(_record_dec, e, "lg.checkpoints"), e) for e in entries.values()]
+                doomed = select(records)
+                if not doomed:
+                    return 0
+                versions = {
+                    (r.ns, r.checkpoint_id): self._body(r)["channel_versions"] for r, _ in records
+                }
+                event = _removal(records, versions, doomed, reason)
+                ops = _event_ops(event, 0, None)
+                try:
+                    await self._append(store, tid, [event], ops, expected_version=snap.version)
+                except ConcurrencyError as exc:  # the thread moved on: look again
+                    conflict = exc
+                    continue
+                self._forget(tid)
+                return len(doomed)
+            assert conflict is not None
+            raise conflict
+
+    # -- audit --------------------------------------------------------------------------------
+
+    async def acheck(self, thread_id: str) -> CheckReport:
+        """Compare the thread's views with the fold of its log."""
+        store = await self._get_store()
+        return await Projector(store, [self.projection]).check(self.thread_id_of(thread_id))
+
+    # -- the sync API: the async methods on the saver's private loop ---------------------------
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return self._run(self.aget_tuple, config)
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        async def collect() -> list[CheckpointTuple]:
+            return [t async for t in self.alist(config, filter=filter, before=before, limit=limit)]
+
+        return iter(self._run(collect))
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        return self._run(self.aput, config, checkpoint, metadata, new_versions)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        self._run(self.aput_writes, config, writes, task_id, task_path)
+
+    def delete_thread(self, thread_id: str) -> None:
+        self._run(self.adelete_thread, thread_id)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        self._run(self.acopy_thread, source_thread_id, target_thread_id)
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        self._run(self.aprune, thread_ids, strategy=strategy)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        self._run(self.adelete_for_runs, run_ids)
+
+    def check(self, thread_id: str) -> CheckReport:
+        """Sync `acheck`."""
+        return self._run(self.acheck, thread_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _ListPlan:
+    version: Version
+    ranges: list[tuple[int, int]]
+    runs: list[tuple[int, list[Typed]]]  # (start index, new elements)
+    before: _Lineage
+    after: _Lineage
+
+
+def _removal(
+    records: list[tuple[Record, ViewEntry]],
+    versions: Mapping[tuple[str, str], ChannelVersions],
+    doomed: set[tuple[str, str]],
+    reason: str,
+) -> CheckpointsRemoved:
+    """The event that removes ``doomed`` checkpoints, with its new heads and dead blobs."""
+    remaining = [(r, e) for r, e in records if (r.ns, r.checkpoint_id) not in doomed]
+    removed = [r for r, _ in records if (r.ns, r.checkpoint_id) in doomed]
+    # A namespace's head is its most recently written checkpoint (the highest record seq).
+    heads: dict[str, Record | None] = {}
+    for ns in {r.ns for r in removed}:
+        in_ns = [(e.seq, r) for r, e in records if r.ns == ns]
+        current = max(in_ns, key=lambda p: (p[0], p[1].checkpoint_id))[1]
+        if (ns, current.checkpoint_id) in doomed:
+            left = [(e.seq, r) for r, e in remaining if r.ns == ns]
+            heads[ns] = max(left, key=lambda p: (p[0], p[1].checkpoint_id))[1] if left else None
+    kept = {
+        (r.ns, ch, _vkey(v))
+        for r, _ in remaining
+        for ch, v in versions[(r.ns, r.checkpoint_id)].items()
+    }
+    dead: dict[tuple[str, str, str], BlobRef] = {}
+    for r in removed:
+        for ch, v in versions[(r.ns, r.checkpoint_id)].items():
+            key = (r.ns, ch, _vkey(v))
+            if key not in kept:
+                dead[key] = BlobRef(r.ns, ch, v)
+    return CheckpointsRemoved(
+        reason=reason,
+        checkpoints=[
+            CheckpointRef(r.ns, r.checkpoint_id)
+            for r in sorted(removed, key=lambda r: (r.ns, r.checkpoint_id))
+        ],
+        heads=heads,
+        unreferenced=[dead[k] for k in sorted(dead)],
+    )

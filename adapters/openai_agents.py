@@ -1,0 +1,404 @@
+"""`ThreadlogSession`: the OpenAI Agents SDK's session protocol on a threadlog thread.
+
+Install with ``pip install threadlog[openai-agents]``; the core never imports this module.
+
+Each session is one thread (``agents:<session id>``). Every change is an event: ``add_items``
+appends `ItemsAdded` (the items exactly as the SDK gave them), ``pop_item`` appends `ItemPopped`
+and ``clear_session`` appends `SessionCleared`. The list view ``agents.items`` holds the current
+items; the log keeps every popped and cleared item for audit.
+
+* ``add_items`` is one atomic append, so items added concurrently by several processes are
+  never lost, split or reordered.
+* ``pop_item`` reads the tail and appends the pop expecting that exact thread version, retrying
+  if another writer got in between: it always removes the item it returns.
+* ``ttl`` is a retention period: a session idle (no write) for longer is deleted when it is next
+  touched, and `sweep_idle_sessions` deletes the idle sessions nobody touches. Nothing uses
+  Redis ``EXPIRE``, so events never vanish from under the thread index and the change feed.
+  The idle check and the delete are two steps: a write landing between them is deleted too.
+
+Usage::
+
+    session = ThreadlogSession("user-123", store)
+    await Runner.run(agent, "Hello", session=session)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+import msgspec
+from agents.items import TResponseInputItem
+
+from eventstore import (
+    ANY,
+    EXISTS,
+    AppendResult,
+    ConcurrencyError,
+    Event,
+    EventRegistry,
+    EventStore,
+    ExpectedVersion,
+    InvalidInputError,
+    InvalidThreadIdError,
+    ListLoad,
+    ListPop,
+    ListPush,
+    ListRange,
+    NewEvent,
+    OperationalError,
+    RecordedEvent,
+    StoreConnectionError,
+    StoreTimeoutError,
+    ViewClear,
+    ViewEntry,
+    ViewOp,
+    ViewRead,
+    validate_thread_id,
+)
+from projections import Projection, Projector
+
+if TYPE_CHECKING:  # only recent openai-agents releases have it; only type checking needs it
+    from agents.memory.session_settings import SessionSettings
+
+__all__ = [
+    "DEFAULT_THREAD_PREFIX",
+    "ITEMS_VIEW",
+    "ItemPopped",
+    "ItemsAdded",
+    "SessionCleared",
+    "SessionItemsProjection",
+    "ThreadlogSession",
+    "register_session_events",
+    "session_thread_id",
+    "sweep_idle_sessions",
+]
+
+ITEMS_VIEW = "agents.items"
+DEFAULT_THREAD_PREFIX = "agents:"
+POP_ATTEMPTS = 32
+TRANSIENT_ATTEMPTS = 3
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+class ItemsAdded(Event, tag="agents.items_added", frozen=True):
+    """Items appended to a session, in order, exactly as the SDK handed them over."""
+
+    items: list[Any]
+
+
+class ItemPopped(Event, tag="agents.item_popped", frozen=True):
+    """The session's last item was removed (the item stays in the `ItemsAdded` that added it).
+
+    ``added_seq`` is the seq of the event that added it and ``digest`` the blake2b-128 of its
+    stored bytes, so an auditor can tell exactly which item went.
+    """
+
+    added_seq: int
+    digest: str
+
+
+class SessionCleared(Event, tag="agents.session_cleared", frozen=True):
+    """Every item was removed from the session (the log keeps them)."""
+
+
+SESSION_EVENTS: tuple[type[Event], ...] = (ItemsAdded, ItemPopped, SessionCleared)
+
+
+def register_session_events(into: EventRegistry) -> None:
+    """Register the session's event types in ``into`` (done for the default registry on import).
+
+    A `ThreadlogSession` calls this for its store's registry, so a private `EventRegistry`
+    works too.
+    """
+    for cls in SESSION_EVENTS:
+        if cls.__struct_config__.tag not in into:
+            into.register(cls)
+
+
+def _register_default() -> None:
+    from eventstore import registry
+
+    register_session_events(registry)
+
+
+_register_default()
+
+
+# -- projection -------------------------------------------------------------------------------
+
+
+def encode_item(item: object) -> bytes:
+    """The stored bytes of one item (msgpack; JSON-like values round-trip exactly)."""
+    return _encoder.encode(item)
+
+
+def item_digest(stored: bytes) -> str:
+    """The digest an `ItemPopped` records for an item's stored bytes."""
+    return hashlib.blake2b(stored, digest_size=16).hexdigest()
+
+
+class SessionItemsProjection(Projection[list[ViewEntry]]):
+    """The current items of a session: pushed by adds, popped by pops, emptied by clears."""
+
+    name = "agents.session"
+    views = (ITEMS_VIEW,)
+
+    def initial(self) -> list[ViewEntry]:
+        return []
+
+    def apply(self, state: list[ViewEntry], event: RecordedEvent) -> list[ViewEntry]:
+        payload = event.payload
+        if isinstance(payload, ItemsAdded):
+            state.extend(ViewEntry(event.seq, encode_item(i)) for i in payload.items)
+        elif isinstance(payload, ItemPopped):
+            if state:
+                state.pop()
+        elif isinstance(payload, SessionCleared):
+            state.clear()
+        return state
+
+    def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
+        out: list[ViewOp] = []
+        for index, new in enumerate(events):
+            payload = new.payload
+            if isinstance(payload, ItemsAdded) and payload.items:
+                values = tuple(encode_item(i) for i in payload.items)
+                out.append(ListPush(ITEMS_VIEW, values, index))
+            elif isinstance(payload, ItemPopped):
+                out.append(ListPop(ITEMS_VIEW))
+            elif isinstance(payload, SessionCleared):
+                out.append(ViewClear(ITEMS_VIEW))
+        return out
+
+    def materialize(self, state: list[ViewEntry]) -> list[ViewOp]:
+        return [ListLoad(ITEMS_VIEW, tuple(state))]
+
+    def full_reads(self) -> list[ViewRead]:
+        return [ListRange(ITEMS_VIEW, 0, -1)]
+
+
+# -- thread ids -------------------------------------------------------------------------------
+
+_ESCAPED = frozenset("%{}\x7f") | frozenset(chr(c) for c in range(0x20))
+
+
+def _escape(text: str) -> str:
+    # Percent-encode what a thread id may not hold (braces, control characters) and ``%``
+    # itself, so the mapping stays one-to-one and reversible.
+    if not any(ch in _ESCAPED for ch in text):
+        return text
+    return "".join(f"%{ord(ch):02X}" if ch in _ESCAPED else ch for ch in text)
+
+
+def session_thread_id(session_id: str, *, prefix: str = DEFAULT_THREAD_PREFIX) -> str:
+    """The thread that stores session ``session_id``.
+
+    Raises `InvalidThreadIdError` for a non-string or empty id, or one too long once prefixed.
+    """
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidThreadIdError(f"session id must be a non-empty str, not {session_id!r}")
+    return validate_thread_id(prefix + _escape(session_id))
+
+
+def _ttl_ms(ttl: float | timedelta | None) -> int | None:
+    if ttl is None:
+        return None
+    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise InvalidInputError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    return max(1, round(seconds * 1000))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def _last_event_ms(store: EventStore, thread_id: str) -> int | None:
+    async for event in store.read(thread_id, backwards=True, limit=1):
+        return event.time_ms
+    return None
+
+
+# -- the session ------------------------------------------------------------------------------
+
+
+class ThreadlogSession:
+    """A conversation session of the OpenAI Agents SDK, stored as events in one thread.
+
+    Implements the SDK's ``Session`` protocol: pass it as ``Runner.run(..., session=...)``.
+    ``session_settings.limit``, if given, is the default ``limit`` of `get_items`. ``ttl``
+    (seconds or a `timedelta`) deletes the session, log included, when it is next touched after
+    being idle (no write) for longer than that; see `sweep_idle_sessions` for sessions nobody
+    touches.
+    Idleness compares this machine's clock with the server time of the last event.
+    """
+
+    session_settings: SessionSettings | None
+
+    def __init__(
+        self,
+        session_id: str,
+        store: EventStore,
+        *,
+        ttl: float | timedelta | None = None,
+        session_settings: SessionSettings | None = None,
+        thread_prefix: str = DEFAULT_THREAD_PREFIX,
+    ) -> None:
+        self.session_id = session_id
+        self.store = store
+        self.thread_id = session_thread_id(session_id, prefix=thread_prefix)
+        self.ttl_ms = _ttl_ms(ttl)
+        self.session_settings = session_settings
+        self.projection = SessionItemsProjection()
+        self.projector = Projector(store, [self.projection])
+        register_session_events(store.registry)
+        # The latest time (ms) this object knows the session was written; while it is younger
+        # than the ttl, no read is needed to know the session has not expired.
+        self._active_ms: int | None = None
+
+    def __repr__(self) -> str:
+        return f"ThreadlogSession({self.session_id!r}, thread={self.thread_id!r})"
+
+    # -- the Session protocol -----------------------------------------------------------------
+
+    async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
+        """The session's items, oldest first; with ``limit``, only the latest ``limit``.
+
+        ``limit`` defaults to ``session_settings.limit``; 0 returns nothing and a negative
+        limit returns everything (as the SDK's SQLiteSession does).
+        """
+        await self._expire_if_idle()
+        n = limit
+        if n is None and self.session_settings is not None:
+            n = self.session_settings.limit
+        if n == 0:
+            return []
+        start = -n if n is not None and n > 0 else 0
+        snap = await self.store.read_views(self.thread_id, [ListRange(ITEMS_VIEW, start, -1)])
+        entries = snap.results[0]
+        assert isinstance(entries, list)
+        return [self._decode(e) for e in entries]
+
+    async def add_items(self, items: list[TResponseInputItem]) -> None:
+        """Append ``items`` in one atomic step (nothing to do for an empty list)."""
+        if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
+            raise InvalidInputError("items must be a list of input items")
+        if not items:
+            return
+        await self._expire_if_idle()
+        await self._append([ItemsAdded(items=list(items))], expected_version=ANY)
+
+    async def pop_item(self) -> TResponseInputItem | None:
+        """Remove and return the most recent item (None when the session is empty)."""
+        await self._expire_if_idle()
+        conflict: ConcurrencyError | None = None
+        for _ in range(POP_ATTEMPTS):
+            snap = await self.store.read_views(self.thread_id, [ListRange(ITEMS_VIEW, -1, -1)])
+            tail = snap.results[0]
+            assert isinstance(tail, list)
+            if not tail:
+                return None
+            entry = tail[0]
+            event = ItemPopped(added_seq=entry.seq, digest=item_digest(entry.value))
+            try:
+                await self._append([event], expected_version=snap.version)
+            except ConcurrencyError as exc:
+                conflict = exc  # another writer got in between: read the new tail
+                continue
+            return self._decode(entry)
+        assert conflict is not None
+        raise conflict
+
+    async def clear_session(self) -> None:
+        """Remove every item from the session; the log keeps them."""
+        await self._expire_if_idle()
+        # EXISTS: clearing a session that has no thread writes nothing.
+        with contextlib.suppress(ConcurrencyError):
+            await self._append([SessionCleared()], expected_version=EXISTS)
+
+    # -- beyond the protocol ------------------------------------------------------------------
+
+    async def delete(self) -> int:
+        """Delete the session and its log for good; returns the version it had."""
+        self._active_ms = None
+        return await self.store.delete_thread(self.thread_id, views=list(self.projection.views))
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _decode(self, entry: ViewEntry) -> TResponseInputItem:
+        try:
+            return cast(TResponseInputItem, msgspec.msgpack.decode(entry.value))
+        except msgspec.DecodeError as exc:
+            raise OperationalError(
+                f"session {self.session_id!r}: item written at seq {entry.seq} does not decode "
+                f"({exc}); run rebuild"
+            ) from None
+
+    async def _append(self, events: list[Event], *, expected_version: ExpectedVersion) -> None:
+        # The same NewEvents on every attempt: a retry after a lost reply carries the same
+        # idempotency key and is answered from the ledger instead of appending twice.
+        news = [NewEvent(payload=e) for e in events]
+        result: AppendResult | None = None
+        for attempt in range(TRANSIENT_ATTEMPTS):
+            try:
+                result = await self.projector.append(
+                    self.thread_id, news, expected_version=expected_version
+                )
+                break
+            except (StoreConnectionError, StoreTimeoutError):
+                if attempt == TRANSIENT_ATTEMPTS - 1:
+                    raise
+                await anyio.sleep(0.05 * 2**attempt)
+        assert result is not None
+        self._active_ms = _now_ms()
+
+    async def _expire_if_idle(self) -> None:
+        if self.ttl_ms is None:
+            return
+        now = _now_ms()
+        if self._active_ms is not None and now - self._active_ms < self.ttl_ms:
+            return
+        last = await _last_event_ms(self.store, self.thread_id)
+        if last is not None and now - last > self.ttl_ms:
+            await self.store.delete_thread(self.thread_id, views=list(self.projection.views))
+            last = None
+        self._active_ms = last
+
+
+async def sweep_idle_sessions(
+    store: EventStore,
+    ttl: float | timedelta,
+    *,
+    thread_prefix: str = DEFAULT_THREAD_PREFIX,
+    now_ms: int | None = None,
+) -> list[str]:
+    """Delete every session idle (no write) for longer than ``ttl``; returns their thread ids.
+
+    Lists candidates with ``store.threads(before_ms=...)`` and checks each thread's last event
+    again right before deleting it, so a session written since the listing is kept. Run it
+    periodically (a cron job, a background task) for sessions nobody touches again.
+    """
+    ttl_ms = _ttl_ms(ttl)
+    assert ttl_ms is not None
+    cutoff = (now_ms if now_ms is not None else _now_ms()) - ttl_ms
+    deleted: list[str] = []
+    for info in await store.threads(before_ms=cutoff):
+        if not info.thread_id.startswith(thread_prefix):
+            continue
+        last = await _last_event_ms(store, info.thread_id)
+        if last is None or last >= cutoff:
+            continue
+        await store.delete_thread(info.thread_id, views=list(SessionItemsProjection.views))
+        deleted.append(info.thread_id)
+    return deleted

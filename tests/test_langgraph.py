@@ -1,0 +1,628 @@
+"""ThreadlogCheckpointSaver: LangGraph's conformance suite, real graphs, and storage growth."""
+
+from __future__ import annotations
+
+import operator
+import sys
+import textwrap
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any, TypedDict, cast
+
+import anyio
+import pytest
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
+from langchain_core.runnables import RunnableConfig
+from langgraph.channels.delta import DeltaChannel
+from langgraph.checkpoint.base import BaseCheckpointSaver, copy_checkpoint, empty_checkpoint
+from langgraph.checkpoint.base.id import uuid6
+from langgraph.checkpoint.conformance import checkpointer_test, validate
+from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES
+from langgraph.checkpoint.conformance.report import ProgressCallbacks
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.graph.state import CompiledStateGraph
+from langgraph.types import Command, Send, StateSnapshot, interrupt
+
+import eventstore as es
+from adapters.langgraph import (
+    VIEWS,
+    BlobsPut,
+    CheckpointPut,
+    CheckpointsRemoved,
+    ThreadlogCheckpointSaver,
+    WritesPut,
+    checkpoint_thread_id,
+)
+from projections import Projector
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).absolute().parent.parent
+
+
+BACKENDS = ["memory", "redis", "cluster"]
+
+
+async def open_store(kind: str, request: pytest.FixtureRequest) -> es.EventStore:
+    namespace = "lg" + uuid.uuid4().hex[:12]
+    if kind == "memory":
+        return es.MemoryEventStore(namespace=namespace)
+    try:
+        url = request.getfixturevalue("cluster_url" if kind == "cluster" else "redis_url")
+    except pytest.FixtureLookupError:
+        pytest.skip(f"no {kind} fixture")
+    return await es.connect(url, namespace=namespace)
+
+
+@pytest.fixture(params=BACKENDS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    opened = await open_store(request.param, request)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def config(thread_id: str, **extra: Any) -> RunnableConfig:
+    return {"configurable": {"thread_id": thread_id, **extra}}
+
+
+def ask(text: str) -> Any:
+    """A graph input: one human message (typed Any: LangGraph takes partial states)."""
+    return {"messages": [HumanMessage(text)]}
+
+
+# -- the official conformance suite -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_conformance_suite(kind: str, request: pytest.FixtureRequest) -> None:
+    async def factory() -> AsyncIterator[BaseCheckpointSaver[str]]:
+        store = await open_store(kind, request)
+        try:
+            yield ThreadlogCheckpointSaver(store)
+        finally:
+            await store.close()
+
+    registered = checkpointer_test(name=f"ThreadlogCheckpointSaver[{kind}]")(factory)
+    report = await validate(registered, progress=ProgressCallbacks.verbose())
+    report.print_report()
+    detected = {name for name, r in report.results.items() if r.detected}
+    assert detected == {c.value for c in ALL_CAPABILITIES}
+    failures = [f for r in report.results.values() for f in r.failures]
+    assert report.passed_all(), failures
+    assert report.conformance_level() == "FULL"
+    assert sum(r.tests_passed for r in report.results.values()) == 81
+
+
+# -- a graph with messages, fan-out, a subgraph, edits and removals ---------------------------
+
+
+class SubState(TypedDict):
+    notes: Annotated[list[str], operator.add]
+
+
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    notes: Annotated[list[str], operator.add]
+    count: int
+
+
+def chat(state: State) -> dict[str, Any]:
+    n = state.get("count", 0) + 1
+    messages: list[AnyMessage] = [AIMessage(f"reply {n}", id=f"ai-{n}")]
+    if n == 3:
+        messages.append(AIMessage("edited first reply", id="ai-1"))  # replaces by id
+    if n == 4:
+        messages.append(RemoveMessage(id="ai-2"))  # type: ignore[arg-type]
+    return {"messages": messages, "count": n}
+
+
+def fan_out(state: State) -> Any:
+    if state["count"] >= 4:
+        return END
+    return [Send("worker", {"item": i}) for i in range(3)]
+
+
+def worker(arg: Any) -> dict[str, Any]:
+    return {"notes": [f"worked {arg['item']}"]}
+
+
+def sub_step(state: SubState) -> dict[str, Any]:
+    return {"notes": ["sub ran"]}
+
+
+def busy_graph() -> StateGraph[State]:
+    sub = StateGraph(SubState)
+    sub.add_node("sub_step", sub_step)
+    sub.add_edge(START, "sub_step")
+    builder = StateGraph(State)
+    builder.add_node("chat", chat)
+    builder.add_node("worker", cast(Any, worker))  # a Send target: takes its own input
+    builder.add_node("sub", sub.compile())
+    builder.add_edge(START, "chat")
+    builder.add_conditional_edges("chat", fan_out, ["worker", END])
+    builder.add_edge("worker", "sub")
+    builder.add_edge("sub", "chat")
+    return builder
+
+
+def summary(states: list[StateSnapshot]) -> list[tuple[Any, ...]]:
+    """What two runs on different savers must agree on (ids and timestamps differ)."""
+    return [
+        (
+            s.values,
+            s.next,
+            (s.metadata or {}).get("step"),
+            (s.metadata or {}).get("source"),
+            [(t.name, t.error, t.interrupts) for t in s.tasks],
+            s.parent_config is None,
+        )
+        for s in states
+    ]
+
+
+async def test_graph_matches_in_memory_saver(store: es.EventStore) -> None:
+    reference = busy_graph().compile(checkpointer=InMemorySaver())
+    saver = ThreadlogCheckpointSaver(store)
+    graph = busy_graph().compile(checkpointer=saver)
+    start: Any = {"messages": [HumanMessage("hi", id="h")]}
+
+    expected = await reference.ainvoke(start, config("t"))
+    got = await graph.ainvoke(start, config("t"))
+    assert got == expected
+    assert [m.content for m in got["messages"]] == [
+        "hi",
+        "edited first reply",
+        "reply 3",
+        "reply 4",
+    ]
+    history = [s async for s in graph.aget_state_history(config("t"))]
+    reference_history = [s async for s in reference.aget_state_history(config("t"))]
+    assert summary(history) == summary(reference_history)
+    assert len(history) == 12
+    # Subgraph checkpoints live in their own namespaces of the same thread.
+    namespaces = {
+        t.config["configurable"]["checkpoint_ns"]
+        async for t in saver.alist({"configurable": {"thread_id": "t"}})
+    }
+    assert "" in namespaces and any(ns.startswith("sub:") for ns in namespaces)
+    report = await saver.acheck("t")
+    assert report.ok, report.differences
+
+
+# -- restart in another process, then time travel ---------------------------------------------
+
+
+class Review(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    approved: bool
+
+
+def draft(state: Review) -> dict[str, Any]:
+    return {"messages": [AIMessage(f"draft {len(state['messages'])}")]}
+
+
+def review(state: Review) -> dict[str, Any]:
+    answer = interrupt("approve the draft?")
+    return {"approved": answer == "yes", "messages": [HumanMessage(f"review: {answer}")]}
+
+
+def publish(state: Review) -> dict[str, Any]:
+    return {"messages": [AIMessage("published" if state["approved"] else "discarded")]}
+
+
+def review_graph() -> StateGraph[Review]:
+    builder = StateGraph(Review)
+    builder.add_node("draft", draft)
+    builder.add_node("review", review)
+    builder.add_node("publish", publish)
+    builder.add_edge(START, "draft")
+    builder.add_edge("draft", "review")
+    builder.add_edge("review", "publish")
+    builder.add_edge("publish", END)
+    return builder
+
+
+FIRST_PROCESS = textwrap.dedent(
+    """
+    import sys
+    from langchain_core.messages import HumanMessage
+    from adapters.langgraph import ThreadlogCheckpointSaver
+    from tests.test_langgraph import ask, review_graph
+
+    url, namespace, thread = sys.argv[1:4]
+    with ThreadlogCheckpointSaver.from_url(url, namespace=namespace) as saver:
+        graph = review_graph().compile(checkpointer=saver)
+        config = {"configurable": {"thread_id": thread}}
+        graph.invoke(ask("write a post"), config)
+        print(graph.get_state(config).next, flush=True)
+    """
+)
+
+
+def resume_and_travel(graph: CompiledStateGraph[Any], thread: str) -> None:
+    """Runs after the restart: resume the interrupted run, then fork from before the review."""
+    cfg = config(thread)
+    paused = graph.get_state(cfg)
+    assert paused.next == ("review",)
+    assert [i.value for t in paused.tasks for i in t.interrupts] == ["approve the draft?"]
+
+    done = graph.invoke(Command(resume="yes"), cfg)
+    assert [m.content for m in done["messages"]] == [
+        "write a post",
+        "draft 1",
+        "review: yes",
+        "published",
+    ]
+    history = list(graph.get_state_history(cfg))
+    assert [s.next for s in history] == [(), ("publish",), ("review",), ("draft",), ("__start__",)]
+    before_draft = history[3]
+    published_id = history[0].config["configurable"]["checkpoint_id"]
+
+    # Time travel: run again from the checkpoint before the draft; this forks the thread, and
+    # the review on the new branch can be answered differently.
+    graph.invoke(None, before_draft.config)
+    assert graph.get_state(cfg).next == ("review",)
+    forked = graph.invoke(Command(resume="no"), cfg)
+    assert [m.content for m in forked["messages"]] == [
+        "write a post",
+        "draft 1",
+        "review: no",
+        "discarded",
+    ]
+    fork_history = list(graph.get_state_history(cfg))
+    assert len(fork_history) == 9  # both branches
+    assert graph.get_state(cfg).values["approved"] is False  # the fork is the latest
+    old = graph.get_state(config(thread, checkpoint_id=published_id))
+    assert old.values["messages"][-1].content == "published"  # the first branch is intact
+    assert old.values["approved"] is True
+    # The fork's first checkpoint descends from the one we travelled to.
+    parents = {
+        s.parent_config["configurable"]["checkpoint_id"] for s in fork_history if s.parent_config
+    }
+    assert before_draft.config["configurable"]["checkpoint_id"] in parents
+
+
+async def test_restart_in_another_process_and_time_travel(redis_url: str, namespace: str) -> None:
+    thread = "review-" + uuid.uuid4().hex[:8]
+    result = await anyio.run_process(
+        [sys.executable, "-c", FIRST_PROCESS, redis_url, namespace, thread], cwd=ROOT
+    )
+    assert result.stdout.decode().strip() == "('review',)"
+
+    saver = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace)
+    try:
+        graph = review_graph().compile(checkpointer=saver)
+        await anyio.to_thread.run_sync(resume_and_travel, graph, thread)
+        report = await anyio.to_thread.run_sync(saver.check, thread)
+        assert report.ok, report.differences
+    finally:
+        await anyio.to_thread.run_sync(saver.close)
+
+
+def test_restart_of_the_saver_on_the_memory_backend() -> None:
+    server = es.MemoryServer()
+    thread = "review-mem"
+
+    def fresh() -> ThreadlogCheckpointSaver:
+        return ThreadlogCheckpointSaver(es.MemoryEventStore(namespace="m", server=server))
+
+    with fresh() as first:
+        graph = review_graph().compile(checkpointer=first)
+        graph.invoke(ask("write a post"), config(thread))
+    with fresh() as second:
+        resume_and_travel(review_graph().compile(checkpointer=second), thread)
+        assert second.check(thread).ok
+
+
+# -- the sync bridge --------------------------------------------------------------------------
+
+
+async def test_sync_api_from_inside_a_running_loop(redis_url: str, namespace: str) -> None:
+    with ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace) as saver:
+        graph = review_graph().compile(checkpointer=saver)
+        # A sync call made on a thread whose event loop is running (this test's): the saver
+        # runs it on its own loop thread, so nothing deadlocks.
+        graph.invoke(ask("hello"), config("sync"))
+        assert graph.get_state(config("sync")).next == ("review",)
+        # The async API of the same saver opens its own store on this loop.
+        state = await graph.aget_state(config("sync"))
+        assert [m.content for m in state.values["messages"]] == ["hello", "draft 1"]
+        await saver.aclose()
+
+
+async def test_sync_api_needs_a_store_of_its_own(redis_url: str, namespace: str) -> None:
+    store = await es.connect(redis_url, namespace=namespace)
+    try:
+        saver = ThreadlogCheckpointSaver(store)
+        assert await saver.aget_tuple(config("x")) is None
+        with pytest.raises(es.InvalidInputError, match="from_url"):
+            await anyio.to_thread.run_sync(saver.get_tuple, config("x"))
+        saver.close()
+    finally:
+        await store.close()
+
+
+# -- the log ----------------------------------------------------------------------------------
+
+
+async def test_events_thread_ids_and_audit(store: es.EventStore) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    graph = review_graph().compile(checkpointer=saver)
+    odd = "team{a}/\x01%"
+    await graph.ainvoke(ask("post"), config(odd))
+    await graph.ainvoke(Command(resume="yes"), config(odd))
+    tid = checkpoint_thread_id(odd)
+    assert tid == "lg:team%7Ba%7D/%01%25"
+    assert [s.thread_id for s in await store.threads()] == [tid]
+    kinds = [type(e.payload) async for e in store.read(tid)]
+    assert {BlobsPut, CheckpointPut, WritesPut} <= set(kinds)
+    listed = [t async for t in saver.alist(None)]  # every thread: the id comes back decoded
+    assert {t.config["configurable"]["thread_id"] for t in listed} == {odd}
+
+    await saver.aprune([odd])
+    remaining = [t async for t in saver.alist(config(odd))]
+    assert len(remaining) == 1
+    assert CheckpointsRemoved in [type(e.payload) async for e in store.read(tid)]
+    # The log still holds every checkpoint: fold it as of the version before the prune.
+    state = await graph.aget_state(config(odd))
+    assert state.values["messages"][-1].content == "published"
+    report = await saver.acheck(odd)
+    assert report.ok, report.differences
+    await saver.adelete_thread(odd)
+    assert await store.version(tid) == 0
+    for view in VIEWS:
+        snap = await store.read_views(tid, [es.HashGetAll(view)])
+        assert snap.results == [{}]
+    with pytest.raises(es.InvalidThreadIdError):
+        await saver.aget_tuple(config(""))
+    with pytest.raises(es.InvalidInputError):
+        await saver.aget_tuple({"configurable": {}})
+
+
+# -- lists, size limits, stale caches ---------------------------------------------------------
+
+
+class CountingStore(es.MemoryEventStore):
+    """A memory store that counts the view conflicts it raises."""
+
+    conflicts = 0
+
+    async def append(self, *args: Any, **kwargs: Any) -> es.AppendResult:
+        try:
+            return await super().append(*args, **kwargs)
+        except es.ViewConflictError:
+            CountingStore.conflicts += 1
+            raise
+
+
+async def test_a_long_new_list_is_split_into_events() -> None:
+    store = es.MemoryEventStore(namespace="small", max_event_bytes=4096)
+    saver = ThreadlogCheckpointSaver(store)
+    history = [HumanMessage(f"old message {i}: " + "x" * 100, id=f"h{i}") for i in range(120)]
+    checkpoint = empty_checkpoint()
+    version = saver.get_next_version(None, None)
+    checkpoint["channel_values"] = {"messages": history}
+    checkpoint["channel_versions"] = {"messages": version}
+    metadata: Any = {"source": "input", "step": -1}
+    stored = await saver.aput(
+        config("long", checkpoint_ns=""), checkpoint, metadata, {"messages": version}
+    )
+    events = [e async for e in store.read(saver.thread_id_of("long"))]
+    runs = [el for e in events if isinstance(e.payload, BlobsPut) for el in e.payload.elements]
+    assert len(runs) > 1 and sum(len(r.items) for r in runs) == 120
+    tup = await saver.aget_tuple(stored)
+    assert tup is not None and tup.checkpoint["channel_values"]["messages"] == history
+    assert (await saver.acheck("long")).ok
+    # A value too large for one event is refused whole, before anything is written.
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"doc": "y" * 10_000}
+    checkpoint["channel_versions"] = {"doc": version}
+    with pytest.raises(es.EventTooLargeError):
+        await saver.aput(config("big", checkpoint_ns=""), checkpoint, metadata, {"doc": version})
+    assert await store.version(saver.thread_id_of("big")) == 0
+
+
+async def test_two_savers_extend_the_same_thread() -> None:
+    store = CountingStore(namespace="two")
+    a, b = ThreadlogCheckpointSaver(store), ThreadlogCheckpointSaver(store)
+    graph_a = growing_graph().compile(checkpointer=a)
+    graph_b = growing_graph().compile(checkpointer=b)
+    cfg = config("shared")
+    cfg["recursion_limit"] = 100
+    more_of: Any = lambda n: {"target": n}  # noqa: E731 - a partial state input
+    await graph_a.ainvoke({"messages": [], "target": 10}, cfg)
+    seen = await a.aget_tuple(config("shared"))  # a knows the history at 10 messages
+    assert seen is not None
+    await graph_b.ainvoke(more_of(15), cfg)  # b starts cold, loads the parent, extends to 15
+    # a now writes a checkpoint from what it saw: its plan for the message list is stale.
+    CountingStore.conflicts = 0
+    checkpoint = copy_checkpoint(seen.checkpoint)
+    version = a.get_next_version(str(checkpoint["channel_versions"]["messages"]), None)
+    mine = [*seen.checkpoint["channel_values"]["messages"], AIMessage("a's own", id="own")]
+    checkpoint["id"] = str(uuid6(clock_seq=-1))
+    checkpoint["channel_values"] = {**checkpoint["channel_values"], "messages": mine}
+    checkpoint["channel_versions"] = {**checkpoint["channel_versions"], "messages": version}
+    metadata: Any = {"source": "update", "step": 11}
+    stored = await a.aput(seen.config, checkpoint, metadata, {"messages": version})
+    assert CountingStore.conflicts == 1  # refused once, reloaded, written
+    got = await b.aget_tuple(stored)
+    assert got is not None and got.checkpoint["channel_values"]["messages"] == mine
+    history = growing_graph().compile(checkpointer=a).aget_state_history(config("shared"))
+    lengths = sorted({len(s.values.get("messages", [])) async for s in history})
+    assert lengths == list(range(0, 16))  # b's line (to 15) and a's branch (11) both readable
+    assert (await a.acheck("shared")).ok
+
+    # Pending writes: b's cached writes of a checkpoint go stale when a adds some.
+    tup = await a.aget_tuple(config("shared"))
+    assert tup is not None
+    await b.aput_writes(tup.config, [("x", 1)], "task-b")
+    await a.aput_writes(tup.config, [("x", 2)], "task-a")
+    CountingStore.conflicts = 0
+    await b.aput_writes(tup.config, [("x", 3), ("y", 4)], "task-c")
+    assert CountingStore.conflicts == 1
+    tup = await a.aget_tuple(tup.config)
+    assert tup is not None and tup.pending_writes is not None
+    assert sorted((t, c, v) for t, c, v in tup.pending_writes) == [
+        ("task-a", "x", 2),
+        ("task-b", "x", 1),
+        ("task-c", "x", 3),
+        ("task-c", "y", 4),
+    ]
+    assert (await b.acheck("shared")).ok
+
+
+async def test_prune_then_continue(store: es.EventStore) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    graph = growing_graph().compile(checkpointer=saver)
+    cfg = config("p")
+    cfg["recursion_limit"] = 100
+    more_of: Any = lambda n: {"target": n}  # noqa: E731
+    await graph.ainvoke({"messages": [], "target": 10}, cfg)
+    before = await store.version(saver.thread_id_of("p"))
+    count = len([t async for t in saver.alist(config("p"))])
+    await saver.aprune(["p"])
+    assert len([t async for t in saver.alist(config("p"))]) == 1
+    final = await graph.ainvoke(more_of(15), cfg)
+    assert [m.content.split(":")[0] for m in final["messages"]] == [
+        f"message {i}" for i in range(15)
+    ]
+    assert (await saver.acheck("p")).ok
+    # The log kept the pruned checkpoints: the fold before the prune still has all of them.
+    folded = await Projector(store, [saver.projection]).fold(saver.thread_id_of("p"), as_of=before)
+    assert len(folded.states["langgraph"].hashes["lg.checkpoints"]) == count > 10
+
+
+def _add_all(state: Any, writes: Any) -> Any:
+    out: Any = list(state)
+    for w in writes:
+        out = add_messages(out, w)
+    return out
+
+
+class DeltaState(TypedDict):
+    messages: Annotated[list[AnyMessage], DeltaChannel(_add_all, snapshot_frequency=5)]
+    target: int
+
+
+def delta_speak(state: DeltaState) -> dict[str, Any]:
+    n = len(state["messages"])
+    return {"messages": [AIMessage(f"m{n}", id=f"m{n}")]}
+
+
+def delta_more(state: DeltaState) -> str:
+    return "speak" if len(state["messages"]) < state["target"] else END
+
+
+async def test_delta_channels_match_in_memory_saver(store: es.EventStore) -> None:
+    builder = StateGraph(DeltaState)
+    builder.add_node("speak", delta_speak)
+    builder.add_edge(START, "speak")
+    builder.add_conditional_edges("speak", delta_more, ["speak", END])
+    cfg = config("delta")
+    cfg["recursion_limit"] = 100
+    start: Any = {"messages": [], "target": 12}
+    results = []
+    for saver in (InMemorySaver(), ThreadlogCheckpointSaver(store)):
+        graph = builder.compile(checkpointer=saver)
+        await graph.ainvoke(start, cfg)
+        results.append(summary([s async for s in graph.aget_state_history(config("delta"))]))
+    assert results[0] == results[1]
+
+
+# -- storage growth ---------------------------------------------------------------------------
+
+
+class Growing(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    target: int
+
+
+def speak(state: Growing) -> dict[str, Any]:
+    n = len(state["messages"])
+    return {"messages": [AIMessage(f"message {n}: " + "lorem ipsum dolor sit amet " * 4)]}
+
+
+def more(state: Growing) -> str:
+    return "speak" if len(state["messages"]) < state["target"] else END
+
+
+def growing_graph() -> StateGraph[Growing]:
+    builder = StateGraph(Growing)
+    builder.add_node("speak", speak)
+    builder.add_edge(START, "speak")
+    builder.add_conditional_edges("speak", more, ["speak", END])
+    return builder
+
+
+async def stored_bytes(store: es.EventStore, tid: str) -> dict[str, int]:
+    """Bytes of the thread's log entries and views, and Redis's own count when it has one."""
+    log = 0
+    start = 1
+    while True:
+        rows = await store.read_raw(tid, start=start, count=512)
+        if not rows:
+            break
+        log += sum(len(k) + len(v) for _, fields in rows for k, v in fields.items())
+        start = int(rows[-1][0].split(b"-")[0]) + 1
+    snap = await store.read_views(tid, [es.HashGetAll(v) for v in VIEWS])
+    views = sum(
+        len(f) + len(e.value) + 12
+        for r in snap.results
+        if isinstance(r, dict)
+        for f, e in r.items()
+    )
+    out = {"log": log, "views": views, "total": log + views}
+    if isinstance(store, es.RedisEventStore):
+        keys = list(store.keys.thread_keys(tid)[:3]) + [store.keys.view(tid, v) for v in VIEWS]
+        out["redis"] = sum([int(await store.client.memory_usage(k, samples=0) or 0) for k in keys])
+    return out
+
+
+async def grow(
+    store: es.EventStore, saver: ThreadlogCheckpointSaver, thread: str, steps: int
+) -> dict[str, int]:
+    graph = growing_graph().compile(checkpointer=saver)
+    cfg = config(thread)
+    cfg["recursion_limit"] = steps + 10
+    final = await graph.ainvoke({"messages": [], "target": steps}, cfg)
+    assert len(final["messages"]) == steps
+    state = await graph.aget_state(cfg)
+    assert state.values["messages"] == final["messages"]
+    assert state.metadata is not None and state.metadata["step"] == steps
+    return await stored_bytes(store, saver.thread_id_of(thread))
+
+
+async def test_storage_grows_linearly(
+    store: es.EventStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    half = await grow(store, saver, "grow-100", 100)
+    full = await grow(store, saver, "grow-200", 200)
+    whole = ThreadlogCheckpointSaver(store, dedupe_lists=False)
+    half_whole = await grow(store, whole, "whole-100", 100)
+    full_whole = await grow(store, whole, "whole-200", 200)
+    ratio = full["total"] / half["total"]
+    ratio_whole = full_whole["total"] / half_whole["total"]
+    with capsys.disabled():
+        client = type(store.client).__name__ if isinstance(store, es.RedisEventStore) else ""
+        print(f"\nstorage growth on {type(store).__name__} {client}:")
+        for name, figures in [
+            ("lists deduplicated, 100 steps", half),
+            ("lists deduplicated, 200 steps", full),
+            ("lists stored whole, 100 steps", half_whole),
+            ("lists stored whole, 200 steps", full_whole),
+        ]:
+            print(f"  {name}: {figures}")
+        print(f"  ratio 200/100 steps: {ratio:.2f} deduplicated, {ratio_whole:.2f} whole")
+        print(f"  bytes per step (steps 101-200): {(full['total'] - half['total']) / 100:.0f}")
+    # Linear growth doubles the bytes when the steps double; quadratic growth quadruples them.
+    assert ratio < 2.4
+    assert ratio_whole > 3.0  # the measure does tell the two apart
+    # Each step adds about as much as the one before it, whatever the history's length.
+    first, second = half["total"] / 100, (full["total"] - half["total"]) / 100
+    assert 0.8 < second / first < 1.25

@@ -1,0 +1,504 @@
+"""ThreadlogSession against the OpenAI Agents SDK: real Runner runs with a scripted model.
+
+The same conversation runs once on a `ThreadlogSession` and once on the SDK's own
+`SQLiteSession`; both must hand the SDK the same history and end with the same items.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import pytest
+from agents import (
+    Agent,
+    ModelResponse,
+    ModelSettings,
+    RunConfig,
+    Runner,
+    RunResult,
+    SQLiteSession,
+    Usage,
+    function_tool,
+)
+from agents.agent_output import AgentOutputSchemaBase
+from agents.handoffs import Handoff
+from agents.items import TResponseInputItem, TResponseStreamEvent
+from agents.memory import Session, SessionSettings
+from agents.models.interface import Model, ModelTracing
+from agents.retry import ModelRetrySettings, RetryDecision, RetryPolicyContext
+from agents.run_internal.session_persistence import rewind_session_items
+from agents.tool import Tool
+from anyio.streams.buffered import BufferedByteReceiveStream
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
+from openai.types.responses.response_prompt_param import ResponsePromptParam
+
+import eventstore as es
+from adapters.openai_agents import (
+    ITEMS_VIEW,
+    ItemPopped,
+    ItemsAdded,
+    SessionCleared,
+    ThreadlogSession,
+    encode_item,
+    item_digest,
+    session_thread_id,
+    sweep_idle_sessions,
+)
+from projections import Projector
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).absolute().parent.parent
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
+    namespace = "oa" + uuid.uuid4().hex[:12]
+    if request.param == "memory":
+        opened: es.EventStore = es.MemoryEventStore(namespace=namespace)
+    else:
+        fixture = "cluster_url" if request.param == "cluster" else "redis_url"
+        try:
+            url = request.getfixturevalue(fixture)
+        except pytest.FixtureLookupError:
+            pytest.skip(f"no {fixture} fixture")
+        opened = await es.connect(url, namespace=namespace)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+# -- a scripted model -------------------------------------------------------------------------
+
+
+class TransientModelError(Exception):
+    """Raised by the scripted model where the script says the provider failed."""
+
+
+def say(text: str, n: int) -> ResponseOutputMessage:
+    return ResponseOutputMessage(
+        id=f"msg_{n}",
+        type="message",
+        role="assistant",
+        status="completed",
+        content=[ResponseOutputText(type="output_text", text=text, annotations=[])],
+    )
+
+
+def call(tool: str, args: dict[str, Any], n: int) -> ResponseFunctionToolCall:
+    return ResponseFunctionToolCall(
+        id=f"fc_{n}",
+        call_id=f"call_{n}",
+        type="function_call",
+        name=tool,
+        arguments=json.dumps(args),
+        status="completed",
+    )
+
+
+Step = list[ResponseOutputMessage | ResponseFunctionToolCall] | Exception
+
+
+def script() -> list[Step]:
+    """What the model answers, call after call (the same for every session under test)."""
+    return [
+        # turn 1: a tool call, then the answer
+        [call("get_weather", {"city": "Paris"}, 1)],
+        [say("It is sunny in Paris.", 2)],
+        # turn 2: the provider fails once (the runner retries), then two tool calls
+        TransientModelError("503 upstream overloaded"),
+        [call("get_weather", {"city": "Rome"}, 3), call("get_weather", {"city": "Oslo"}, 4)],
+        [say("Rome is sunny, Oslo is snowing.", 5)],
+        # turn 3 (to be corrected): answered, then popped with the user's question
+        [say("Berlin? Let me guess: rain.", 6)],
+        # turn 3 again, corrected
+        [call("get_weather", {"city": "Madrid"}, 7)],
+        [say("Madrid is sunny.", 8)],
+        # turn 4, after clear_session
+        [say("Fresh start: hello!", 9)],
+    ]
+
+
+class ScriptedModel(Model):
+    """Plays a fixed script; records the input of every call."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = list(steps)
+        self.inputs: list[Any] = []
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        model_settings: ModelSettings,
+        tools: list[Tool],
+        output_schema: AgentOutputSchemaBase | None,
+        handoffs: list[Handoff],
+        tracing: ModelTracing,
+        *,
+        previous_response_id: str | None,
+        conversation_id: str | None,
+        prompt: ResponsePromptParam | None,
+    ) -> ModelResponse:
+        self.inputs.append(json.loads(json.dumps(input)))
+        step = self.steps.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return ModelResponse(output=list(step), usage=Usage(), response_id=None)
+
+    def stream_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        model_settings: ModelSettings,
+        tools: list[Tool],
+        output_schema: AgentOutputSchemaBase | None,
+        handoffs: list[Handoff],
+        tracing: ModelTracing,
+        *,
+        previous_response_id: str | None,
+        conversation_id: str | None,
+        prompt: ResponsePromptParam | None,
+    ) -> AsyncIterator[TResponseStreamEvent]:
+        raise NotImplementedError("the scripted model does not stream")
+
+
+WEATHER = {"Paris": "sunny", "Rome": "sunny", "Oslo": "snowing", "Madrid": "sunny"}
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return WEATHER.get(city, "unknown")
+
+
+def retry_transient(ctx: RetryPolicyContext) -> RetryDecision:
+    return RetryDecision(retry=isinstance(ctx.error, TransientModelError), delay=0.0)
+
+
+def make_agent(model: ScriptedModel) -> Agent[None]:
+    return Agent(
+        name="forecaster",
+        instructions="Answer weather questions with the tool.",
+        model=model,
+        tools=[get_weather],
+        model_settings=ModelSettings(
+            retry=ModelRetrySettings(max_retries=2, policy=retry_transient)
+        ),
+    )
+
+
+def user(text: str) -> TResponseInputItem:
+    return cast(TResponseInputItem, {"role": "user", "content": text})
+
+
+NO_TRACING = RunConfig(tracing_disabled=True)
+
+
+async def ask(agent: Agent[None], text: str, session: Session) -> RunResult:
+    return await Runner.run(agent, text, session=session, run_config=NO_TRACING)
+
+
+async def conversation(session: Session) -> dict[str, Any]:
+    """One scripted conversation; returns what was observed along the way."""
+    model = ScriptedModel(script())
+    agent = make_agent(model)
+    seen: dict[str, Any] = {"snapshots": [], "popped": [], "finals": []}
+
+    async def snapshot() -> None:
+        seen["snapshots"].append(await session.get_items())
+
+    result = await ask(agent, "What's the weather in Paris?", session)
+    seen["finals"].append(result.final_output)
+    await snapshot()
+
+    result = await ask(agent, "And in Rome and Oslo?", session)
+    seen["finals"].append(result.final_output)
+    await snapshot()
+
+    # The SDK's retry rewind: the runner persisted this turn's input, then the model call must
+    # be replayed, so it removes the input again with pop_item (after checking the tail).
+    pending = [user("What about Lisbon?")]
+    await session.add_items(pending)
+    await rewind_session_items(session, pending)
+    await snapshot()
+
+    result = await ask(agent, "What about Berlin?", session)
+    seen["finals"].append(result.final_output)
+    await snapshot()
+    # The user corrects the question: drop the answer and the question, ask again.
+    seen["popped"].append(await session.pop_item())
+    seen["popped"].append(await session.pop_item())
+    await snapshot()
+    result = await ask(agent, "What about Madrid?", session)
+    seen["finals"].append(result.final_output)
+    await snapshot()
+
+    seen["limited"] = [
+        await session.get_items(limit=3),
+        await session.get_items(limit=0),
+        await session.get_items(limit=-1),
+        await session.get_items(limit=1000),
+    ]
+    seen["before_clear"] = await session.get_items()
+    await session.clear_session()
+    await snapshot()
+    assert await session.pop_item() is None
+
+    result = await ask(agent, "Hello again", session)
+    seen["finals"].append(result.final_output)
+    await snapshot()
+    seen["model_inputs"] = model.inputs
+    assert not model.steps, "the script was not played to the end"
+    return seen
+
+
+async def test_runner_matches_sqlite_session(store: es.EventStore) -> None:
+    reference = SQLiteSession("conv-1")
+    try:
+        expected = await conversation(reference)
+    finally:
+        reference.close()
+    session = ThreadlogSession("conv-1", store)
+    got = await conversation(session)
+
+    assert got["finals"] == expected["finals"]
+    assert got["model_inputs"] == expected["model_inputs"]  # the SDK saw the same history
+    assert got["snapshots"] == expected["snapshots"]
+    assert got["limited"] == expected["limited"]
+    assert got["popped"] == expected["popped"]
+    # Sanity: the run had tool calls, tool outputs, a rewind, pops and a clear.
+    kinds = {item.get("type") for item in expected["before_clear"]}
+    assert {"function_call", "function_call_output", "message"} <= kinds
+    assert len(expected["snapshots"][-2]) == 0  # cleared
+    assert expected["snapshots"][1] == expected["snapshots"][2]  # the rewind removed its input
+
+    # The log still holds every item ever added, popped and cleared ones included.
+    events = [e async for e in store.read(session.thread_id)]
+    added = [item for e in events if isinstance(e.payload, ItemsAdded) for item in e.payload.items]
+    pops = [e.payload for e in events if isinstance(e.payload, ItemPopped)]
+    assert len(pops) == 3  # the rewind's one and the correction's two
+    assert sum(isinstance(e.payload, SessionCleared) for e in events) == 1
+    assert user("What about Lisbon?") in added
+    for item in got["popped"]:
+        assert item in added
+        assert item_digest(encode_item(item)) in {p.digest for p in pops}
+    cleared = got["before_clear"]
+    assert all(item in added for item in cleared)
+    by_seq = {e.seq: e.payload for e in events}
+    for pop in pops:
+        origin = by_seq[pop.added_seq]
+        assert isinstance(origin, ItemsAdded)
+        assert pop.digest in {item_digest(encode_item(i)) for i in origin.items}
+
+    report = await Projector(store, [session.projection]).check(session.thread_id)
+    assert report.ok, report.differences
+
+
+async def test_items_round_trip_losslessly(store: es.EventStore) -> None:
+    session = ThreadlogSession("lossless", store)
+    items: list[Any] = [
+        {"role": "user", "content": "unicode: \u00e9\u4e2d\U0001f600", "n": 1, "f": 1.0},
+        {"type": "function_call_output", "call_id": "c", "output": {"nested": [1, None, True]}},
+        {"type": "x", "big": 2**62, "neg": -(2**62), "tiny": 1e-300, "empty": {}, "list": []},
+    ]
+    await session.add_items(items)
+    assert await session.get_items() == items
+    assert [type(v) for v in (await session.get_items())[0].values()] == [str, str, int, float]
+    with pytest.raises(es.InvalidInputError):
+        await session.add_items({"role": "user"})  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidInputError):
+        await session.add_items("not a list")  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidInputError):
+        await session.add_items([cast(TResponseInputItem, {"content": object()})])
+    assert await session.get_items() == items  # the refused add wrote nothing
+
+
+async def test_session_settings_limit_and_ids(store: es.EventStore) -> None:
+    session = ThreadlogSession("a{b}\n%c", store, session_settings=SessionSettings(limit=2))
+    assert session.thread_id == "agents:a%7Bb%7D%0A%25c"
+    assert session_thread_id("a%7Bb") != session_thread_id("a{b")
+    await session.add_items([user(str(i)) for i in range(5)])
+    assert [i["content"] for i in await session.get_items()] == ["3", "4"]  # type: ignore[typeddict-item]
+    assert len(await session.get_items(limit=4)) == 4
+    with pytest.raises(es.InvalidThreadIdError):
+        ThreadlogSession("", store)
+    with pytest.raises(es.InvalidThreadIdError):
+        ThreadlogSession("x" * 300, store)
+    with pytest.raises(es.InvalidInputError):
+        ThreadlogSession("s", store, ttl=0)
+
+
+async def test_concurrent_adds_and_pops(store: es.EventStore) -> None:
+    writers = [ThreadlogSession("busy", store) for _ in range(4)]
+    await writers[0].add_items([user(f"seed-{i}") for i in range(40)])
+    popped: list[Any] = []
+
+    async def add(w: int) -> None:
+        for b in range(10):
+            await writers[w].add_items([user(f"w{w}-b{b}-{k}") for k in range(3)])
+
+    async def pop(w: int) -> None:
+        for _ in range(10):
+            popped.append(await writers[w].pop_item())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(add, 0)
+        tg.start_soon(add, 1)
+        tg.start_soon(pop, 2)
+        tg.start_soon(pop, 3)
+
+    remaining = await writers[0].get_items()
+    events = [e async for e in store.read(writers[0].thread_id)]
+    added = [item for e in events if isinstance(e.payload, ItemsAdded) for item in e.payload.items]
+    assert len(added) == 40 + 2 * 10 * 3
+    got = [p for p in popped if p is not None]
+    assert len(got) == 20 and len(remaining) == len(added) - 20
+    # Nothing lost, nothing popped twice: remaining + popped is exactly what was added.
+    keys = sorted(json.dumps(i, sort_keys=True) for i in remaining + got)
+    assert keys == sorted(json.dumps(i, sort_keys=True) for i in added)
+    report = await Projector(store, [writers[0].projection]).check(writers[0].thread_id)
+    assert report.ok, report.differences
+
+
+BATCHES = 150
+WRITER = f"BATCHES = {BATCHES}\n" + textwrap.dedent(
+    """
+    import sys, anyio
+    import eventstore as es
+    from adapters.openai_agents import ThreadlogSession
+
+    url, namespace, name = sys.argv[1], sys.argv[2], sys.argv[3]
+
+    async def main():
+        store = await es.connect(url, namespace=namespace)
+        session = ThreadlogSession("shared", store)
+        await session.get_items()  # connected and warm
+        print("ready", flush=True)
+        sys.stdin.readline()  # both start together
+        for b in range(BATCHES):
+            await session.add_items(
+                [{"role": "user", "content": f"{name}-{b}-{k}"} for k in range(5)]
+            )
+        await store.close()
+
+    anyio.run(main)
+    """
+)
+
+
+async def test_two_processes_add_concurrently(redis_url: str, namespace: str) -> None:
+    procs = [
+        await anyio.open_process(
+            [sys.executable, "-c", WRITER, redis_url, namespace, name], cwd=ROOT
+        )
+        for name in ("p1", "p2")
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            ready = BufferedByteReceiveStream(p.stdout)
+            assert await ready.receive_until(b"\n", 100) == b"ready"
+        for p in procs:  # both are connected and warm: let them go at once
+            assert p.stdin is not None
+            await p.stdin.send(b"go\n")
+        for p in procs:
+            assert await p.wait() == 0
+    finally:
+        for p in procs:
+            await p.aclose()
+    store = await es.connect(redis_url, namespace=namespace)
+    try:
+        items = await ThreadlogSession("shared", store).get_items()
+    finally:
+        await store.close()
+    contents = [cast(dict[str, str], i)["content"] for i in items]
+    assert len(contents) == 2 * BATCHES * 5
+    # Every batch is contiguous and in order, and each process's batches keep their order.
+    batches = [contents[i : i + 5] for i in range(0, len(contents), 5)]
+    for batch in batches:
+        name, b, _ = batch[0].split("-")
+        assert batch == [f"{name}-{b}-{k}" for k in range(5)]
+    for name in ("p1", "p2"):
+        order = [int(batch[0].split("-")[1]) for batch in batches if batch[0].startswith(name)]
+        assert order == list(range(BATCHES))
+    interleaved = [batch[0].split("-")[0] for batch in batches]
+    assert interleaved != sorted(interleaved), "the processes did not overlap; test is vacuous"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Shift the session module's clock: append milliseconds to ``clock[0]``."""
+    import adapters.openai_agents as module
+
+    offset = [0]
+    real = module._now_ms
+    monkeypatch.setattr(module, "_now_ms", lambda: real() + offset[0])
+    return offset
+
+
+async def test_ttl_deletes_an_idle_session_when_touched(
+    store: es.EventStore, clock: list[int]
+) -> None:
+    session = ThreadlogSession("ephemeral", store, ttl=1.0)
+    await session.add_items([user("hi")])
+    await anyio.sleep(0.6)
+    await session.add_items([user("still here")])
+    await anyio.sleep(0.6)
+    # 1.2 s after the first write but 0.6 s after the last: a write keeps the session alive.
+    assert len(await ThreadlogSession("ephemeral", store, ttl=1.0).get_items()) == 2
+    clock[0] = 5_000
+    other = ThreadlogSession("ephemeral", store, ttl=1.0)
+    assert await other.get_items() == []  # idle for 5 s: deleted when touched
+    assert await store.version(other.thread_id) == 0
+    assert await session.pop_item() is None
+    await session.add_items([user("new life")])
+    assert [i["content"] for i in await session.get_items()] == ["new life"]  # type: ignore[typeddict-item]
+    # Without a ttl nothing expires.
+    clock[0] = 10**9
+    assert len(await ThreadlogSession("ephemeral", store).get_items()) == 1
+
+
+async def test_sweep_idle_sessions(store: es.EventStore) -> None:
+    old = ThreadlogSession("old", store)
+    await old.add_items([user("x")])
+    await store.append("not-a-session", [es.TranscriptAppended(messages=[])])
+    cutoff_ms = int(time.time() * 1000) + 5
+    await anyio.sleep(0.02)
+    fresh = ThreadlogSession("fresh", store)
+    await fresh.add_items([user("y")])
+    deleted = await sweep_idle_sessions(store, 60, now_ms=cutoff_ms + 60_000)
+    assert deleted == [old.thread_id]
+    assert await old.get_items() == []
+    assert len(await fresh.get_items()) == 1
+    assert await store.version("not-a-session") == 1
+    assert await sweep_idle_sessions(store, 60) == []
+
+
+async def test_private_registry_and_views(redis_url: str, namespace: str) -> None:
+    registry = es.EventRegistry()
+    store = await es.connect(redis_url, namespace=namespace, registry=registry)
+    try:
+        session = ThreadlogSession("private", store)
+        await session.add_items([user("a"), user("b")])
+        assert await session.pop_item() == user("b")
+        assert "agents.items_added" in registry
+        snap = await store.read_views(session.thread_id, [es.ListRange(ITEMS_VIEW)])
+        assert [e.seq for e in cast(list[es.ViewEntry], snap.results[0])] == [1]
+        assert await session.delete() == 2
+        assert await store.version(session.thread_id) == 0
+    finally:
+        await store.close()
