@@ -64,6 +64,9 @@ class StoreSettings:
     socket_timeout: float = 5.0
     connect_timeout: float = 5.0
     retries: int = 3
+    # Group commit: appends issued within one event-loop tick share one pipeline of at most
+    # this many scripts (1 turns group commit off).
+    max_batch: int = 64
 
     @property
     def scheme(self) -> str:
@@ -76,7 +79,8 @@ class StoreSettings:
             f"StoreSettings(url={redact(self.url)!r}, namespace={self.namespace!r}, "
             f"partitions={self.partitions!r}, max_event_bytes={self.max_event_bytes}, "
             f"secret={secret}, socket_timeout={self.socket_timeout}, "
-            f"connect_timeout={self.connect_timeout}, retries={self.retries})"
+            f"connect_timeout={self.connect_timeout}, retries={self.retries}, "
+            f"max_batch={self.max_batch})"
         )
 
     @classmethod
@@ -263,6 +267,7 @@ async def open_store(
         registry=registry,
         max_event_bytes=settings.max_event_bytes,
         secret=settings.secret,
+        max_batch=settings.max_batch,
     )
     try:
         await _call(client.ping())

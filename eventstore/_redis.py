@@ -43,7 +43,15 @@ from ._events import registry as default_registry
 from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
 from ._ids import validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, KeyLayout
-from ._scripts import APPEND, APPLY_CHECKPOINTED, DELETE_THREAD, LOAD_VIEWS, READ_VIEWS, SEQ_AT
+from ._scripts import (
+    APPEND,
+    APPLY_CHECKPOINTED,
+    DELETE_THREAD,
+    LOAD_VIEWS,
+    READ_VIEWS,
+    SEQ_AT,
+    GroupCommit,
+)
 from ._views import (
     HashDelete,
     HashGet,
@@ -127,6 +135,7 @@ class RedisEventStore(EventStore):
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         secret: bytes | None = None,
         owns_client: bool = True,
+        max_batch: int = 64,
     ) -> None:
         self.keys = KeyLayout(namespace, partitions)
         self.namespace = self.keys.namespace
@@ -137,6 +146,9 @@ class RedisEventStore(EventStore):
         self._client: Any = client
         self._owns_client = owns_client
         self._closed = False
+        self._group_commit = (
+            GroupCommit(client, APPEND, max_batch=max_batch) if max_batch > 1 else None
+        )
         # thread id -> (layout, the thread id and its five append-script keys, encoded)
         self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
 
@@ -206,7 +218,7 @@ class RedisEventStore(EventStore):
                 args += self._op_args(thread_id, op, index)
             keys = index.keys
 
-        reply = await _call(APPEND(self.client, keys, args))
+        reply = await _call(self._append_script(keys, args))
         status = reply[0]
         if status == b"ok":
             return AppendResult(thread_id, int(reply[1]), int(reply[2]))
@@ -223,6 +235,12 @@ class RedisEventStore(EventStore):
                 thread_id, view, reply[2].decode("utf-8"), int(reply[3]), int(reply[4])
             )
         raise OperationalError(f"unexpected append reply {reply!r}")
+
+    def _append_script(self, keys: list[Any], args: list[Any]) -> Awaitable[Any]:
+        client = self.client  # raises StoreClosedError once closed
+        if self._group_commit is not None:
+            return self._group_commit(keys, args)
+        return APPEND(client, keys, args)
 
     def _encoded_thread_keys(self, thread_id: str) -> tuple[bytes, ...]:
         """The thread id and its log, meta, ledger, feed and index keys, encoded as the client

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from importlib import resources
 from typing import Any
@@ -37,6 +38,99 @@ class Script:
             return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await client.execute_command("EVAL", self.source, len(keys), *keys, *args)
+
+
+class GroupCommit:
+    """Sends the calls of one script made within one event-loop tick as one pipeline.
+
+    Each call keeps its own reply or error: the pipeline is not a transaction, every script
+    call stays atomic on its own, and the server runs them in submission order (so two appends
+    to one thread with consecutive expected versions both succeed). A lone call goes out as a
+    plain EVALSHA. ``max_batch`` caps a pipeline; a full batch is sent at once.
+    """
+
+    def __init__(self, client: Any, script: Script, *, max_batch: int = 64) -> None:
+        self.client = client
+        self.script = script
+        self.max_batch = max(1, max_batch)
+        self._queue: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, keys: list[Any], args: list[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((keys, args, future))
+        if len(self._queue) >= self.max_batch:
+            self._flush()
+        elif not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        # The send runs in its own task: a caller that is cancelled does not take the other
+        # calls of its batch down with it (its own append may still land, as any cancelled
+        # append may; retrying with the same idempotency key is safe).
+        return await future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._queue = self._queue, []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]) -> None:
+        if len(batch) == 1:
+            keys, args, future = batch[0]
+            try:
+                reply = await self.script(self.client, keys, args)
+            except BaseException as exc:
+                _settle(future, error=exc)
+            else:
+                _settle(future, reply)
+            return
+        try:
+            replies = await self._pipeline(batch, "EVALSHA", self.script.sha)
+            missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if missing:
+                # The server forgot the script (restart, failover, SCRIPT FLUSH): those calls
+                # did nothing, so they are sent again with the source.
+                again = await self._pipeline(
+                    [batch[i] for i in missing], "EVAL", self.script.source
+                )
+                for i, reply in zip(missing, again, strict=True):
+                    replies[i] = reply
+        except BaseException as exc:
+            for _, _, future in batch:
+                _settle(future, error=exc)
+            return
+        for (_, _, future), reply in zip(batch, replies, strict=True):
+            if isinstance(reply, Exception):
+                _settle(future, error=reply)
+            else:
+                _settle(future, reply)
+
+    async def _pipeline(
+        self,
+        batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]],
+        command: str,
+        body: str,
+    ) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args, _ in batch:
+            pipe.execute_command(command, body, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+def _settle(
+    future: asyncio.Future[Any], reply: Any = None, *, error: BaseException | None = None
+) -> None:
+    if future.done():  # its caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(reply)
 
 
 APPEND = Script.from_package("append")
