@@ -6,7 +6,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -188,13 +188,33 @@ registry = EventRegistry()
 """The default registry, holding the built-in catalog; ``register_event`` adds to it."""
 
 
+@overload
+def register_event(
+    cls: E,
+    *,
+    version: int = 1,
+    upcasters: Mapping[int, Upcaster] | None = None,
+    into: EventRegistry | None = None,
+) -> E: ...
+
+
+@overload
+def register_event(
+    cls: None = None,
+    *,
+    version: int = 1,
+    upcasters: Mapping[int, Upcaster] | None = None,
+    into: EventRegistry | None = None,
+) -> Callable[[E], E]: ...
+
+
 def register_event(
     cls: E | None = None,
     *,
     version: int = 1,
     upcasters: Mapping[int, Upcaster] | None = None,
     into: EventRegistry | None = None,
-) -> Any:
+) -> E | Callable[[E], E]:
     """Class decorator registering an `Event` subclass (in the default registry unless ``into``)."""
 
     def wrap(c: E) -> E:

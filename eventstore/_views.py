@@ -125,6 +125,8 @@ ViewOp = ListPush | ListReset | ListPop | HashSet | HashDelete | ViewClear | Lis
 def check_ops(ops: tuple[ViewOp, ...] | list[ViewOp], n_events: int, *, in_append: bool) -> None:
     """Reject malformed operations before anything is sent."""
     for op in ops:
+        if not isinstance(op, ViewOp):
+            raise InvalidInputError(f"not a view op: {op!r}")
         if isinstance(op, ListPush | ListReset | HashSet):
             if not 0 <= op.event < max(n_events, 1):
                 raise InvalidInputError(
@@ -133,13 +135,10 @@ def check_ops(ops: tuple[ViewOp, ...] | list[ViewOp], n_events: int, *, in_appen
                 )
             if in_append is False:
                 raise InvalidInputError("event-stamped view ops are only valid in an append")
-        elif isinstance(op, ListPop) and op.count < 1:
+        if isinstance(op, ListPop) and op.count < 1:
             raise InvalidInputError("ListPop.count must be >= 1")
-        elif isinstance(op, HashSet | HashDelete) and op.expected_version is not None:
-            if op.expected_version < 0:
-                raise InvalidInputError("expected_version must be >= 0")
-        elif not isinstance(op, ViewOp):
-            raise InvalidInputError(f"not a view op: {op!r}")
+        if isinstance(op, HashSet | HashDelete) and (op.expected_version or 0) < 0:
+            raise InvalidInputError("expected_version must be >= 0")
 
 
 # -- reads, answered together in one round trip -----------------------------------------------

@@ -404,6 +404,19 @@ class EventStoreConformance:
         snap = await store.read_views("t", [HashGetListed("rec", "order", -2, -1)])
         assert list(snap.results[0]) == ["turn3", "turn4"]
 
+    async def test_reading_thousands_of_hash_fields(self, store: EventStore) -> None:
+        fields = [f"f{i}" for i in range(9000)]
+        ops: list[ViewOp] = [HashSet("h", f, b"v") for f in fields[::2]]
+        ops += [ListPush("names", tuple(f.encode() for f in fields))]
+        await store.append("t", [msg("x")], view_ops=ops)
+        snap = await store.read_views(
+            "t", [HashGet("h", tuple(fields)), HashGetListed("h", "names", 0, -1)]
+        )
+        assert list(snap.results[0]) == fields[::2]
+        assert list(snap.results[1]) == fields[::2]
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [msg("y")], view_ops=[HashSet("h", "f", b"v", 0, -1)])
+
     async def test_view_reads_of_missing_thread_are_empty(self, store: EventStore) -> None:
         snap = await store.read_views("nope", [ListRange("l"), HashGetAll("h")])
         assert snap.version == 0 and snap.results == [[], {}]

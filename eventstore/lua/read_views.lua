@@ -16,6 +16,24 @@ field/value arrays.
 local function is_a(key, kind)
   return redis.call('TYPE', key).ok == kind
 end
+-- Field/value pairs of the named fields that exist, in the given order. HMGET goes in chunks:
+-- Lua's unpack cannot spread more than a few thousand values.
+local function pick(key, fields)
+  local flat = {}
+  if #fields == 0 or not is_a(key, 'hash') then return flat end
+  for first = 1, #fields, 1000 do
+    local chunk = {}
+    for i = first, math.min(first + 999, #fields) do chunk[#chunk + 1] = fields[i] end
+    local values = redis.call('HMGET', key, unpack(chunk))
+    for i = 1, #chunk do
+      if values[i] then
+        flat[#flat + 1] = chunk[i]
+        flat[#flat + 1] = values[i]
+      end
+    end
+  end
+  return flat
+end
 local out = {tonumber(redis.call('HGET', KEYS[1], 'v') or '0')}
 local pos = 2
 for r = 1, tonumber(ARGV[1]) do
@@ -31,35 +49,17 @@ for r = 1, tonumber(ARGV[1]) do
     local n = tonumber(ARGV[pos + 2])
     local fields = {}
     for i = 1, n do fields[i] = ARGV[pos + 2 + i] end
-    local flat = {}
-    if n > 0 and is_a(key, 'hash') then
-      local values = redis.call('HMGET', key, unpack(fields))
-      for i = 1, n do
-        if values[i] then
-          flat[#flat + 1] = fields[i]
-          flat[#flat + 1] = values[i]
-        end
-      end
-    end
-    out[#out + 1] = flat
+    out[#out + 1] = pick(key, fields)
     pos = pos + 3 + n
   elseif kind == 'hl' then
     local list = KEYS[tonumber(ARGV[pos + 2])]
-    local names = {}
-    if is_a(list, 'list') then names = redis.call('LRANGE', list, ARGV[pos + 3], ARGV[pos + 4]) end
-    local flat = {}
-    if #names > 0 and is_a(key, 'hash') then
-      local fields = {}
-      for i, raw in ipairs(names) do fields[i] = string.match(raw, '^%d+:(.*)$') or raw end
-      local values = redis.call('HMGET', key, unpack(fields))
-      for i = 1, #fields do
-        if values[i] then
-          flat[#flat + 1] = fields[i]
-          flat[#flat + 1] = values[i]
-        end
+    local fields = {}
+    if is_a(list, 'list') then
+      for i, raw in ipairs(redis.call('LRANGE', list, ARGV[pos + 3], ARGV[pos + 4])) do
+        fields[i] = string.match(raw, '^%d+:(.*)$') or raw
       end
     end
-    out[#out + 1] = flat
+    out[#out + 1] = pick(key, fields)
     pos = pos + 5
   else
     return redis.error_reply('ERR threadlog: unknown view read ' .. tostring(kind))
