@@ -42,7 +42,9 @@ from eventstore import (
 from ._base import Projection, decode_as, encoder
 
 
-class _RecordValue(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class _RecordFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a turn record says beyond its identity (shared by the stored value and the record)."""
+
     status: Literal["open", "settled"]
     # The id of the event that wrote the record: its ULID time orders records across threads
     # identically in the views and in a fold (the server time is not known when ops are built).
@@ -58,23 +60,16 @@ class _RecordValue(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     error: TurnError | None = None
 
 
-class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
+class _RecordValue(_RecordFields, frozen=True, kw_only=True, omit_defaults=True):
+    """The stored form in the ``turns`` view (thread, turn and seq come from the key/stamp)."""
+
+
+class TurnRecord(_RecordFields, frozen=True, kw_only=True):
     """A turn as the records show it: open, or settled with its outcome and accounting."""
 
     thread_id: str
     turn_id: str
-    status: Literal["open", "settled"]
     seq: int
-    event_id: str = ""
-    parent_turn_id: str | None = None
-    grant: Grant | None = None
-    outcome: Outcome | None = None
-    steps: int = 0
-    model_tier: str | None = None
-    fallbacks: list[Fallback] = msgspec.field(default_factory=list)
-    usage: Usage = msgspec.field(default_factory=Usage)
-    timing: Timing = msgspec.field(default_factory=Timing)
-    error: TurnError | None = None
 
     @property
     def recorded_ms(self) -> int:
@@ -141,22 +136,7 @@ def _value_of(payload: object, event_id: str) -> _RecordValue | None:
 
 
 def _record(thread_id: str, turn_id: str, seq: int, v: _RecordValue) -> TurnRecord:
-    return TurnRecord(
-        thread_id=thread_id,
-        turn_id=turn_id,
-        status=v.status,
-        seq=seq,
-        event_id=v.event_id,
-        parent_turn_id=v.parent_turn_id,
-        grant=v.grant,
-        outcome=v.outcome,
-        steps=v.steps,
-        model_tier=v.model_tier,
-        fallbacks=v.fallbacks,
-        usage=v.usage,
-        timing=v.timing,
-        error=v.error,
-    )
+    return TurnRecord(thread_id=thread_id, turn_id=turn_id, seq=seq, **msgspec.structs.asdict(v))
 
 
 class RecordsProjection(Projection[RecordsState]):
