@@ -81,7 +81,11 @@ def parse_jsonl(
         except MessageFormatError as exc:
             errors.append(JsonlLineError(number, str(exc)))
             continue
-        stored = len(_encoder.encode(message))
+        try:
+            stored = len(_encoder.encode(message))
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            errors.append(JsonlLineError(number, f"message cannot be stored: {exc}"))
+            continue
         if stored > max_message_bytes:
             errors.append(
                 JsonlLineError(

@@ -120,7 +120,10 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
     @classmethod
     def from_json_bytes(cls, text: bytes | str) -> Message:
         """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly."""
-        raw = text.encode("utf-8") if isinstance(text, str) else text
+        try:
+            raw = text.encode("utf-8") if isinstance(text, str) else text
+        except UnicodeEncodeError as exc:
+            raise MessageFormatError(f"not encodable as UTF-8: {exc.reason}") from None
         try:
             obj = _json_decoder.decode(raw)
         except msgspec.DecodeError as exc:

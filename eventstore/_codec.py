@@ -202,8 +202,10 @@ def seq_of_entry_id(thread_id: str, entry_id: bytes | str) -> int:
     """The seq encoded in a stream entry id ``<seq>-0``."""
     raw = entry_id.decode("ascii", "replace") if isinstance(entry_id, bytes) else entry_id
     head, _, tail = raw.partition("-")
-    if not head.isdigit() or tail != "0":
-        raise CorruptEventError(thread_id, None, f"stream entry id {raw!r} is not <seq>-0")
+    # Redis ids are ASCII and at most 20 digits a part; anything else is damage.
+    if not (head.isascii() and head.isdigit() and len(head) <= 20) or tail != "0":
+        shown = raw if len(raw) <= 64 else raw[:61] + "..."
+        raise CorruptEventError(thread_id, None, f"stream entry id {shown!r} is not <seq>-0")
     return int(head)
 
 

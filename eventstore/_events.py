@@ -133,49 +133,60 @@ class EventRegistry:
         """Decode a stored payload written at ``version`` into its current class.
 
         Raises `UnknownEventTypeError` for an unregistered tag and `EventValidationError` when
-        the bytes do not match the schema; the caller adds thread and seq.
+        the bytes do not match the schema (or an upcaster fails on them); the caller adds
+        thread and seq.
         """
         try:
             if version <= 0:
                 raise EventValidationError(f"invalid schema version {version}")
-            decoder = self._union_decoder()
             try:
-                event = decoder.decode(data)
-            except msgspec.ValidationError:
-                raw = msgspec.msgpack.decode(data)
-                tag = raw.get("type") if isinstance(raw, dict) else None
-                if tag not in self._types:
-                    raise UnknownEventTypeError(f"unknown event type {tag!r}") from None
-                if version >= self._types[tag].version:
-                    raise
-                event = None
-            if event is None or version < self._types[event.event_type].version:
+                event = self._union_decoder().decode(data)
+            except msgspec.ValidationError as exc:
+                # Not valid as the current schema: unknown, damaged, or an older version.
+                info = self._info_of(msgspec.msgpack.decode(data))
+                if version >= info.version:
+                    raise EventValidationError(str(exc)) from None
                 return self._upcast(data, version)
             assert isinstance(event, Event)
-            return event
-        except (UnknownEventTypeError, EventValidationError):
-            raise
+            current = self._types[event.event_type].version
+            if version == current:
+                return event
+            if version > current:
+                raise EventValidationError(
+                    f"stored version {version} of {event.event_type!r} is newer than this code "
+                    f"knows ({current})"
+                )
+            return self._upcast(data, version)
         except msgspec.DecodeError as exc:
-            raise EventValidationError(str(exc)) from exc
+            raise EventValidationError(str(exc)) from None
+
+    def _info_of(self, raw: Any) -> _TypeInfo:
+        tag = raw.get("type") if isinstance(raw, dict) else None
+        info = self._types.get(tag) if isinstance(tag, str) else None
+        if info is None:
+            raise UnknownEventTypeError(f"unknown event type {tag!r}")
+        return info
 
     def _upcast(self, data: bytes, version: int) -> Event:
         raw = msgspec.msgpack.decode(data)
-        if not isinstance(raw, dict) or raw.get("type") not in self._types:
-            tag = raw.get("type") if isinstance(raw, dict) else None
-            raise UnknownEventTypeError(f"unknown event type {tag!r}")
-        info = self._types[raw["type"]]
-        if version > info.version:
-            raise EventValidationError(
-                f"stored version {version} of {raw['type']!r} is newer than this code "
-                f"knows ({info.version})"
-            )
+        info = self._info_of(raw)
+        tag = info.cls.__struct_config__.tag
         for v in range(version, info.version):
-            raw = info.upcasters[v](raw)
-            raw["type"] = info.cls.__struct_config__.tag
+            try:
+                raw = info.upcasters[v](raw)
+            except Exception as exc:  # an upcaster meeting data it did not expect
+                raise EventValidationError(
+                    f"upcasting {tag!r} from version {v} failed: {exc!r}"
+                ) from None
+            if not isinstance(raw, dict):
+                raise EventValidationError(
+                    f"the upcaster of {tag!r} from version {v} did not return a dict"
+                )
+            raw["type"] = tag
         try:
             return msgspec.convert(raw, info.cls)
         except msgspec.ValidationError as exc:
-            raise EventValidationError(str(exc)) from exc
+            raise EventValidationError(str(exc)) from None
 
 
 def _union_of(classes: tuple[type[Event], ...]) -> Any:

@@ -40,13 +40,17 @@ class Script:
             return await client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
+_SEND_ALONE = object()  # what a lone call's future resolves to: send it yourself
+
+
 class GroupCommit:
     """Sends the calls of one script made within one event-loop tick as one pipeline.
 
     Each call keeps its own reply or error: the pipeline is not a transaction, every script
     call stays atomic on its own, and the server runs them in submission order (so two appends
     to one thread with consecutive expected versions both succeed). A lone call goes out as a
-    plain EVALSHA. ``max_batch`` caps a pipeline; a full batch is sent at once.
+    plain EVALSHA, sent by its caller. ``max_batch`` caps a pipeline; a full batch is sent at
+    once.
     """
 
     def __init__(self, client: Any, script: Script, *, max_batch: int = 64) -> None:
@@ -66,15 +70,22 @@ class GroupCommit:
         elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
-        # The send runs in its own task: a caller that is cancelled does not take the other
+        # A batch is sent by its own task: a caller that is cancelled does not take the other
         # calls of its batch down with it (its own append may still land, as any cancelled
-        # append may; retrying with the same idempotency key is safe).
-        return await future
+        # append may; retrying with the same idempotency key is safe). A call nobody joined is
+        # sent by its caller, as it would be without group commit.
+        reply = await future
+        if reply is _SEND_ALONE:
+            return await self.script(self.client, keys, args)
+        return reply
 
     def _flush(self) -> None:
         self._scheduled = False
         batch, self._queue = self._queue, []
-        if batch:
+        if len(batch) == 1:
+            # Nobody joined: the caller sends it itself, sparing a task and a loop hop.
+            _settle(batch[0][2], _SEND_ALONE)
+        elif batch:
             task = asyncio.get_running_loop().create_task(self._send(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -8,9 +8,9 @@ a thread's stream comes back as `CorruptEventError` naming the thread and the se
 step past it, and `Auditor.verify` reports it and checks on. Size limits hold before anything
 is sent: the server's per-command counters (``INFO commandstats``) do not move.
 
-Bugs found here are pinned by strict xfail tests (``test_known_bug_*``) and kept out of the
-properties' inputs by `hits_known_bug`, so the properties keep covering everything else. When a
-bug is fixed its xfail turns into a failure (XPASS, strict): delete the mark and the filter.
+The bugs this fuzzing found (a list as an event type, ints beyond 64 bits in JSONL, lone
+surrogates, failing upcasters, non-ASCII entry ids) are fixed; the regression tests at the end
+keep them fixed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import anyio
 import msgspec
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import eventstore as es
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_TIMEOUT_S = 10.0
 """No single example may take longer than this: a hang is a failure, not a slow test."""
 
-FAST = settings(max_examples=300, deadline=None)
+FAST = settings(max_examples=200, deadline=None)
 REDIS = settings(
     max_examples=60,
     deadline=None,
@@ -192,42 +192,6 @@ entry_ids = st.one_of(
 )
 
 
-# -- inputs that trip known bugs -----------------------------------------------------------------
-
-
-def _type_tag_unhashable(data: object) -> bool:
-    try:
-        raw = msgspec.msgpack.decode(data) if isinstance(data, bytes) else None
-    except Exception:
-        return False
-    return isinstance(raw, dict) and isinstance(raw.get("type"), list | dict)
-
-
-def _int_beyond_64_bits(value: object) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return not INT64_MIN <= value <= UINT64_MAX
-    if isinstance(value, list):
-        return any(_int_beyond_64_bits(v) for v in value)
-    if isinstance(value, dict):
-        return any(_int_beyond_64_bits(v) for v in value.values())
-    return False
-
-
-def hits_known_bug(*, payload: bytes | None = None, jsonl_line: bytes | None = None) -> bool:
-    """Inputs that trip a bug pinned by a ``test_known_bug_*`` test."""
-    if payload is not None and _type_tag_unhashable(payload):
-        return True  # test_known_bug_payload_type_that_is_a_list_is_a_type_error
-    if jsonl_line is not None:
-        try:
-            decoded = msgspec.json.decode(jsonl_line)
-        except Exception:
-            return False
-        return _int_beyond_64_bits(decoded)  # test_known_bug_jsonl_int_beyond_64_bits
-    return False
-
-
 # -- fixtures --------------------------------------------------------------------------------------
 
 
@@ -271,7 +235,6 @@ def _seq_of(entry_id: bytes) -> int | None:
 def test_decode_entry_raises_only_corrupt_event_error(
     entry_id: bytes, fields: dict[bytes, bytes]
 ) -> None:
-    assume(not hits_known_bug(payload=fields.get(b"d")))
     seq = _seq_of(entry_id)
     outcome: es.RecordedEvent | es.CorruptEventError
     try:
@@ -290,7 +253,6 @@ def test_decode_entry_raises_only_corrupt_event_error(
 @FAST
 @given(data=payload_bytes, version=st.integers(-3, 4) | st.integers())
 def test_registry_decode_raises_only_typed_errors(data: bytes, version: int) -> None:
-    assume(not hits_known_bug(payload=data))
     try:
         decoded = es.registry.decode(data, version)
     except (es.EventValidationError, es.UnknownEventTypeError) as exc:
@@ -400,7 +362,6 @@ def test_parse_jsonl_accounts_for_every_line(
     physical = data.split(b"\n")
     if physical and physical[-1] == b"":
         physical.pop()
-    assume(not any(hits_known_bug(jsonl_line=line) for line in physical))
     messages, errors = parse_jsonl(data, max_message_bytes=limit)
     event(f"lines: {len(messages)} messages, {len(errors)} errors")
     assert len(messages) + len(errors) == len(physical)
@@ -595,7 +556,6 @@ async def _damaged_thread(
 def test_garbage_in_a_stream_is_a_typed_error_a_reader_can_step_past(
     portal: BlockingPortal, store: es.RedisEventStore, fields: dict[bytes, bytes], where: str
 ) -> None:
-    assume(not hits_known_bug(payload=fields.get(b"d")))
 
     async def check() -> str:
         thread, entry_id = await _damaged_thread(store, fields, where)
@@ -891,16 +851,11 @@ def test_cli_arguments_never_crash(
     assert not (work / ".threadlog").exists()
 
 
-# -- known bugs (strict xfail: fix the bug, then delete the mark and the `hits_known_bug` case) ----
+# -- regressions: bugs this fuzzing found, fixed ------------------------------------------------
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="EventRegistry.decode: `tag not in self._types` with a list/map tag raises TypeError",
-)
-async def test_known_bug_payload_type_that_is_a_list_is_a_type_error(redis_url: str) -> None:
+async def test_payload_type_that_is_a_list_is_corrupt_not_a_type_error(redis_url: str) -> None:
     async with await es.connect(redis_url, namespace="z" + uuid.uuid4().hex[:12]) as store:
         assert isinstance(store, es.RedisEventStore)
         garbage = {**GOOD_ENTRY, b"d": msgspec.msgpack.encode({"type": [1]})}
@@ -909,34 +864,19 @@ async def test_known_bug_payload_type_that_is_a_list_is_a_type_error(redis_url: 
             await read_all(store, thread)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="parse_jsonl sizes each message with msgpack, which cannot encode ints beyond 64 bits",
-)
-def test_known_bug_jsonl_int_beyond_64_bits_is_an_overflow_error() -> None:
+def test_jsonl_int_beyond_64_bits_is_a_reported_line() -> None:
     messages, errors = parse_jsonl(
         b'{"role":"user","content":"x","n":18446744073709551616}\n', max_message_bytes=1 << 20
     )
     assert (len(messages), len(errors)) in {(0, 1), (1, 0)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="Message.from_json_bytes(str) encodes the str before any check",
-)
-def test_known_bug_str_with_a_lone_surrogate_is_a_unicode_error() -> None:
+def test_str_with_a_lone_surrogate_is_a_format_error() -> None:
     with pytest.raises(es.MessageFormatError):
         es.Message.from_json_bytes('{"role":"user","content":"\ud800"}')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="EventRegistry._upcast lets an upcaster's exception escape the decoder",
-)
-def test_known_bug_failing_upcaster_escapes_as_its_own_exception() -> None:
+def test_failing_upcaster_is_a_corrupt_event() -> None:
     registry = es.EventRegistry()
 
     class NoteV2(es.Event, tag="fuzz.note", frozen=True):
@@ -952,12 +892,7 @@ def test_known_bug_failing_upcaster_escapes_as_its_own_exception() -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="seq_of_entry_id: str.isdigit() accepts digits int() refuses, and >4300-digit seqs",
-)
 @pytest.mark.parametrize("entry_id", ["²-0", b"1" * 5000 + b"-0"], ids=["superscript", "huge"])
-def test_known_bug_entry_ids_int_cannot_parse(entry_id: str | bytes) -> None:
+def test_entry_ids_int_cannot_parse_are_corrupt(entry_id: str | bytes) -> None:
     with pytest.raises(es.CorruptEventError):
         decode_entry("t", entry_id, GOOD_ENTRY, es.registry)
