@@ -67,6 +67,7 @@ from ._ids import new_ulid, validate_namespace, validate_thread_id, validate_vie
 from ._keys import DEFAULT_PARTITIONS, KeyLayout, acl_key_pattern, partition_of
 from ._memory import MemoryEventStore, MemoryServer
 from ._redis import RedisEventStore, translate_redis_error
+from ._scripts import GroupCommit
 from ._views import (
     HashDelete,
     HashGet,
@@ -109,6 +110,7 @@ __all__ = [
     "Fallback",
     "FilePart",
     "Grant",
+    "GroupCommit",
     "GroupInfo",
     "HashDelete",
     "HashGet",

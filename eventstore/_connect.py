@@ -209,6 +209,7 @@ async def connect(
     max_event_bytes: int | None = None,
     secret: bytes | None = None,
     socket_timeout: float | None = None,
+    max_batch: int | None = None,
     embedded_dir: Path | None = None,
 ) -> EventStore:
     """Open an event store.
@@ -231,6 +232,7 @@ async def connect(
         max_event_bytes=max_event_bytes,
         secret=secret,
         socket_timeout=socket_timeout,
+        max_batch=max_batch,
     )
     return await open_store(settings, registry=registry)
 

@@ -40,17 +40,18 @@ class Script:
             return await client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
-_SEND_ALONE = object()  # what a lone call's future resolves to: send it yourself
 
 
 class GroupCommit:
-    """Sends the calls of one script made within one event-loop tick as one pipeline.
+    """Group commit: calls of one script made while another is in flight share one pipeline.
 
-    Each call keeps its own reply or error: the pipeline is not a transaction, every script
-    call stays atomic on its own, and the server runs them in submission order (so two appends
-    to one thread with consecutive expected versions both succeed). A lone call goes out as a
-    plain EVALSHA, sent by its caller. ``max_batch`` caps a pipeline; a full batch is sent at
-    once.
+    A call made when nothing is in flight goes out at once as a plain EVALSHA: a lone caller
+    pays nothing. Calls made while a send is in flight queue up, and the queue goes out as one
+    pipeline as soon as that send returns (or at once when it reaches ``max_batch``), so under
+    load each round trip carries up to ``max_batch`` appends. Each call keeps its own reply or
+    error: the pipeline is not a transaction, every script call stays atomic on its own, and the
+    server runs a pipeline's calls in submission order (two queued appends to one thread with
+    consecutive expected versions both succeed).
     """
 
     def __init__(self, client: Any, script: Script, *, max_batch: int = 64) -> None:
@@ -58,48 +59,50 @@ class GroupCommit:
         self.script = script
         self.max_batch = max(1, max_batch)
         self._queue: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
-        self._scheduled = False
+        self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # Counters for observability (and tests): calls sent alone, pipelines, calls in them.
+        self.sent_alone = 0
+        self.pipelines = 0
+        self.pipelined_calls = 0
 
     async def __call__(self, keys: list[Any], args: list[Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        if not self._in_flight and not self._queue:
+            self._in_flight += 1
+            self.sent_alone += 1
+            try:
+                return await self.script(self.client, keys, args)
+            finally:
+                self._in_flight -= 1
+                self._drain()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((keys, args, future))
         if len(self._queue) >= self.max_batch:
             self._flush()
-        elif not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        # A batch is sent by its own task: a caller that is cancelled does not take the other
-        # calls of its batch down with it (its own append may still land, as any cancelled
-        # append may; retrying with the same idempotency key is safe). A call nobody joined is
-        # sent by its caller, as it would be without group commit.
-        reply = await future
-        if reply is _SEND_ALONE:
-            return await self.script(self.client, keys, args)
-        return reply
+        # A queued batch is sent by its own task: a caller that is cancelled does not take the
+        # other calls of its batch down with it (its own append may still land, as any
+        # cancelled append may; retrying with the same idempotency key is safe).
+        return await future
+
+    def _drain(self) -> None:
+        if self._queue and not self._in_flight:
+            self._flush()
 
     def _flush(self) -> None:
-        self._scheduled = False
         batch, self._queue = self._queue, []
-        if len(batch) == 1:
-            # Nobody joined: the caller sends it itself, sparing a task and a loop hop.
-            _settle(batch[0][2], _SEND_ALONE)
-        elif batch:
-            task = asyncio.get_running_loop().create_task(self._send(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        self._in_flight += 1
+        self.pipelines += 1
+        self.pipelined_calls += len(batch)
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._in_flight -= 1
+        self._drain()
 
     async def _send(self, batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]) -> None:
-        if len(batch) == 1:
-            keys, args, future = batch[0]
-            try:
-                reply = await self.script(self.client, keys, args)
-            except BaseException as exc:
-                _settle(future, error=exc)
-            else:
-                _settle(future, reply)
-            return
         try:
             replies = await self._pipeline(batch, "EVALSHA", self.script.sha)
             missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]

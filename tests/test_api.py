@@ -56,6 +56,7 @@ PUBLIC_NAMES = [
     "FeedEntry",
     "FilePart",
     "Grant",
+    "GroupCommit",
     "GroupInfo",
     "HashDelete",
     "HashGet",

@@ -1,0 +1,98 @@
+"""Group commit on real Redis (standalone and Cluster): batching, per-call results, NOSCRIPT."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+import eventstore as es
+from eventstore.testing import msg, read_all
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.RedisEventStore]:
+    url = request.getfixturevalue("redis_url" if request.param == "redis" else "cluster_url")
+    opened = await es.connect(url, namespace="g" + uuid.uuid4().hex[:12], max_batch=16)
+    assert isinstance(opened, es.RedisEventStore)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def committer(store: es.RedisEventStore) -> es.GroupCommit:
+    assert store._group_commit is not None
+    return store._group_commit
+
+
+async def test_lone_appends_go_alone(store: es.RedisEventStore) -> None:
+    for i in range(5):
+        await store.append("t", [msg(str(i))])
+    gc = committer(store)
+    assert (gc.sent_alone, gc.pipelines) == (5, 0)
+
+
+async def test_concurrent_appends_share_pipelines_and_keep_their_own_results(
+    store: es.RedisEventStore,
+) -> None:
+    results: dict[int, es.AppendResult] = {}
+    conflicts: list[es.ConcurrencyError] = []
+
+    async def one(i: int) -> None:
+        thread = f"t{i % 40}"
+        try:
+            # Every tenth append demands a version it cannot have: it alone must fail.
+            expected = 10**6 if i % 10 == 9 else es.ANY
+            results[i] = await store.append(thread, [msg(str(i))], expected_version=expected)
+        except es.ConcurrencyError as exc:
+            conflicts.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+    gc = committer(store)
+    assert gc.pipelines > 0 and gc.pipelined_calls > gc.pipelines  # real batches went out
+    assert gc.pipelined_calls + gc.sent_alone == 200
+    assert len(conflicts) == 20 and len(results) == 180
+    assert all(c.expected == 10**6 for c in conflicts)
+    for t in range(40):
+        events = await read_all(store, f"t{t}")
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert sum([len(await read_all(store, f"t{t}")) for t in range(40)]) == 180
+
+
+async def test_consecutive_versions_on_one_thread_in_one_batch(store: es.RedisEventStore) -> None:
+    await store.append("t", [msg("first")])  # holds the committer busy for the next ones
+    done: list[int] = []
+
+    async def one(v: int) -> None:
+        result = await store.append("t", [msg(str(v))], expected_version=v)
+        done.append(result.last_seq)
+
+    async with anyio.create_task_group() as tg:
+        # Issued in one tick: the first goes alone, the rest queue behind it in order.
+        for v in range(1, 9):
+            tg.start_soon(one, v)
+    assert sorted(done) == list(range(2, 10))
+    assert [e.payload.message.text for e in await read_all(store, "t")][1:] == [  # type: ignore[attr-defined]
+        str(v) for v in range(1, 9)
+    ]
+
+
+async def test_batches_survive_a_script_flush(store: es.RedisEventStore) -> None:
+    await store.append("warm", [msg("x")])
+    await store.client.script_flush()
+
+    async def one(i: int) -> None:
+        await store.append(f"t{i}", [msg(str(i))], idempotency_key=f"k{i}")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(50):
+            tg.start_soon(one, i)
+    for i in range(50):
+        assert [e.seq for e in await read_all(store, f"t{i}")] == [1]
