@@ -191,9 +191,15 @@ async def test_runner_process_killed_with_sigkill(redis_url: str) -> None:
         try:
             assert proc.stdout is not None
             assert proc.stdout.readline().strip() == b"ready"
+            # Kill it mid-batch: once it has applied something and holds delivered entries
+            # (each batch takes ~60 ms of slow increments; the check takes well under 1 ms).
             with anyio.fail_after(30):
-                while not any([await store.checkpoint_of(p, "usage") != "0-0" for p in range(4)]):
-                    await anyio.sleep(0.01)
+                while True:
+                    applied = [await store.checkpoint_of(p, "usage") != "0-0" for p in range(4)]
+                    held = [sum(g.pending for g in await store.feed_groups(p)) for p in range(4)]
+                    if any(applied) and any(held):
+                        break
+                    await anyio.sleep(0.005)
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.wait(timeout=10)
