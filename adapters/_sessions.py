@@ -84,7 +84,7 @@ class SessionStore:
         await self._allow(principal, "read", session_id)
         tp = self.projector.transcript_projection
         snap = await self.store.read_views(session_id, tp.full_reads())
-        messages = [m.message for m in tp.parse(snap.results[0])]
+        messages = tp.messages(snap.results[0])
         self._seen[session_id] = snap.version
         return Transcript(session_id=session_id, messages=messages, version=snap.version)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import msgspec
 
@@ -27,12 +27,14 @@ from eventstore import (
     NewEvent,
     OperationalError,
     RecordedEvent,
+    ViewEntry,
     ViewOp,
     ViewRead,
     ViewResult,
 )
 
 S = TypeVar("S")
+T = TypeVar("T")
 
 encoder = msgspec.msgpack.Encoder()
 
@@ -101,6 +103,23 @@ def decode_as(type_: type[Any], data: bytes, what: str) -> Any:
         return msgspec.msgpack.decode(data, type=type_)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise OperationalError(f"{what} holds an undecodable value ({exc}); run rebuild") from None
+
+
+def decode_entries(
+    decoder: msgspec.msgpack.Decoder[T], entries: Sequence[ViewEntry], view: str
+) -> list[T]:
+    """Decode the values of list view entries with a reused decoder (the read hot path).
+
+    Damage raises what `decode_as` raises, naming the view and the seq of the bad entry; the
+    error text is only built then.
+    """
+    decode = decoder.decode
+    try:
+        return [decode(e.value) for e in entries]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        for e in entries:
+            decode_as(cast(Any, decoder.type), e.value, f"{view} view (seq {e.seq})")
+        raise
 
 
 def results_as_dict(reads: Sequence[ViewRead], results: Sequence[ViewResult]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from eventstore import (
     ViewResult,
 )
 
-from ._base import Projection, decode_as, encoder
+from ._base import Projection, decode_entries, encoder
 
 DEFAULT_WINDOW = 6
 
@@ -44,6 +44,9 @@ class StoredMessage(msgspec.Struct, frozen=True, kw_only=True):
 class _MessageValue(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     message: Message
     turn_id: str | None = None
+
+
+_value_decoder = msgspec.msgpack.Decoder(_MessageValue)
 
 
 def conversation_message(payload: object, turn_id: str | None) -> _MessageValue | None:
@@ -106,11 +109,11 @@ class MessagesProjection(Projection[list[StoredMessage]]):
     def parse(result: ViewResult) -> list[StoredMessage]:
         """Decode a list result of the messages view."""
         assert isinstance(result, list)
-        out = []
-        for entry in result:
-            value = decode_as(_MessageValue, entry.value, f"messages view (seq {entry.seq})")
-            out.append(StoredMessage(seq=entry.seq, message=value.message, turn_id=value.turn_id))
-        return out
+        values = decode_entries(_value_decoder, result, "messages")
+        return [
+            StoredMessage(seq=e.seq, message=v.message, turn_id=v.turn_id)
+            for e, v in zip(result, values, strict=True)
+        ]
 
     @staticmethod
     def window(state: list[StoredMessage], n: int = DEFAULT_WINDOW) -> list[StoredMessage]:

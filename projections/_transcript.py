@@ -26,7 +26,9 @@ from eventstore import (
     ViewResult,
 )
 
-from ._base import Projection, decode_as, encoder
+from ._base import Projection, decode_entries, encoder
+
+_message_decoder = msgspec.msgpack.Decoder(Message)
 
 
 class TranscriptMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,9 +80,13 @@ class TranscriptProjection(Projection[list[TranscriptMessage]]):
     def parse(result: ViewResult) -> list[TranscriptMessage]:
         """Decode a list result of the transcript view."""
         assert isinstance(result, list)
+        messages = decode_entries(_message_decoder, result, "transcript")
         return [
-            TranscriptMessage(
-                seq=e.seq, message=decode_as(Message, e.value, f"transcript view (seq {e.seq})")
-            )
-            for e in result
+            TranscriptMessage(seq=e.seq, message=m) for e, m in zip(result, messages, strict=True)
         ]
+
+    @staticmethod
+    def messages(result: ViewResult) -> list[Message]:
+        """The messages of a list result of the transcript view, without their seqs."""
+        assert isinstance(result, list)
+        return decode_entries(_message_decoder, result, "transcript")
