@@ -64,7 +64,14 @@ from ._errors import (
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event, registry
 from ._feed import FeedEntry, GroupInfo
 from ._ids import new_ulid, validate_namespace, validate_thread_id, validate_view_name
-from ._keys import DEFAULT_PARTITIONS, KeyLayout, acl_key_pattern, partition_of
+from ._keys import (
+    ACL_COMMANDS,
+    DEFAULT_PARTITIONS,
+    KeyLayout,
+    acl_key_pattern,
+    acl_rules,
+    partition_of,
+)
 from ._memory import MemoryEventStore, MemoryServer
 from ._redis import RedisEventStore, translate_redis_error
 from ._scripts import GroupCommit
@@ -89,6 +96,7 @@ from ._views import (
 )
 
 __all__ = [
+    "ACL_COMMANDS",
     "ANY",
     "DEFAULT_PARTITIONS",
     "EXISTS",
@@ -170,6 +178,7 @@ __all__ = [
     "ViewResult",
     "ViewSnapshot",
     "acl_key_pattern",
+    "acl_rules",
     "chain_link",
     "connect",
     "content_digest",

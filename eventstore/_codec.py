@@ -241,7 +241,7 @@ def decode_entry(
     return RecordedEvent(
         thread_id=thread_id,
         seq=seq,
-        id=str(ULID.from_bytes(id_bytes)),
+        id=_ulid_str(id_bytes),
         time_ms=time_ms,
         payload=payload,
         schema_version=version,
@@ -272,9 +272,25 @@ def expected_version_arg(expected: ExpectedVersion) -> str:
     return str(expected)
 
 
-def idempotency_key_for(given: str | None, first_event_id: str) -> str:
+def idempotency_key_for(given: str | None, first_event_id: bytes) -> bytes:
+    """The ledger field an append is recorded under: ``k:`` + the caller's key, or ``e`` + the
+    first event's id as 16 raw bytes (a retry that reuses the events reuses their ids).
+    """
     if given is None:
-        return "e:" + first_event_id
+        return b"e" + first_event_id
     if not isinstance(given, str) or not given or len(given) > 512:
         raise InvalidInputError("idempotency_key must be a non-empty str of at most 512 chars")
-    return "k:" + given
+    return b"k:" + given.encode("utf-8")
+
+
+def idempotency_key_text(given: str | None, first_event_id: str) -> str:
+    """The idempotency key as errors name it: ``k:<the caller's key>`` or ``e:<first event id>``.
+
+    ``e:<id>`` is also the ledger field threads created before ledger format 2 used.
+    """
+    return "e:" + first_event_id if given is None else "k:" + given
+
+
+LEDGER_DIGEST_BYTES = 6
+"""How much of the request digest a ledger entry keeps (a false "duplicate" for a reused key
+with other content takes a 48-bit collision)."""

@@ -12,7 +12,7 @@ from typing import Self
 
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._feed import FeedEntry, GroupInfo
-from ._views import ViewOp, ViewRead, ViewSnapshot
+from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
 
 class StreamState(enum.Enum):
@@ -153,6 +153,13 @@ class EventStore(abc.ABC):
             return
         async for event in self.read(thread_id, start=start, stop=stop, backwards=backwards):
             yield event
+
+    @abc.abstractmethod
+    async def read_list(
+        self, thread_id: str, view: str, start: int = 0, stop: int = -1
+    ) -> list[ViewEntry]:
+        """One list view's entries ``start..stop``, in one plain read (no version, no snapshot
+        across views): the cheapest read there is, for windows such as the last N messages."""
 
     @abc.abstractmethod
     async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:

@@ -24,6 +24,26 @@ def partition_of(thread_id: str, partitions: int) -> int:
     return zlib.crc32(thread_id.encode("utf-8")) % partitions
 
 
+ACL_COMMANDS: tuple[str, ...] = (
+    # connect(): PING, then the namespace's settings hash
+    "+ping", "+hsetnx", "+hget",
+    # reads (plain, and MULTI/EXEC snapshots of several views), the change feed and its groups
+    "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists", "+multi", "+exec",
+    "+xgroup|create", "+xgroup|setid", "+xreadgroup", "+xautoclaim", "+xack", "+xpending",
+    "+xinfo|groups", "+xtrim",
+    # the scripts (called by SHA, re-sent with EVAL after NOSCRIPT) and what they call
+    "+evalsha", "+eval",
+    "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
+    "+rpush", "+rpop", "+lrange", "+zadd", "+zrem",
+)  # fmt: skip
+"""Every command a store sends, or its scripts call (Redis checks both against the user)."""
+
+
+def acl_rules(namespace: str) -> list[str]:
+    """``ACL SETUSER`` rules (after ``on`` and the password) confining a user to one namespace."""
+    return [acl_key_pattern(namespace), "resetchannels", "-@all", *ACL_COMMANDS]
+
+
 def acl_key_pattern(namespace: str) -> str:
     """The Redis ACL key pattern that covers exactly one namespace's keys."""
     return f"~{PREFIX}:{{{validate_namespace(namespace)}:*"

@@ -18,12 +18,14 @@ import anyio.lowlevel
 
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
+    LEDGER_DIGEST_BYTES,
     chain_link,
     decode_entry,
     encode_events,
     entry_fields,
     expected_version_arg,
     idempotency_key_for,
+    idempotency_key_text,
     request_digest,
 )
 from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo
@@ -60,6 +62,7 @@ from ._views import (
     ListRange,
     ListReset,
     ViewClear,
+    ViewEntry,
     ViewOp,
     ViewRead,
     ViewResult,
@@ -87,7 +90,7 @@ class _Thread:
     version: int = 0
     head: str = ""
     created_ms: int = 0
-    ledger: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+    ledger: dict[bytes, tuple[int, int, str]] = field(default_factory=dict)
     views: dict[str, list[bytes] | dict[str, bytes]] = field(default_factory=dict)
 
     def span(self, lo: int, hi: int | None) -> range:
@@ -231,8 +234,9 @@ class MemoryEventStore(EventStore):
             validate_view_name(op.view)
             if isinstance(op, ListLoad | HashLoad):
                 raise InvalidInputError(f"{type(op).__name__} is not valid inside an append")
-        ikey = idempotency_key_for(idempotency_key, encoded[0].id)
-        rdigest = request_digest(encoded)
+        ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
+        # As much of the digest as the Redis ledger keeps: both backends answer alike.
+        rdigest = request_digest(encoded)[: 2 * LEDGER_DIGEST_BYTES]
         # A real server answers after a network hop; yielding here lets concurrent appenders
         # interleave as they would against Redis. Everything after it runs without a yield,
         # which is what makes the append atomic.
@@ -243,7 +247,9 @@ class MemoryEventStore(EventStore):
         prior = thread.ledger.get(ikey)
         if prior is not None:
             if prior[2] != rdigest:
-                raise IdempotencyKeyReusedError(thread_id, ikey)
+                raise IdempotencyKeyReusedError(
+                    thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
+                )
             return AppendResult(thread_id, prior[0], prior[1], duplicate=True)
         version = thread.version
         if (
@@ -363,6 +369,14 @@ class MemoryEventStore(EventStore):
         return bisect.bisect_right(thread.times, int(time_ms))
 
     # -- views ----------------------------------------------------------------------------------
+
+    async def read_list(
+        self, thread_id: str, view: str, start: int = 0, stop: int = -1
+    ) -> list[ViewEntry]:
+        snap = await self.read_views(thread_id, [ListRange(view, start, stop)])
+        result = snap.results[0]
+        assert isinstance(result, list)
+        return result
 
     async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
         thread = self._thread(thread_id)

@@ -40,8 +40,6 @@ class Script:
             return await client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
-
-
 class GroupCommit:
     """Group commit: calls of one script made while another is in flight share one pipeline.
 

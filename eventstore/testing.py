@@ -404,6 +404,19 @@ class EventStoreConformance:
         snap = await store.read_views("t", [HashGetListed("rec", "order", -2, -1)])
         assert list(snap.results[0]) == ["turn3", "turn4"]
 
+    async def test_read_list_is_a_plain_window(self, store: EventStore) -> None:
+        await store.append(
+            "t", [msg("a"), msg("b")], view_ops=[ListPush("l", (b"a", b"b", b"c"), 1)]
+        )
+        assert await store.read_list("t", "l", -2, -1) == [ViewEntry(2, b"b"), ViewEntry(2, b"c")]
+        assert await store.read_list("t", "l") == await store.read_list("t", "l", 0, -1)
+        assert await store.read_list("t", "missing") == []
+        assert await store.read_list("nobody", "l") == []
+        await store.append("t", [msg("c")], view_ops=[HashSet("h", "f", b"1")])
+        assert await store.read_list("t", "h") == []  # a view of the other kind reads empty
+        with pytest.raises(InvalidThreadIdError):
+            await store.read_list("{bad}", "l")
+
     async def test_reading_thousands_of_hash_fields(self, store: EventStore) -> None:
         fields = [f"f{i}" for i in range(9000)]
         ops: list[ViewOp] = [HashSet("h", f, b"v") for f in fields[::2]]

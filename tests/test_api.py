@@ -38,6 +38,7 @@ from eventstore import (
 
 # Adding or removing a public name is a decision: make it here too.
 PUBLIC_NAMES = [
+    "ACL_COMMANDS",
     "ANY",
     "AppendResult",
     "ConcurrencyError",
@@ -119,6 +120,7 @@ PUBLIC_NAMES = [
     "ViewResult",
     "ViewSnapshot",
     "acl_key_pattern",
+    "acl_rules",
     "chain_link",
     "connect",
     "content_digest",

@@ -43,18 +43,7 @@ pytestmark = pytest.mark.anyio
 # What a tenant's user needs, and all it gets. Redis checks ACLs for the commands a Lua script
 # calls too, so the list is the client's own commands plus those the scripts in eventstore/lua
 # call. Nothing administrative: no SCRIPT, no KEYS/SCAN, no FLUSH*, no CONFIG, no pub/sub.
-TENANT_COMMANDS = (
-    # connect(): PING, then the namespace's settings hash
-    "+ping", "+hsetnx", "+hget",
-    # reads, the change feed and its consumer groups
-    "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists",
-    "+xgroup|create", "+xgroup|setid", "+xreadgroup", "+xautoclaim", "+xack", "+xpending",
-    "+xinfo|groups", "+xtrim",
-    # the scripts (called by SHA, re-sent with EVAL after NOSCRIPT) and what they call
-    "+evalsha", "+eval",
-    "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
-    "+rpush", "+rpop", "+lrange", "+zadd", "+zrem",
-)  # fmt: skip
+TENANT_COMMANDS = es.ACL_COMMANDS
 
 
 def tenant_rules(namespace: str, password: str) -> list[str]:

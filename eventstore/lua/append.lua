@@ -5,9 +5,10 @@ KEYS[4] feed stream    KEYS[5] thread index   KEYS[6..] view keys named by the o
 
 ARGV[1] thread id
 ARGV[2] expected version: "any" | "no_thread" | "exists" | decimal exact version
-ARGV[3] idempotency key          ARGV[4] request digest
+ARGV[3] idempotency key (ledger field)    ARGV[4] request digest (8 raw bytes)
 ARGV[5] N events                 ARGV[6] M view ops
-ARGV[7 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
+ARGV[7] the key's ledger field in format 1 ("" when it is the same)
+ARGV[8 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
 then per op: opcode, view key index (into KEYS), operands:
   "lp" key event n v1..vn      push stamped values to a list
   "lr" key event n v1..vn      replace a list with stamped values
@@ -19,22 +20,40 @@ then per op: opcode, view key index (into KEYS), operands:
 Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
       | {"reused"} | {"view", key index, field, expected, actual}
 Every check runs before the first write: Redis does not roll a script back.
+
+Ledger entries, format 2: "<first>[ <last>]" (last only when it differs) followed by the first 6
+bytes of the request digest. Threads created before it (no "f" in meta) may also hold format 1,
+"<first> <last> <the digest in 16 hex digits>", with derived keys as "e:<event id>"; a format-2
+value can never match format 1's pattern (it has at most one space outside its last 6 bytes).
 ]]
 
 local log, meta, ledger, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local thread, expected, ikey, rdigest = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_events, n_ops = tonumber(ARGV[5]), tonumber(ARGV[6])
+local legacy_ikey = ARGV[7]
+local FIRST_EVENT = 8
 
 -- 1. idempotency: a known key returns the original result and writes nothing
+local state = redis.call('HMGET', meta, 'v', 'h', 's', 'f')
 local prior = redis.call('HGET', ledger, ikey)
+if not prior and legacy_ikey ~= '' and state[1] and not state[4] then
+  prior = redis.call('HGET', ledger, legacy_ikey)
+end
 if prior then
-  local first, last, digest = string.match(prior, '^(%d+) (%d+) (%x*)$')
-  if digest ~= rdigest then return {'reused'} end
+  local first, last, hex = string.match(prior, '^(%d+) (%d+) (' .. string.rep('%x', 16) .. ')$')
+  local same
+  if first then
+    same = hex == string.format(string.rep('%02x', 8), string.byte(rdigest, 1, 8))
+  else
+    first, last = string.match(string.sub(prior, 1, -7), '^(%d+) ?(%d*)$')
+    if last == '' then last = first end
+    same = string.sub(prior, -6) == string.sub(rdigest, 1, 6)
+  end
+  if not same then return {'reused'} end
   return {'dup', tonumber(first), tonumber(last)}
 end
 
 -- 2. expected version
-local state = redis.call('HMGET', meta, 'v', 'h', 's')
 local version = tonumber(state[1] or '0')
 if expected == 'no_thread' then
   if version ~= 0 then return {'conflict', version} end
@@ -46,7 +65,7 @@ end
 
 -- 3. parse ops and check their guards
 local ops = {}
-local pos = 7 + 5 * n_events
+local pos = FIRST_EVENT + 5 * n_events
 -- A view key may hold the other kind of view (a list where a hash op lands, or the reverse).
 -- The ops then act as the memory backend does: a push or set replaces it, a pop or field
 -- delete leaves it, a guard reads version 0. Never WRONGTYPE: that would abort the script
@@ -105,7 +124,7 @@ local first, last = version + 1, version + n_events
 -- more than some of the calls below. The digits are the same either way (integers < 2^53).
 local now_s, first_s = tostring(now), tostring(first)
 local last_s = n_events == 1 and first_s or tostring(last)
-local a = 7
+local a = FIRST_EVENT
 for e = 1, n_events do
   local seq = e == 1 and first_s or tostring(version + e)
   prev = string.sub(redis.sha1hex(prev .. '|' .. seq .. '|' .. now_s .. '|' .. ARGV[a + 4]), 1, 32)
@@ -141,9 +160,10 @@ for _, op in ipairs(ops) do
   end
 end
 
-if version == 0 then redis.call('HSET', meta, 'c', now_s) end
+if version == 0 then redis.call('HSET', meta, 'c', now_s, 'f', '2') end
 redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s)
-redis.call('HSET', ledger, ikey, first_s .. ' ' .. last_s .. ' ' .. rdigest)
+local span = n_events == 1 and first_s or (first_s .. ' ' .. last_s)
+redis.call('HSET', ledger, ikey, span .. string.sub(rdigest, 1, 6))
 redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s)
 redis.call('ZADD', index, now_s, thread)
 return {'ok', first, last, now}
