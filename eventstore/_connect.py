@@ -21,6 +21,7 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -64,6 +65,8 @@ class StoreSettings:
     socket_timeout: float = 5.0
     connect_timeout: float = 5.0
     retries: int = 3
+    # Connections per store (standalone Redis); callers beyond it wait for one to free up.
+    max_connections: int = 64
     # Group commit: appends issued within one event-loop tick share one pipeline of at most
     # this many scripts (1 turns group commit off).
     max_batch: int = 64
@@ -80,7 +83,7 @@ class StoreSettings:
             f"partitions={self.partitions!r}, max_event_bytes={self.max_event_bytes}, "
             f"secret={secret}, socket_timeout={self.socket_timeout}, "
             f"connect_timeout={self.connect_timeout}, retries={self.retries}, "
-            f"max_batch={self.max_batch})"
+            f"max_batch={self.max_batch}, max_connections={self.max_connections})"
         )
 
     @classmethod
@@ -345,7 +348,16 @@ def _redis_client(settings: StoreSettings) -> Any:
     if "db" in query:
         extra["db"] = int(query["db"][-1])
     try:
-        return aioredis.Redis.from_url(base_url, **common, **extra)
+        # A blocking pool: under a burst of concurrent calls, callers wait (up to the socket
+        # timeout) for a free connection instead of failing with "Too many connections".
+        pool = BlockingConnectionPool.from_url(
+            base_url,
+            max_connections=settings.max_connections,
+            timeout=settings.socket_timeout,
+            **common,
+            **extra,
+        )
+        return aioredis.Redis.from_pool(pool)
     except ValueError as exc:
         raise InvalidURLError(f"bad redis URL {redact(settings.url)!r}: {exc}") from None
 

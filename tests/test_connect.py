@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from eventstore import (
@@ -28,6 +29,7 @@ from eventstore import (
     chain_link,
     connect,
     entry_digest,
+    open_store,
     redact,
     stop_embedded,
 )
@@ -445,3 +447,21 @@ def test_settings_repr_hides_password_and_secret() -> None:
     text = repr(settings)
     assert "pa55word" not in text and "k3y-s3cret" not in text
     assert "alice:***@" in text
+
+
+@pytest.mark.anyio
+async def test_bursts_beyond_the_pool_wait_for_a_connection(redis_url: str) -> None:
+    settings = StoreSettings.from_url(redis_url, namespace=_ns(), max_connections=4, max_batch=1)
+    store = await open_store(settings)
+    try:
+
+        async def one(i: int) -> None:
+            await store.append(f"t{i}", [msg("x")])
+            await store.version(f"t{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(one, i)
+        assert len(await store.threads()) == 200
+    finally:
+        await store.close()
