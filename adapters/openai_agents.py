@@ -285,9 +285,8 @@ class ThreadlogSession:
         if n == 0:
             return []
         start = -n if n is not None and n > 0 else 0
-        snap = await self.store.read_views(self.thread_id, [ListRange(ITEMS_VIEW, start, -1)])
-        entries = snap.results[0]
-        assert isinstance(entries, list)
+        # No version is needed: one plain LRANGE is the cheapest read there is.
+        entries = await self.store.read_list(self.thread_id, ITEMS_VIEW, start, -1)
         return [self._decode(e) for e in entries]
 
     async def add_items(self, items: list[TResponseInputItem]) -> None:
