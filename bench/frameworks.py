@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, cast
 
 import redis
@@ -55,17 +53,16 @@ from ._common import (
     Comparison,
     Op,
     Side,
-    arg_parser,
     environment,
     loadavg,
     markdown_table,
     measure,
-    write_json,
 )
 from .read import (
     OP_HEADERS,
     PROFILE_HEADERS,
     RATIO_NOTE,
+    bench_main,
     op_rows,
     paired_ratio,
     print_block,
@@ -503,13 +500,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    default_json = Path(__file__).with_name("results-frameworks.json")
-    args = arg_parser("python -m bench.frameworks", default_json=default_json).parse_args(argv)
-    t0 = time.perf_counter()
-    summary = run(args.quick, rounds=args.rounds, ops=args.ops, progress=not args.quiet)
-    summary["wall_s"] = round(time.perf_counter() - t0, 1)
-    write_json(args.json, summary)
-    return 0
+    return bench_main("frameworks", run, argv)
 
 
 if __name__ == "__main__":

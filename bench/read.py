@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import redis
@@ -832,12 +832,25 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    default_json = Path(__file__).with_name("results-read.json")
-    args = arg_parser("python -m bench.read", default_json=default_json).parse_args(argv)
+class RunFn(Protocol):
+    def __call__(
+        self, quick: bool, *, rounds: int | None = ..., ops: int | None = ..., progress: bool = ...
+    ) -> dict[str, Any]: ...
+
+
+def bench_main(name: str, run: RunFn, argv: list[str] | None) -> int:
+    """The command line of one paired-timing benchmark: run it, write its JSON summary."""
+    default_json = Path(__file__).with_name(f"results-{name}.json")
+    args = arg_parser(f"python -m bench.{name}", default_json=default_json).parse_args(argv)
+    t0 = time.perf_counter()
     summary = run(args.quick, rounds=args.rounds, ops=args.ops, progress=not args.quiet)
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
     write_json(args.json, summary)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("read", run, argv)
 
 
 if __name__ == "__main__":
