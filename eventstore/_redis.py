@@ -507,7 +507,7 @@ class RedisEventStore(EventStore):
             if "BUSYGROUP" in str(exc):
                 return False
             raise translate_redis_error(exc) from exc
-        except (rex.RedisError, OSError) as exc:
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
             raise translate_redis_error(exc) from exc
         return True
 
