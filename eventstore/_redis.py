@@ -150,9 +150,8 @@ class RedisEventStore(EventStore):
         self._is_cluster = isinstance(client, RedisCluster)
         self._owns_client = owns_client
         self._closed = False
-        self._group_commit = (
-            GroupCommit(client, APPEND, max_batch=max_batch) if max_batch > 1 else None
-        )
+        # Every append goes through it; with max_batch=1 it never queues (group commit off).
+        self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch)
         # thread id -> (layout, the thread id and its five append-script keys, encoded)
         self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
 
@@ -246,10 +245,9 @@ class RedisEventStore(EventStore):
         raise OperationalError(f"unexpected append reply {reply!r}")
 
     def _append_script(self, keys: list[Any], args: list[Any]) -> Awaitable[Any]:
-        client = self.client  # raises StoreClosedError once closed
-        if self._group_commit is not None:
-            return self._group_commit(keys, args)
-        return APPEND(client, keys, args)
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        return self._group_commit(keys, args)
 
     def _encoded_thread_keys(self, thread_id: str) -> tuple[bytes, ...]:
         """The thread id and its log, meta, ledger, feed and index keys, encoded as the client
@@ -635,6 +633,8 @@ class RedisEventStore(EventStore):
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(rex.RedisError, OSError):
+            await self._group_commit.aclose()
         if self._owns_client:
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()

@@ -9,6 +9,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from ._wire import HeldConnections, can_hold, pack_script_call
+
 
 class Script:
     """One Lua script: its source and SHA1, called with EVALSHA.
@@ -59,17 +61,21 @@ class GroupCommit:
         self._queue: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # The append's own RESP path where it is exact (see `_wire`), redis-py's otherwise.
+        self._held = HeldConnections(client) if can_hold(client) else None
+        self._sha = script.sha.encode("ascii")
+        self._source = script.source.encode("utf-8")
         # Counters for observability (and tests): calls sent alone, pipelines, calls in them.
         self.sent_alone = 0
         self.pipelines = 0
         self.pipelined_calls = 0
 
     async def __call__(self, keys: list[Any], args: list[Any]) -> Any:
-        if not self._in_flight and not self._queue:
+        if self.max_batch == 1 or (not self._in_flight and not self._queue):
             self._in_flight += 1
             self.sent_alone += 1
             try:
-                return await self.script(self.client, keys, args)
+                return await self._one(keys, args)
             finally:
                 self._in_flight -= 1
                 self._drain()
@@ -81,6 +87,23 @@ class GroupCommit:
         # other calls of its batch down with it (its own append may still land, as any
         # cancelled append may; retrying with the same idempotency key is safe).
         return await future
+
+    async def _one(self, keys: list[Any], args: list[Any]) -> Any:
+        if self._held is None:
+            return await self.script(self.client, keys, args)
+        (reply,) = await self._held.exchange(pack_script_call(b"EVALSHA", self._sha, keys, args), 1)
+        if isinstance(reply, NoScriptError):
+            # As `Script.__call__`: NOSCRIPT means the call did nothing; send the source.
+            call = pack_script_call(b"EVAL", self._source, keys, args)
+            (reply,) = await self._held.exchange(call, 1)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def aclose(self) -> None:
+        """Give back the connections held for the direct path."""
+        if self._held is not None:
+            await self._held.close()
 
     def _drain(self) -> None:
         if self._queue and not self._in_flight:
@@ -128,6 +151,11 @@ class GroupCommit:
         command: str,
         body: str,
     ) -> list[Any]:
+        if self._held is not None:
+            body_bytes = self._sha if command == "EVALSHA" else self._source
+            verb = command.encode("ascii")
+            payload = b"".join(pack_script_call(verb, body_bytes, k, a) for k, a, _ in batch)
+            return await self._held.exchange(payload, len(batch))
         pipe = self.client.pipeline(transaction=False)
         for keys, args, _ in batch:
             pipe.execute_command(command, body, len(keys), *keys, *args)
