@@ -96,3 +96,47 @@ async def test_batches_survive_a_script_flush(store: es.RedisEventStore) -> None
             tg.start_soon(one, i)
     for i in range(50):
         assert [e.seq for e in await read_all(store, f"t{i}")] == [1]
+
+
+@pytest.fixture
+async def standalone(redis_url: str) -> AsyncIterator[es.RedisEventStore]:
+    opened = await es.connect(redis_url, namespace="g" + uuid.uuid4().hex[:12])
+    assert isinstance(opened, es.RedisEventStore)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+async def test_a_cancelled_append_leaves_no_reply_for_the_next_one(
+    standalone: es.RedisEventStore,
+) -> None:
+    """Appends read their replies themselves: a call cancelled before its reply arrived must not
+    leave that reply on a connection for the next append to take as its own."""
+    for i in range(5):
+        await standalone.append("a", [msg(str(i))])
+    await standalone.client.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with anyio.move_on_after(0.1) as scope:
+        await standalone.append("a", [msg("cancelled")])  # held by the pause, then cancelled
+    assert scope.cancelled_caught
+    await anyio.sleep(0.4)  # the pause ends; the server runs the cancelled call and replies
+    for i in range(3):
+        result = await standalone.append(f"b{i}", [msg("fresh")], expected_version=es.NO_THREAD)
+        assert (result.thread_id, result.first_seq, result.last_seq) == (f"b{i}", 1, 1)
+    # The cancelled append may have landed (it reached the server); nothing else did.
+    assert [e.seq for e in await read_all(standalone, "a")] in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6])
+
+
+async def test_held_connections_go_back_to_the_pool_on_close(redis_url: str) -> None:
+    store = await es.connect(redis_url, namespace="g" + uuid.uuid4().hex[:12])
+    assert isinstance(store, es.RedisEventStore)
+    pool = store.client.connection_pool
+
+    async def one(i: int) -> None:
+        await store.append(f"t{i}", [msg("x")])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(one, i)
+    await store.close()
+    assert not pool._in_use_connections  # every connection checked out was returned
