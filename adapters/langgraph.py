@@ -15,9 +15,14 @@ The log holds what happened:
 * `CheckpointsRemoved` -- ``prune`` and ``delete_for_runs``: the views drop the checkpoints,
   the log keeps them for audit. ``delete_thread`` deletes the thread for good.
 
-Hash views (``lg.*``) answer reads in two or three round trips: the checkpoint record, then
-its blobs and writes, then list elements. `LangGraphProjection` folds the log into the same
-views, so `projections.Projector` can check and rebuild them and read any past state.
+Hash views (``lg.*``) answer reads. A checkpoint record names everything its tuple is built
+from (its channel versions, and the element runs of its list values), so a read takes two
+round trips: the record, then its blobs, elements and writes. The saver remembers which fields
+a record needed (after writing or reading it) and reads them in the same atomic step as the
+record: when the record is unchanged that is the whole read, one round trip; when not, only
+what is missing is read next. Only the choice of fields is remembered, never a value.
+`LangGraphProjection` folds the log into the same views, so `projections.Projector` can check
+and rebuild them and read any past state.
 
 The sync methods run the async ones on a private event loop thread. A Redis client belongs to
 the loop that opened it, so the sync API needs a store the saver can open itself:
@@ -33,7 +38,15 @@ import random
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -77,7 +90,6 @@ from eventstore import (
     ViewEntry,
     ViewOp,
     ViewRead,
-    ViewResult,
     connect,
     validate_thread_id,
 )
@@ -104,7 +116,7 @@ HEADS = "lg.heads"  # <ns> -> Record of the namespace's latest checkpoint (saves
 WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]
 BLOBS = "lg.blobs"  # <ns><channel><version> -> (type, data)
 RANGES = "lg.ranges"  # <ns><channel><version> -> [(start, count), ...] into the lineage
-ELEMS = "lg.elements"  # <lineage>.<index> -> (type, data)
+ELEMS = "lg.elements"  # <lineage>.<index> -> StoredElement
 LISTS = "lg.lineages"  # <lineage> -> number of elements (guards concurrent extension)
 VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS)
 
@@ -127,7 +139,10 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A checkpoint as stored: everything but its channel values, which live in blobs.
 
     ``checkpoint`` and ``metadata`` are serialized with the saver's serde (the channel versions
-    are in ``checkpoint``); ``run_id`` is repeated for `delete_for_runs`.
+    are in ``checkpoint``); ``run_id`` is repeated for `delete_for_runs`. ``lists`` holds the
+    ``(start, count)`` runs of the list values the saver knew when it wrote the checkpoint, so
+    a read finds their elements without looking up ``lg.ranges`` first (one round trip less);
+    a list channel missing there is found through ``lg.ranges`` as before.
     """
 
     ns: str
@@ -136,6 +151,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     checkpoint: Typed
     metadata: Typed
     run_id: str | None = None
+    lists: dict[str, list[tuple[int, int]]] = msgspec.field(default_factory=dict)
 
 
 class InlineBlob(msgspec.Struct, frozen=True, array_like=True):
@@ -161,6 +177,15 @@ class Elements(msgspec.Struct, frozen=True, array_like=True):
     channel: str
     start: int
     items: list[Typed]
+
+
+class StoredElement(msgspec.Struct, frozen=True, array_like=True):
+    """An element as ``lg.elements`` holds it, with its `_digest`: a read that warms the
+    saver's lineage cache then needs no hashing (older views lack it: it is computed)."""
+
+    type: str
+    data: bytes
+    digest: bytes = b""
 
 
 class StoredWrite(msgspec.Struct, frozen=True, array_like=True):
@@ -314,6 +339,7 @@ def _digest(item: Typed) -> bytes:
 _record_dec = msgspec.msgpack.Decoder(Record)
 _writes_dec = msgspec.msgpack.Decoder(list[StoredWrite])
 _typed_dec = msgspec.msgpack.Decoder(Typed)
+_element_dec = msgspec.msgpack.Decoder(StoredElement)
 _ranges_dec = msgspec.msgpack.Decoder(list[tuple[int, int]])
 
 
@@ -377,7 +403,8 @@ def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]
         for el in payload.elements:
             lin = _lineage(ns, el.channel)
             for i, item in enumerate(el.items):
-                ops.append(HashSet(ELEMS, _elem_field(lin, el.start + i), _enc.encode(item), index))
+                value = _enc.encode(StoredElement(item[0], item[1], _digest(item)))
+                ops.append(HashSet(ELEMS, _elem_field(lin, el.start + i), value, index))
             ops.append(HashSet(LISTS, lin, b"%d" % (el.start + len(el.items)), index))
     elif isinstance(payload, CheckpointPut):
         rec = payload.record
@@ -515,12 +542,71 @@ def _chunks(fields: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(fields[i : i + READ_CHUNK]) for i in range(0, len(fields), READ_CHUNK)]
 
 
-def _merge_hash(results: Sequence[ViewResult]) -> dict[str, ViewEntry]:
-    out: dict[str, ViewEntry] = {}
-    for r in results:
-        assert isinstance(r, dict)
-        out.update(r)
+Needs = Mapping[str, Iterable[str]]
+_Needs = dict[str, tuple[str, ...]]  # view -> fields
+_NONE: dict[str, ViewEntry] = {}
+
+
+class _Fetch:
+    """The view fields one call has read so far: those it asked for, and those it found."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, set[str]] = {}
+        self.found: dict[str, dict[str, ViewEntry]] = {}
+
+    def view(self, view: str) -> dict[str, ViewEntry]:
+        return self.found.get(view, _NONE)
+
+    def entry(self, view: str, field: str) -> ViewEntry | None:
+        return self.found.get(view, _NONE).get(field)
+
+    async def read(self, store: EventStore, tid: str, needs: Needs) -> None:
+        """Read the fields of ``needs`` not asked for yet, in one atomic step."""
+        reads: list[HashGet] = []
+        for view, fields in needs.items():
+            asked = self.asked.setdefault(view, set())
+            todo = [f for f in fields if f not in asked]
+            if todo:
+                asked.update(todo)
+                reads += [HashGet(view, c) for c in _chunks(todo)]
+        if not reads:
+            return
+        snap = await store.read_views(tid, reads)
+        for r, result in zip(reads, snap.results, strict=True):
+            assert isinstance(result, dict)
+            self.found.setdefault(r.view, {}).update(result)
+
+
+# One channel of a record: (channel, version, blob field, lineage, runs or None).
+_Slot = tuple[str, Version, str, str, Sequence[tuple[int, int]] | None]
+
+
+def _layout(rec: Record, versions: Mapping[str, Version]) -> list[_Slot]:
+    ns = rec.ns
+    return [
+        (ch, v, _blob_field(ns, ch, v), _lineage(ns, ch), rec.lists.get(ch))
+        for ch, v in versions.items()
+    ]
+
+
+def _needs_of(rec: Record, versions: Mapping[str, Version]) -> _Needs:
+    """What a warm read of ``rec`` reads (as `ThreadlogCheckpointSaver._resolve` does)."""
+    needs: dict[str, list[str]] = {BLOBS: [], RANGES: [], ELEMS: [], LISTS: []}
+    for _, _, blob, lin, runs in _layout(rec, versions):
+        if runs is None:
+            needs[BLOBS].append(blob)
+            needs[RANGES].append(blob)
+        else:
+            needs[ELEMS] += _run_fields(lin, runs)
+            needs[LISTS].append(lin)
+    out = {view: tuple(fields) for view, fields in needs.items() if fields}
+    out[WRITES] = (_ck_field(rec.ns, rec.checkpoint_id),)
     return out
+
+
+def _run_fields(lineage: str, runs: Sequence[tuple[int, int]]) -> list[str]:
+    """The `_elem_field` names of the elements ``runs`` covers."""
+    return [f"{lineage}.{i}" for start, count in runs for i in range(start, start + count)]
 
 
 def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
@@ -579,6 +665,7 @@ class ThreadlogCheckpointSaver(
         ] = weakref.WeakKeyDictionary()
         self._lineages = _Cache()  # (thread, ns, channel) -> _Lineage
         self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
+        self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
         self._portal: BlockingPortal | None = None
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
         self._portal_loop: asyncio.AbstractEventLoop | None = None
@@ -736,26 +823,28 @@ class ThreadlogCheckpointSaver(
         *,
         warm: bool,
     ) -> CheckpointTuple | None:
+        # A namespace's latest checkpoint is its lg.heads entry; any other is in lg.checkpoints.
+        view, field = (RECORDS, _ck_field(ns, checkpoint_id)) if checkpoint_id else (HEADS, ns)
+        first: dict[str, Iterable[str]] = {view: (field,)}
         if checkpoint_id:
-            field = _ck_field(ns, checkpoint_id)
-            snap = await store.read_views(
-                tid, [HashGet(RECORDS, (field,)), HashGet(WRITES, (field,))]
-            )
-            found, writes = snap.results
-            assert isinstance(found, dict) and isinstance(writes, dict)
-            entry = found.get(field)
-            if entry is None:
-                return None
-            rec = _decode(_record_dec, entry, "lg.checkpoints")
-            tuples = await self._resolve(store, tid, thread_id, [rec], writes, warm=warm)
-        else:
-            snap = await store.read_views(tid, [HashGet(HEADS, (ns,))])
-            heads = snap.results[0]
-            assert isinstance(heads, dict)
-            if ns not in heads:
-                return None
-            rec = _decode(_record_dec, heads[ns], "lg.heads")
-            tuples = await self._resolve(store, tid, thread_id, [rec], None, warm=warm)
+            first[WRITES] = (field,)
+        hint: _Needs | None = self._hints.get((tid, view, field))
+        if hint is not None:
+            # The fields this record needed last time, read in the same atomic step as the
+            # record: if it is unchanged, that is the whole read (one round trip); if not, its
+            # successor shares most of them, and only the rest is read. A hint only chooses
+            # what to read: every value used comes from the store, in this call.
+            first = {**hint, **first}
+        fetch = _Fetch()
+        await fetch.read(store, tid, first)
+        entry = fetch.entry(view, field)
+        if entry is None:
+            self._hints.pop((tid, view, field))
+            return None
+        rec = _decode(_record_dec, entry, view)
+        tuples, needs = await self._resolve(store, tid, thread_id, [rec], fetch, warm=warm)
+        if warm:
+            self._hints.put((tid, view, field), needs)
         return tuples[0]
 
     async def alist(
@@ -812,7 +901,8 @@ class ThreadlogCheckpointSaver(
                 remaining -= len(records)
             for i in range(0, len(records), 32):
                 page = records[i : i + 32]
-                for tup in await self._resolve(store, tid, thread_id, page, None, warm=False):
+                tuples, _ = await self._resolve(store, tid, thread_id, page, _Fetch(), warm=False)
+                for tup in tuples:
                     yield tup
 
     def _body(self, rec: Record) -> Checkpoint:
@@ -828,77 +918,67 @@ class ThreadlogCheckpointSaver(
         tid: str,
         thread_id: Any,
         records: Sequence[Record],
-        writes: dict[str, ViewEntry] | None,
+        fetch: _Fetch,
         *,
         warm: bool,
-    ) -> list[CheckpointTuple]:
-        """Fetch the blobs (and writes) of ``records``: one round trip, two with list values."""
+    ) -> tuple[list[CheckpointTuple], _Needs]:
+        """The tuples of ``records``, and the view fields they were built from.
+
+        Reads what ``fetch`` does not hold yet: one round trip when every list value's runs are
+        in its record, a second for the elements of list values found through ``lg.ranges``.
+        """
+        single = warm and len(records) == 1
         bodies = [self._body(r) for r in records]
-        blob_fields = sorted(
-            {
-                _blob_field(r.ns, ch, v)
-                for r, body in zip(records, bodies, strict=True)
-                for ch, v in body["channel_versions"].items()
-            }
-        )
-        lineages = sorted(
-            {
-                _lineage(r.ns, ch)
-                for r, body in zip(records, bodies, strict=True)
-                for ch in body["channel_versions"]
-            }
-        )
-        reads: list[ViewRead] = []
-        blob_reads = _chunks(blob_fields)
-        lin_reads = _chunks(lineages)
-        reads += [HashGet(BLOBS, c) for c in blob_reads]
-        reads += [HashGet(RANGES, c) for c in blob_reads]
-        reads += [HashGet(LISTS, c) for c in lin_reads]
-        ck_fields = [_ck_field(r.ns, r.checkpoint_id) for r in records]
-        if writes is None:
-            reads += [HashGet(WRITES, c) for c in _chunks(ck_fields)]
-        snap = await store.read_views(tid, reads)
-        results = snap.results
-        nb, nl = len(blob_reads), len(lin_reads)
-        blobs = _merge_hash(results[:nb])
-        ranges = _merge_hash(results[nb : 2 * nb])
-        lins = _merge_hash(results[2 * nb : 2 * nb + nl])
-        if writes is None:
-            writes = _merge_hash(results[2 * nb + nl :])
+        layouts = [
+            _layout(r, body["channel_versions"]) for r, body in zip(records, bodies, strict=True)
+        ]
+        needs: dict[str, set[str]] = {view: set() for view in (BLOBS, RANGES, ELEMS, LISTS, WRITES)}
+        for r, layout in zip(records, layouts, strict=True):
+            needs[WRITES].add(_ck_field(r.ns, r.checkpoint_id))
+            for _, _, blob, lin, runs in layout:
+                if runs is None:
+                    needs[BLOBS].add(blob)
+                    needs[RANGES].add(blob)
+                else:
+                    needs[ELEMS].update(_run_fields(lin, runs))
+                    if single:
+                        needs[LISTS].add(lin)
+        await fetch.read(store, tid, needs)
 
-        decoded_ranges = {f: _decode(_ranges_dec, e, "lg.ranges") for f, e in ranges.items()}
-        elem_fields: set[str] = set()
-        for r, body in zip(records, bodies, strict=True):
-            for ch, v in body["channel_versions"].items():
-                rg = decoded_ranges.get(_blob_field(r.ns, ch, v))
-                if rg is not None:
-                    lin = _lineage(r.ns, ch)
-                    for start, count in rg:
-                        elem_fields.update(_elem_field(lin, i) for i in range(start, start + count))
-        elems: dict[str, ViewEntry] = {}
-        if elem_fields:
-            chunks = _chunks(sorted(elem_fields))
-            snap2 = await store.read_views(tid, [HashGet(ELEMS, c) for c in chunks])
-            elems = _merge_hash(snap2.results)
+        # List values whose runs are not in their record (written before records held them).
+        found_ranges = fetch.view(RANGES)
+        more: dict[str, set[str]] = {ELEMS: set(), LISTS: set()}
+        for layout in layouts:
+            for j, (ch, v, blob, lin, runs) in enumerate(layout):
+                e = found_ranges.get(blob) if runs is None else None
+                if e is not None:
+                    runs = _decode(_ranges_dec, e, "lg.ranges")
+                    layout[j] = (ch, v, blob, lin, runs)
+                    more[ELEMS].update(_run_fields(lin, runs))
+                    if single:
+                        more[LISTS].add(lin)
+        if more[ELEMS]:
+            await fetch.read(store, tid, more)
+            needs[ELEMS] |= more[ELEMS]
+            needs[LISTS] |= more[LISTS]
 
+        blobs, elems, lins, writes = (fetch.view(v) for v in (BLOBS, ELEMS, LISTS, WRITES))
+        loads = self.serde.loads_typed
         out: list[CheckpointTuple] = []
-        for r, body in zip(records, bodies, strict=True):
+        for r, body, layout in zip(records, bodies, layouts, strict=True):
             values: dict[str, Any] = {}
-            for ch, v in body["channel_versions"].items():
-                field = _blob_field(r.ns, ch, v)
-                if field in decoded_ranges:
-                    lin = _lineage(r.ns, ch)
-                    items: list[Typed] = []
-                    for start, count in decoded_ranges[field]:
-                        for i in range(start, start + count):
-                            e = elems.get(_elem_field(lin, i))
-                            if e is None:
-                                raise OperationalError(
-                                    f"thread {tid!r}: element {i} of channel {ch!r} is missing"
-                                )
-                            items.append(_decode(_typed_dec, e, "lg.elements"))
-                    values[ch] = [self.serde.loads_typed(item) for item in items]
-                    if warm and len(records) == 1:
+            for ch, v, blob, lin, runs in layout:
+                if runs is not None:
+                    items: list[StoredElement] = []
+                    for field in _run_fields(lin, runs):
+                        e = elems.get(field)
+                        if e is None:
+                            raise OperationalError(
+                                f"thread {tid!r}: element {field} of channel {ch!r} is missing"
+                            )
+                        items.append(_decode(_element_dec, e, "lg.elements"))
+                    values[ch] = [loads((item.type, item.data)) for item in items]
+                    if single:
                         lin_entry = lins.get(lin)
                         self._lineages.put(
                             (tid, r.ns, ch),
@@ -906,30 +986,30 @@ class ThreadlogCheckpointSaver(
                                 length=int(lin_entry.value) if lin_entry else 0,
                                 field_version=lin_entry.version if lin_entry else 0,
                                 version=v,
-                                ranges=tuple(decoded_ranges[field]),
-                                digests=tuple(_digest(item) for item in items),
+                                ranges=tuple(runs),
+                                digests=tuple(x.digest or _digest((x.type, x.data)) for x in items),
                             ),
                         )
-                elif field in blobs:
-                    typ, data = _decode(_typed_dec, blobs[field], "lg.blobs")
+                elif blob in blobs:
+                    typ, data = _decode(_typed_dec, blobs[blob], "lg.blobs")
                     if typ != "empty":
-                        values[ch] = self.serde.loads_typed((typ, data))
+                        values[ch] = loads((typ, data))
             checkpoint = cast(Checkpoint, {**body, "channel_values": values})
             ck = _ck_field(r.ns, r.checkpoint_id)
             stored = _decode(_writes_dec, writes[ck], "lg.writes") if ck in writes else []
-            if warm and len(records) == 1 and ck in writes:
+            if single and ck in writes:
                 self._writes.put((tid, ck), (writes[ck].version, stored))
             # LangGraph's writes_sort_key: the order a super-step applies its tasks' writes.
             ordered = sorted(stored, key=lambda w: (w.task_path, w.task_id, w.idx))
             pending: list[PendingWrite] = [
-                (w.task_id, w.channel, self.serde.loads_typed((w.type, w.data))) for w in ordered
+                (w.task_id, w.channel, loads((w.type, w.data))) for w in ordered
             ]
             conf = {"thread_id": thread_id, "checkpoint_ns": r.ns}
             out.append(
                 CheckpointTuple(
                     config={"configurable": {**conf, "checkpoint_id": r.checkpoint_id}},
                     checkpoint=checkpoint,
-                    metadata=cast(CheckpointMetadata, self.serde.loads_typed(r.metadata)),
+                    metadata=cast(CheckpointMetadata, loads(r.metadata)),
                     parent_config=(
                         {"configurable": {**conf, "checkpoint_id": r.parent_id}}
                         if r.parent_id
@@ -938,7 +1018,7 @@ class ThreadlogCheckpointSaver(
                     pending_writes=pending,
                 )
             )
-        return out
+        return out, {view: tuple(fields) for view, fields in needs.items() if fields}
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -957,14 +1037,8 @@ class ThreadlogCheckpointSaver(
         values = checkpoint.get("channel_values", {})
         meta = get_checkpoint_metadata(config, metadata)
         run_id = meta.get("run_id")
-        record = Record(
-            ns=ns,
-            checkpoint_id=checkpoint["id"],
-            parent_id=parent_id,
-            checkpoint=self.serde.dumps_typed(body),
-            metadata=self.serde.dumps_typed(meta),
-            run_id=run_id if isinstance(run_id, str) else None,
-        )
+        stored_body = self.serde.dumps_typed(body)
+        stored_meta = self.serde.dumps_typed(meta)
         inline: list[InlineBlob] = []
         as_lists: dict[str, tuple[Version, list[Typed]]] = {}
         for ch, ver in new_versions.items():
@@ -989,6 +1063,15 @@ class ThreadlogCheckpointSaver(
                 if missing:
                     await self._load_lineages(store, tid, ns, missing)
                 plan = self._plan_lists(tid, ns, as_lists, budget)
+                record = Record(
+                    ns=ns,
+                    checkpoint_id=checkpoint["id"],
+                    parent_id=parent_id,
+                    checkpoint=stored_body,
+                    metadata=stored_meta,
+                    run_id=run_id if isinstance(run_id, str) else None,
+                    lists=self._runs(tid, ns, checkpoint["channel_versions"], new_versions, plan),
+                )
                 events = self._pack(ns, inline, plan, budget)
                 events.append(CheckpointPut(record=record))
                 try:
@@ -1005,6 +1088,8 @@ class ThreadlogCheckpointSaver(
                 for ch, p in plan.items():
                     self._lineages.put((tid, ns, ch), p.after)
                 self._writes.put((tid, _ck_field(ns, checkpoint["id"])), (0, []))
+                # The next read of the namespace's latest checkpoint is most likely this one.
+                self._hints.put((tid, HEADS, ns), _needs_of(record, checkpoint["channel_versions"]))
                 break
             else:
                 assert conflict is not None
@@ -1016,6 +1101,25 @@ class ThreadlogCheckpointSaver(
                 "checkpoint_id": checkpoint["id"],
             }
         }
+
+    def _runs(
+        self,
+        tid: str,
+        ns: str,
+        versions: ChannelVersions,
+        new_versions: ChannelVersions,
+        plan: dict[str, _ListPlan],
+    ) -> dict[str, list[tuple[int, int]]]:
+        """The runs of the checkpoint's list values this saver knows: those it writes now, and
+        those of unchanged channels whose version it wrote or read last."""
+        runs = {ch: p.ranges for ch, p in plan.items()}
+        for ch, v in versions.items():
+            if ch in new_versions:
+                continue
+            known: _Lineage | None = self._lineages.get((tid, ns, ch))
+            if known is not None and type(known.version) is type(v) and known.version == v:
+                runs[ch] = list(known.ranges)
+        return runs
 
     async def _load_lineages(
         self, store: EventStore, tid: str, ns: str, channels: list[str]
@@ -1193,6 +1297,7 @@ class ThreadlogCheckpointSaver(
     def _forget(self, tid: str) -> None:
         self._lineages.forget_thread(tid)
         self._writes.forget_thread(tid)
+        self._hints.forget_thread(tid)
 
     async def adelete_thread(self, thread_id: str) -> None:
         tid = self.thread_id_of(thread_id)

@@ -476,6 +476,74 @@ async def test_two_savers_extend_the_same_thread() -> None:
     assert (await b.acheck("shared")).ok
 
 
+class ReadCounter:
+    """Counts a store's ``read_views`` calls (its round trips for view reads)."""
+
+    def __init__(self, store: es.EventStore) -> None:
+        self.calls = 0
+        inner = store.read_views
+
+        async def counted(thread_id: str, reads: Any) -> es.ViewSnapshot:
+            self.calls += 1
+            return await inner(thread_id, reads)
+
+        store.read_views = counted  # type: ignore[method-assign]
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
+
+
+async def test_reads_take_one_round_trip_and_hints_never_serve_stale_data(
+    store: es.EventStore,
+) -> None:
+    a, b = ThreadlogCheckpointSaver(store), ThreadlogCheckpointSaver(store)
+    cfg = config("hinted")
+    cfg["recursion_limit"] = 100
+    more_of: Any = lambda n: {"target": n}  # noqa: E731 - a partial state input
+    await growing_graph().compile(checkpointer=a).ainvoke({"messages": [], "target": 5}, cfg)
+    counter = ReadCounter(store)
+
+    async def latest(saver: ThreadlogCheckpointSaver) -> list[Any]:
+        tup = await saver.aget_tuple(config("hinted"))
+        assert tup is not None
+        return cast(list[Any], tup.checkpoint["channel_values"]["messages"])
+
+    # After its own put, a saver reads the latest checkpoint in one round trip.
+    assert len(await latest(a)) == 5 and counter.take() == 1
+    # A saver that has not seen the thread reads the record, then what it refers to.
+    assert await latest(b) == await latest(a)
+    assert counter.take() == 3  # b: 2, a: 1
+    assert len(await latest(b)) == 5 and counter.take() == 1
+    # Another saver moved the thread on: b's hint names the old head's fields. b must return
+    # the new head (read in a second round trip), never what its hint remembers.
+    await growing_graph().compile(checkpointer=a).ainvoke(more_of(8), cfg)
+    counter.take()
+    fresh = await latest(b)
+    assert counter.take() == 2
+    assert len(fresh) == 8 and fresh == await latest(a)
+    # By checkpoint id: the record and its writes, then its values; then one round trip.
+    tup = await b.aget_tuple(config("hinted"))
+    assert tup is not None
+    counter.take()
+    by_id = await b.aget_tuple(tup.config)
+    assert by_id is not None and counter.take() == 2
+    assert by_id.checkpoint == tup.checkpoint
+    assert await b.aget_tuple(tup.config) == by_id and counter.take() == 1
+    # Records that do not hold their list runs (as written before they did) are read through
+    # lg.ranges: one round trip more, the same values.
+    c = ThreadlogCheckpointSaver(store)
+    c._runs = lambda *args: {}  # type: ignore[method-assign]
+    await growing_graph().compile(checkpointer=c).ainvoke(more_of(10), cfg)
+    counter.take()
+    cold = ThreadlogCheckpointSaver(store)
+    old_style = await latest(cold)
+    assert counter.take() == 3
+    assert len(old_style) == 10 and old_style[:8] == fresh
+    assert await latest(cold) == old_style and counter.take() == 1
+    assert (await a.acheck("hinted")).ok
+
+
 async def test_prune_then_continue(store: es.EventStore) -> None:
     saver = ThreadlogCheckpointSaver(store)
     graph = growing_graph().compile(checkpointer=saver)
