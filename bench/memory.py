@@ -8,10 +8,9 @@ and summed per component:
 
 - **log**: the threads' event streams;
 - **views**: the materialized views (here the messages list);
-- **ledger**: the idempotency ledgers (one entry per append);
 - **feed**: the partitions' change feeds (one entry per append);
-- **meta + index**: per-thread meta hashes, the partitions' thread indexes, the namespace's
-  settings hash.
+- **meta + ledger + index**: per-thread meta hashes, which hold the idempotency ledger (one
+  field per append), the partitions' thread indexes, the namespace's settings hash.
 
 Stream memory is mostly listpack nodes. Redis closes a node at ``stream-node-max-bytes``
 (default 4096) or ``stream-node-max-entries`` (default 100), whichever comes first, and the
@@ -45,7 +44,7 @@ from .append import message_text
 NAME = "memory"
 TITLE = "Memory per stored message"
 TARGET_RATIO = 2.5
-COMPONENTS = ("log", "views", "ledger", "feed", "meta + index")
+COMPONENTS = ("log", "views", "feed", "meta + ledger + index")
 QUICK = {"messages": 2000}
 FULL = {"messages": 10000}
 
@@ -84,11 +83,9 @@ def component(key: bytes) -> str:
         return "log"
     if ":view:" in text:
         return "views"
-    if ":idem:" in text:
-        return "ledger"
     if text.endswith(":feed"):
         return "feed"
-    return "meta + index"
+    return "meta + ledger + index"
 
 
 async def usage_by_component(client: Any, namespace: str) -> dict[str, int]:

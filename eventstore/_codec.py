@@ -284,10 +284,7 @@ def idempotency_key_for(given: str | None, first_event_id: bytes) -> bytes:
 
 
 def idempotency_key_text(given: str | None, first_event_id: str) -> str:
-    """The idempotency key as errors name it: ``k:<the caller's key>`` or ``e:<first event id>``.
-
-    ``e:<id>`` is also the ledger field threads created before ledger format 2 used.
-    """
+    """The idempotency key as errors name it: ``k:<the caller's key>`` or ``e:<first event id>``."""
     return "e:" + first_event_id if given is None else "k:" + given
 
 

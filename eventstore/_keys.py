@@ -2,9 +2,9 @@
 
 All keys of a namespace start with ``tl:{<namespace>:`` so that one Redis ACL pattern
 (``~tl:{<namespace>:*``) confines a user to one tenant. A thread's keys carry the hash tag of
-its partition, ``{<namespace>:<partition>}``: the thread's log, meta, idempotency ledger and
-views, the partition's change feed and thread index all live in one Cluster slot, so one
-atomic script can write all of them. The thread id comes last in every key and views are named
+its partition, ``{<namespace>:<partition>}``: the thread's log, meta (with the idempotency
+ledger) and views, the partition's change feed and thread index all live in one Cluster slot,
+so one atomic script can write all of them. The thread id comes last in every key and views are named
 from a colon-free charset, so no two threads' keys can collide whatever their ids contain.
 """
 
@@ -78,12 +78,9 @@ class KeyLayout:
         return f"{self._tag(thread_id)}:log:{thread_id}"
 
     def meta(self, thread_id: str) -> str:
-        """The thread's meta hash: version, chain head, last time, creation time."""
+        """The thread's meta hash: version, chain head, last time, creation time, and the
+        idempotency ledger (one field per append: key -> first seq, last seq, request digest)."""
         return f"{self._tag(thread_id)}:meta:{thread_id}"
-
-    def ledger(self, thread_id: str) -> str:
-        """The thread's idempotency ledger: key -> first seq, last seq, request digest."""
-        return f"{self._tag(thread_id)}:idem:{thread_id}"
 
     def view(self, thread_id: str, view: str) -> str:
         """One materialized view of the thread."""
@@ -107,14 +104,13 @@ class KeyLayout:
         validate_view_name(hash_name)
         return f"{self._tags[partition]}:aux:{name}:{hash_name}"
 
-    def thread_keys(self, thread_id: str) -> tuple[str, str, str, str, str]:
-        """Log, meta, ledger, feed and index keys of the thread, in the append script's order."""
+    def thread_keys(self, thread_id: str) -> tuple[str, str, str, str]:
+        """Log, meta, feed and index keys of the thread, in the append script's order."""
         p = partition_of(thread_id, self.partitions)
         tag = self._tags[p]
         return (
             f"{tag}:log:{thread_id}",
             f"{tag}:meta:{thread_id}",
-            f"{tag}:idem:{thread_id}",
             f"{tag}:feed",
             f"{tag}:threads",
         )

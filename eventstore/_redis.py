@@ -152,7 +152,7 @@ class RedisEventStore(EventStore):
         self._closed = False
         # Every append goes through it; with max_batch=1 it never queues (group commit off).
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch)
-        # thread id -> (layout, the thread id and its five append-script keys, encoded)
+        # thread id -> (layout, the thread id and its four append-script keys, encoded)
         self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
 
     @property
@@ -203,9 +203,6 @@ class RedisEventStore(EventStore):
         check_ops(ops, len(encoded), in_append=True)
         ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
         rdigest = bytes.fromhex(request_digest(encoded))
-        # Threads created before ledger format 2 recorded derived keys as text: the script
-        # looks there too, for them only, so a retry across the upgrade is still a duplicate.
-        legacy = b"" if idempotency_key is not None else b"e:" + encoded[0].id.encode("ascii")
 
         # Arguments go as the bytes redis-py would send: its per-argument encoding is a large
         # share of an append's client time. Numbers and ASCII tokens are formatted here, the
@@ -213,8 +210,7 @@ class RedisEventStore(EventStore):
         thread, *thread_keys = self._encoded_thread_keys(thread_id)
         keys: list[Any] = thread_keys
         args: list[Any] = [
-            thread, expected.encode("ascii"), ikey, rdigest,
-            b"%d" % len(encoded), b"%d" % len(ops), legacy,
+            thread, expected.encode("ascii"), ikey, rdigest, b"%d" % len(encoded), b"%d" % len(ops)
         ]  # fmt: skip
         for e in encoded:
             args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
@@ -250,7 +246,7 @@ class RedisEventStore(EventStore):
         return self._group_commit(keys, args)
 
     def _encoded_thread_keys(self, thread_id: str) -> tuple[bytes, ...]:
-        """The thread id and its log, meta, ledger, feed and index keys, encoded as the client
+        """The thread id and its log, meta, feed and index keys, encoded as the client
         encodes; memoized per thread (bounded) and per layout, which `ensure_namespace` may swap.
         """
         hit = self._append_keys.get(thread_id)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,19 +55,24 @@ def _bulk(arg: Any) -> bytes:
     raise TypeError(f"cannot send {type(arg).__name__} to redis")
 
 
+_FORMATS: dict[int, bytes] = {}  # argument count -> the RESP format of a command that long
+
+
 def pack_script_call(
     command: bytes, body: bytes, keys: Sequence[Any], args: Sequence[Any]
 ) -> bytes:
     """One ``EVALSHA``/``EVAL`` command in RESP: ``command body numkeys keys... args...``."""
-    numkeys = b"%d" % len(keys)
-    parts = [
-        b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-        % (3 + len(keys) + len(args), len(command), command, len(body), body, len(numkeys), numkeys)
-    ]
-    for arg in (*keys, *args):
-        b = arg if type(arg) is bytes else _bulk(arg)
-        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(parts)
+    parts = (command, body, b"%d" % len(keys), *keys, *args)
+    n = len(parts)
+    fmt = _FORMATS.get(n)
+    if fmt is None:
+        fmt = _FORMATS[n] = b"*%d\r\n" % n + b"$%d\r\n%b\r\n" * n
+    # One %-format for the whole command: a format call per argument costs twice as much.
+    values: list[Any] = []
+    for part in parts:
+        b = part if type(part) is bytes else _bulk(part)
+        values += (len(b), b)
+    return fmt % tuple(values)
 
 
 def can_hold(client: Any) -> bool:
@@ -75,7 +81,7 @@ def can_hold(client: Any) -> bool:
         return False
     pool = client.connection_pool
     kwargs = getattr(pool, "connection_kwargs", {})
-    return str(kwargs.get("protocol", 2)) == "2" and hasattr(pool, "get_connection")
+    return str(kwargs.get("protocol") or 2) == "2" and hasattr(pool, "get_connection")
 
 
 class HeldConnections:
@@ -136,11 +142,17 @@ class HeldConnections:
             except OSError as exc:
                 raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
         out: list[Any] = []
-        for _ in range(replies):
-            try:
-                out.append(await conn.read_response())
-            except ResponseError as exc:
-                out.append(exc)
+        # One deadline for all the replies, not redis-py's timer per read (math.inf: none).
+        try:
+            async with asyncio.timeout(conn.socket_timeout):
+                for _ in range(replies):
+                    try:
+                        out.append(await conn.read_response(timeout=math.inf))
+                    except ResponseError as exc:
+                        out.append(exc)
+        except TimeoutError:
+            await conn.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout reading from redis") from None
         return out
 
     def _drop(self, conn: Any) -> None:

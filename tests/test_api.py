@@ -267,7 +267,7 @@ def test_redis_errors_translate_one_to_one(
 
 # -- key layout -------------------------------------------------------------------------------
 
-KEY_KINDS = ["log", "meta", "idem", "view", "feed", "threads", "ckpt", "aux", "cfg"]
+KEY_KINDS = ["log", "meta", "view", "feed", "threads", "ckpt", "aux", "cfg"]
 # Ids built from key-name parts on purpose: "log:b" and "b:meta" would collide if the thread
 # id did not come last in every key.
 THREADS = [
@@ -321,6 +321,10 @@ def _keys_by_owner(
             for t in threads:
                 for v in views:
                     add(fn(t, v), ("thread", t, name, v))
+        elif params == ["thread_id", "token", "n"]:
+            for t in threads:
+                for token, index in (("a1b2", 0), ("a1b2", 1), ("a1", 10)):
+                    add(fn(t, token, index), ("thread", t, name, token, index))
         elif params == ["partition"]:
             for p in range(layout.partitions):
                 add(fn(p), ("partition", p, name))
@@ -370,7 +374,6 @@ def test_thread_keys_tuple_matches_the_key_functions() -> None:
         assert layout.thread_keys(t) == (
             layout.log(t),
             layout.meta(t),
-            layout.ledger(t),
             layout.feed(p),
             layout.index(p),
         )

@@ -179,7 +179,7 @@ async def test_a_tenant_user_can_neither_read_nor_write_another_tenants_keys(
         await Projector(store_a).append("t", [msg("a's own")])  # its own tenant: fine
         client: Any = store_a.client
         p = layout_b.partition("t")
-        log_b, meta_b, ledger_b = layout_b.log("t"), layout_b.meta("t"), layout_b.ledger("t")
+        log_b, meta_b = layout_b.log("t"), layout_b.meta("t")
         view_b, feed_b, index_b = (
             layout_b.view("t", "messages"),
             layout_b.feed(p),
@@ -190,7 +190,6 @@ async def test_a_tenant_user_can_neither_read_nor_write_another_tenants_keys(
         attempts: list[Any] = [
             client.xrange(log_b),
             client.hgetall(meta_b),
-            client.hgetall(ledger_b),
             client.lrange(view_b, 0, -1),
             client.xrange(feed_b),
             client.zrevrangebyscore(index_b, "+inf", "-inf"),

@@ -1,14 +1,13 @@
 --[[ threadlog append: one atomic step for one append to one thread.
 
-KEYS[1] log stream     KEYS[2] meta hash      KEYS[3] idempotency ledger
-KEYS[4] feed stream    KEYS[5] thread index   KEYS[6..] view keys named by the ops
+KEYS[1] log stream     KEYS[2] meta hash (with the idempotency ledger)
+KEYS[3] feed stream    KEYS[4] thread index   KEYS[5..] view keys named by the ops
 
 ARGV[1] thread id
 ARGV[2] expected version: "any" | "no_thread" | "exists" | decimal exact version
 ARGV[3] idempotency key (ledger field)    ARGV[4] request digest (8 raw bytes)
 ARGV[5] N events                 ARGV[6] M view ops
-ARGV[7] the key's ledger field in format 1 ("" when it is the same)
-ARGV[8 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
+ARGV[7 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
 then per op: opcode, view key index (into KEYS), operands:
   "lp" key event n v1..vn      push stamped values to a list
   "lr" key event n v1..vn      replace a list with stamped values
@@ -21,35 +20,25 @@ Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
       | {"reused"} | {"view", key index, field, expected, actual}
 Every check runs before the first write: Redis does not roll a script back.
 
-Ledger entries, format 2: "<first>[ <last>]" (last only when it differs) followed by the first 6
-bytes of the request digest. Threads created before it (no "f" in meta) may also hold format 1,
-"<first> <last> <the digest in 16 hex digits>", with derived keys as "e:<event id>"; a format-2
-value can never match format 1's pattern (it has at most one space outside its last 6 bytes).
+Meta fields: "v" version, "h" chain head, "s" last time (ms), "c" creation time; and the
+ledger, one field per append: the idempotency key ("k:<caller's key>", or "e" + the first event
+id's 16 bytes: never one letter) -> "<first>[ <last>]" (last only when it differs) followed by
+the first 6 bytes of the request digest. One hash for both: each append reads and writes it
+once, and every call a script makes costs about a microsecond on top of the command.
 ]]
 
-local log, meta, ledger, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local log, meta, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local thread, expected, ikey, rdigest = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_events, n_ops = tonumber(ARGV[5]), tonumber(ARGV[6])
-local legacy_ikey = ARGV[7]
-local FIRST_EVENT = 8
+local FIRST_EVENT = 7
 
 -- 1. idempotency: a known key returns the original result and writes nothing
-local state = redis.call('HMGET', meta, 'v', 'h', 's', 'f')
-local prior = redis.call('HGET', ledger, ikey)
-if not prior and legacy_ikey ~= '' and state[1] and not state[4] then
-  prior = redis.call('HGET', ledger, legacy_ikey)
-end
+local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey)
+local prior = state[4]
 if prior then
-  local first, last, hex = string.match(prior, '^(%d+) (%d+) (' .. string.rep('%x', 16) .. ')$')
-  local same
-  if first then
-    same = hex == string.format(string.rep('%02x', 8), string.byte(rdigest, 1, 8))
-  else
-    first, last = string.match(string.sub(prior, 1, -7), '^(%d+) ?(%d*)$')
-    if last == '' then last = first end
-    same = string.sub(prior, -6) == string.sub(rdigest, 1, 6)
-  end
-  if not same then return {'reused'} end
+  if string.sub(prior, -6) ~= string.sub(rdigest, 1, 6) then return {'reused'} end
+  local first, last = string.match(string.sub(prior, 1, -7), '^(%d+) ?(%d*)$')
+  if last == '' then last = first end
   return {'dup', tonumber(first), tonumber(last)}
 end
 
@@ -160,10 +149,13 @@ for _, op in ipairs(ops) do
   end
 end
 
-if version == 0 then redis.call('HSET', meta, 'c', now_s, 'f', '2') end
-redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s)
 local span = n_events == 1 and first_s or (first_s .. ' ' .. last_s)
-redis.call('HSET', ledger, ikey, span .. string.sub(rdigest, 1, 6))
+local entry = span .. string.sub(rdigest, 1, 6)
+if version == 0 then
+  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'c', now_s)
+else
+  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry)
+end
 redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s)
 redis.call('ZADD', index, now_s, thread)
 return {'ok', first, last, now}

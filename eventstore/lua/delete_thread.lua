@@ -1,7 +1,7 @@
 --[[ threadlog delete_thread: remove a thread and leave a tombstone on the change feed.
 
-KEYS[1] log stream     KEYS[2] meta hash      KEYS[3] idempotency ledger
-KEYS[4] feed stream    KEYS[5] thread index   KEYS[6..] view keys to delete
+KEYS[1] log stream     KEYS[2] meta hash (with the idempotency ledger)
+KEYS[3] feed stream    KEYS[4] thread index   KEYS[5..] view keys to delete
 ARGV[1] thread id
 
 Returns the version the thread had (0 when it did not exist; nothing is written then).
@@ -10,8 +10,8 @@ Returns the version the thread had (0 when it did not exist; nothing is written 
 local version = tonumber(redis.call('HGET', KEYS[2], 'v') or '0')
 if version == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 1, #KEYS do
-  if i ~= 4 and i ~= 5 then redis.call('DEL', KEYS[i]) end
+  if i ~= 3 and i ~= 4 then redis.call('DEL', KEYS[i]) end
 end
-redis.call('ZREM', KEYS[5], ARGV[1])
-redis.call('XADD', KEYS[4], '*', 't', ARGV[1], 'f', 0, 'l', version, 'x', 'deleted')
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('XADD', KEYS[3], '*', 't', ARGV[1], 'f', 0, 'l', version, 'x', 'deleted')
 return version
