@@ -29,7 +29,7 @@ from ._errors import (
     UnknownEventTypeError,
 )
 from ._events import Event, EventMeta, EventRegistry, NewEvent, RecordedEvent, as_new_event
-from ._ids import validate_thread_id
+from ._ids import mint_ulid, validate_thread_id
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 CHAIN_HEX_CHARS = 32
@@ -37,17 +37,22 @@ CHAIN_HEX_CHARS = 32
 _encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(EventMeta)
 _EMPTY_META = b""
+_EVENT_TYPES = (Event, NewEvent)  # a tuple: `A | B` would build a union on every call
 
 
 class EncodedEvent(msgspec.Struct, frozen=True):
     """One event ready for the wire: every field the append script stores, plus its digest."""
 
-    id: str
     id_bytes: bytes
     version: int
     data: bytes
     meta: bytes
     digest: str
+
+    @property
+    def id(self) -> str:
+        """The event id as text (made when asked: the Redis append path never needs it)."""
+        return _ulid_str(self.id_bytes)
 
 
 def content_digest(
@@ -115,20 +120,19 @@ def encode_events(
     not decode later (wrong field types, constraint violations) is refused now.
     """
     validate_thread_id(thread_id)
-    if isinstance(events, Event | NewEvent) or not isinstance(events, Sequence):
+    if isinstance(events, _EVENT_TYPES) or not isinstance(events, Sequence):
         raise InvalidInputError("events must be a sequence of Event or NewEvent")
     if not events:
         raise InvalidInputError(f"thread {thread_id!r}: an append needs at least one event")
     out: list[EncodedEvent] = []
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     for index, item in enumerate(events):
         meta_obj: EventMeta | None = None
         if isinstance(item, Event):
-            # What `as_new_event` does, minus the NewEvent: a fresh id from python-ulid's
-            # (monotonic) generator, kept as bytes too so it need not be parsed back.
+            # What `as_new_event` does, minus the NewEvent: a fresh id, minted as bytes.
             payload = item
-            minted = ULID().bytes
-            event_id, id_bytes = _ulid_str(minted), minted
+            id_bytes: bytes | None = mint_ulid()
+            event_id = ""
         else:
             new = as_new_event(item)  # passes a NewEvent through, raises for anything else
             payload, event_id, id_bytes = new.payload, new.id, None
@@ -162,11 +166,13 @@ def encode_events(
             raise EventTooLargeError(thread_id, size, max_event_bytes, index)
         if id_bytes is None:
             id_bytes = _parse_ulid(event_id, "event id")
-        if event_id in seen:
-            raise InvalidInputError(f"thread {thread_id!r}: event id {event_id} appears twice")
-        seen.add(event_id)
+            # Minted ids are new by construction; only ids the caller chose can repeat.
+            if id_bytes in seen:
+                shown = _ulid_str(id_bytes)
+                raise InvalidInputError(f"thread {thread_id!r}: event id {shown} appears twice")
+            seen.add(id_bytes)
         digest = content_digest(thread_id, id_bytes, version, data, meta, secret)
-        out.append(EncodedEvent(event_id, id_bytes, version, data, meta, digest))
+        out.append(EncodedEvent(id_bytes, version, data, meta, digest))
     return out
 
 

@@ -122,6 +122,25 @@ class EventStore(abc.ABC):
             CorruptEventError: a stored entry does not decode (names thread and seq).
         """
 
+    async def read_batches(
+        self, thread_id: str, *, start: int = 1, stop: int | None = None
+    ) -> AsyncIterator[list[RecordedEvent]]:
+        """The events `read` yields forwards, in lists (never empty), for folds of a whole log.
+
+        A backend may read the next batch while the caller works on the current one.
+
+        Raises:
+            CorruptEventError: a stored entry does not decode (names thread and seq).
+        """
+        batch: list[RecordedEvent] = []
+        async for event in self.read(thread_id, start=start, stop=stop):
+            batch.append(event)
+            if len(batch) >= 512:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
     @abc.abstractmethod
     async def read_raw(
         self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = 512

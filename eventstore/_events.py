@@ -61,6 +61,7 @@ class EventRegistry:
         self._types: dict[str, _TypeInfo] = {}
         self._lock = threading.Lock()
         self._decoder: msgspec.msgpack.Decoder[Any] | None = None
+        self._versions: dict[type[Event], int] = {}
 
     def register(
         self,
@@ -126,8 +127,19 @@ class EventRegistry:
                 if not classes:
                     raise UnknownEventTypeError("no event types are registered")
                 union: Any = classes[0] if len(classes) == 1 else _union_of(classes)
+                self._versions = {info.cls: info.version for info in self._types.values()}
                 decoder = self._decoder = msgspec.msgpack.Decoder(union)
         return decoder
+
+    def fast_path(self) -> tuple[msgspec.msgpack.Decoder[Any], dict[type[Event], int]]:
+        """The union decoder and each class's current version, for bulk reads.
+
+        A payload that the decoder accepts and whose stored version is its class's current one
+        needs nothing else; anything else (an error, an older version) must go through
+        `decode`, which upcasts or raises.
+        """
+        decoder = self._union_decoder()
+        return decoder, self._versions
 
     def decode(self, data: bytes, version: int) -> Event:
         """Decode a stored payload written at ``version`` into its current class.

@@ -4,8 +4,9 @@ All keys of a namespace start with ``tl:{<namespace>:`` so that one Redis ACL pa
 (``~tl:{<namespace>:*``) confines a user to one tenant. A thread's keys carry the hash tag of
 its partition, ``{<namespace>:<partition>}``: the thread's log, meta (with the idempotency
 ledger) and views, the partition's change feed and thread index all live in one Cluster slot,
-so one atomic script can write all of them. The thread id comes last in every key and views are named
-from a colon-free charset, so no two threads' keys can collide whatever their ids contain.
+so one atomic script can write all of them. The thread id comes last in every key and views
+are named from a colon-free charset, so no two threads' keys can collide whatever their ids
+contain.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import heapq
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
@@ -15,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
     decode_entry,
+    decode_rows,
     encode_events,
     expected_version_arg,
     idempotency_key_for,
@@ -43,7 +46,7 @@ from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
 from ._ids import validate_thread_id, validate_view_name
-from ._keys import DEFAULT_PARTITIONS, KeyLayout
+from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -51,6 +54,7 @@ from ._scripts import (
     LOAD_VIEWS,
     READ_VIEWS,
     SEQ_AT,
+    SWAP_VIEWS,
     GroupCommit,
 )
 from ._views import (
@@ -80,6 +84,8 @@ from ._views import (
 T = TypeVar("T")
 _PLAIN_READS = (ListRange, HashGetAll, HashGet)
 READ_BATCH = 512
+LOAD_CHUNK_VALUES = 8192
+LOAD_CHUNK_BYTES = 4 * 1024 * 1024
 _APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared when full
 
 
@@ -139,6 +145,8 @@ class RedisEventStore(EventStore):
         secret: bytes | None = None,
         owns_client: bool = True,
         max_batch: int = 64,
+        load_chunk_values: int = LOAD_CHUNK_VALUES,
+        load_chunk_bytes: int = LOAD_CHUNK_BYTES,
     ) -> None:
         self.keys = KeyLayout(namespace, partitions)
         self.namespace = self.keys.namespace
@@ -150,6 +158,9 @@ class RedisEventStore(EventStore):
         self._is_cluster = isinstance(client, RedisCluster)
         self._owns_client = owns_client
         self._closed = False
+        # A view load (rebuild) above either limit goes in chunks of at most this size.
+        self.load_chunk_values = max(2, load_chunk_values)
+        self.load_chunk_bytes = max(1, load_chunk_bytes)
         # Every append goes through it; with max_batch=1 it never queues (group commit off).
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch)
         # thread id -> (layout, the thread id and its four append-script keys, encoded)
@@ -335,6 +346,43 @@ class RedisEventStore(EventStore):
                     remaining -= len(rows)
                 lo_id = "(" + rows[-1][0].decode("ascii")
 
+    async def read_batches(
+        self, thread_id: str, *, start: int = 1, stop: int | None = None
+    ) -> AsyncIterator[list[RecordedEvent]]:
+        validate_thread_id(thread_id)
+        log = self.keys.log(thread_id)
+        hi = b"+" if stop is None else b"%d-0" % stop
+        lo = b"%d-0" % max(start, 1)
+        fetch = self._xrange_rows
+        pending: asyncio.Task[list[Any]] | None = asyncio.ensure_future(fetch(log, lo, hi))
+        try:
+            while pending is not None:
+                rows = await pending
+                pending = None
+                if len(rows) == READ_BATCH:
+                    # Read ahead: the next batch travels and the server answers it while this
+                    # one is decoded and folded. sleep(0) lets the task send its command now,
+                    # before the CPU-bound work below keeps the event loop busy.
+                    pending = asyncio.ensure_future(fetch(log, b"(" + rows[-1][0], hi))
+                    await asyncio.sleep(0)
+                if rows:
+                    yield decode_rows(thread_id, rows, self.registry)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EventStoreError):
+                    await pending
+
+    async def _xrange_rows(self, log: str, lo: bytes, hi: bytes) -> list[Any]:
+        client = self.client
+        if self._is_cluster:
+            return await _call(client.xrange(log, lo, hi, count=READ_BATCH))
+        # The command name as bytes: redis-py then applies no reply callback, and the entries
+        # come as hiredis builds them (flat field lists), not as a dict per entry, which costs
+        # about a microsecond an event on a bulk read. (The cluster client needs the str name
+        # to find the key's slot; `decode_rows` takes both forms.)
+        return await _call(client.execute_command(b"XRANGE", log, lo, hi, b"COUNT", READ_BATCH))
+
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
         validate_thread_id(thread_id)
         keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
@@ -425,6 +473,22 @@ class RedisEventStore(EventStore):
         self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
     ) -> None:
         validate_thread_id(thread_id)
+        values = size = 0
+        for op in ops:
+            self.keys.view(thread_id, op.view)  # validates the name before anything is sent
+            if isinstance(op, ListLoad):
+                values += len(op.entries)
+                size += sum(len(e.value) for e in op.entries)
+            elif isinstance(op, HashLoad):
+                values += 2 * len(op.entries)
+                size += sum(len(f) + len(e.value) for f, e in op.entries.items())
+            elif not isinstance(op, ViewClear):
+                raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
+        if expected_version > 0 and (
+            values > self.load_chunk_values or size > self.load_chunk_bytes
+        ):
+            await self._load_views_chunked(thread_id, ops, expected_version)
+            return
         index = _KeyIndex([self.keys.meta(thread_id)])
         args: list[Any] = [expected_version, len(ops)]
         for op in ops:
@@ -443,6 +507,93 @@ class RedisEventStore(EventStore):
         reply = await _call(LOAD_VIEWS(self.client, index.keys, args))
         if reply[0] == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+
+    async def _load_views_chunked(
+        self, thread_id: str, ops: Sequence[ViewOp], expected_version: int
+    ) -> None:
+        """A load too big for one command: bounded chunks to staging keys, then one swap.
+
+        One script call carrying a whole large thread's views (hundreds of MB at a million
+        events) outlives the socket timeout and blocks the server for seconds. Chunks are plain
+        RPUSH/HSET to staging keys in the thread's slot, each sent with a read of the thread's
+        version (a concurrent append ends the load early) and a TTL; `swap_views.lua` then
+        checks the version once more, atomically with renaming the staging keys over the views.
+        Whatever fails or is cancelled on the way deletes the staging keys it wrote.
+        """
+        token = secrets.token_hex(8)
+        meta = self.keys.meta(thread_id)
+        index = _KeyIndex([meta])
+        args: list[Any] = [expected_version, len(ops)]
+        staged: list[str] = []
+        try:
+            for n, op in enumerate(ops):
+                view = index(self.keys.view(thread_id, op.view))
+                if not isinstance(op, ListLoad | HashLoad) or not op.entries:
+                    args += (view, 0, 0)  # a ViewClear, or a load that empties
+                    continue
+                stage = self.keys.staging(thread_id, token, n)
+                staged.append(stage)
+                if isinstance(op, ListLoad):
+                    entries = op.entries
+                    for a, b in self._chunk_bounds([len(e.value) for e in entries], 1):
+                        values = [stamp_list_value(e.seq, e.value) for e in entries[a:b]]
+                        await self._stage(thread_id, meta, stage, "RPUSH", values, expected_version)
+                else:
+                    fields = list(op.entries.items())
+                    sizes = [len(f) + len(e.value) for f, e in fields]
+                    for a, b in self._chunk_bounds(sizes, 2):
+                        pairs: list[Any] = []
+                        for f, e in fields[a:b]:
+                            pairs += (f, stamp_hash_value(e.version, e.seq, e.value))
+                        await self._stage(thread_id, meta, stage, "HSET", pairs, expected_version)
+                args += (view, index(stage), len(op.entries))
+            reply = await _call(SWAP_VIEWS(self.client, index.keys, args))
+        except BaseException:
+            if staged:
+                with contextlib.suppress(rex.RedisError, rex.RedisClusterException, OSError):
+                    await self.client.delete(*staged)
+            raise
+        if reply[0] == b"conflict":
+            raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+        if reply[0] != b"ok":
+            lost = index.keys[int(reply[1]) - 1]
+            raise OperationalError(
+                f"thread {thread_id!r}: the staged contents of {lost} vanished before the load "
+                "completed (expired or deleted); nothing was loaded, run the rebuild again"
+            )
+
+    def _chunk_bounds(self, sizes: Sequence[int], width: int) -> list[tuple[int, int]]:
+        """Cut items of ``sizes`` bytes (``width`` values each) into chunks within the limits."""
+        per_chunk = max(1, self.load_chunk_values // width)
+        limit = self.load_chunk_bytes
+        bounds: list[tuple[int, int]] = []
+        start, total = 0, 0
+        for i, size in enumerate(sizes):
+            size += 24  # the stamp and the protocol's framing
+            if i > start and (i - start >= per_chunk or total + size > limit):
+                bounds.append((start, i))
+                start, total = i, 0
+            total += size
+        bounds.append((start, len(sizes)))
+        return bounds
+
+    async def _stage(
+        self,
+        thread_id: str,
+        meta: str,
+        stage: str,
+        command: str,
+        values: list[Any],
+        expected_version: int,
+    ) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(meta, "v")
+        pipe.execute_command(command, stage, *values)
+        pipe.pexpire(stage, STAGING_TTL_S * 1000)
+        version, _, _ = await _call(pipe.execute())
+        actual = int(version) if version is not None else 0
+        if actual != expected_version:
+            raise ConcurrencyError(thread_id, expected_version, actual)
 
     # -- listing --------------------------------------------------------------------------------
 

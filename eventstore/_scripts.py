@@ -176,6 +176,7 @@ def _settle(
 APPEND = Script.from_package("append")
 READ_VIEWS = Script.from_package("read_views")
 LOAD_VIEWS = Script.from_package("load_views")
+SWAP_VIEWS = Script.from_package("swap_views")
 SEQ_AT = Script.from_package("seq_at")
 DELETE_THREAD = Script.from_package("delete_thread")
 APPLY_CHECKPOINTED = Script.from_package("apply_checkpointed")

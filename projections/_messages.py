@@ -71,6 +71,7 @@ class MessagesProjection(Projection[list[StoredMessage]]):
 
     name = "messages"
     views = ("messages",)
+    handles = (MessageAppended, TurnOpened, TurnSettled)
 
     def initial(self) -> list[StoredMessage]:
         return []

@@ -114,6 +114,8 @@ class Projector:
         if len(set(names)) != len(names) or len(set(views)) != len(views):
             raise InvalidInputError(f"projections must have distinct names and views: {names}")
         self._by_name = {p.name: p for p in self.projections}
+        # payload type -> the projections whose ``handles`` take it: a fold calls only those.
+        self._route: dict[type[Event], list[tuple[Projection[Any], str]]] = {}
 
     def _get(self, kind: type[Any]) -> Any:
         for p in self.projections:
@@ -197,12 +199,25 @@ class Projector:
         version = 0
         if stop == 0:
             return Folded(thread_id, 0, states)
-        pairs = [(p, p.name) for p in self.projections]
-        async for event in self.store.read(thread_id, stop=stop):
-            for p, name in pairs:
-                states[name] = p.apply(states[name], event)
-            version = event.seq
+        route = self._route
+        async for batch in self.store.read_batches(thread_id, stop=stop):
+            for event in batch:
+                kind = type(event.payload)
+                targets = route.get(kind)
+                if targets is None:
+                    targets = route[kind] = self._targets(kind)
+                for p, name in targets:
+                    states[name] = p.apply(states[name], event)
+            version = batch[-1].seq
         return Folded(thread_id, version, states)
+
+    def _targets(self, kind: type[Event]) -> list[tuple[Projection[Any], str]]:
+        """The projections an event of type ``kind`` reaches, in projection order."""
+        return [
+            (p, p.name)
+            for p in self.projections
+            if p.handles is None or issubclass(kind, p.handles)
+        ]
 
     # -- reads ----------------------------------------------------------------------------------
 

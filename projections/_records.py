@@ -144,6 +144,7 @@ class RecordsProjection(Projection[RecordsState]):
 
     name = "records"
     views = ("turns", "settled")
+    handles = (TurnOpened, TurnSettled)
 
     def initial(self) -> RecordsState:
         return RecordsState()

@@ -61,6 +61,7 @@ class StateProjection(Projection[dict[str, Block]]):
 
     name = "state"
     views = ("state",)
+    handles = (StateUpdated,)
 
     def __init__(
         self, views: Iterable[ReaderView] = (), *, blocks: Iterable[str] | None = None

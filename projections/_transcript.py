@@ -43,6 +43,7 @@ class TranscriptProjection(Projection[list[TranscriptMessage]]):
 
     name = "transcript"
     views = ("transcript",)
+    handles = (TranscriptAppended, TranscriptReplaced)
 
     def initial(self) -> list[TranscriptMessage]:
         return []

@@ -1,0 +1,59 @@
+--[[ threadlog swap_views: the last step of a chunked view load (the rebuild of a large thread).
+
+The new contents went beforehand, in bounded chunks, to staging keys in the thread's slot, each
+with a TTL (a load that dies half way leaves nothing behind for long). This step checks that
+the thread is still at the version the contents were folded at and that every staging key holds
+all that was sent to it (a staging key that expired meanwhile must not pass for a full view),
+then renames the staging keys over the views. Otherwise it deletes them and loads nothing.
+
+KEYS[1] meta hash      KEYS[2..] view keys and staging keys named by the ops
+ARGV[1] expected version
+ARGV[2] M ops, then per op: view key index, staging key index (0: none, the view is emptied),
+        the number of values (list) or fields (hash) the staging key must hold
+
+Returns {"ok"} | {"conflict", actual} | {"lost", view key index}
+]]
+
+local m = tonumber(ARGV[2])
+local function drop()
+  for o = 0, m - 1 do
+    local s = tonumber(ARGV[4 + o * 3])
+    if s > 0 then redis.call('DEL', KEYS[s]) end
+  end
+end
+
+local version = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+if version ~= tonumber(ARGV[1]) then
+  drop()
+  return {'conflict', version}
+end
+for o = 0, m - 1 do
+  local s = tonumber(ARGV[4 + o * 3])
+  if s > 0 then
+    local kind = redis.call('TYPE', KEYS[s])['ok']
+    local have = 0
+    if kind == 'list' then
+      have = redis.call('LLEN', KEYS[s])
+    elseif kind == 'hash' then
+      have = redis.call('HLEN', KEYS[s])
+    end
+    if have ~= tonumber(ARGV[5 + o * 3]) then
+      drop()
+      return {'lost', tonumber(ARGV[3 + o * 3])}
+    end
+  end
+end
+for o = 0, m - 1 do
+  local key, s = KEYS[tonumber(ARGV[3 + o * 3])], tonumber(ARGV[4 + o * 3])
+  redis.call('DEL', key)
+  if s > 0 then
+    -- A thread without events has empty views by definition (as in load_views).
+    if version == 0 then
+      redis.call('DEL', KEYS[s])
+    else
+      redis.call('RENAME', KEYS[s], key)
+      redis.call('PERSIST', key)  -- RENAME carries the staging TTL over
+    end
+  end
+end
+return {'ok'}

@@ -1,0 +1,297 @@
+"""Rebuilds of threads too large for one command: chunked view loads, and the bulk read path.
+
+The Redis backend loads views above its chunk limits in bounded chunks to staging keys and
+swaps them in with one small script. These tests set the limits tiny so that an ordinary thread
+spans many chunks, on standalone Redis and on Redis Cluster, and check what a chunked load
+must guarantee: the same views as a one-shot load, nothing loaded when the thread moves on
+meanwhile, and no staging key left behind, whatever happens half way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from hypothesis import given
+
+import eventstore as es
+from eventstore import (
+    ConcurrencyError,
+    HashLoad,
+    ListLoad,
+    MessageAppended,
+    OperationalError,
+    RedisEventStore,
+    ViewClear,
+    ViewEntry,
+)
+from eventstore._codec import decode_entry, decode_rows
+from eventstore._keys import STAGING_TTL_S
+from projections import Projector
+from projections.testing import make_projector, message, opened, settled, snapshot, ulids
+
+from .test_fuzz import FAST, entry_fields_strategy, entry_ids
+
+pytestmark = pytest.mark.anyio
+
+CHUNK_VALUES = 8
+CHUNK_BYTES = 600
+
+Hook = Callable[[int, str], Awaitable[None]]
+
+
+class HookedStore(RedisEventStore):
+    """A real Redis store that runs ``hook(chunk number, staging key)`` after each chunk lands.
+
+    Not a test double: every command still goes to the real server; the hook only decides
+    what else happens between two chunks (a concurrent append, a failure, a lost key).
+    """
+
+    hook: Hook | None = None
+    chunks = 0
+
+    async def _stage(self, thread_id: str, meta: str, stage: str, *rest: Any) -> None:
+        await super()._stage(thread_id, meta, stage, *rest)
+        self.chunks += 1
+        if self.hook is not None:
+            await self.hook(self.chunks, stage)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[HookedStore]:
+    url: str = request.getfixturevalue("redis_url" if request.param == "redis" else "cluster_url")
+    opened_store = await es.connect(url, namespace="r" + uuid.uuid4().hex[:12])
+    assert isinstance(opened_store, RedisEventStore)
+    # The connected store's client and layout, with the hook and tiny chunk limits.
+    hooked = HookedStore(
+        opened_store.client,
+        namespace=opened_store.namespace,
+        partitions=opened_store.partitions,
+        load_chunk_values=CHUNK_VALUES,
+        load_chunk_bytes=CHUNK_BYTES,
+    )
+    try:
+        yield hooked
+    finally:
+        await hooked.close()
+
+
+async def staging_keys(store: RedisEventStore) -> list[bytes]:
+    pattern = f"tl:{{{store.namespace}:*}}:load:*"
+    found: list[bytes] = []
+    async for key in store.client.scan_iter(match=pattern, count=1000):
+        found.append(key)
+    return found
+
+
+async def write_turns(projector: Projector, thread: str, turns: int) -> None:
+    for i, turn in enumerate(ulids(turns)):
+        answer = f"answer {i} " + "x" * 40
+        await projector.append(
+            thread,
+            [
+                opened(turn, request=f"question {i} " + "y" * 40),
+                es.StateUpdated(block=("plan", "profile", "notes")[i % 3], value={"i": i}),
+                settled(turn, "completed" if i % 5 else "failed", answer),
+                es.TranscriptAppended(messages=[message(f"t{i}")]),
+            ],
+        )
+
+
+async def test_a_rebuild_spanning_many_chunks_restores_every_view(store: HookedStore) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 40)
+    before = await snapshot(projector, "t")
+    # Damage every view: the rebuild must bring back all of it.
+    for view in ("messages", "state", "turns", "settled", "transcript"):
+        await store.client.delete(store.keys.view("t", view))
+    assert not (await projector.check("t")).ok
+
+    assert await projector.rebuild("t") == 160
+    # messages 72 + settled 40 + transcript 40 values, turns 40 and state 3 fields, at most
+    # 8 values (4 fields) and ~600 bytes a chunk: dozens of chunks.
+    assert store.chunks >= 30
+    assert await snapshot(projector, "t") == before
+    assert (await projector.check("t")).ok
+    assert await staging_keys(store) == []
+    # The swapped-in views carry no TTL from their staging keys.
+    for view in ("messages", "state", "turns", "settled", "transcript"):
+        assert await store.client.ttl(store.keys.view("t", view)) == -1
+
+
+async def test_chunked_and_one_shot_loads_give_the_same_views(store: HookedStore) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 12)
+    reads = [r for p in projector.projections for r in p.full_reads()]
+    await projector.rebuild("t")
+    chunked = await store.read_views("t", reads)
+    assert store.chunks > 0
+    store.load_chunk_values, store.load_chunk_bytes = 10**9, 10**12
+    store.chunks = 0
+    await projector.rebuild("t")
+    assert store.chunks == 0
+    assert await store.read_views("t", reads) == chunked
+
+
+async def test_a_load_only_empties_and_clears_what_it_should(store: HookedStore) -> None:
+    await store.append("t", [MessageAppended(message=message("a"))])
+    entries = tuple(ViewEntry(1, b"v%d" % i) for i in range(30))
+    fields = {f"f{i}": ViewEntry(1, b"x" * 50, 2) for i in range(20)}
+    await store.load_views(
+        "t",
+        [ListLoad("a", entries), HashLoad("h", fields), ListLoad("gone", ()), ViewClear("c")],
+        expected_version=1,
+    )
+    got = await store.read_views("t", [es.ListRange("a"), es.HashGetAll("h")])
+    assert got.results == [list(entries), fields]
+    # A later load of the same views replaces them whole (a ViewClear empties one).
+    await store.load_views("t", [ListLoad("a", entries[:3]), ViewClear("h")], expected_version=1)
+    got = await store.read_views("t", [es.ListRange("a"), es.HashGetAll("h")])
+    assert got.results == [list(entries[:3]), {}]
+    assert await staging_keys(store) == []
+
+
+async def test_an_append_during_a_chunked_load_loads_nothing_and_leaves_no_staging_keys(
+    store: HookedStore,
+) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 10)
+    folded = await projector.fold("t")
+    old_views = await store.read_views("t", [es.ListRange("messages")])
+    ops = [op for p in projector.projections for op in p.materialize(folded.states[p.name])]
+    ops[0] = ListLoad("messages", ())  # what a wrong load would leave: an empty window
+
+    async def append_meanwhile(chunk: int, stage: str) -> None:
+        if chunk == 3:
+            # Mid-load, the key has its TTL (a crash now leaves it for a bounded time).
+            assert 0 < await store.client.ttl(stage) <= STAGING_TTL_S
+            await projector.append("t", [MessageAppended(message=message("late"))])
+
+    store.hook = append_meanwhile
+    with pytest.raises(ConcurrencyError) as info:
+        await store.load_views("t", ops, expected_version=folded.version)
+    assert (info.value.expected, info.value.actual) == (40, 41)
+    # The next chunk saw the new version and stopped the load: nothing more was sent.
+    assert store.chunks == 3
+    assert await staging_keys(store) == []
+    (after,) = (await store.read_views("t", [es.ListRange("messages")])).results
+    assert isinstance(after, list)
+    assert after[:-1] == old_views.results[0]
+    assert after[-1].seq == 41
+
+
+async def test_the_swap_refuses_a_thread_that_moved_after_the_last_chunk(
+    store: HookedStore,
+) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 6)
+    folded = await projector.fold("t")
+    ops = [op for p in projector.projections for op in p.materialize(folded.states[p.name])]
+    total = 0
+
+    async def count(chunk: int, stage: str) -> None:
+        nonlocal total
+        total = chunk
+
+    store.hook = count
+    await store.load_views("t", ops, expected_version=folded.version)
+    store.chunks = 0
+
+    async def append_after_last(chunk: int, stage: str) -> None:
+        if chunk == total:
+            await projector.append("t", [MessageAppended(message=message("late"))])
+
+    store.hook = append_after_last
+    with pytest.raises(ConcurrencyError):
+        await store.load_views("t", ops, expected_version=folded.version)
+    assert store.chunks == total  # every chunk went; the swap script said no
+    assert await staging_keys(store) == []
+    assert (await projector.check("t")).ok
+
+
+async def test_rebuild_retries_past_appends_made_during_its_chunked_load(
+    store: HookedStore,
+) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 20)
+    appended = 0
+
+    async def append_twice(chunk: int, stage: str) -> None:
+        nonlocal appended
+        if chunk % 5 == 2 and appended < 2:
+            appended += 1
+            await projector.append("t", [MessageAppended(message=message(f"late {appended}"))])
+
+    store.hook = append_twice
+    await store.client.delete(store.keys.view("t", "messages"))
+    assert await projector.rebuild("t") == 82
+    assert appended == 2
+    report = await projector.check("t")
+    assert report.ok and report.version == 82
+    assert [m.message.text for m in await projector.last("t", 2)] == ["late 1", "late 2"]
+    assert await staging_keys(store) == []
+
+
+async def test_a_failure_half_way_deletes_the_staging_keys(store: HookedStore) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 10)
+    before = await snapshot(projector, "t")
+
+    async def fail(chunk: int, stage: str) -> None:
+        if chunk == 5:
+            assert await staging_keys(store) != []
+            raise RuntimeError("the process dies half way")
+
+    store.hook = fail
+    await store.client.delete(store.keys.view("t", "settled"))
+    with pytest.raises(RuntimeError):
+        await projector.rebuild("t")
+    assert await staging_keys(store) == []
+    assert not (await projector.check("t")).ok  # nothing was swapped in
+    store.hook = None
+    await projector.rebuild("t")
+    assert await snapshot(projector, "t") == before
+
+
+async def test_a_staging_key_lost_half_way_is_an_error_not_a_short_view(
+    store: HookedStore,
+) -> None:
+    projector = make_projector(store)
+    await write_turns(projector, "t", 10)
+    before = await snapshot(projector, "t")
+
+    async def expire_first(chunk: int, stage: str) -> None:
+        if chunk == 2:
+            # What a TTL running out on a stalled load does to the first staging key.
+            (first,) = [k for k in await staging_keys(store) if b":load:" in k and b":0:" in k]
+            assert await store.client.delete(first) == 1
+
+    store.hook = expire_first
+    with pytest.raises(OperationalError, match="vanished"):
+        await projector.rebuild("t")
+    assert await staging_keys(store) == []
+    assert await snapshot(projector, "t") == before
+
+
+# -- the bulk read path decodes exactly as decode_entry does -------------------------------------
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except es.CorruptEventError as exc:
+        return ("error", exc.thread_id, exc.seq, str(exc))
+
+
+@FAST
+@given(entry_id=entry_ids, fields=entry_fields_strategy)
+def test_decode_rows_agrees_with_decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    one = _outcome(lambda: decode_entry("fuzz", entry_id, fields, es.registry))
+    flat = [x for kv in fields.items() for x in kv]
+    as_dict = _outcome(lambda: decode_rows("fuzz", [(entry_id, fields)], es.registry))
+    as_list = _outcome(lambda: decode_rows("fuzz", [(entry_id, flat)], es.registry))
+    expected = one if isinstance(one, tuple) else [one]
+    assert as_dict == expected
+    assert as_list == expected
