@@ -13,6 +13,7 @@ nobody without it can recompute a link after changing, inserting, removing or mo
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -98,12 +99,13 @@ def _ulid_str(raw: bytes) -> str:
     """``str(ULID.from_bytes(raw))``: 26 Crockford digits of the 128 bits (2 leading zero bits)."""
     n = int.from_bytes(raw, "big")
     p = _ULID_PAIRS
-    return (
-        p[n >> 120] + p[(n >> 110) & 1023] + p[(n >> 100) & 1023] + p[(n >> 90) & 1023]
-        + p[(n >> 80) & 1023] + p[(n >> 70) & 1023] + p[(n >> 60) & 1023] + p[(n >> 50) & 1023]
-        + p[(n >> 40) & 1023] + p[(n >> 30) & 1023] + p[(n >> 20) & 1023] + p[(n >> 10) & 1023]
-        + p[n & 1023]
-    )  # fmt: skip
+    # One join, not twelve concatenations: a quarter less time, and bulk reads run it per event.
+    return "".join((
+        p[n >> 120], p[(n >> 110) & 1023], p[(n >> 100) & 1023], p[(n >> 90) & 1023],
+        p[(n >> 80) & 1023], p[(n >> 70) & 1023], p[(n >> 60) & 1023], p[(n >> 50) & 1023],
+        p[(n >> 40) & 1023], p[(n >> 30) & 1023], p[(n >> 20) & 1023], p[(n >> 10) & 1023],
+        p[n & 1023],
+    ))  # fmt: skip
 
 
 def encode_events(
@@ -256,6 +258,75 @@ def decode_entry(
         causation_id=meta.causation_id,
         chain=link,
     )
+
+
+_FIELD_ORDER = [b"i", b"v", b"s", b"d", b"m", b"h"]
+_pick_fields = operator.itemgetter(*_FIELD_ORDER)
+_DECODE_FAILURES = (
+    ValueError, TypeError, IndexError, AttributeError, UnicodeDecodeError, msgspec.DecodeError
+)  # fmt: skip
+
+
+def decode_rows(
+    thread_id: str, rows: Sequence[Any], registry: EventRegistry
+) -> list[RecordedEvent]:
+    """Decode a batch of stream entries as ``XRANGE`` returns them, in order.
+
+    Each row is ``(entry_id, fields)`` with ``fields`` the flat ``[name, value, ...]`` list the
+    server sends (or a dict, as redis-py's reply callback makes it). Entries with the fields in
+    the order the append script writes them take a fast path: no dict, the payload decoded
+    with the registry's union decoder directly. Every other entry, and any entry the fast path
+    cannot decode, goes through `decode_entry`, so damage raises exactly what it raises there:
+    `CorruptEventError` naming thread and seq.
+    """
+    decode, versions = registry.fast_path()
+    decode_payload = decode.decode
+    decode_meta = _meta_decoder.decode
+    order, pick = _FIELD_ORDER, _pick_fields
+    out: list[RecordedEvent] = []
+    append = out.append
+    for entry_id, fields in rows:
+        try:
+            if type(fields) is list and len(fields) == 12 and fields[::2] == order:
+                id_bytes, version_raw, time_raw, data, meta_raw, link = fields[1::2]
+            elif type(fields) is dict and len(fields) == 6:
+                id_bytes, version_raw, time_raw, data, meta_raw, link = pick(fields)
+            else:
+                id_bytes = b""  # not the layout the script writes: decode_entry judges it
+            seq_raw = entry_id[:-2]
+            # "<seq>-0" with the seq as `seq_of_entry_id` accepts it (int() would take more).
+            if (
+                len(id_bytes) == 16
+                and entry_id[-2:] == b"-0"
+                and seq_raw.isdigit()
+                and len(seq_raw) <= 20
+            ):
+                version = int(version_raw)
+                payload = decode_payload(data)
+                if versions.get(type(payload)) == version:
+                    meta = decode_meta(meta_raw) if meta_raw else _NO_META
+                    append(
+                        RecordedEvent(
+                            thread_id=thread_id,
+                            seq=int(seq_raw),
+                            id=_ulid_str(id_bytes),
+                            time_ms=int(time_raw),
+                            payload=payload,
+                            schema_version=version,
+                            turn_id=meta.turn_id,
+                            correlation_id=meta.correlation_id,
+                            causation_id=meta.causation_id,
+                            chain=link.decode("ascii"),
+                        )
+                    )
+                    continue
+        except (*_DECODE_FAILURES, KeyError):
+            pass  # decode_entry below says what is wrong, in its words
+        if type(fields) is list:
+            it = iter(fields)
+            fields = dict(zip(it, it, strict=False))
+        append(decode_entry(thread_id, entry_id, fields, registry))
+    return out
 
 
 def entry_digest(thread_id: str, fields: dict[bytes, bytes], secret: bytes | None) -> str | None:

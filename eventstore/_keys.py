@@ -18,6 +18,9 @@ from ._ids import validate_namespace, validate_view_name
 PREFIX = "tl"
 DEFAULT_PARTITIONS = 16
 MAX_PARTITIONS = 16384  # one per Cluster slot is the most that can ever spread out
+STAGING_TTL_S = 600
+"""How long a staging key of a chunked view load lives unless the load completes (each chunk
+renews it): a rebuild that dies half way leaves its partial copy behind for this long at most."""
 
 
 def partition_of(thread_id: str, partitions: int) -> int:
@@ -36,6 +39,8 @@ ACL_COMMANDS: tuple[str, ...] = (
     "+evalsha", "+eval",
     "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
     "+rpush", "+rpop", "+lrange", "+zadd", "+zrem",
+    # chunked view loads: staging keys with a TTL, checked and renamed over the views
+    "+pexpire", "+llen", "+hlen", "+rename", "+persist",
 )  # fmt: skip
 """Every command a store sends, or its scripts call (Redis checks both against the user)."""
 
@@ -86,6 +91,11 @@ class KeyLayout:
     def view(self, thread_id: str, view: str) -> str:
         """One materialized view of the thread."""
         return f"{self._tag(thread_id)}:view:{validate_view_name(view)}:{thread_id}"
+
+    def staging(self, thread_id: str, token: str, n: int) -> str:
+        """A staging key of a chunked view load: contents for the load's ``n``-th op, renamed
+        over the view at the end (``token`` tells concurrent loads apart)."""
+        return f"{self._tag(thread_id)}:load:{token}:{n}:{thread_id}"
 
     def feed(self, partition: int) -> str:
         """The partition's change feed stream."""
