@@ -80,8 +80,11 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
+from ._wire import HeldConnections, can_hold, pack_command
 
 T = TypeVar("T")
+_MULTI = pack_command(("MULTI",))
+_EXEC = pack_command(("EXEC",))
 _PLAIN_READS = (ListRange, HashGetAll, HashGet)
 READ_BATCH = 512
 LOAD_CHUNK_VALUES = 8192
@@ -161,8 +164,11 @@ class RedisEventStore(EventStore):
         # A view load (rebuild) above either limit goes in chunks of at most this size.
         self.load_chunk_values = max(2, load_chunk_values)
         self.load_chunk_bytes = max(1, load_chunk_bytes)
+        # Connections held for the hot calls (appends, window and view reads), spoken to in
+        # RESP directly where that is exact (`_wire`); None: everything goes through redis-py.
+        self._held = HeldConnections(client) if can_hold(client) else None
         # Every append goes through it; with max_batch=1 it never queues (group commit off).
-        self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch)
+        self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch, held=self._held)
         # thread id -> (layout, the thread id and its four append-script keys, encoded)
         self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
 
@@ -291,8 +297,20 @@ class RedisEventStore(EventStore):
 
     async def version(self, thread_id: str) -> int:
         validate_thread_id(thread_id)
-        raw = await _call(self.client.hget(self.keys.meta(thread_id), "v"))
+        raw = await self._command("HGET", self.keys.meta(thread_id), "v")
         return int(raw) if raw is not None else 0
+
+    async def _command(self, *parts: Any) -> Any:
+        """One command whose reply redis-py would not reshape (no reply callback), on the held
+        connections when there are some. Error replies raise translated."""
+        if self._held is None:
+            return await _call(self.client.execute_command(*parts))
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        (reply,) = await _call(self._held.exchange(pack_command(parts), 1))
+        if isinstance(reply, Exception):
+            raise translate_redis_error(reply) from reply
+        return reply
 
     async def read_raw(
         self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = READ_BATCH
@@ -395,13 +413,11 @@ class RedisEventStore(EventStore):
     ) -> list[ViewEntry]:
         validate_thread_id(thread_id)
         try:
-            raw = await self.client.lrange(self.keys.view(thread_id, view), start, stop)
-        except rex.ResponseError as exc:
+            raw = await self._command("LRANGE", self.keys.view(thread_id, view), start, stop)
+        except OperationalError as exc:
             if "WRONGTYPE" in str(exc):
                 return []  # a view of the other kind reads as empty, as in read_views
-            raise translate_redis_error(exc) from exc
-        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-            raise translate_redis_error(exc) from exc
+            raise
         result = decode_view_result(thread_id, ListRange(view, start, stop), raw)
         assert isinstance(result, list)
         return result
@@ -433,20 +449,17 @@ class RedisEventStore(EventStore):
     async def _read_views_multi(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
         # Plain reads in MULTI/EXEC: the same atomic snapshot as the script, without Lua
         # copying every value (a 1,000-value list costs ~10x less on the server).
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hget(self.keys.meta(thread_id), "v")
+        commands: list[tuple[Any, ...]] = [("HGET", self.keys.meta(thread_id), "v")]
         for r in reads:
             key = self.keys.view(thread_id, r.view)
             if isinstance(r, ListRange):
-                pipe.lrange(key, r.start, r.stop)
+                commands.append(("LRANGE", key, r.start, r.stop))
             elif isinstance(r, HashGetAll):
-                pipe.execute_command("HGETALL", key)  # the flat reply, as the script gives
+                commands.append(("HGETALL", key))
             elif isinstance(r, HashGet):
-                if r.fields:
-                    pipe.hmget(key, list(r.fields))
-                else:
-                    pipe.exists(key)  # keeps the reply positions aligned
-        replies = await _call(pipe.execute(raise_on_error=False))
+                # EXISTS for no fields keeps the reply positions aligned.
+                commands.append(("HMGET", key, *r.fields) if r.fields else ("EXISTS", key))
+        replies = await self._transaction(commands)
         version = replies[0]
         if isinstance(version, Exception):
             raise translate_redis_error(version)
@@ -468,6 +481,22 @@ class RedisEventStore(EventStore):
                 raw = [x for kv in raw.items() for x in kv]
             results.append(decode_view_result(thread_id, r, raw))
         return ViewSnapshot(int(version) if version is not None else 0, results)
+
+    async def _transaction(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """The commands in one MULTI/EXEC; their replies, an error reply in its command's place."""
+        if self._held is None:
+            pipe = self.client.pipeline(transaction=True)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await _call(pipe.execute(raise_on_error=False)))
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        payload = b"".join([_MULTI, *(pack_command(c) for c in commands), _EXEC])
+        replies = await _call(self._held.exchange(payload, len(commands) + 2))
+        executed = replies[-1]
+        if isinstance(executed, Exception):  # EXECABORT: a command was refused when queued
+            raise translate_redis_error(next(r for r in replies if isinstance(r, Exception)))
+        return list(executed)
 
     async def load_views(
         self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
@@ -782,6 +811,8 @@ class RedisEventStore(EventStore):
         self._closed = True
         with contextlib.suppress(rex.RedisError, OSError):
             await self._group_commit.aclose()
+            if self._held is not None:
+                await self._held.close()
         if self._owns_client:
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()

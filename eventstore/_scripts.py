@@ -54,15 +54,25 @@ class GroupCommit:
     consecutive expected versions both succeed).
     """
 
-    def __init__(self, client: Any, script: Script, *, max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        client: Any,
+        script: Script,
+        *,
+        max_batch: int = 64,
+        held: HeldConnections | None = None,
+    ) -> None:
         self.client = client
         self.script = script
         self.max_batch = max(1, max_batch)
         self._queue: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        # The append's own RESP path where it is exact (see `_wire`), redis-py's otherwise.
-        self._held = HeldConnections(client) if can_hold(client) else None
+        # Its own RESP path where it is exact (see `_wire`), redis-py's otherwise; a store
+        # passes the connections it holds, to share them with its reads.
+        if held is None and can_hold(client):
+            held = HeldConnections(client)
+        self._held = held
         self._sha = script.sha.encode("ascii")
         self._source = script.source.encode("utf-8")
         # Counters for observability (and tests): calls sent alone, pipelines, calls in them.

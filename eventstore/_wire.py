@@ -1,28 +1,29 @@
-"""The append's own path to the server: script calls packed here, on connections held for it.
+"""The store's own path to Redis for its hot calls: RESP packed here, sent on held connections.
 
-An append is one script call, so its client cost is mostly redis-py's per-command machinery:
-``execute_command`` checks a connection out of the pool (a lock, an ``async_timeout``, a
-``can_read`` probe), wraps the call in its retry loop, records observability metrics, packs each
-argument through the generic encoder and sends under ``asyncio.wait_for`` (a new task per
-command), then checks it back in. Measured here on redis-py 8.1 that is ~40 us of CPU per call,
-more than the whole rest of an append.
+An append is one script call and a history window one LRANGE, so their client cost is mostly
+redis-py's per-command machinery: ``execute_command`` checks a connection out of the pool (a
+lock, an ``async_timeout``, a ``can_read`` probe), wraps the call in its retry loop, records
+observability metrics, packs each argument through the generic encoder and sends under
+``asyncio.wait_for`` (a new task per command), then checks it back in. Measured here on
+redis-py 8.1 that is ~40 us of CPU per call, more than the whole rest of an append.
 
-`HeldConnections` keeps a few of the pool's connections checked out for appends only and talks
-RESP on them directly: the command bytes are built in one join, written to the connection's
-stream, and the replies read with the connection's own parser (hiredis when installed), under
-the connection's own socket timeout and retry policy. What stays the same as redis-py's path:
+`HeldConnections` keeps a few of the pool's connections checked out for the store's hot calls
+(appends, view reads, versions) and talks RESP on them directly: the command bytes are built in
+one format, written to the connection's stream, and the replies read with the connection's own
+parser (hiredis when installed), under the connection's socket timeout and retry policy.
+What stays the same as redis-py's path:
 
 * Connections come from, and go back to, the client's pool (``close`` returns them), so
   authentication, TLS, ``SELECT`` and reconnects are redis-py's own ``connect``.
 * Connection and timeout errors go through the connection's ``Retry`` (disconnect, back off,
-  reconnect, send again). Every call sent this way is an append whose retry is a duplicate the
-  script recognises by its idempotency key, so a repeat is safe.
+  reconnect, send again). Every call sent this way is a read, or an append whose retry is a
+  duplicate the script recognises by its idempotency key, so a repeat is safe.
 * A call that ends any other way mid-exchange (cancelled, say) leaves replies unread: that
   connection is disconnected, never reused as it is.
 
 Used only where it is exact: a standalone ``redis.asyncio.Redis`` on RESP2 without a single
 shared connection. Anything else (cluster, RESP3 push messages, a single-connection client)
-keeps redis-py's path. Appends sent this way do not appear in redis-py's own command metrics.
+keeps redis-py's path. Calls sent this way do not appear in redis-py's own command metrics.
 """
 
 from __future__ import annotations
@@ -58,11 +59,8 @@ def _bulk(arg: Any) -> bytes:
 _FORMATS: dict[int, bytes] = {}  # argument count -> the RESP format of a command that long
 
 
-def pack_script_call(
-    command: bytes, body: bytes, keys: Sequence[Any], args: Sequence[Any]
-) -> bytes:
-    """One ``EVALSHA``/``EVAL`` command in RESP: ``command body numkeys keys... args...``."""
-    parts = (command, body, b"%d" % len(keys), *keys, *args)
+def pack_command(parts: Sequence[Any]) -> bytes:
+    """One command in RESP (bytes, str and int arguments)."""
     n = len(parts)
     fmt = _FORMATS.get(n)
     if fmt is None:
@@ -73,6 +71,13 @@ def pack_script_call(
         b = part if type(part) is bytes else _bulk(part)
         values += (len(b), b)
     return fmt % tuple(values)
+
+
+def pack_script_call(
+    command: bytes, body: bytes, keys: Sequence[Any], args: Sequence[Any]
+) -> bytes:
+    """One ``EVALSHA``/``EVAL`` command in RESP: ``command body numkeys keys... args...``."""
+    return pack_command((command, body, b"%d" % len(keys), *keys, *args))
 
 
 def can_hold(client: Any) -> bool:
@@ -87,7 +92,7 @@ def can_hold(client: Any) -> bool:
 class HeldConnections:
     """A few pool connections held for appends, spoken to in RESP directly."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: Any) -> None:
         self._pool: Any = client.connection_pool
         self._idle: list[Any] = []
         self._keep = min(_MAX_IDLE, int(getattr(self._pool, "max_connections", 0)) // 4)
