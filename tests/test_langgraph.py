@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict, cast
 
 import anyio
+import msgspec
 import pytest
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
 from langchain_core.runnables import RunnableConfig
@@ -26,6 +27,7 @@ from langgraph.graph.message import add_messages
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, Send, StateSnapshot, interrupt
 
+import adapters.langgraph as lg
 import eventstore as es
 from adapters.langgraph import (
     VIEWS,
@@ -542,6 +544,67 @@ async def test_reads_take_one_round_trip_and_hints_never_serve_stale_data(
     assert len(old_style) == 10 and old_style[:8] == fresh
     assert await latest(cold) == old_style and counter.take() == 1
     assert (await a.acheck("hinted")).ok
+
+
+async def test_elements_are_stored_in_blocks(store: es.EventStore) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    tid = saver.thread_id_of("blocks")
+
+    async def put(parent: RunnableConfig, messages: list[Any], versions: dict[str, Any]) -> Any:
+        checkpoint = empty_checkpoint()
+        checkpoint["id"] = str(uuid6(clock_seq=len(messages)))
+        version = saver.get_next_version(versions.get("messages"), None)
+        versions = {**versions, "messages": version}
+        checkpoint["channel_values"] = {"messages": messages}
+        checkpoint["channel_versions"] = versions
+        metadata: Any = {"source": "loop", "step": len(messages)}
+        stored = await saver.aput(parent, checkpoint, metadata, {"messages": version})
+        return stored, versions
+
+    async def values(cfg: RunnableConfig) -> list[Any]:
+        tup = await ThreadlogCheckpointSaver(store).aget_tuple(cfg)  # a cold reader
+        assert tup is not None
+        return cast(list[Any], tup.checkpoint["channel_values"]["messages"])
+
+    async def blocks() -> list[list[int]]:
+        """The data sizes of the elements each block of lg.elements holds."""
+        snap = await store.read_views(tid, [es.HashGetAll("lg.elements")])
+        found = snap.results[0]
+        assert isinstance(found, dict)
+        return [[len(x[1]) for x in msgspec.msgpack.decode(e.value)] for e in found.values()]
+
+    assert (lg.BLOCK, lg.BLOCK_BYTES) == (8, 8192)  # the figures below follow from these
+    # One message per step: 40 elements in five blocks.
+    messages: list[Any] = []
+    versions: dict[str, Any] = {}
+    cfg = config("blocks", checkpoint_ns="")
+    saved: dict[int, tuple[RunnableConfig, dict[str, Any]]] = {}
+    for i in range(40):
+        messages = [*messages, HumanMessage(f"message {i}", id=f"m{i}")]
+        cfg, versions = await put(cfg, messages, versions)
+        saved[len(messages)] = (cfg, versions)
+    assert sorted(len(b) for b in await blocks()) == [8] * 5
+    assert await values(cfg) == messages
+    # Large elements: a block stops growing at BLOCK_BYTES.
+    for i in range(5):
+        messages = [*messages, HumanMessage("x" * 7000, id=f"big{i}")]
+        cfg, versions = await put(cfg, messages, versions)
+    assert await values(cfg) == messages
+    sizes = await blocks()
+    assert sorted(len(b) for b in sizes) == [1] * 5 + [8] * 5  # one 7000-byte element each
+    assert max(sum(b) for b in sizes) < 8192
+    # A branch from step 20: the lineage's last block holds the other branch's elements, so
+    # the branch's new element starts the next block (index 80), not index 73.
+    branch_cfg, branch_versions = saved[20]
+    branch = [*messages[:20], HumanMessage("another way", id="b")]
+    branch_cfg, _ = await put(branch_cfg, branch, branch_versions)
+    assert sorted(len(b) for b in await blocks()) == [1] * 6 + [8] * 5
+    assert await values(branch_cfg) == branch
+    assert await values(cfg) == messages
+    assert (await saver.acheck("blocks")).ok
+    # The fold makes the same blocks: rebuild, then read again.
+    await Projector(store, [saver.projection]).rebuild(tid)
+    assert await values(cfg) == messages and await values(branch_cfg) == branch
 
 
 async def test_prune_then_continue(store: es.EventStore) -> None:
