@@ -11,7 +11,15 @@ from ._access import (
     authorize,
 )
 from ._audit import Auditor, DamageKind, Diff, Problem, ReplayStep, Verdict
-from ._export import COLUMNS, Exporter, ExportResult, committed_positions, read_parquet_dir
+from ._export import (
+    COLUMNS,
+    ExportBusyError,
+    Exporter,
+    ExportResult,
+    ExportWorkerError,
+    committed_positions,
+    read_parquet_dir,
+)
 from ._jsonl import (
     ImportReport,
     JsonlImportError,
@@ -32,7 +40,9 @@ from ._threads import (
 
 __all__ = [
     "COLUMNS",
+    "ExportBusyError",
     "ExportResult",
+    "ExportWorkerError",
     "Exporter",
     "committed_positions",
     "read_parquet_dir",

@@ -8,10 +8,16 @@ appended 100 events per append by 16 concurrent tasks. Each side runs in a child
 its own, so its wall time, CPU time and peak memory (``VmHWM``) are its alone:
 
 - ``parquet`` / ``ndjson``: `adapters.Exporter` end to end — feed, log reads, decoding, files
-  committed (fsync, rename) in a fresh directory;
+  committed (fsync, rename) in a fresh directory — with ``workers=N`` (``--workers``, default
+  the machine's CPU count): this process and N - 1 worker processes share the partitions;
+- ``parquet, 1 process``: the same with ``workers=1``, everything in the one process;
 - ``raw XRANGE + decode``: redis-py ``XRANGE`` over every thread (4096 entries per call) and a
   msgpack decode of every payload — the floor any reader of these events pays;
 - ``verify``: `adapters.Auditor.verify_all` (chain links, digests, payload decode).
+
+An export's peak memory is the sum of its processes' peaks (``VmHWM`` of the exporting
+process, plus each worker's, read from ``/proc`` every 50 ms while it runs): an upper bound on
+what they held at any one moment. Its CPU time includes the workers' (``RUSAGE_CHILDREN``).
 
 Sides alternate their order round after round; the table gives medians over rounds, and the
 ratio to the raw read is the median of per-round ratios. redis-server's CPU per event comes
@@ -26,12 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import resource
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,7 @@ from eventstore import (
     Message,
     NewEvent,
     RedisEventStore,
+    StoreSettings,
     Timing,
     TurnOpened,
     TurnSettled,
@@ -58,7 +67,11 @@ TARGET_PEAK_MB = 500
 EVENTS_PER_APPEND = 100
 EVENTS_PER_THREAD = 1000
 LOADERS = 16
-SIDES = ("raw XRANGE + decode", "parquet", "ndjson", "verify")
+SIDES = ("raw XRANGE + decode", "parquet", "parquet, 1 process", "ndjson", "verify")
+EXPORT_SIDES = {"parquet": ("parquet", None), "parquet, 1 process": ("parquet", 1)}
+EXPORT_SIDES["ndjson"] = ("ndjson", None)
+WORKERS = os.cpu_count() or 1
+"""Processes of the parallel export sides (``--workers``)."""
 SMALL_NAMESPACES = {"bench-small": EVENTS_PER_APPEND, "bench-turns": 2}
 SMALL_SIDES = {
     f"parquet, {EVENTS_PER_APPEND} events per append": ("parquet", "bench-small"),
@@ -161,15 +174,90 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-async def _child_work(side: str, url: str, namespace: str, out: str) -> dict[str, Any]:
+def _pid_mb(pid: int, field: str) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass  # gone
+    return None
+
+
+class WorkerPeaks:
+    """The peak resident memory (``VmHWM``) of every child process started while it runs.
+
+    Children are found by a scan of ``/proc`` every 0.25 s (worker start-up takes longer than
+    that) and their ``VmHWM`` read every 50 ms, the last reading standing for the peak: it only
+    grows, so at most the last 50 ms of a worker's life go unseen.
+    """
+
+    def __init__(self) -> None:
+        self.peaks: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> WorkerPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def total_mb(self) -> float:
+        return sum(self.peaks.values())
+
+    def _watch(self) -> None:
+        me = str(os.getpid())
+        known: set[int] = set()
+        tick = 0
+        while not self._stop.wait(0.05):
+            if tick % 5 == 0:
+                for entry in os.listdir("/proc"):
+                    if entry.isdigit() and int(entry) not in known:
+                        try:
+                            with open(f"/proc/{entry}/stat") as f:
+                                ppid = f.read().rsplit(")", 1)[1].split()[1]
+                        except (OSError, IndexError):
+                            continue
+                        if ppid == me:
+                            known.add(int(entry))
+            tick += 1
+            for pid in known:
+                mb = _pid_mb(pid, "VmHWM")
+                if mb is not None:
+                    self.peaks[pid] = max(self.peaks.get(pid, 0.0), mb)
+
+
+async def _child_work(
+    side: str, url: str, namespace: str, out: str, workers: int
+) -> dict[str, Any]:
     store = await connect(url, namespace=namespace)
     try:
-        if side in ("parquet", "ndjson"):
+        if side in EXPORT_SIDES:
             from adapters import Exporter
 
-            exporter = Exporter(store, out, fmt=side, name=f"bench{new_ulid().lower()}")  # type: ignore[arg-type]
-            result = await exporter.run()
-            return {"events": result.events, "files": len(result.files)}
+            fmt, fixed = EXPORT_SIDES[side]
+            n = fixed or workers
+            exporter = Exporter(
+                store,
+                out,
+                fmt=fmt,  # type: ignore[arg-type]
+                name=f"bench{new_ulid().lower()}",
+                workers=n,
+                settings=StoreSettings.from_url(url, namespace=namespace),
+            )
+            with WorkerPeaks() as peaks:
+                result = await exporter.run()
+            return {
+                "events": result.events,
+                "files": len(result.files),
+                "workers": n,
+                "worker_peak_rss_mb": peaks.total_mb,
+            }
         if side == "verify":
             from adapters import Auditor
 
@@ -196,23 +284,28 @@ async def _child_work(side: str, url: str, namespace: str, out: str) -> dict[str
         await store.close()
 
 
-def child_main(side: str, url: str, namespace: str, out: str) -> None:
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its waited-for children (export workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def child_main(side: str, url: str, namespace: str, out: str, workers: str = "1") -> None:
     """Run one side and print what it measured as one JSON line."""
-    if side in ("parquet", "ndjson"):
+    if side in EXPORT_SIDES:
         # Imported before the baseline is taken, as a long-lived exporter process has them.
         import pyarrow.parquet  # noqa: F401
     rss_before = _status_mb("VmRSS")
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
-    found = asyncio.run(_child_work(side, url, namespace, out))
+    found = asyncio.run(_child_work(side, url, namespace, out, int(workers)))
     wall = time.perf_counter() - t0
-    usage1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     found.update(
         seconds=wall,
-        cpu_seconds=cpu,
+        cpu_seconds=_cpu_seconds() - cpu0,
         rss_before_mb=rss_before,
-        peak_rss_mb=_status_mb("VmHWM"),
+        peak_rss_mb=_status_mb("VmHWM") + found.pop("worker_peak_rss_mb", 0.0),
     )
     print(json.dumps(found))
 
@@ -234,6 +327,7 @@ async def run_side(side: str, url: str, namespace: str, client: Any) -> dict[str
         server0 = await server_cpu_seconds(client)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.export", "--child", side, url, namespace, out,
+            str(WORKERS),
             stdout=asyncio.subprocess.PIPE,
             cwd=ROOT,
         )  # fmt: skip
@@ -371,6 +465,7 @@ def summarize(
                 statistics.median(f["server_cpu_seconds"] / f["events"] * 1e6 for f in found), 2
             ),
             "peak_rss_mb": round(max(f["peak_rss_mb"] for f in found), 1),
+            "workers": found[0].get("workers", 1),
             "rss_before_mb": round(statistics.median(f["rss_before_mb"] for f in found), 1),
             "output_mb": round(statistics.median(f["output_mb"] for f in found), 1),
         }
@@ -410,6 +505,7 @@ def summarize(
         "events": large,
         "events_per_append": EVENTS_PER_APPEND,
         "events_per_thread": EVENTS_PER_THREAD,
+        "workers": WORKERS,
         "load_seconds": round(load_s, 1),
         "redis_used_memory_mb": round(redis_bytes / 2**20, 1),
         "sides": sides,
@@ -442,7 +538,7 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[list[str]], list[list[str]
             side, f"{s['events']:,}", f"{s['events_per_s']:,}", f"{s['ratio_to_raw']:.2f}x",
             f"{s['cpu_us_per_event']:.2f}", f"{s['server_cpu_us_per_event']:.2f}",
             f"{s['rss_before_mb']:.0f}", f"{s['peak_rss_mb']:.0f}",
-            f"{s['output_mb']:.0f}" if side in ("parquet", "ndjson") else "-",
+            f"{s['output_mb']:.0f}" if side in EXPORT_SIDES else "-",
         ]
         for side, s in summary["sides"].items()
     ]  # fmt: skip
@@ -498,7 +594,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"Run of {env.get('date')}: {summary['events']:,} events ({summary['mode']} mode, "
         f"{summary['rounds']} round(s), "
-        f"medians; each side in its own process; redis {env.get('redis_server', '?')}, "
+        f"medians; each side in its own process; parquet and ndjson with workers="
+        f"{summary.get('workers', 1)}; redis {env.get('redis_server', '?')}, "
         f"{env.get('cpus')} CPUs, load {env.get('loadavg_at_start')}):",
         "",
         markdown_table(HEADERS, rows),
@@ -522,7 +619,8 @@ def report(summary: dict[str, Any]) -> None:
     rows, mem = table_rows(summary)
     print_table(
         f"{TITLE}: {summary['events']:,} events, medians over {summary['rounds']} round(s) "
-        "(client CPU: the side's own process, all threads)",
+        "(client CPU: the side's process and its export workers; "
+        f"workers={summary.get('workers', 1)})",
         HEADERS,
         rows,
     )
@@ -547,8 +645,14 @@ def run(quick: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        child_main(*argv[1:5])
+        child_main(*argv[1:6])
         return 0
+    if "--workers" in argv:
+        # Not a `module_main` option (that parser is shared by every module): taken out here.
+        global WORKERS
+        at = argv.index("--workers")
+        WORKERS = int(argv[at + 1])
+        argv = argv[:at] + argv[at + 2 :]
     from .__main__ import module_main
 
     return module_main(NAME, run, argv, quick=f"{QUICK['large']:,} events, one round")

@@ -13,12 +13,23 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import anyio
 import duckdb
 import pyarrow.parquet as pq
 import pytest
 
 import eventstore as es
-from adapters import Exporter, ThreadStore, read_parquet_dir
+from adapters import (
+    COLUMNS,
+    ExportBusyError,
+    Exporter,
+    ExportWorkerError,
+    ThreadStore,
+    committed_positions,
+    read_parquet_dir,
+)
+from adapters._export import _fence_earlier_workers, _ulid_array, _ulid_text
+from eventstore.servers import free_port
 from eventstore.testing import read_all
 
 pytestmark = [pytest.mark.anyio, pytest.mark.partitions(4)]
@@ -135,16 +146,21 @@ EXPORTER = textwrap.dedent(
 
     async def main():
         store = await es.connect(sys.argv[1], namespace=sys.argv[2])
-        await Exporter(store, sys.argv[3], fmt=sys.argv[4], batch=50, rows_per_part=300).run()
+        settings = es.StoreSettings.from_url(sys.argv[1], namespace=sys.argv[2])
+        workers = int(sys.argv[5])
+        await Exporter(
+            store, sys.argv[3], fmt=sys.argv[4], batch=50, rows_per_part=300, workers=workers,
+            settings=settings,
+        ).run()
 
     anyio.run(main)
     """
 )
 
 
-@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+@pytest.mark.parametrize(("fmt", "workers"), [("ndjson", 1), ("parquet", 1), ("parquet", 3)])
 async def test_killed_exporter_leaves_no_duplicates_or_holes(
-    redis_url: str, tmp_path: Path, fmt: str
+    redis_url: str, tmp_path: Path, fmt: str, workers: int
 ) -> None:
     namespace = "x" + uuid.uuid4().hex[:12]
     store = await es.connect(redis_url, namespace=namespace, partitions=4)
@@ -163,6 +179,7 @@ async def test_killed_exporter_leaves_no_duplicates_or_holes(
                 )
         expected = await log_rows(store)
         args = [sys.executable, "-c", EXPORTER, redis_url, namespace, str(tmp_path), fmt]
+        args.append(str(workers))
         cwd = os.path.dirname(os.path.dirname(__file__))
         with subprocess.Popen(args, cwd=cwd) as proc:
             deadline = time.monotonic() + 60
@@ -170,11 +187,16 @@ async def test_killed_exporter_leaves_no_duplicates_or_holes(
                 time.sleep(0.002)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
+        if workers > 1:
+            # Its workers die with it (the kernel kills them); wait until they are gone, as a
+            # rerun does, so that what was committed is final before it is counted.
+            await _fence_earlier_workers(tmp_path)
         committed = sorted(tmp_path.glob(f"part-*.{fmt}"))
         assert committed, "the exporter was killed before committing anything"
         before = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
         assert 0 < len(before) < len(expected), "the kill did not land mid-export"
-        # Rerun to completion, in process, and compare the union of parts with the log.
+        # Rerun to completion, in process, and compare the union of parts with the log. (With
+        # workers, the killed run's workers die with it; the rerun waits until they are gone.)
         result = await Exporter(store, tmp_path, fmt=fmt, batch=50, rows_per_part=300).run()  # type: ignore[arg-type]
         assert not list(tmp_path.glob(".part-*"))
         rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
@@ -185,3 +207,210 @@ async def test_killed_exporter_leaves_no_duplicates_or_holes(
         assert result.events == len(expected) - len(before)
     finally:
         await store.close()
+
+
+# -- parallel export: worker processes -------------------------------------------------------
+
+
+async def fill_partitions(store: es.EventStore, threads: int, appends: int) -> None:
+    """``threads`` threads, each ``appends`` appends of three messages (spread over partitions)."""
+    for i in range(threads):
+        for n in range(appends):
+            await store.append(
+                f"t{i}",
+                [
+                    es.MessageAppended(message=es.Message(role="user", content=f"{n}:{k}"))
+                    for k in range(3)
+                ],
+            )
+
+
+def parquet_rows(directory: Path) -> list[tuple[Any, ...]]:
+    """Every exported row as a tuple of all its columns, sorted."""
+    return sorted(tuple(r.values()) for r in read_parquet_dir(directory))
+
+
+def worker_pids() -> list[int]:
+    """This process's export worker children (found by the bootstrap in their command line)."""
+    me = str(os.getpid())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError):
+            continue
+        if ppid == me and b"_worker_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture
+async def redis_store(redis_url: str, namespace: str) -> Any:
+    store = await es.connect(redis_url, namespace=namespace, partitions=4)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def settings_of(store: es.EventStore, url: str) -> es.StoreSettings:
+    return es.StoreSettings.from_url(url, namespace=store.namespace)
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_parallel_export_writes_exactly_the_rows_of_one_process(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path, fmt: str
+) -> None:
+    store = redis_store
+    for t in ("a", "b", "c", "d", "e"):
+        await conversation(store, t, 3)
+    one, many = tmp_path / "one", tmp_path / "many"
+    single = Exporter(store, one, fmt=fmt, name="one")  # type: ignore[arg-type]
+    parallel = Exporter(
+        store, many, fmt=fmt, name="many", workers=3, settings=settings_of(store, redis_url),  # type: ignore[arg-type]
+        batch=2, rows_per_part=10,
+    )  # fmt: skip
+
+    def rows(directory: Path) -> list[tuple[Any, ...]]:
+        if fmt == "parquet":
+            return parquet_rows(directory)
+        return sorted(tuple(r.values()) for r in ndjson_rows(directory))
+
+    seen: list[int] = []
+    first = await parallel.run(progress=seen.append)
+    expected = await single.run()
+    assert rows(many) == rows(one) and first.events == expected.events == len(rows(one))
+    assert first.positions == expected.positions
+    assert seen and seen[-1] == first.events  # progress sums every process's rows
+    assert not list(many.glob(".part-*"))
+    # Each sidecar names only the partitions its process exported, and the merge of all of
+    # them is where the run ended.
+    assert committed_positions(many)[1] == expected.positions
+    assert (await parallel.run()).files == []  # nothing new, nothing written
+
+    await conversation(store, "a", 2)
+    await conversation(store, "f", 1)
+    await store.delete_thread("b")
+    second = await parallel.run()
+    again = await single.run()
+    assert second.tombstones == again.tombstones == 1
+    assert second.events == again.events
+    assert rows(many) == rows(one)
+    exported = keyset([dict(zip(COLUMNS, r, strict=True)) for r in rows(many)])
+    assert len(exported) == len(set(exported))  # no duplicates across runs and processes
+    # Workers advanced their own partitions' consumer groups, so trimming waits for them too.
+    for p in range(store.partitions):
+        groups = {g.name: g.last_delivered for g in await store.feed_groups(p)}
+        assert groups["export-many"] == groups["export-one"]
+
+
+async def test_a_killed_worker_is_reported_and_the_rerun_is_exact(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path
+) -> None:
+    store = redis_store
+    await fill_partitions(store, 40, 20)
+    expected = await log_rows(store)
+    exporter = Exporter(
+        store, tmp_path, workers=2, settings=settings_of(store, redis_url), batch=5,
+        rows_per_part=200,
+    )  # fmt: skip
+
+    async def kill_the_worker() -> None:
+        while not (pids := worker_pids()):
+            await anyio.sleep(0.001)
+        os.kill(pids[0], signal.SIGKILL)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_the_worker)
+        with pytest.raises(ExportWorkerError, match="killed by SIGKILL"):
+            await exporter.run()
+    assert worker_pids() == []  # nothing left running
+    result = await exporter.run()
+    exported = keyset(list(read_parquet_dir(tmp_path)))
+    assert len(exported) == len(set(exported)), "duplicates"
+    assert set(exported) == expected, "holes"
+    assert result.events <= len(expected)
+
+
+async def test_a_worker_error_surfaces_as_its_own_type(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path
+) -> None:
+    store = redis_store
+    await fill_partitions(store, 8, 3)
+    # The workers connect from the settings: here a port nothing listens on. This process's
+    # own share succeeds; the worker's StoreConnectionError is raised here, as itself.
+    nowhere = es.StoreSettings.from_url(
+        f"redis://127.0.0.1:{free_port()}", namespace=store.namespace
+    )
+    exporter = Exporter(store, tmp_path, workers=2, settings=nowhere)
+    with pytest.raises(es.StoreConnectionError) as caught:
+        with anyio.fail_after(60):
+            await exporter.run()
+    assert any("export worker 1" in note for note in getattr(caught.value, "__notes__", []))
+    assert not list(tmp_path.glob(".part-*")), "this process's open part was not discarded"
+    assert worker_pids() == []
+    await Exporter(store, tmp_path, workers=2, settings=settings_of(store, redis_url)).run()
+    exported = keyset(list(read_parquet_dir(tmp_path)))
+    assert len(exported) == len(set(exported)) and set(exported) == await log_rows(store)
+
+
+async def test_a_hung_worker_is_stopped_within_the_timeout(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path
+) -> None:
+    store = redis_store
+    await fill_partitions(store, 40, 20)
+    exporter = Exporter(
+        store, tmp_path, workers=2, settings=settings_of(store, redis_url), batch=5,
+        worker_timeout=2.0,
+    )  # fmt: skip
+
+    async def freeze_the_worker() -> None:
+        while not (pids := worker_pids()):
+            await anyio.sleep(0.001)
+        os.kill(pids[0], signal.SIGSTOP)
+
+    started = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(freeze_the_worker)
+        with pytest.raises(ExportWorkerError, match="sent nothing for 2 s"):
+            await exporter.run()
+    assert time.monotonic() - started < 30
+    assert worker_pids() == []
+
+
+async def test_one_run_at_a_time_per_directory(redis_store: es.EventStore, tmp_path: Path) -> None:
+    import fcntl
+
+    await conversation(redis_store, "t", 1)
+    with open(tmp_path / ".export.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(ExportBusyError):
+            await Exporter(redis_store, tmp_path).run()
+    assert (await Exporter(redis_store, tmp_path).run()).events == 3
+
+
+def test_parallel_export_settings_are_checked(tmp_path: Path) -> None:
+    memory = es.MemoryEventStore(partitions=4)
+    with pytest.raises(es.InvalidInputError, match="workers"):
+        Exporter(memory, tmp_path, workers=0)
+    with pytest.raises(es.InvalidInputError, match="settings"):
+        Exporter(memory, tmp_path, workers=2)
+    with pytest.raises(es.InvalidInputError, match="in-memory"):
+        Exporter(memory, tmp_path, workers=2, settings=es.StoreSettings.from_url("memory://"))
+    # More workers than partitions: one per partition, and one partition needs no worker.
+    assert Exporter(es.MemoryEventStore(partitions=1), tmp_path, workers=8).workers == 1
+
+
+def test_ulid_text_of_a_whole_column_matches_one_at_a_time() -> None:
+    ids = [os.urandom(16) for _ in range(1000)] + [
+        b"\x00" * 16,
+        b"\xff" * 16,
+        b"\x80" + b"\x00" * 15,
+    ]
+    assert _ulid_array(ids).to_pylist() == [_ulid_text(i) for i in ids]
+    assert [_ulid_text(i) for i in ids[-3:-1]] == ["0" * 26, "7" + "Z" * 25]
