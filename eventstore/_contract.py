@@ -143,9 +143,20 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def read_raw(
-        self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = 512
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        count: int = 512,
+        incarnation: int | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Stored entries as they are, undecoded: for verification and damage reports."""
+        """Stored entries as they are, undecoded: for verification, damage reports and export.
+
+        With ``incarnation`` (a `FeedEntry.incarnation`), entries come only if the thread is
+        still in that life: nothing when it was deleted and created again since, as one atomic
+        read (a feed entry's seqs then name events that no longer exist).
+        """
 
     @abc.abstractmethod
     async def version(self, thread_id: str) -> int:

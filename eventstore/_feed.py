@@ -21,6 +21,10 @@ class FeedEntry(msgspec.Struct, frozen=True, kw_only=True):
     first_seq: int
     last_seq: int
     deleted: bool = False
+    incarnation: int | None = None
+    """Which life of the thread the change belongs to (its creation time in us): a thread
+    deleted and created again under the same id starts a new one. None on entries written
+    before threadlog recorded it."""
 
     @property
     def time_ms(self) -> int:
@@ -63,6 +67,7 @@ def entry_from_fields(partition: int, entry_id: str, fields: dict[bytes, bytes])
         first_seq=int(fields[b"f"]),
         last_seq=int(fields[b"l"]),
         deleted=fields.get(b"x") == b"deleted",
+        incarnation=int(fields[b"n"]) if b"n" in fields else None,
     )
 
 

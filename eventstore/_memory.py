@@ -90,6 +90,7 @@ class _Thread:
     version: int = 0
     head: str = ""
     created_ms: int = 0
+    incarnation: int = 0
     ledger: dict[bytes, tuple[int, int, str]] = field(default_factory=dict)
     views: dict[str, list[bytes] | dict[str, bytes]] = field(default_factory=dict)
 
@@ -168,6 +169,18 @@ class MemoryServer:
         if ns is None:
             ns = self.namespaces[name] = _Namespace(partitions)
         return ns
+
+
+_incarnation_lock = threading.Lock()
+_last_incarnation = 0
+
+
+def _incarnation() -> int:
+    """A new thread life's marker, as Redis makes it (creation time in us), never repeated here."""
+    global _last_incarnation
+    with _incarnation_lock:
+        _last_incarnation = max(_last_incarnation + 1, time.time_ns() // 1000)
+        return _last_incarnation
 
 
 def _field_version(raw: bytes | None) -> int:
@@ -282,13 +295,19 @@ class MemoryEventStore(EventStore):
             self._apply(thread, op, version)
         if version == 0:
             thread.created_ms = now
+            thread.incarnation = _incarnation()
             self._ns.threads[thread_id] = thread
         thread.version = last
         thread.head = prev
         thread.ledger[ikey] = (first, last, rdigest)
         p = partition_of(thread_id, self.partitions)
         self._ns.feeds.setdefault(p, _Feed()).add(
-            {b"t": thread_id.encode(), b"f": b"%d" % first, b"l": b"%d" % last}
+            {
+                b"t": thread_id.encode(),
+                b"f": b"%d" % first,
+                b"l": b"%d" % last,
+                b"n": b"%d" % thread.incarnation,
+            }
         )
         self._ns.index[thread_id] = now
         return AppendResult(thread_id, first, last)
@@ -330,10 +349,16 @@ class MemoryEventStore(EventStore):
         return thread.version if thread else 0
 
     async def read_raw(
-        self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = READ_BATCH
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        count: int = READ_BATCH,
+        incarnation: int | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
         thread = self._thread(thread_id)
-        if thread is None:
+        if thread is None or (incarnation is not None and thread.incarnation != incarnation):
             return []
         span = thread.span(max(start, 1), stop)[:count]
         return [(_entry_id(thread.ids[i]), dict(thread.entries[i])) for i in span]
@@ -460,7 +485,13 @@ class MemoryEventStore(EventStore):
         self._ns.index.pop(thread_id, None)
         p = partition_of(thread_id, self.partitions)
         self._ns.feeds.setdefault(p, _Feed()).add(
-            {b"t": thread_id.encode(), b"f": b"0", b"l": b"%d" % thread.version, b"x": b"deleted"}
+            {
+                b"t": thread_id.encode(),
+                b"f": b"0",
+                b"l": b"%d" % thread.version,
+                b"n": b"%d" % thread.incarnation,
+                b"x": b"deleted",
+            }
         )
         return thread.version
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import heapq
+import itertools
+import operator
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -113,6 +116,14 @@ async def _call(op: Awaitable[T]) -> T:
     # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
     except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
         raise translate_redis_error(exc) from exc
+
+
+def _as_dict(fields: Any) -> dict[bytes, bytes]:
+    """Stream entry fields as redis-py's reply callback gives them (the raw reply is flat)."""
+    if isinstance(fields, dict):
+        return fields
+    it = iter(fields)
+    return dict(zip(it, it, strict=True))
 
 
 class _KeyIndex:
@@ -313,14 +324,29 @@ class RedisEventStore(EventStore):
         return reply
 
     async def read_raw(
-        self, thread_id: str, *, start: int = 1, stop: int | None = None, count: int = READ_BATCH
+        self,
+        thread_id: str,
+        *,
+        start: int = 1,
+        stop: int | None = None,
+        count: int = READ_BATCH,
+        incarnation: int | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
         validate_thread_id(thread_id)
         hi = "+" if stop is None else f"{stop}-0"
-        rows = await _call(
-            self.client.xrange(self.keys.log(thread_id), f"{max(start, 1)}-0", hi, count=count)
-        )
-        return [(entry_id, fields) for entry_id, fields in rows]
+        log, lo = self.keys.log(thread_id), f"{max(start, 1)}-0"
+        if incarnation is None:
+            rows = await _call(self.client.xrange(log, lo, hi, count=count))
+        else:
+            alive, rows = await self._transaction(
+                [("HGET", self.keys.meta(thread_id), "n"), ("XRANGE", log, lo, hi, "COUNT", count)]
+            )
+            for reply in (alive, rows):
+                if isinstance(reply, Exception):
+                    raise translate_redis_error(reply)
+            if alive is None or int(alive) != incarnation:
+                return []
+        return [(entry_id, _as_dict(fields)) for entry_id, fields in rows]
 
     async def read(
         self,
@@ -384,7 +410,9 @@ class RedisEventStore(EventStore):
                     pending = asyncio.ensure_future(fetch(log, b"(" + rows[-1][0], hi))
                     await asyncio.sleep(0)
                 if rows:
-                    yield decode_rows(thread_id, rows, self.registry)
+                    batch = decode_rows(thread_id, rows, self.registry)
+                    del rows  # not held while the caller folds the batch
+                    yield batch
         finally:
             if pending is not None:
                 pending.cancel()
@@ -503,20 +531,24 @@ class RedisEventStore(EventStore):
     ) -> None:
         validate_thread_id(thread_id)
         values = size = 0
+        sizes: list[list[int]] = []  # per op: the bytes of each value (hash: field and value)
         for op in ops:
             self.keys.view(thread_id, op.view)  # validates the name before anything is sent
             if isinstance(op, ListLoad):
+                sizes.append([len(e.value) for e in op.entries])
                 values += len(op.entries)
-                size += sum(len(e.value) for e in op.entries)
             elif isinstance(op, HashLoad):
+                sizes.append([len(f) + len(e.value) for f, e in op.entries.items()])
                 values += 2 * len(op.entries)
-                size += sum(len(f) + len(e.value) for f, e in op.entries.items())
-            elif not isinstance(op, ViewClear):
+            elif isinstance(op, ViewClear):
+                sizes.append([])
+            else:
                 raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
+            size += sum(sizes[-1])
         if expected_version > 0 and (
             values > self.load_chunk_values or size > self.load_chunk_bytes
         ):
-            await self._load_views_chunked(thread_id, ops, expected_version)
+            await self._load_views_chunked(thread_id, ops, sizes, expected_version)
             return
         index = _KeyIndex([self.keys.meta(thread_id)])
         args: list[Any] = [expected_version, len(ops)]
@@ -538,7 +570,11 @@ class RedisEventStore(EventStore):
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
 
     async def _load_views_chunked(
-        self, thread_id: str, ops: Sequence[ViewOp], expected_version: int
+        self,
+        thread_id: str,
+        ops: Sequence[ViewOp],
+        sizes: list[list[int]],
+        expected_version: int,
     ) -> None:
         """A load too big for one command: bounded chunks to staging keys, then one swap.
 
@@ -564,13 +600,12 @@ class RedisEventStore(EventStore):
                 staged.append(stage)
                 if isinstance(op, ListLoad):
                     entries = op.entries
-                    for a, b in self._chunk_bounds([len(e.value) for e in entries], 1):
+                    for a, b in self._chunk_bounds(sizes[n], 1):
                         values = [stamp_list_value(e.seq, e.value) for e in entries[a:b]]
                         await self._stage(thread_id, meta, stage, "RPUSH", values, expected_version)
                 else:
                     fields = list(op.entries.items())
-                    sizes = [len(f) + len(e.value) for f, e in fields]
-                    for a, b in self._chunk_bounds(sizes, 2):
+                    for a, b in self._chunk_bounds(sizes[n], 2):
                         pairs: list[Any] = []
                         for f, e in fields[a:b]:
                             pairs += (f, stamp_hash_value(e.version, e.seq, e.value))
@@ -595,15 +630,16 @@ class RedisEventStore(EventStore):
         """Cut items of ``sizes`` bytes (``width`` values each) into chunks within the limits."""
         per_chunk = max(1, self.load_chunk_values // width)
         limit = self.load_chunk_bytes
+        # Running byte totals (each item with ~24 bytes of stamp and framing), then one bisect
+        # per chunk: no Python step per value.
+        ends = list(itertools.accumulate(map(operator.add, sizes, itertools.repeat(24))))
         bounds: list[tuple[int, int]] = []
-        start, total = 0, 0
-        for i, size in enumerate(sizes):
-            size += 24  # the stamp and the protocol's framing
-            if i > start and (i - start >= per_chunk or total + size > limit):
-                bounds.append((start, i))
-                start, total = i, 0
-            total += size
-        bounds.append((start, len(sizes)))
+        start, base, n = 0, 0, len(sizes)
+        while start < n:
+            stop = bisect.bisect_right(ends, base + limit, start, min(start + per_chunk, n))
+            stop = max(stop, start + 1)  # an item above the limit goes alone
+            bounds.append((start, stop))
+            start, base = stop, ends[stop - 1]
         return bounds
 
     async def _stage(

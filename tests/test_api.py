@@ -351,7 +351,6 @@ def test_thread_keys_share_the_partition_tag_and_slot(partitions: int) -> None:
     assert {owner[2] for owner in keys.values() if owner[0] == "thread"} >= {
         "log",
         "meta",
-        "ledger",
         "view",
     }
     for t in THREADS:

@@ -20,7 +20,9 @@ Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
       | {"reused"} | {"view", key index, field, expected, actual}
 Every check runs before the first write: Redis does not roll a script back.
 
-Meta fields: "v" version, "h" chain head, "s" last time (ms), "c" creation time; and the
+Meta fields: "v" version, "h" chain head, "s" last time (ms), "c" creation time (ms), "n" the
+incarnation (creation time in us: tells a thread from one deleted and recreated under its id;
+every feed entry carries it); and the
 ledger, one field per append: the idempotency key ("k:<caller's key>", or "e" + the first event
 id's 16 bytes: never one letter) -> "<first>[ <last>]" (last only when it differs) followed by
 the first 6 bytes of the request digest. One hash for both: each append reads and writes it
@@ -33,7 +35,7 @@ local n_events, n_ops = tonumber(ARGV[5]), tonumber(ARGV[6])
 local FIRST_EVENT = 7
 
 -- 1. idempotency: a known key returns the original result and writes nothing
-local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey)
+local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey, 'n')
 local prior = state[4]
 if prior then
   if string.sub(prior, -6) ~= string.sub(rdigest, 1, 6) then return {'reused'} end
@@ -112,6 +114,7 @@ local first, last = version + 1, version + n_events
 -- concatenation and Redis formats a number argument anew in every call, which together cost
 -- more than some of the calls below. The digits are the same either way (integers < 2^53).
 local now_s, first_s = tostring(now), tostring(first)
+local incarnation = state[5] or (t[1] .. string.format('%06d', tonumber(t[2])))
 local last_s = n_events == 1 and first_s or tostring(last)
 local a = FIRST_EVENT
 for e = 1, n_events do
@@ -152,10 +155,13 @@ end
 local span = n_events == 1 and first_s or (first_s .. ' ' .. last_s)
 local entry = span .. string.sub(rdigest, 1, 6)
 if version == 0 then
-  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'c', now_s)
-else
+  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'c', now_s,
+    'n', incarnation)
+elseif state[5] then
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry)
+else  -- a thread from before incarnations were recorded gets one now
+  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'n', incarnation)
 end
-redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s)
+redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s, 'n', incarnation)
 redis.call('ZADD', index, now_s, thread)
 return {'ok', first, last, now}

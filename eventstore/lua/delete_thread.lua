@@ -7,11 +7,16 @@ ARGV[1] thread id
 Returns the version the thread had (0 when it did not exist; nothing is written then).
 ]]
 
-local version = tonumber(redis.call('HGET', KEYS[2], 'v') or '0')
+local state = redis.call('HMGET', KEYS[2], 'v', 'n')
+local version = tonumber(state[1] or '0')
 if version == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 1, #KEYS do
   if i ~= 3 and i ~= 4 then redis.call('DEL', KEYS[i]) end
 end
 redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('XADD', KEYS[3], '*', 't', ARGV[1], 'f', 0, 'l', version, 'x', 'deleted')
+if state[2] then
+  redis.call('XADD', KEYS[3], '*', 't', ARGV[1], 'f', 0, 'l', version, 'n', state[2], 'x', 'deleted')
+else
+  redis.call('XADD', KEYS[3], '*', 't', ARGV[1], 'f', 0, 'l', version, 'x', 'deleted')
+end
 return version
