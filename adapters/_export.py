@@ -116,6 +116,9 @@ _DICTIONARY_COLUMNS = ["namespace", "thread", "type", "outcome", "model_tier"]
 # Min/max statistics only where a reader can prune with them: on ids and payload JSON they cost
 # the writer and tell a query nothing.
 _STATISTICS_COLUMNS = [c for c in COLUMNS if c not in ("id", "payload")]
+AUTO_WORKERS_MAX = 3
+"""The most processes `auto_workers` picks: each peaks at ~140 to 170 MB (bench.export), so
+three stay under the 500 MB an export may use."""
 _RUN_LOCK = ".export.lock"
 """Held (exclusively) by the process running an export into the directory."""
 _WORKERS_LOCK = ".workers.lock"
@@ -599,6 +602,14 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
         raw = json.loads(sidecar.read_text())
         positions.update({int(k): v for k, v in raw.items()})
     return (max(parts)[0] if parts else 0), positions
+
+
+def auto_workers(store: EventStore) -> int:
+    """A worker count for a large export of ``store``: one per CPU, at most one per partition
+    and at most `AUTO_WORKERS_MAX`; 1 for a store other processes cannot open (in memory)."""
+    if not isinstance(store, RedisEventStore):
+        return 1
+    return max(1, min(os.cpu_count() or 1, store.partitions, AUTO_WORKERS_MAX))
 
 
 class Exporter:

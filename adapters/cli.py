@@ -44,7 +44,7 @@ from projections import (
 
 from ._audit import Auditor, Verdict
 from ._demo import PLANNER_VIEW, demo_state, record_demo
-from ._export import Exporter
+from ._export import Exporter, auto_workers
 from ._jsonl import export_jsonl, import_jsonl
 from ._sessions import SessionStore
 
@@ -125,6 +125,19 @@ def parse_time(text: str) -> datetime:
             "ago (90s, 15m, 2h, 7d)"
         ) from None
     return moment if moment.tzinfo is not None else moment.astimezone()
+
+
+def parse_workers(text: str) -> int | str:
+    """``auto`` or a whole number >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a whole number >= 1")
+    return n
 
 
 def parse_as_of(text: str) -> AsOf:
@@ -298,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--name", default="export", help="export name: its feed checkpoints (default 'export')"
+    )
+    p.add_argument(
+        "--workers",
+        type=parse_workers,
+        default="auto",
+        metavar="N|auto",
+        help="processes sharing the partitions (default auto: one per CPU, at most 3 and one "
+        "per partition; 1 exports in this process only)",
     )
     add("rebuild", "recompute materialized views from the log", cmd_rebuild, parents=[target])
     add(
@@ -1154,7 +1175,16 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
                 "parquet export needs pyarrow: pip install 'threadlog[export]' "
                 "(or use --format ndjson)"
             ) from None
-    exporter = Exporter(ctx.store, args.out, fmt=args.fmt, name=args.name)
+    workers = auto_workers(ctx.store) if args.workers == "auto" else args.workers
+    exporter = Exporter(
+        ctx.store,
+        args.out,
+        fmt=args.fmt,
+        name=args.name,
+        workers=workers,
+        # Workers open their own connections: to the same URL, in the store's namespace.
+        settings=es.StoreSettings.from_url(ctx.where.url, namespace=ctx.store.namespace),
+    )
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)
     if args.json:

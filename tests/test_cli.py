@@ -170,6 +170,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["show"], "required: THREAD"),
     (["show", "t1", "--as-of", "yesterday"], "not an ISO-8601 time"),
     (["export", "--format", "csv", "--out", "x"], "invalid choice: 'csv'"),
+    (["export", "--out", "x", "--workers", "0"], "not 'auto' or a whole number >= 1"),
+    (["export", "--out", "x", "--workers", "2"], "in-memory store cannot be shared"),
     (["tail", "--limit", "-1"], "must be >= 0"),
     (["show", "no-such-thread"], "no thread 'no-such-thread'"),
     (["show", "bad{id}"], "forbidden character"),
@@ -547,6 +549,31 @@ def test_export_ndjson_and_parquet_incrementally(demo: Demo, tmp_path: Path) -> 
     blocked.write_text("not a directory")
     error = cli("export", "--out", str(blocked / "x"), url=demo.url, namespace=demo.namespace)
     assert str(blocked) in assert_one_line_error(error)
+
+
+def test_export_with_worker_processes_writes_the_same_rows(redis_url: str, tmp_path: Path) -> None:
+    namespace = fresh_namespace()
+
+    async def record(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for i in range(12):  # threads over several partitions
+            turn = await threads.open_turn(
+                f"w{i}", request_message={"role": "user", "content": "q"}
+            )
+            await threads.settle_turn(f"w{i}", turn, outcome="completed", model_tier="small")
+
+    with_store(redis_url, namespace, record)
+    runs = {}
+    for workers in ("1", "3"):
+        out = tmp_path / workers
+        run = cli(
+            "export", "--out", str(out), "--workers", workers, "--json",
+            url=redis_url, namespace=namespace,
+        )  # fmt: skip
+        assert run.code == 0, run
+        runs[workers] = sorted(tuple(r.values()) for r in read_parquet_dir(out))
+        assert run.json()["events"] == len(runs[workers]) == 24
+    assert runs["1"] == runs["3"]
 
 
 def test_jsonl_import_and_export_round_trip(redis_url: str, tmp_path: Path) -> None:
