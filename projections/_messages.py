@@ -33,8 +33,12 @@ from ._base import Projection, decode_entries, encoder
 DEFAULT_WINDOW = 6
 
 
-class StoredMessage(msgspec.Struct, frozen=True, kw_only=True):
+class StoredMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A message of the conversation with the seq of the event that added it."""
+
+    # gc=False: a fold of a long log holds one per message; untracked, the garbage collector
+    # does not traverse them again and again while the fold grows. It holds a decoded message
+    # and strings, which cannot form a reference cycle.
 
     seq: int
     message: Message

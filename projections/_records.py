@@ -102,12 +102,22 @@ class Anomaly(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass
 class RecordsState:
-    """The folded records: per-turn entries (with hash versions) and the settle order."""
+    """The folded records: per-turn view entries (the encoded record with its hash version and
+    seq) and the settle order.
 
-    turns: dict[str, tuple[ViewEntry, _RecordValue]] = field(default_factory=dict)
+    Records are kept encoded, as the ``turns`` view stores them, and decoded when read: a fold
+    of a long log then holds one untracked object per turn instead of a few objects the
+    garbage collector traverses over and over while the fold grows.
+    """
+
+    turns: dict[str, ViewEntry] = field(default_factory=dict)
     settled: list[ViewEntry] = field(default_factory=list)
     opened: set[str] = field(default_factory=set)
+    closed: set[str] = field(default_factory=set)  # turns whose latest record is a settlement
     anomalies: list[Anomaly] = field(default_factory=list)
+
+
+_value_decoder = msgspec.msgpack.Decoder(_RecordValue)
 
 
 def _value_of(payload: object, event_id: str) -> _RecordValue | None:
@@ -157,19 +167,21 @@ class RecordsProjection(Projection[RecordsState]):
         assert isinstance(payload, TurnOpened | TurnSettled)
         turn = payload.turn_id
         prior = state.turns.get(turn)
-        version = (prior[0].version if prior else 0) + 1
-        state.turns[turn] = (ViewEntry(event.seq, encoder.encode(value), version), value)
+        version = (prior.version if prior else 0) + 1
+        state.turns[turn] = ViewEntry(event.seq, encoder.encode(value), version)
         if isinstance(payload, TurnOpened):
             if turn in state.opened:
                 state.anomalies.append(Anomaly(kind="opened_twice", seq=event.seq, turn_id=turn))
             state.opened.add(turn)
+            state.closed.discard(turn)
         else:
             if turn not in state.opened:
                 state.anomalies.append(
                     Anomaly(kind="settled_without_open", seq=event.seq, turn_id=turn)
                 )
-            if prior is not None and prior[1].status == "settled":
+            if turn in state.closed:
                 state.anomalies.append(Anomaly(kind="settled_twice", seq=event.seq, turn_id=turn))
+            state.closed.add(turn)
             state.settled.append(ViewEntry(event.seq, turn.encode("utf-8")))
         return state
 
@@ -188,7 +200,7 @@ class RecordsProjection(Projection[RecordsState]):
 
     def materialize(self, state: RecordsState) -> list[ViewOp]:
         return [
-            HashLoad("turns", {turn: entry for turn, (entry, _) in state.turns.items()}),
+            HashLoad("turns", dict(state.turns)),
             ListLoad("settled", tuple(state.settled)),
         ]
 
@@ -225,7 +237,10 @@ class RecordsProjection(Projection[RecordsState]):
         The order is the one a read of the ``turns`` hash can give (a hash has none of its
         own); for ULID turn ids it is the order the turns were created in.
         """
-        return [_record(thread_id, t, e.seq, v) for t, (e, v) in sorted(state.turns.items())]
+        return [
+            _record(thread_id, t, e.seq, _value_decoder.decode(e.value))
+            for t, e in sorted(state.turns.items())
+        ]
 
     @staticmethod
     def settled_records(
@@ -242,8 +257,8 @@ class RecordsProjection(Projection[RecordsState]):
         for entry in entries:
             turn = entry.value.decode("utf-8")
             if turn not in seen:
-                e, v = state.turns[turn]
-                seen[turn] = _record(thread_id, turn, e.seq, v)
+                e = state.turns[turn]
+                seen[turn] = _record(thread_id, turn, e.seq, _value_decoder.decode(e.value))
         return list(seen.values())
 
     @staticmethod

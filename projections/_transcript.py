@@ -31,8 +31,10 @@ from ._base import Projection, decode_entries, encoder
 _message_decoder = msgspec.msgpack.Decoder(Message)
 
 
-class TranscriptMessage(msgspec.Struct, frozen=True, kw_only=True):
+class TranscriptMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A transcript message with the seq of the event that wrote it."""
+
+    # gc=False: as `StoredMessage` (one per message in a fold; holds no cycle).
 
     seq: int
     message: Message
