@@ -29,10 +29,14 @@ from eventstore import (
 )
 from eventstore._codec import decode_entry, decode_rows
 from eventstore._keys import STAGING_TTL_S
+from eventstore.servers import RedisServer
 from projections import Projector
 from projections.testing import make_projector, message, opened, settled, snapshot, ulids
 
 from .test_fuzz import FAST, entry_fields_strategy, entry_ids
+from .test_security import acl_server, add_tenant, admin, tenant_url
+
+__all__ = ["acl_server"]  # a fixture, shared with the tenant tests
 
 pytestmark = pytest.mark.anyio
 
@@ -273,6 +277,24 @@ async def test_a_staging_key_lost_half_way_is_an_error_not_a_short_view(
         await projector.rebuild("t")
     assert await staging_keys(store) == []
     assert await snapshot(projector, "t") == before
+
+
+async def test_a_tenant_confined_user_can_run_a_chunked_rebuild(acl_server: RedisServer) -> None:
+    """The commands a chunked load sends and its swap script calls are all in ACL_COMMANDS."""
+    namespace = "r" + uuid.uuid4().hex[:12]
+    url = tenant_url(acl_server, *add_tenant(acl_server, namespace))
+    async with await es.connect(url, namespace=namespace) as tenant:
+        assert isinstance(tenant, RedisEventStore)
+        tenant.load_chunk_values, tenant.load_chunk_bytes = CHUNK_VALUES, CHUNK_BYTES
+        projector = make_projector(tenant)
+        await write_turns(projector, "t", 8)
+        before = await snapshot(projector, "t")
+        await tenant.client.delete(tenant.keys.view("t", "turns"))
+        assert await projector.rebuild("t") == 32
+        assert await snapshot(projector, "t") == before
+    with admin(acl_server) as c:  # SCAN is not the tenant's to run
+        assert c.keys(f"tl:{{{namespace}:*}}:load:*") == []
+        assert c.exists(tenant.keys.view("t", "turns")) == 1
 
 
 # -- the bulk read path decodes exactly as decode_entry does -------------------------------------
