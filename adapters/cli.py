@@ -1184,6 +1184,7 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
         workers=workers,
         # Workers open their own connections: to the same URL, in the store's namespace.
         settings=es.StoreSettings.from_url(ctx.where.url, namespace=ctx.store.namespace),
+        pause_gc=True,  # this process does nothing else meanwhile
     )
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)

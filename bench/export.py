@@ -8,9 +8,11 @@ appended 100 events per append by 16 concurrent tasks. Each side runs in a child
 its own, so its wall time, CPU time and peak memory (``VmHWM``) are its alone:
 
 - ``parquet`` / ``ndjson``: `adapters.Exporter` end to end — feed, log reads, decoding, files
-  committed (fsync, rename) in a fresh directory — with ``workers=N`` (``--workers``, default
-  the machine's CPU count): this process and N - 1 worker processes share the partitions;
-- ``parquet, 1 process``: the same with ``workers=1``, everything in the one process;
+  committed (fsync, rename) in a fresh directory — run as ``threadlog export`` runs it:
+  ``workers=N`` (``--workers``, default the machine's CPU count: this process and N - 1 worker
+  processes share the partitions) and ``pause_gc=True``;
+- ``parquet, 1 process``: the same with the library's defaults (``workers=1``, the collector
+  left running), as an application that embeds the exporter runs it;
 - ``raw XRANGE + decode``: redis-py ``XRANGE`` over every thread (4096 entries per call) and a
   msgpack decode of every payload — the floor any reader of these events pays;
 - ``verify``: `adapters.Auditor.verify_all` (chain links, digests, payload decode).
@@ -249,6 +251,7 @@ async def _child_work(
                 name=f"bench{new_ulid().lower()}",
                 workers=n,
                 settings=StoreSettings.from_url(url, namespace=namespace),
+                pause_gc=fixed is None,
             )
             with WorkerPeaks() as peaks:
                 result = await exporter.run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -270,7 +271,7 @@ async def test_parallel_export_writes_exactly_the_rows_of_one_process(
     for t in ("a", "b", "c", "d", "e"):
         await conversation(store, t, 3)
     one, many = tmp_path / "one", tmp_path / "many"
-    single = Exporter(store, one, fmt=fmt, name="one")  # type: ignore[arg-type]
+    single = Exporter(store, one, fmt=fmt, name="one", pause_gc=True)  # type: ignore[arg-type]
     parallel = Exporter(
         store, many, fmt=fmt, name="many", workers=3, settings=settings_of(store, redis_url),  # type: ignore[arg-type]
         batch=2, rows_per_part=10,
@@ -284,6 +285,7 @@ async def test_parallel_export_writes_exactly_the_rows_of_one_process(
     seen: list[int] = []
     first = await parallel.run(progress=seen.append)
     expected = await single.run()
+    assert gc.isenabled()  # paused for the run only
     assert rows(many) == rows(one) and first.events == expected.events == len(rows(one))
     assert first.positions == expected.positions
     assert seen and seen[-1] == first.events  # progress sums every process's rows
