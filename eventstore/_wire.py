@@ -42,6 +42,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # Connections kept between calls: group commit has one send in flight, rarely more. Never more
 # than a quarter of the pool, so other commands on the same client are not starved of it.
 _MAX_IDLE = 2
+_READ_SIZE = 65536
+
+_HIREDIS_PARSER: Any = None  # redis-py's hiredis parser class, read from directly when in use
+NOT_ENOUGH_DATA: Any = None
+try:
+    from redis._parsers import hiredis as _redis_hiredis
+
+    _HIREDIS_PARSER = _redis_hiredis._AsyncHiredisParser
+    NOT_ENOUGH_DATA = _redis_hiredis.NOT_ENOUGH_DATA
+except (ImportError, AttributeError):  # another redis-py layout: its read_response is used
+    pass
 
 
 def _bulk(arg: Any) -> bytes:
@@ -80,6 +91,40 @@ def pack_script_call(
     return pack_command((command, body, b"%d" % len(keys), *keys, *args))
 
 
+async def _make_ready(conn: Any) -> None:
+    """What the pool checks when it hands a connection out, for one that waited here: a server
+    that closed it meanwhile (a kill, a timeout) or left bytes on it means reconnect first."""
+    try:
+        stale = conn.is_connected and await conn.can_read()
+    except (RedisConnectionError, OSError):
+        stale = True
+    if stale:
+        await conn.disconnect()
+
+
+async def _read_hiredis(parser: Any, replies: int) -> list[Any]:
+    """``replies`` replies off redis-py's hiredis parser, without its per-read wrapper.
+
+    The same reader and stream redis-py's ``read_response`` uses, so nothing is left behind in
+    a buffer it does not see; error replies come back as its ``ResponseError`` subclasses
+    (NOSCRIPT as ``NoScriptError``), in their place. RESP2 only: no push messages to skip.
+    """
+    reader, stream = parser._reader, parser._stream
+    out: list[Any] = []
+    while len(out) < replies:
+        reply = reader.gets()
+        if reply is NOT_ENOUGH_DATA:
+            chunk = await stream.read(_READ_SIZE)
+            if not chunk:
+                raise RedisConnectionError("redis closed the connection")
+            reader.feed(chunk)
+            continue
+        if isinstance(reply, RedisConnectionError):
+            raise reply
+        out.append(reply)
+    return out
+
+
 def can_hold(client: Any) -> bool:
     """Whether `HeldConnections` can serve this client exactly as redis-py would."""
     if type(client) is not aioredis.Redis or client.connection is not None:
@@ -106,7 +151,11 @@ class HeldConnections:
         An error reply is returned in its place as a ``ResponseError``; connection and timeout
         errors are retried by the connection's policy and raised when it gives up.
         """
-        conn = self._idle.pop() if self._idle else await self._check_out()
+        if self._idle:
+            conn = self._idle.pop()
+            await _make_ready(conn)
+        else:
+            conn = await self._check_out()
         try:
             result: list[Any] = await conn.retry.call_with_retry(
                 lambda: self._once(conn, payload, replies),
@@ -146,19 +195,33 @@ class HeldConnections:
                 raise RedisTimeoutError("Timeout writing to socket") from None
             except OSError as exc:
                 raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
-        out: list[Any] = []
-        # One deadline for all the replies, not redis-py's timer per read (math.inf: none).
+        # One deadline for all the replies, not redis-py's timer per read.
         try:
             async with asyncio.timeout(conn.socket_timeout):
+                parser = conn._parser
+                if (
+                    _HIREDIS_PARSER is not None
+                    and type(parser) is _HIREDIS_PARSER
+                    and getattr(parser, "_reader", None) is not None
+                    and getattr(parser, "_connected", True)
+                ):
+                    return await _read_hiredis(parser, replies)
+                out: list[Any] = []
                 for _ in range(replies):
                     try:
-                        out.append(await conn.read_response(timeout=math.inf))
+                        out.append(await conn.read_response(timeout=math.inf))  # inf: no timer
                     except ResponseError as exc:
                         out.append(exc)
+                return out
         except TimeoutError:
             await conn.disconnect(nowait=True)
             raise RedisTimeoutError("Timeout reading from redis") from None
-        return out
+        except OSError as exc:
+            await conn.disconnect(nowait=True)
+            raise RedisConnectionError(f"Error while reading from redis: {exc}") from exc
+        except BaseException:
+            await conn.disconnect(nowait=True)  # a reply may be half read: the stream is spent
+            raise
 
     def _drop(self, conn: Any) -> None:
         self._held.discard(conn)
