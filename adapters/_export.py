@@ -385,13 +385,20 @@ def _chunks(entries: list[FeedEntry], budget: int) -> Iterable[list[FeedEntry]]:
         yield run
 
 
-def _pages(entries: list[FeedEntry]) -> list[tuple[str, int, int]]:
-    """The log ranges (thread, first seq, last seq) the entries name, merged, in pages."""
-    spans: dict[str, list[tuple[int, int]]] = {}
+_Page = tuple[str, int, int, int | None]
+"""A log range to read: thread, first seq, last seq, and the thread's incarnation (or None)."""
+
+
+def _pages(entries: list[FeedEntry]) -> list[_Page]:
+    """The log ranges the entries name, merged per thread and incarnation, in pages.
+
+    (A run never holds two incarnations of a thread: the tombstone between them ends a run.)
+    """
+    spans: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
     for e in entries:
-        spans.setdefault(e.thread_id, []).append((e.first_seq, e.last_seq))
-    out: list[tuple[str, int, int]] = []
-    for thread, ranges in spans.items():
+        spans.setdefault((e.thread_id, e.incarnation), []).append((e.first_seq, e.last_seq))
+    out: list[_Page] = []
+    for (thread, life), ranges in spans.items():
         ranges.sort()
         merged = [list(ranges[0])]
         for lo, hi in ranges[1:]:
@@ -400,7 +407,7 @@ def _pages(entries: list[FeedEntry]) -> list[tuple[str, int, int]]:
             else:
                 merged.append([lo, hi])
         for lo, hi in merged:
-            out += [(thread, s, min(hi, s + PAGE - 1)) for s in range(lo, hi + 1, PAGE)]
+            out += [(thread, s, min(hi, s + PAGE - 1), life) for s in range(lo, hi + 1, PAGE)]
     return out
 
 
@@ -901,29 +908,54 @@ class _Pipeline:
                         await send.send(chunk)
                     after = entries[-1].id
 
-    async def _read_log(
-        self, pages: list[tuple[str, int, int]]
-    ) -> list[tuple[str, int, list[Any]]]:
+    async def _read_log(self, pages: list[_Page]) -> list[tuple[str, int, list[Any]]]:
+        """The entries of each page: none when the thread is no longer in the page's
+        incarnation (deleted, or deleted and created again: its seqs now name other events)."""
         client = self._raw_client
         if client is None:
             return [
-                (thread, lo, await self.store.read_raw(thread, start=lo, stop=hi, count=PAGE + 1))
-                for thread, lo, hi in pages
+                (
+                    thread,
+                    lo,
+                    await self.store.read_raw(
+                        thread, start=lo, stop=hi, count=PAGE + 1, incarnation=life
+                    ),
+                )
+                for thread, lo, hi, life in pages
             ]
         assert isinstance(self.store, RedisEventStore)
-        log = self.store.keys.log
+        keys = self.store.keys
         # Every range is a set of dense ``<seq>-0`` ids, so a page holds at most PAGE entries;
         # COUNT one more keeps a damaged log (foreign entries) from growing a reply unbounded.
+        # With an incarnation, the check and the read are one MULTI/EXEC block of their own, as
+        # in `read_raw`: atomic, without holding the server for the whole chunk.
         pipe = Pipeline(client.connection_pool, {}, False, None)
-        for thread, lo, hi in pages:
-            pipe.execute_command(
-                "XRANGE", log(thread), b"%d-0" % lo, b"%d-0" % hi, "COUNT", PAGE + 1
-            )
+        for thread, lo, hi, life in pages:
+            xrange = ("XRANGE", keys.log(thread), b"%d-0" % lo, b"%d-0" % hi, "COUNT", PAGE + 1)
+            if life is None:
+                pipe.execute_command(*xrange)
+            else:
+                pipe.execute_command("MULTI")
+                pipe.execute_command("HGET", keys.meta(thread), "n")
+                pipe.execute_command(*xrange)
+                pipe.execute_command("EXEC")
         try:
-            replies = await pipe.execute()
+            replies = iter(await pipe.execute())
         except (rex.RedisError, OSError) as exc:
             raise translate_redis_error(exc) from exc
-        return [(thread, lo, reply) for (thread, lo, _), reply in zip(pages, replies, strict=True)]
+        out = []
+        for thread, lo, _, life in pages:
+            if life is None:
+                out.append((thread, lo, next(replies)))
+                continue
+            for _ in range(3):  # OK, QUEUED, QUEUED
+                next(replies)
+            alive, entries = next(replies)
+            for reply in (alive, entries):
+                if isinstance(reply, Exception):
+                    raise translate_redis_error(reply)
+            out.append((thread, lo, entries if alive is not None and int(alive) == life else []))
+        return out
 
     async def _decode(
         self,

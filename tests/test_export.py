@@ -103,6 +103,32 @@ async def test_export_is_exactly_the_log_and_incremental(
     assert set(await log_rows(store)) <= set(exported)  # b's events were exported before
 
 
+async def test_a_thread_deleted_and_created_again_before_the_export_is_exported_once(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    def said(text: str) -> es.MessageAppended:
+        return es.MessageAppended(message=es.Message(role="user", content=text))
+
+    await store.append("t", [said("old 1"), said("old 2"), said("old 3")])
+    await store.append("u", [said("other")])
+    await store.delete_thread("t")
+    await store.append("t", [said("new 1"), said("new 2")])
+    result = await Exporter(store, tmp_path, fmt="ndjson").run()
+    rows = ndjson_rows(tmp_path)
+    # The old life's events are gone; its feed entry must not read the new life's seqs 1-2
+    # (that exported them twice). What remains: its tombstone, and each new event once.
+    assert sorted((r["thread"], r["seq"], r["type"]) for r in rows) == [
+        ("t", 1, "message.appended"), ("t", 2, "message.appended"), ("t", 3, "thread.deleted"),
+        ("u", 1, "message.appended"),
+    ]  # fmt: skip
+    events = [r for r in rows if r["thread"] == "t" and r["type"] == "message.appended"]
+    assert sorted(json.loads(r["payload"])["message"]["content"] for r in events) == [
+        "new 1",
+        "new 2",
+    ]
+    assert result.events == 3 and result.tombstones == 1
+
+
 async def test_parquet_reads_back_in_duckdb(store: es.EventStore, tmp_path: Path) -> None:
     await conversation(store, "t", 4)
     await Exporter(store, tmp_path).run()
