@@ -40,7 +40,7 @@ ACL_COMMANDS: tuple[str, ...] = (
     "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
     "+rpush", "+rpop", "+lrange", "+zadd", "+zrem",
     # chunked view loads: staging keys with a TTL, checked and renamed over the views
-    "+pexpire", "+llen", "+hlen", "+rename", "+persist",
+    "+pexpire", "+llen", "+hlen", "+rename", "+persist", "+unlink",
 )  # fmt: skip
 """Every command a store sends, or its scripts call (Redis checks both against the user)."""
 

@@ -615,7 +615,7 @@ class RedisEventStore(EventStore):
         except BaseException:
             if staged:
                 with contextlib.suppress(rex.RedisError, rex.RedisClusterException, OSError):
-                    await self.client.delete(*staged)
+                    await self.client.unlink(*staged)
             raise
         if reply[0] == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))

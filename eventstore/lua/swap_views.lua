@@ -18,7 +18,7 @@ local m = tonumber(ARGV[2])
 local function drop()
   for o = 0, m - 1 do
     local s = tonumber(ARGV[4 + o * 3])
-    if s > 0 then redis.call('DEL', KEYS[s]) end
+    if s > 0 then redis.call('UNLINK', KEYS[s]) end
   end
 end
 
@@ -45,11 +45,13 @@ for o = 0, m - 1 do
 end
 for o = 0, m - 1 do
   local key, s = KEYS[tonumber(ARGV[3 + o * 3])], tonumber(ARGV[4 + o * 3])
-  redis.call('DEL', key)
+  -- UNLINK: a big view's memory is freed off the main thread (DEL of a million-value list
+  -- blocks the server for a fraction of a second).
+  redis.call('UNLINK', key)
   if s > 0 then
     -- A thread without events has empty views by definition (as in load_views).
     if version == 0 then
-      redis.call('DEL', KEYS[s])
+      redis.call('UNLINK', KEYS[s])
     else
       redis.call('RENAME', KEYS[s], key)
       redis.call('PERSIST', key)  -- RENAME carries the staging TTL over
