@@ -63,6 +63,7 @@ from eventstore import (
 from eventstore._codec import _ulid_str, decode_entry, decode_rows
 from eventstore._redis import READ_BATCH
 from eventstore._views import decode_view_result
+from eventstore._wire import HeldConnections
 from eventstore.servers import redis_server
 from projections import MessagesProjection, Projector, ReaderView, StateProjection
 from projections._messages import _MessageValue
@@ -136,15 +137,22 @@ class _Counters:
 
 @contextlib.contextmanager
 def counting_round_trips() -> Iterator[_Counters]:
-    """Count requests written to Redis (a pipeline is one) by every redis-py connection.
+    """Count requests written to Redis (a pipeline is one) by every redis-py connection, and
+    by the store's direct path (`eventstore._wire.HeldConnections`), which writes its own RESP.
 
-    Patches ``send_packed_command`` of the sync and asyncio connection classes for the
-    duration of the block; profiling only, never while timing.
+    Patches ``send_packed_command`` of the sync and asyncio connection classes and the direct
+    path's exchange for the duration of the block; profiling only, never while timing.
     """
     counters = _Counters()
     aio_cls: Any = aio_connection.AbstractConnection
     sync_cls: Any = sync_connection.AbstractConnection
     aio_orig, sync_orig = aio_cls.send_packed_command, sync_cls.send_packed_command
+    held_cls: Any = HeldConnections
+    held_orig = held_cls._once
+
+    async def held_once(conn: Any, payload: bytes, replies: int) -> Any:
+        counters.sends += 1
+        return await held_orig(conn, payload, replies)
 
     async def aio_send(self: Any, *args: Any, **kwargs: Any) -> Any:
         counters.sends += 1
@@ -156,11 +164,13 @@ def counting_round_trips() -> Iterator[_Counters]:
 
     aio_cls.send_packed_command = aio_send
     sync_cls.send_packed_command = sync_send
+    held_cls._once = staticmethod(held_once)
     try:
         yield counters
     finally:
         aio_cls.send_packed_command = aio_orig
         sync_cls.send_packed_command = sync_orig
+        held_cls._once = staticmethod(held_orig)
 
 
 async def profile_op(
