@@ -896,12 +896,12 @@ class _Pipeline:
             while (p := await self.claim()) is not None:
                 after = self.start.get(p, "0-0")
                 while True:
-                    if self.guard is not None:
-                        self.guard()
                     entries = await self.store.read_feed(p, after=after, count=self.batch)
                     if not entries:
                         break
                     for run in _chunks(entries, self.chunk_events):
+                        if self.guard is not None:
+                            self.guard()
                         chunk = _Chunk(p, run)
                         if not run[0].deleted:
                             chunk.pages = await self._read_log(_pages(run))

@@ -411,6 +411,31 @@ async def test_a_hung_worker_is_stopped_within_the_timeout(
     assert worker_pids() == []
 
 
+async def test_a_cancelled_run_stops_its_workers(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path
+) -> None:
+    store = redis_store
+    await fill_partitions(store, 40, 20)
+    exporter = Exporter(
+        store, tmp_path, workers=2, settings=settings_of(store, redis_url), batch=5,
+        rows_per_part=100,
+    )  # fmt: skip
+
+    async def cancel_when_the_worker_writes(scope: anyio.CancelScope) -> None:
+        while not any(int(p.name[5:13]) % 2 == 0 for p in tmp_path.glob("part-*.parquet")):
+            await anyio.sleep(0.001)  # worker 1 writes the even part numbers
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancel_when_the_worker_writes, tg.cancel_scope)
+        await exporter.run()
+    assert worker_pids() == []
+    assert not list(tmp_path.glob(".part-*")), "an open part was left behind"
+    await exporter.run()
+    exported = keyset(list(read_parquet_dir(tmp_path)))
+    assert len(exported) == len(set(exported)) and set(exported) == await log_rows(store)
+
+
 async def test_one_run_at_a_time_per_directory(redis_store: es.EventStore, tmp_path: Path) -> None:
     import fcntl
 
