@@ -11,6 +11,9 @@ changes it has not exported.
 
 Rows are flat: namespace, thread, seq, id, type, time, turn, parent turn, outcome, model tier,
 token usage, and the payload as JSON. Deleted threads arrive as ``thread.deleted`` tombstones.
+A feed entry names its thread's incarnation, and its seqs are read only while the thread is
+still in that incarnation (one atomic check and read): a thread deleted and created again
+before the export catches up would otherwise have its new events read for the old entries.
 
 A run is three stages joined by one-slot queues, so each overlaps the others: reading (feed
 entries, then the log ranges they name — on standalone Redis as one pipeline of raw
