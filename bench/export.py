@@ -191,22 +191,26 @@ class WorkerPeaks:
     """The peak resident memory (``VmHWM``) of every child process started while it runs.
 
     Children are found by a scan of ``/proc`` every 0.25 s (worker start-up takes longer than
-    that) and their ``VmHWM`` read every 50 ms, the last reading standing for the peak: it only
-    grows, so at most the last 50 ms of a worker's life go unseen.
+    that) until ``expected`` are known, and their ``VmHWM`` read every 50 ms, the last reading
+    standing for the peak: it only grows, so at most the last 50 ms of a worker's life go
+    unseen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
         self.peaks: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def __enter__(self) -> WorkerPeaks:
-        self._thread.start()
+        if self.expected:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.expected:
+            self._thread.join()
 
     @property
     def total_mb(self) -> float:
@@ -217,7 +221,7 @@ class WorkerPeaks:
         known: set[int] = set()
         tick = 0
         while not self._stop.wait(0.05):
-            if tick % 5 == 0:
+            if tick % 5 == 0 and len(known) < self.expected:
                 for entry in os.listdir("/proc"):
                     if entry.isdigit() and int(entry) not in known:
                         try:
@@ -253,7 +257,7 @@ async def _child_work(
                 settings=StoreSettings.from_url(url, namespace=namespace),
                 pause_gc=fixed is None,
             )
-            with WorkerPeaks() as peaks:
+            with WorkerPeaks(exporter.workers - 1) as peaks:
                 result = await exporter.run()
             return {
                 "events": result.events,
