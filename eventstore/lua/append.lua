@@ -61,8 +61,16 @@ local pos = FIRST_EVENT + 5 * n_events
 -- The ops then act as the memory backend does: a push or set replaces it, a pop or field
 -- delete leaves it, a guard reads version 0. Never WRONGTYPE: that would abort the script
 -- after its first write and leave the log ahead of the meta hash.
+-- A key's type is asked once per script (TYPE is a call like any other) and then kept in step
+-- with the script's own writes.
+local kinds = {}
 local function is_a(key, kind)
-  return redis.call('TYPE', key).ok == kind
+  local known = kinds[key]
+  if not known then
+    known = redis.call('TYPE', key).ok
+    kinds[key] = known
+  end
+  return known == kind
 end
 local function field_version(key, field)
   if not is_a(key, 'hash') then return 0 end
@@ -129,6 +137,7 @@ for _, op in ipairs(ops) do
   local code = op.code
   if code == 'lp' or code == 'lr' then
     if code == 'lr' or not is_a(op.key, 'list') then redis.call('DEL', op.key) end
+    kinds[op.key] = 'list'
     local stamp = (version + 1 + op.event) .. ':'
     local batch = {}
     for i = 0, op.n - 1 do
@@ -140,15 +149,26 @@ for _, op in ipairs(ops) do
     end
     if #batch > 0 then redis.call('RPUSH', op.key, unpack(batch)) end
   elseif code == 'lo' then
-    if is_a(op.key, 'list') then redis.call('RPOP', op.key, op.count) end
+    if is_a(op.key, 'list') then
+      redis.call('RPOP', op.key, op.count)
+      kinds[op.key] = nil  -- popping the last value deletes the list
+    end
   elseif code == 'hs' then
-    if not is_a(op.key, 'hash') then redis.call('DEL', op.key) end
+    if not is_a(op.key, 'hash') then
+      redis.call('DEL', op.key)
+      kinds[op.key] = 'none'
+    end
     local v = field_version(op.key, op.field) + 1
     redis.call('HSET', op.key, op.field, v .. ':' .. (version + 1 + op.event) .. ':' .. op.value)
+    kinds[op.key] = 'hash'
   elseif code == 'hd' then
-    if is_a(op.key, 'hash') then redis.call('HDEL', op.key, op.field) end
+    if is_a(op.key, 'hash') then
+      redis.call('HDEL', op.key, op.field)
+      kinds[op.key] = nil  -- deleting the last field deletes the hash
+    end
   elseif code == 'vc' then
     redis.call('DEL', op.key)
+    kinds[op.key] = 'none'
   end
 end
 
