@@ -282,13 +282,22 @@ def decode_rows(
     decode, versions = registry.fast_path()
     decode_payload = decode.decode
     decode_meta = _meta_decoder.decode
-    order, pick = _FIELD_ORDER, _pick_fields
+    pick = _pick_fields
     out: list[RecordedEvent] = []
     append = out.append
     for entry_id, fields in rows:
         try:
-            if type(fields) is list and len(fields) == 12 and fields[::2] == order:
-                id_bytes, version_raw, time_raw, data, meta_raw, link = fields[1::2]
+            if type(fields) is list and len(fields) == 12:
+                # Unpacked in one step and the names compared one by one: the cheapest check.
+                (
+                    n_i, id_bytes, n_v, version_raw, n_s, time_raw,
+                    n_d, data, n_m, meta_raw, n_h, link,
+                ) = fields  # fmt: skip
+                if not (
+                    n_i == b"i" and n_v == b"v" and n_s == b"s" and n_d == b"d" and n_m == b"m"
+                    and n_h == b"h"
+                ):  # fmt: skip
+                    id_bytes = b""  # fields in another order: decode_entry judges them
             elif type(fields) is dict and len(fields) == 6:
                 id_bytes, version_raw, time_raw, data, meta_raw, link = pick(fields)
             else:
