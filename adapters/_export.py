@@ -123,8 +123,12 @@ _DICTIONARY_COLUMNS = ["namespace", "thread", "type", "outcome", "model_tier"]
 # the writer and tell a query nothing.
 _STATISTICS_COLUMNS = [c for c in COLUMNS if c not in ("id", "payload")]
 AUTO_WORKERS_MAX = 3
-"""The most processes `auto_workers` picks: each peaks at ~140 to 170 MB (bench.export), so
+"""The most processes ``workers="auto"`` uses: each peaks at ~140 to 170 MB (bench.export), so
 three stay under the 500 MB an export may use."""
+PARALLEL_MIN_EVENTS = 200_000
+"""Events a ``workers="auto"`` run must find waiting before it starts workers: a worker's
+start-up (~0.5 s of CPU, mostly imports) repays itself only over some 50,000 events of its own,
+and a small incremental run is faster in one process."""
 _RUN_LOCK = ".export.lock"
 """Held (exclusively) by the process running an export into the directory."""
 _WORKERS_LOCK = ".workers.lock"
@@ -140,6 +144,8 @@ class ExportResult(msgspec.Struct, frozen=True, kw_only=True):
     events: int
     tombstones: int
     positions: dict[int, str]
+    workers: int = 1
+    """Processes that took part (this one included)."""
 
 
 class ExportBusyError(OperationalError):
@@ -621,14 +627,6 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     return (max(parts)[0] if parts else 0), positions
 
 
-def auto_workers(store: EventStore) -> int:
-    """A worker count for a large export of ``store``: one per CPU, at most one per partition
-    and at most `AUTO_WORKERS_MAX`; 1 for a store other processes cannot open (in memory)."""
-    if not isinstance(store, RedisEventStore):
-        return 1
-    return max(1, min(os.cpu_count() or 1, store.partitions, AUTO_WORKERS_MAX))
-
-
 class Exporter:
     """Exports a namespace's events to ``directory``, incrementally.
 
@@ -638,10 +636,12 @@ class Exporter:
     ``workers - 1`` it spawns (at most one per partition). The spawned workers open their own
     connections from ``settings``, which must describe this store (its URL; a ``memory://``
     store cannot be shared between processes). The default, 1, exports in this process and
-    starts none: a library call should not start processes unasked, and a small incremental
-    run would not repay a worker's start-up (~0.5 s, mostly importing pyarrow). A worker that
-    goes ``worker_timeout`` seconds without reporting (a chunk written, a partition claimed)
-    is declared hung and stopped.
+    starts none: a library call should not start processes unasked. ``"auto"`` (the
+    ``threadlog`` command's default) picks one process per CPU, at most `AUTO_WORKERS_MAX` and
+    one per partition, for a run that finds at least `PARALLEL_MIN_EVENTS` events waiting, and
+    this process alone otherwise (or without ``settings``, or for an in-memory store). A worker
+    that goes ``worker_timeout`` seconds without reporting (a chunk written, a partition
+    claimed) is declared hung and stopped.
 
     ``pause_gc`` is for a process that does nothing else while it exports (the ``threadlog``
     command, a batch job): the cyclic garbage collector is paused for the run and run once
@@ -665,7 +665,7 @@ class Exporter:
         name: str = "export",
         batch: int = 2048,
         rows_per_part: int = 1_000_000,
-        workers: int = 1,
+        workers: int | Literal["auto"] = 1,
         settings: StoreSettings | None = None,
         worker_timeout: float = 300.0,
         pause_gc: bool = False,
@@ -673,12 +673,21 @@ class Exporter:
         if fmt not in ("ndjson", "parquet"):
             raise InvalidInputError(f"unknown export format {fmt!r} (ndjson or parquet)")
         validate_view_name(name)
+        self.adaptive = workers == "auto"
+        if workers == "auto":
+            shareable = isinstance(store, RedisEventStore) and settings is not None
+            if not shareable or settings is None or settings.scheme == "memory":
+                workers = 1
+            else:
+                workers = min(os.cpu_count() or 1, AUTO_WORKERS_MAX)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise InvalidInputError(f"workers must be a whole number >= 1, not {workers!r}")
+            raise InvalidInputError(
+                f"workers must be a whole number >= 1 or 'auto', not {workers!r}"
+            )
         if not worker_timeout > 0:
             raise InvalidInputError(f"worker_timeout must be > 0 seconds, not {worker_timeout!r}")
-        workers = min(workers, store.partitions)
-        if workers > 1:
+        count = min(workers, store.partitions)
+        if count > 1:
             if settings is None:
                 raise InvalidInputError(
                     "an export with workers > 1 needs the store's settings: each worker "
@@ -701,7 +710,8 @@ class Exporter:
         self.group = f"export-{name}"
         self.batch = batch
         self.rows_per_part = rows_per_part
-        self.workers = workers
+        self.workers = count
+        """The most processes a run uses (``"auto"``: for a large enough backlog)."""
         self.settings = settings
         self.worker_timeout = float(worker_timeout)
         self.pause_gc = pause_gc
@@ -736,25 +746,40 @@ class Exporter:
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
             for p in range(self.store.partitions):
                 await self.store.create_feed_group(p, self.group, start=positions.get(p, "0-0"))
-            if self.workers > 1:
-                return await self._run_parallel(number, positions, since_ms, progress)
+            workers = self.workers
+            small = self.adaptive and workers > 1
+            if small and not await self._backlog_reaches(positions, PARALLEL_MIN_EVENTS):
+                workers = 1
+            if workers > 1:
+                return await self._run_parallel(workers, number, positions, since_ms, progress)
             state = _RunState(number + 1, 1, dict(positions))
             partitions = iter(range(self.store.partitions))
 
             async def claim() -> int | None:
                 return next(partitions, None)
 
-            await self._pipeline(self.store, state, positions, since_ms, claim, progress).run()
-            return ExportResult(
-                files=state.files,
-                events=state.events,
-                tombstones=state.tombstones,
-                positions=state.positions,
-            )
+            pipeline = self._pipeline(self.store, 1, state, positions, since_ms, claim, progress)
+            await pipeline.run()
+            return state.result()
+
+    async def _backlog_reaches(self, positions: dict[int, str], events: int) -> bool:
+        """Whether at least ``events`` events wait past ``positions`` (reading at most one
+        batch of feed entries per partition; a full batch counts as enough)."""
+        total = 0
+        for p in range(self.store.partitions):
+            after = positions.get(p, "0-0")
+            entries = await self.store.read_feed(p, after=after, count=self.batch)
+            if len(entries) >= self.batch:
+                return True
+            total += sum(e.last_seq - e.first_seq + 1 for e in entries if not e.deleted)
+            if total >= events:
+                return True
+        return False
 
     def _pipeline(
         self,
         store: EventStore,
+        workers: int,
         state: _RunState,
         start: dict[int, str],
         since_ms: int | None,
@@ -775,12 +800,13 @@ class Exporter:
             claim=claim,
             progress=progress,
             guard=guard,
-            chunk_events=CHUNK_EVENTS if self.workers == 1 else PARALLEL_CHUNK_EVENTS,
+            chunk_events=CHUNK_EVENTS if workers == 1 else PARALLEL_CHUNK_EVENTS,
             collect=self.pause_gc,
         )
 
     async def _run_parallel(
         self,
+        workers: int,
         number: int,
         positions: dict[int, str],
         since_ms: int | None,
@@ -788,7 +814,7 @@ class Exporter:
     ) -> ExportResult:
         assert self.settings is not None
         partitions = iter(range(self.store.partitions))
-        counts = [0] * self.workers
+        counts = [0] * workers
 
         def report(worker: int, rows: int) -> None:
             counts[worker] = rows
@@ -798,14 +824,14 @@ class Exporter:
         async def claim() -> int | None:
             return next(partitions, None)
 
-        own = _RunState(number + 1, self.workers, {})
+        own = _RunState(number + 1, workers, {})
         children: list[_Child] = []
         try:
-            for worker in range(1, self.workers):
+            for worker in range(1, workers):
                 job = _WorkerJob(
                     worker=worker,
                     first_number=number + 1 + worker,
-                    step=self.workers,
+                    step=workers,
                     settings=self.settings,
                     directory=str(self.directory),
                     fmt=self.fmt,
@@ -820,7 +846,9 @@ class Exporter:
                 children.append(_Child.start(job))
             async with anyio.create_task_group() as tg:
                 own_progress = (lambda rows: report(0, rows)) if progress is not None else None
-                pipeline = self._pipeline(self.store, own, positions, since_ms, claim, own_progress)
+                pipeline = self._pipeline(
+                    self.store, workers, own, positions, since_ms, claim, own_progress
+                )
                 tg.start_soon(pipeline.run)
                 tg.start_soon(_supervise, children, partitions, report, self.worker_timeout)
         except BaseExceptionGroup as group:
@@ -837,6 +865,7 @@ class Exporter:
             events=sum(r.events for r in done),
             tombstones=sum(r.tombstones for r in done),
             positions=merged,
+            workers=workers,
         )
 
 

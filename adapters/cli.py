@@ -44,7 +44,7 @@ from projections import (
 
 from ._audit import Auditor, Verdict
 from ._demo import PLANNER_VIEW, demo_state, record_demo
-from ._export import Exporter, auto_workers
+from ._export import Exporter
 from ._jsonl import export_jsonl, import_jsonl
 from ._sessions import SessionStore
 
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         metavar="N|auto",
         help="processes sharing the partitions (default auto: one per CPU, at most 3 and one "
-        "per partition; 1 exports in this process only)",
+        "per partition, when at least 200,000 events wait; 1 exports in this process only)",
     )
     add("rebuild", "recompute materialized views from the log", cmd_rebuild, parents=[target])
     add(
@@ -1175,13 +1175,12 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
                 "parquet export needs pyarrow: pip install 'threadlog[export]' "
                 "(or use --format ndjson)"
             ) from None
-    workers = auto_workers(ctx.store) if args.workers == "auto" else args.workers
     exporter = Exporter(
         ctx.store,
         args.out,
         fmt=args.fmt,
         name=args.name,
-        workers=workers,
+        workers=args.workers,
         # Workers open their own connections: to the same URL, in the store's namespace.
         settings=es.StoreSettings.from_url(ctx.where.url, namespace=ctx.store.namespace),
         pause_gc=True,  # this process does nothing else meanwhile

@@ -9,8 +9,9 @@ its own, so its wall time, CPU time and peak memory (``VmHWM``) are its alone:
 
 - ``parquet`` / ``ndjson``: `adapters.Exporter` end to end — feed, log reads, decoding, files
   committed (fsync, rename) in a fresh directory — run as ``threadlog export`` runs it:
-  ``workers=N`` (``--workers``, default the machine's CPU count: this process and N - 1 worker
-  processes share the partitions) and ``pause_gc=True``;
+  ``workers="auto"`` (``--workers N`` to choose: this process and N - 1 worker processes share
+  the partitions; auto is one per CPU, at most 3, for 200,000 events or more) and
+  ``pause_gc=True``;
 - ``parquet, 1 process``: the same with the library's defaults (``workers=1``, the collector
   left running), as an application that embeds the exporter runs it;
 - ``raw XRANGE + decode``: redis-py ``XRANGE`` over every thread (4096 entries per call) and a
@@ -72,8 +73,8 @@ LOADERS = 16
 SIDES = ("raw XRANGE + decode", "parquet", "parquet, 1 process", "ndjson", "verify")
 EXPORT_SIDES = {"parquet": ("parquet", None), "parquet, 1 process": ("parquet", 1)}
 EXPORT_SIDES["ndjson"] = ("ndjson", None)
-WORKERS = os.cpu_count() or 1
-"""Processes of the parallel export sides (``--workers``)."""
+WORKERS: int | str = "auto"
+"""Processes of the export sides run as the CLI runs them (``--workers``; ``auto`` as the CLI)."""
 SMALL_NAMESPACES = {"bench-small": EVENTS_PER_APPEND, "bench-turns": 2}
 SMALL_SIDES = {
     f"parquet, {EVENTS_PER_APPEND} events per append": ("parquet", "bench-small"),
@@ -239,7 +240,7 @@ class WorkerPeaks:
 
 
 async def _child_work(
-    side: str, url: str, namespace: str, out: str, workers: int
+    side: str, url: str, namespace: str, out: str, workers: int | str
 ) -> dict[str, Any]:
     store = await connect(url, namespace=namespace)
     try:
@@ -247,13 +248,13 @@ async def _child_work(
             from adapters import Exporter
 
             fmt, fixed = EXPORT_SIDES[side]
-            n = fixed or workers
+            n = fixed or (workers if workers == "auto" else int(workers))
             exporter = Exporter(
                 store,
                 out,
                 fmt=fmt,  # type: ignore[arg-type]
                 name=f"bench{new_ulid().lower()}",
-                workers=n,
+                workers=n,  # type: ignore[arg-type]
                 settings=StoreSettings.from_url(url, namespace=namespace),
                 pause_gc=fixed is None,
             )
@@ -262,7 +263,7 @@ async def _child_work(
             return {
                 "events": result.events,
                 "files": len(result.files),
-                "workers": n,
+                "workers": result.workers,
                 "worker_peak_rss_mb": peaks.total_mb,
             }
         if side == "verify":
@@ -298,7 +299,7 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def child_main(side: str, url: str, namespace: str, out: str, workers: str = "1") -> None:
+def child_main(side: str, url: str, namespace: str, out: str, workers: str = "auto") -> None:
     """Run one side and print what it measured as one JSON line."""
     if side in EXPORT_SIDES:
         # Imported before the baseline is taken, as a long-lived exporter process has them.
@@ -306,7 +307,7 @@ def child_main(side: str, url: str, namespace: str, out: str, workers: str = "1"
     rss_before = _status_mb("VmRSS")
     cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
-    found = asyncio.run(_child_work(side, url, namespace, out, int(workers)))
+    found = asyncio.run(_child_work(side, url, namespace, out, workers))
     wall = time.perf_counter() - t0
     found.update(
         seconds=wall,
@@ -542,7 +543,8 @@ MEMORY_HEADERS = ("format", "events", "peak RSS MB", "10x the events", "peak RSS
 def table_rows(summary: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
     rows = [
         [
-            side, f"{s['events']:,}", f"{s['events_per_s']:,}", f"{s['ratio_to_raw']:.2f}x",
+            f"{side} ({s['workers']} processes)" if s.get("workers", 1) > 1 else side,
+            f"{s['events']:,}", f"{s['events_per_s']:,}", f"{s['ratio_to_raw']:.2f}x",
             f"{s['cpu_us_per_event']:.2f}", f"{s['server_cpu_us_per_event']:.2f}",
             f"{s['rss_before_mb']:.0f}", f"{s['peak_rss_mb']:.0f}",
             f"{s['output_mb']:.0f}" if side in EXPORT_SIDES else "-",
@@ -658,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         # Not a `module_main` option (that parser is shared by every module): taken out here.
         global WORKERS
         at = argv.index("--workers")
-        WORKERS = int(argv[at + 1])
+        WORKERS = argv[at + 1] if argv[at + 1] == "auto" else int(argv[at + 1])
         argv = argv[:at] + argv[at + 2 :]
     from .__main__ import module_main
 

@@ -457,6 +457,24 @@ def test_parallel_export_settings_are_checked(tmp_path: Path) -> None:
         Exporter(memory, tmp_path, workers=2, settings=es.StoreSettings.from_url("memory://"))
     # More workers than partitions: one per partition, and one partition needs no worker.
     assert Exporter(es.MemoryEventStore(partitions=1), tmp_path, workers=8).workers == 1
+    # "auto" never asks for what cannot work: an in-memory store, or no settings, is one process.
+    assert Exporter(memory, tmp_path, workers="auto").workers == 1
+    with pytest.raises(es.InvalidInputError, match="'auto'"):
+        Exporter(memory, tmp_path, workers="many")  # type: ignore[arg-type]
+
+
+async def test_auto_workers_start_only_for_a_large_backlog(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = redis_store
+    await fill_partitions(store, 8, 3)
+    settings = settings_of(store, redis_url)
+    small = await Exporter(store, tmp_path / "small", workers="auto", settings=settings).run()
+    assert small.workers == 1 and small.events == 72  # 72 events do not repay a worker
+    monkeypatch.setattr("adapters._export.PARALLEL_MIN_EVENTS", 50)
+    large = await Exporter(store, tmp_path / "large", workers="auto", settings=settings).run()
+    assert large.workers == min(os.cpu_count() or 1, 3)
+    assert parquet_rows(tmp_path / "large") == parquet_rows(tmp_path / "small")
 
 
 def test_ulid_text_of_a_whole_column_matches_one_at_a_time() -> None:
