@@ -283,6 +283,7 @@ def decode_rows(
     decode_payload = decode.decode
     decode_meta = _meta_decoder.decode
     pick = _pick_fields
+    last_raw, last_meta = b"", _NO_META
     out: list[RecordedEvent] = []
     append = out.append
     for entry_id, fields in rows:
@@ -313,7 +314,12 @@ def decode_rows(
                 version = int(version_raw)
                 payload = decode_payload(data)
                 if versions.get(type(payload)) == version:
-                    meta = decode_meta(meta_raw) if meta_raw else _NO_META
+                    # Consecutive events mostly share their envelope (a turn's events carry
+                    # its turn id): equal bytes decode to an equal frozen struct, reused.
+                    if meta_raw != last_raw:
+                        last_meta = decode_meta(meta_raw) if meta_raw else _NO_META
+                        last_raw = meta_raw
+                    meta = last_meta
                     append(
                         RecordedEvent(
                             thread_id=thread_id,
