@@ -763,17 +763,20 @@ class Exporter:
             return state.result()
 
     async def _backlog_reaches(self, positions: dict[int, str], events: int) -> bool:
-        """Whether at least ``events`` events wait past ``positions`` (reading at most one
-        batch of feed entries per partition; a full batch counts as enough)."""
+        """Whether at least ``events`` events wait past ``positions``.
+
+        Counted from the feeds, stopping as soon as there are enough: at most the entries of
+        ``events`` events are read twice (a log appended a turn at a time: ~100,000 entries,
+        ~0.2 s), and a small backlog's entries once more, which is cheap beside its export.
+        """
         total = 0
         for p in range(self.store.partitions):
             after = positions.get(p, "0-0")
-            entries = await self.store.read_feed(p, after=after, count=self.batch)
-            if len(entries) >= self.batch:
-                return True
-            total += sum(e.last_seq - e.first_seq + 1 for e in entries if not e.deleted)
-            if total >= events:
-                return True
+            while entries := await self.store.read_feed(p, after=after, count=self.batch):
+                total += sum(e.last_seq - e.first_seq + 1 for e in entries if not e.deleted)
+                if total >= events:
+                    return True
+                after = entries[-1].id
         return False
 
     def _pipeline(
