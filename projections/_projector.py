@@ -213,11 +213,12 @@ class Projector:
 
     def _targets(self, kind: type[Event]) -> list[tuple[Projection[Any], str]]:
         """The projections an event of type ``kind`` reaches, in projection order."""
-        return [
-            (p, p.name)
-            for p in self.projections
-            if p.handles is None or issubclass(kind, p.handles)
-        ]
+        out = []
+        for p in self.projections:
+            handles = _declared_handles(p)
+            if handles is None or issubclass(kind, handles):
+                out.append((p, p.name))
+        return out
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -402,6 +403,21 @@ class Projector:
             if progress is not None:
                 progress(done, len(threads))
         return out
+
+
+def _declared_handles(p: Projection[Any]) -> tuple[type[Event], ...] | None:
+    """``p.handles``, unless a subclass overrides ``apply`` below the class that declared it.
+
+    A subclass of, say, `StateProjection` whose ``apply`` also reacts to other events inherits
+    ``handles`` meant for the parent's ``apply``; trusting it would skip those events in folds
+    (and rebuilds) without a word. Such a projection gets every event instead.
+    """
+    if "handles" in vars(p):
+        return p.handles
+    for cls in type(p).__mro__:
+        if "handles" in vars(cls):
+            return p.handles if type(p).apply is cls.apply else None  # type: ignore[attr-defined]
+    return None
 
 
 def _check_count(n: int, what: str) -> None:

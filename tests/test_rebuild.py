@@ -31,7 +31,7 @@ from eventstore import (
 from eventstore._codec import decode_entry, decode_rows
 from eventstore._keys import STAGING_TTL_S
 from eventstore.servers import RedisServer
-from projections import Projector
+from projections import Block, Projector, StateProjection
 from projections.testing import make_projector, message, opened, settled, snapshot, ulids
 
 from .test_fuzz import FAST, entry_fields_strategy, entry_ids
@@ -299,6 +299,37 @@ async def test_a_tenant_confined_user_can_run_a_chunked_rebuild(acl_server: Redi
     with admin(acl_server) as c:  # SCAN is not the tenant's to run
         assert c.keys(f"tl:{{{namespace}:*}}:load:*") == []
         assert c.exists(tenant.keys.view("t", "turns")) == 1
+
+
+class StateWithNotes(StateProjection):
+    """Also keeps the text of the last stored message as block "notes": an ``apply`` that
+    reacts to more than the parent's ``handles`` names."""
+
+    def apply(self, state: dict[str, Block], event: es.RecordedEvent) -> dict[str, Block]:
+        state = super().apply(state, event)
+        if isinstance(event.payload, MessageAppended):
+            prior = state.get("notes")
+            text = event.payload.message.text
+            version = (prior.version if prior else 0) + 1
+            state["notes"] = Block(name="notes", value=text, version=version, seq=event.seq)
+        return state
+
+
+async def test_a_subclass_overriding_apply_gets_every_event_in_a_fold() -> None:
+    store = es.MemoryEventStore(namespace="n" + uuid.uuid4().hex[:12])
+    projector = Projector(store, state=StateWithNotes())
+    await projector.append("t", [MessageAppended(message=message("hello"))])
+    await projector.append("t", [es.StateUpdated(block="plan", value=1)])
+    folded = await projector.fold("t")
+    state = folded.states["state"]
+    assert state["notes"].value == "hello" and state["notes"].seq == 1
+    assert state["plan"].value == 1
+    # The built-in projections keep their declared types.
+    assert projector._targets(MessageAppended) == [
+        (projector.messages, "messages"),
+        (projector.state_projection, "state"),
+    ]
+    assert projector._targets(es.StateUpdated) == [(projector.state_projection, "state")]
 
 
 # -- the bulk read path decodes exactly as decode_entry does -------------------------------------
