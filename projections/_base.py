@@ -54,7 +54,8 @@ class Projection(abc.ABC, Generic[S]):
     views: ClassVar[tuple[str, ...]]
     handles: ClassVar[tuple[type[Event], ...] | None] = None
     """The payload types ``apply`` reacts to; folds skip the projection for any other event
-    (None: every event reaches ``apply``). A declaration that misses a type ``apply`` acts on
+    (None: every event reaches ``apply``). A subclass that overrides ``apply`` without
+    restating ``handles`` gets every event. A declaration that misses a type ``apply`` acts on
     shows up as views that differ from the fold, which the projection tests catch."""
 
     @abc.abstractmethod
