@@ -12,8 +12,8 @@ its own, so its wall time, CPU time and peak memory (``VmHWM``) are its alone:
   ``workers="auto"`` (``--workers N`` to choose: this process and N - 1 worker processes share
   the partitions; auto is one per CPU, at most 3, for 200,000 events or more) and
   ``pause_gc=True``;
-- ``parquet, 1 process``: the same with the library's defaults (``workers=1``, the collector
-  left running), as an application that embeds the exporter runs it;
+- ``parquet, 1 process``: the same with ``workers=1`` (``threadlog export --workers 1``): the
+  difference to ``parquet`` is the worker processes alone;
 - ``raw XRANGE + decode``: redis-py ``XRANGE`` over every thread (4096 entries per call) and a
   msgpack decode of every payload — the floor any reader of these events pays;
 - ``verify``: `adapters.Auditor.verify_all` (chain links, digests, payload decode).
@@ -256,7 +256,7 @@ async def _child_work(
                 name=f"bench{new_ulid().lower()}",
                 workers=n,  # type: ignore[arg-type]
                 settings=StoreSettings.from_url(url, namespace=namespace),
-                pause_gc=fixed is None,
+                pause_gc=True,  # as `threadlog export` runs it
             )
             with WorkerPeaks(exporter.workers - 1) as peaks:
                 result = await exporter.run()

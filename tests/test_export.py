@@ -421,14 +421,18 @@ async def test_a_cancelled_run_stops_its_workers(
         rows_per_part=100,
     )  # fmt: skip
 
-    async def cancel_when_the_worker_writes(scope: anyio.CancelScope) -> None:
-        while not any(int(p.name[5:13]) % 2 == 0 for p in tmp_path.glob("part-*.parquet")):
-            await anyio.sleep(0.001)  # worker 1 writes the even part numbers
+    async def cancel_mid_run(scope: anyio.CancelScope) -> None:
+        # The worker is started with the run, and this process commits a part every 100 rows
+        # of the 2,400: cancel once both are under way (bounded, should the run end first).
+        with anyio.fail_after(30):
+            while not worker_pids() or not list(tmp_path.glob("part-*.parquet")):
+                await anyio.sleep(0.001)
         scope.cancel()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(cancel_when_the_worker_writes, tg.cancel_scope)
+        tg.start_soon(cancel_mid_run, tg.cancel_scope)
         await exporter.run()
+        pytest.fail("the run ended before it was cancelled")
     assert worker_pids() == []
     assert not list(tmp_path.glob(".part-*")), "an open part was left behind"
     await exporter.run()
