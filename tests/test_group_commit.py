@@ -140,3 +140,28 @@ async def test_held_connections_go_back_to_the_pool_on_close(redis_url: str) -> 
             tg.start_soon(one, i)
     await store.close()
     assert not pool._in_use_connections  # every connection checked out was returned
+
+
+async def test_batches_in_flight_together_keep_each_threads_order(
+    store: es.RedisEventStore,
+) -> None:
+    """Batches go out at half the waiting calls, so several travel at once on different
+    connections; a thread's calls must still reach the server in the order they were made."""
+    await store.append("warm", [msg("busy")])
+    results: dict[tuple[int, int], int] = {}
+
+    async def one(t: int, v: int) -> None:
+        result = await store.append(f"t{t}", [msg(str(v))], expected_version=v)
+        results[(t, v)] = result.last_seq
+
+    async with anyio.create_task_group() as tg:
+        # All in one tick, interleaved across threads: every call names its exact version.
+        for v in range(20):
+            for t in range(8):
+                tg.start_soon(one, t, v)
+    assert results == {(t, v): v + 1 for t in range(8) for v in range(20)}
+    gc = committer(store)
+    assert gc.pipelines >= 2  # more than one batch went out
+    for t in range(8):
+        texts = [e.payload.message.text for e in await read_all(store, f"t{t}")]  # type: ignore[attr-defined]
+        assert texts == [str(v) for v in range(20)]
