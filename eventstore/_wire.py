@@ -94,8 +94,10 @@ def pack_script_call(
 async def _make_ready(conn: Any) -> None:
     """What the pool checks when it hands a connection out, for one that waited here: a server
     that closed it meanwhile (a kill, a timeout) or left bytes on it means reconnect first."""
+    # redis-py 8 names the probe can_read; earlier releases, can_read_destructive.
+    probe = getattr(conn, "can_read", None) or conn.can_read_destructive
     try:
-        stale = conn.is_connected and await conn.can_read()
+        stale = conn.is_connected and await probe()
     except (RedisConnectionError, OSError):
         stale = True
     if stale:
