@@ -896,7 +896,6 @@ class RedisEventStore(EventStore):
             return
         self._closed = True
         with contextlib.suppress(rex.RedisError, OSError):
-            await self._group_commit.aclose()
             if self._held is not None:
                 await self._held.close()
         if self._owns_client:

@@ -79,10 +79,9 @@ class GroupCommit:
         self._queue_waits = False  # the queue holds a call whose first key is in flight
         self._tasks: set[asyncio.Task[None]] = set()
         # Its own RESP path where it is exact (see `_wire`), redis-py's otherwise; a store
-        # passes the connections it holds, to share them with its reads.
-        if held is None and can_hold(client):
-            held = HeldConnections(client)
-        self._held = held
+        # passes the connections it holds, to share them with its reads (and closes them).
+        self._owns_held = held is None and can_hold(client)
+        self._held = HeldConnections(client) if self._owns_held else held
         self._sha = script.sha.encode("ascii")
         self._source = script.source.encode("utf-8")
         # Counters for observability (and tests): calls sent alone, pipelines, calls in them.
@@ -121,18 +120,14 @@ class GroupCommit:
     async def _one(self, keys: list[Any], args: list[Any]) -> Any:
         if self._held is None:
             return await self.script(self.client, keys, args)
-        (reply,) = await self._held.exchange(pack_script_call(b"EVALSHA", self._sha, keys, args), 1)
-        if isinstance(reply, NoScriptError):
-            # As `Script.__call__`: NOSCRIPT means the call did nothing; send the source.
-            call = pack_script_call(b"EVAL", self._source, keys, args)
-            (reply,) = await self._held.exchange(call, 1)
+        (reply,) = await self._run([(keys, args)])
         if isinstance(reply, Exception):
             raise reply
         return reply
 
     async def aclose(self) -> None:
-        """Give back the connections held for the direct path."""
-        if self._held is not None:
+        """Give back the connections held for the direct path, if this committer holds them."""
+        if self._owns_held and self._held is not None:
             await self._held.close()
 
     def _drain(self) -> None:
@@ -166,16 +161,7 @@ class GroupCommit:
     async def _send(self, batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]) -> None:
         try:
             try:
-                replies = await self._pipeline(batch, "EVALSHA", self.script.sha)
-                missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-                if missing:
-                    # The server forgot the script (restart, failover, SCRIPT FLUSH): those
-                    # calls did nothing, so they are sent again with the source.
-                    again = await self._pipeline(
-                        [batch[i] for i in missing], "EVAL", self.script.source
-                    )
-                    for i, reply in zip(missing, again, strict=True):
-                        replies[i] = reply
+                replies = await self._run([(keys, args) for keys, args, _ in batch])
             finally:
                 # Answered (or failed): its threads may go out again, even before its callers
                 # resume and make their next calls.
@@ -191,20 +177,33 @@ class GroupCommit:
             else:
                 _settle(future, reply)
 
+    async def _run(self, calls: list[tuple[list[Any], list[Any]]]) -> list[Any]:
+        """The calls in one pipeline, a reply (or error) each, in order.
+
+        The server may have forgotten the script (restart, failover, SCRIPT FLUSH): the calls
+        it answered NOSCRIPT did nothing, so they are sent again with the source.
+        """
+        replies = await self._pipeline(calls, with_source=False)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            again = await self._pipeline([calls[i] for i in missing], with_source=True)
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        return replies
+
     async def _pipeline(
-        self,
-        batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]],
-        command: str,
-        body: str,
+        self, calls: list[tuple[list[Any], list[Any]]], *, with_source: bool
     ) -> list[Any]:
         if self._held is not None:
-            body_bytes = self._sha if command == "EVALSHA" else self._source
-            verb = command.encode("ascii")
-            payload = b"".join(pack_script_call(verb, body_bytes, k, a) for k, a, _ in batch)
-            return await self._held.exchange(payload, len(batch))
+            verb, body = (b"EVAL", self._source) if with_source else (b"EVALSHA", self._sha)
+            payload = b"".join(pack_script_call(verb, body, keys, args) for keys, args in calls)
+            return await self._held.exchange(payload, len(calls))
+        command, text = (
+            ("EVAL", self.script.source) if with_source else ("EVALSHA", self.script.sha)
+        )
         pipe = self.client.pipeline(transaction=False)
-        for keys, args, _ in batch:
-            pipe.execute_command(command, body, len(keys), *keys, *args)
+        for keys, args in calls:
+            pipe.execute_command(command, text, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))
 
 
