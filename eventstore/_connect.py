@@ -29,6 +29,7 @@ from redis.cluster import PRIMARY
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._aof import AofRepairError, repair_aof
 from ._codec import DEFAULT_MAX_EVENT_BYTES
 from ._contract import EventStore
 from ._errors import InvalidInputError, InvalidURLError, OperationalError, StoreConnectionError
@@ -414,6 +415,7 @@ def _answers(sock: Path) -> bool:
 def _start_server(binary: str, directory: Path, sock: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         sock.unlink()
+    _repair_after_crash(directory)
     args = [
         binary,
         "--port", "0",
@@ -447,6 +449,30 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
         f"the embedded redis-server did not answer on {sock} within 10 s "
         f"(see {directory / 'redis.log'})"
     )
+
+
+def _repair_after_crash(directory: Path) -> None:
+    """Repair the AOF if the last server here did not shut down cleanly.
+
+    redis-server deletes its pid file when it shuts down; one left behind, naming no live
+    process, means it was killed (or the machine went down), so the AOF may end inside a
+    script's MULTI block, which Redis 7.0 would load badly (see `repair_aof`).
+    """
+    pidfile = directory / "redis.pid"
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return
+    if _alive(pid):
+        return
+    try:
+        repair_aof(directory)
+    except (AofRepairError, OSError, subprocess.TimeoutExpired) as exc:
+        raise StoreConnectionError(
+            f"the embedded redis-server under {directory} was not shut down cleanly and its "
+            f"append-only file could not be checked: {exc}"
+        ) from exc
+    pidfile.unlink(missing_ok=True)
 
 
 def stop_embedded(directory: Path = EMBEDDED_DIR, *, timeout: float = 10.0) -> bool:

@@ -23,6 +23,8 @@ from urllib.parse import quote
 
 import redis
 
+from ._aof import repair_aof
+
 
 class RedisServerError(RuntimeError):
     """Raised when a redis-server cannot be found or does not come up."""
@@ -123,6 +125,11 @@ class RedisServer:
     tls: TlsFiles | None = None
     tls_port: int = 0
     tls_auth_clients: str = "no"
+    #: After `kill`, the next `start` first repairs the AOF (``redis-check-aof --fix``), as an
+    #: operator (or threadlog's embedded server) must after a hard kill: see `repair_aof`.
+    repair_after_kill: bool = True
+    aof_repairs: list[str] = field(default_factory=list)
+    _killed: bool = False
 
     @property
     def url(self) -> str:
@@ -169,6 +176,11 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server and wait (bounded) until it answers PING."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        if self._killed and self.repair_after_kill:
+            repaired = repair_aof(self.directory)
+            if repaired is not None:
+                self.aof_repairs.append(repaired)
+        self._killed = False
         self.process = subprocess.Popen(
             self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -203,6 +215,7 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
+            self._killed = True
 
     def stop(self) -> None:
         """Stop the server this object started, by its pid."""
