@@ -20,6 +20,10 @@ from ._export import (
     committed_positions,
     read_parquet_dir,
 )
+
+# Imported for its effect too: the framework adapters' event types join the default registry, so
+# every reader decodes their threads without the frameworks installed.
+from ._framework_events import register_framework_events
 from ._jsonl import (
     ImportReport,
     JsonlImportError,
@@ -39,6 +43,7 @@ from ._threads import (
 )
 
 __all__ = [
+    "register_framework_events",
     "COLUMNS",
     "ExportBusyError",
     "ExportResult",

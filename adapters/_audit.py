@@ -469,7 +469,13 @@ class _Verifier:
         else:
             detail = first.detail
             total = len(self.problems) + self.omitted
-            if self.checked and total >= self.checked and self.checked > 1:
+            if (
+                self.checked > 1
+                and total >= self.checked
+                and all(p.kind == "modified" for p in self.problems)
+            ):
+                # Every link fails but every entry decodes: the likeliest cause is a reader
+                # with another chain key than the writer's, not an attacker rewriting it all.
                 detail += "; every entry fails: was the thread written with another key?"
         return Verdict(
             thread_id=self.thread_id,
@@ -491,6 +497,11 @@ def _why(verifier: _Verifier, raw_id: bytes, fields: dict[bytes, bytes]) -> str 
     try:
         decode_entry(verifier.thread_id, raw_id, fields, verifier.registry)
     except CorruptEventError as exc:
+        if exc.reason.startswith("unknown event type"):  # as EventRegistry.decode words it
+            return (
+                f"{exc} (a type this reader does not know: register its Event class, or import "
+                "the adapter that defines it, before verifying)"
+            )
         return str(exc)
     except Exception as exc:  # a codec bug must not stop an audit; report it at its seq
         return f"thread {verifier.thread_id!r} entry {raw_id.decode()}: {exc!r}"

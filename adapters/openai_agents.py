@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import msgspec
@@ -42,7 +42,6 @@ from eventstore import (
     AppendResult,
     ConcurrencyError,
     Event,
-    EventRegistry,
     EventStore,
     ExpectedVersion,
     InvalidInputError,
@@ -63,6 +62,13 @@ from eventstore import (
     validate_thread_id,
 )
 from projections import Projection, Projector
+
+from ._framework_events import (
+    ItemPopped,
+    ItemsAdded,
+    SessionCleared,
+    register_session_events,
+)
 
 if TYPE_CHECKING:  # only recent openai-agents releases have it; only type checking needs it
     from agents.memory.session_settings import SessionSettings
@@ -89,50 +95,6 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 # -- events -----------------------------------------------------------------------------------
-
-
-class ItemsAdded(Event, tag="agents.items_added", frozen=True):
-    """Items appended to a session, in order, exactly as the SDK handed them over."""
-
-    items: list[Any]
-
-
-class ItemPopped(Event, tag="agents.item_popped", frozen=True):
-    """The session's last item was removed (the item stays in the `ItemsAdded` that added it).
-
-    ``added_seq`` is the seq of the event that added it and ``digest`` the blake2b-128 of its
-    stored bytes, so an auditor can tell exactly which item went.
-    """
-
-    added_seq: int
-    digest: str
-
-
-class SessionCleared(Event, tag="agents.session_cleared", frozen=True):
-    """Every item was removed from the session (the log keeps them)."""
-
-
-SESSION_EVENTS: tuple[type[Event], ...] = (ItemsAdded, ItemPopped, SessionCleared)
-
-
-def register_session_events(into: EventRegistry) -> None:
-    """Register the session's event types in ``into`` (done for the default registry on import).
-
-    A `ThreadlogSession` calls this for its store's registry, so a private `EventRegistry`
-    works too.
-    """
-    for cls in SESSION_EVENTS:
-        if cls.__struct_config__.tag not in into:
-            into.register(cls)
-
-
-def _register_default() -> None:
-    from eventstore import registry
-
-    register_session_events(registry)
-
-
-_register_default()
 
 
 # -- projection -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import pytest
 
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
+from adapters._framework_events import StoredWrite, WritesPut
 from eventstore.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -464,6 +465,31 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert "tampered" in everything.out and "garbled" in everything.out
     report = cli("verify", "--all", "--json", url=redis_url, namespace=namespace).json()
     assert report["ok"] is False and report["threads"]["intact"]["ok"] is True
+
+
+def test_threads_of_the_framework_adapters_verify_and_replay(redis_url: str) -> None:
+    """The command decodes what the SDK session and the LangGraph saver append: their event
+    types are known to every reader of `adapters`, frameworks installed or not."""
+    from adapters.openai_agents import ThreadlogSession
+
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        session = ThreadlogSession("user-1", store)
+        await session.add_items(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        )
+        write = StoredWrite(task_id="t1", idx=0, channel="messages", type="json", data=b"1")
+        await store.append("lg:g1", [WritesPut(ns="", checkpoint_id="c1", writes=[write])])
+
+    with_store(redis_url, namespace, setup)
+    verified = cli("verify", "--all", url=redis_url, namespace=namespace)
+    assert verified.code == 0, verified
+    assert "verified 2 threads" in verified.out and "all OK" in verified.out
+    replay = cli("replay", "agents:user-1", url=redis_url, namespace=namespace)
+    assert replay.code == 0 and "agents.items_added" in replay.out, replay
+    replay = cli("replay", "lg:g1", url=redis_url, namespace=namespace)
+    assert replay.code == 0 and "langgraph.writes_put" in replay.out, replay
 
 
 def test_check_finds_differences_and_rebuild_repairs_them(redis_url: str) -> None:
