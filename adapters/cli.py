@@ -27,6 +27,7 @@ import anyio.abc
 import msgspec
 
 import eventstore as es
+from eventstore._codec import decode_entry
 from projections import (
     DEFAULT_WINDOW,
     AsOf,
@@ -84,6 +85,7 @@ exit codes:
 URL_ENV = "THREADLOG_URL"
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
+TAIL_PAGE = 512  # events per read when a feed entry covers many
 """Output width when stdout is not a terminal (and COLUMNS is unset): wide enough for ids."""
 _MAX_STREAM_ID_SEQ = 2**64 - 1
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
@@ -1084,16 +1086,36 @@ async def _show_change(
         line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
         line.append(f"thread deleted (it had {entry.last_seq} events)", style="red")
         return emit(line)
-    async for event in store.read(entry.thread_id, start=entry.first_seq, stop=entry.last_seq):
-        if json:
-            done = emit(event_json(event))
-        else:
-            line = Text(f"{fmt_time(event.time_ms)}  {event.thread_id} #{event.seq}  ")
-            line.append(f"{event.type:<20}", style="cyan")
-            line.append(event_summary(event))
-            done = emit(line)
-        if done:
-            return True
+    # Read in the feed entry's own incarnation: if the thread was deleted (and perhaps created
+    # again) since, its seqs name other events now, or none, and those must not be shown as
+    # these. Each page checks the incarnation and reads in one atomic step.
+    seq, last = entry.first_seq, entry.last_seq
+    while seq <= last:
+        stop = min(last, seq + TAIL_PAGE - 1)
+        rows = await store.read_raw(
+            entry.thread_id, start=seq, stop=stop, count=TAIL_PAGE, incarnation=entry.incarnation
+        )
+        if not rows:
+            gone = f"events #{seq}..{last}" if seq < last else f"event #{seq}"
+            note = f"{gone}: not in the log any more (the thread was deleted since)"
+            if json:
+                row = {"thread": entry.thread_id, "type": "events.gone", "first": seq}
+                return emit({**row, "last": last, "time_ms": entry.time_ms})
+            line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
+            line.append(note, style="yellow")
+            return emit(line)
+        for raw_id, fields in rows:
+            event = decode_entry(entry.thread_id, raw_id, fields, store.registry)
+            if json:
+                done = emit(event_json(event))
+            else:
+                line = Text(f"{fmt_time(event.time_ms)}  {event.thread_id} #{event.seq}  ")
+                line.append(f"{event.type:<20}", style="cyan")
+                line.append(event_summary(event))
+                done = emit(line)
+            if done:
+                return True
+            seq = event.seq + 1
     return False
 
 

@@ -32,6 +32,7 @@ import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
 from adapters._framework_events import StoredWrite, WritesPut
 from eventstore.servers import free_port
+from eventstore.testing import msg
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = (sys.executable, "-m", "adapters.cli")
@@ -650,6 +651,31 @@ def test_tail_since_a_time_with_a_limit(demo: Demo) -> None:
     )
     assert as_json.code == 0, as_json
     assert [json.loads(line)["seq"] for line in as_json.lines()] == [1, 2, 3]
+
+
+def test_tail_never_shows_a_recreated_threads_events_as_the_deleted_ones(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("tt-1", [msg(f"old{i}") for i in range(3)])
+        await store.delete_thread("tt-1")
+        await store.append("tt-1", [msg(f"NEW{i}") for i in range(2)])
+
+    with_store(redis_url, namespace, setup)
+    run = cli("tail", "--since", "1h", "--limit", "4", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    lines = run.lines()
+    # The first life's events are gone from the log: said so, never replaced by the new ones.
+    assert "events #1..3: not in the log any more" in lines[0], lines
+    assert "thread deleted (it had 3 events)" in lines[1], lines
+    assert "#1 " in lines[2] and "NEW0" in lines[2], lines
+    assert "#2 " in lines[3] and "NEW1" in lines[3], lines
+    assert sum("NEW0" in line for line in lines) == 1, lines
+    as_json = cli(
+        "tail", "--since", "1h", "--json", "--limit", "2", url=redis_url, namespace=namespace
+    )
+    gone = json.loads(as_json.lines()[0])
+    assert gone == {**gone, "type": "events.gone", "thread": "tt-1", "first": 1, "last": 3}
 
 
 def _read_line(stream: IO[str], timeout: float) -> str:
