@@ -34,6 +34,7 @@ from eventstore import (
     TranscriptReplaced,
     TurnOpened,
     TurnSettled,
+    WrongKeyTypeError,
     chain_link,
     content_digest,
     validate_thread_id,
@@ -461,6 +462,11 @@ class _Verifier:
                 "entries renumbered",
             )
 
+    def unreadable(self, error: WrongKeyTypeError) -> Verdict:
+        """The verdict for a thread whose keys the server refuses to read as a thread's."""
+        self._problem(1, "undecodable", f"the thread's keys cannot be read as a log: {error}")
+        return self.verdict()
+
     def verdict(self) -> Verdict:
         first = self.first
         if first is None:
@@ -635,17 +641,29 @@ class Auditor:
         """
         validate_thread_id(thread_id)
         store = self.store
-        verifier = _Verifier(self, thread_id, await store.version(thread_id))
-        send, receive = anyio.create_memory_object_stream[_Rows](1)
-        async with anyio.create_task_group() as tg, receive:
-            # The next batch is read while this one is hashed.
-            tg.start_soon(self._read_log, thread_id, send)
-            async for rows in receive:
-                if _id_key(rows[-1][0])[0] > verifier.version:
-                    # Appends may have landed since the version was read; entries within the
-                    # current version are theirs, not insertions.
-                    verifier.version = await store.version(thread_id)
-                verifier.feed(rows)
+        verifier = _Verifier(self, thread_id, 0)
+        wrong_type: WrongKeyTypeError | None = None
+        try:
+            verifier.version = await store.version(thread_id)
+            send, receive = anyio.create_memory_object_stream[_Rows](1)
+            async with anyio.create_task_group() as tg, receive:
+                # The next batch is read while this one is hashed.
+                tg.start_soon(self._read_log, thread_id, send)
+                async for rows in receive:
+                    if _id_key(rows[-1][0])[0] > verifier.version:
+                        # Appends may have landed since the version was read; entries within
+                        # the current version are theirs, not insertions.
+                        verifier.version = await store.version(thread_id)
+                    verifier.feed(rows)
+        except* WrongKeyTypeError as group:
+            # A log or meta key replaced by another type of value: damage to report, not a
+            # reason to stop an audit. Every other error (losing the server) is raised.
+            leaf: BaseException = group
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            wrong_type = leaf if isinstance(leaf, WrongKeyTypeError) else WrongKeyTypeError(leaf)
+        if wrong_type is not None:
+            return verifier.unreadable(wrong_type)
         verifier.finish()
         return verifier.verdict()
 

@@ -681,7 +681,9 @@ async def _require_thread(ctx: Ctx, thread: str) -> int:
     """The thread's version; a usage error when the thread has no events."""
     es.validate_thread_id(thread)
     version = await ctx.store.version(thread)
-    if version == 0:
+    if version == 0 and not await ctx.store.read_raw(thread, count=1):
+        # Version 0 with entries in the log is not "no thread": its meta hash was lost or
+        # tampered with, which verify reports and the other commands must not hide.
         raise UsageError(f"no thread {thread!r} in namespace {ctx.store.namespace!r}")
     return version
 

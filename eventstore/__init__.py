@@ -60,6 +60,7 @@ from ._errors import (
     StoreTimeoutError,
     UnknownEventTypeError,
     ViewConflictError,
+    WrongKeyTypeError,
 )
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event, registry
 from ._feed import FeedEntry, GroupInfo
@@ -177,6 +178,7 @@ __all__ = [
     "ViewRead",
     "ViewResult",
     "ViewSnapshot",
+    "WrongKeyTypeError",
     "acl_key_pattern",
     "acl_rules",
     "chain_link",

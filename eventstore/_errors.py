@@ -146,3 +146,8 @@ class StoreTimeoutError(OperationalError, TimeoutError):
 
 class StoreClosedError(OperationalError):
     """Raised when a closed store is used."""
+
+
+class WrongKeyTypeError(OperationalError):
+    """Raised when one of a thread's keys holds another kind of value than threadlog wrote
+    there (Redis's ``WRONGTYPE``): the data was replaced from outside threadlog."""

@@ -44,6 +44,7 @@ from ._errors import (
     StoreConnectionError,
     StoreTimeoutError,
     ViewConflictError,
+    WrongKeyTypeError,
 )
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
@@ -107,6 +108,8 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
         return OperationalError(f"redis denied the command (ACL): {exc}")
     if isinstance(exc, TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")
+    if isinstance(exc, rex.ResponseError) and str(exc).startswith("WRONGTYPE"):
+        return WrongKeyTypeError(f"redis error: {exc}")
     return OperationalError(f"redis error: {exc}")
 
 

@@ -119,6 +119,7 @@ PUBLIC_NAMES = [
     "ViewRead",
     "ViewResult",
     "ViewSnapshot",
+    "WrongKeyTypeError",
     "acl_key_pattern",
     "acl_rules",
     "chain_link",

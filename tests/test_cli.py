@@ -424,7 +424,7 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
 
     async def setup(store: es.EventStore) -> None:
         threads = ThreadStore(store)
-        for thread in ("intact", "tampered", "garbled"):
+        for thread in ("intact", "tampered", "garbled", "clobbered", "metaless"):
             turn = await threads.open_turn(
                 thread, request_message={"role": "user", "content": "hi"}
             )
@@ -440,6 +440,10 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
             if entry_id == b"2-0":
                 fields[b"d"] = b"\xc1 not msgpack"
             await store.client.xadd(key, fields, id=entry_id)
+        # The log replaced by a string; the meta hash (the thread's version) deleted.
+        await store.client.delete(store.keys.log("clobbered"))
+        await store.client.set(store.keys.log("clobbered"), "hello")
+        assert await store.client.delete(store.keys.meta("metaless")) == 1
 
     with_store(redis_url, namespace, setup)
     ok = cli("verify", "intact", url=redis_url, namespace=namespace)
@@ -460,10 +464,19 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     line = assert_one_line_error(replay, code=1)
     assert "seq 2" in line and "run 'threadlog verify garbled'" in line
 
+    clobbered = cli("verify", "clobbered", url=redis_url, namespace=namespace)
+    assert clobbered.code == 1 and "undecodable" in clobbered.out, clobbered
+    assert "cannot be read as a log" in clobbered.out and "WRONGTYPE" in clobbered.out
+    # Without its meta hash the thread still has a log: not "no thread", but damage.
+    metaless = cli("verify", "metaless", url=redis_url, namespace=namespace)
+    assert metaless.code == 1 and "inserted" in metaless.out, metaless
+
+    # One thread's damage does not stop the audit of the others.
     everything = cli("verify", "--all", url=redis_url, namespace=namespace)
     assert everything.code == 1, everything
-    assert "verified 3 threads" in everything.out and "2 FAILED" in everything.out
-    assert "tampered" in everything.out and "garbled" in everything.out
+    assert "verified 5 threads" in everything.out and "4 FAILED" in everything.out
+    for thread in ("tampered", "garbled", "clobbered", "metaless"):
+        assert thread in everything.out
     report = cli("verify", "--all", "--json", url=redis_url, namespace=namespace).json()
     assert report["ok"] is False and report["threads"]["intact"]["ok"] is True
 
