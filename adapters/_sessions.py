@@ -52,9 +52,19 @@ def session_update(
     """Append when ``result`` extends ``before`` (only the new tail), replace otherwise."""
     old = [as_message(m) for m in before]
     new = [as_message(m) for m in result]
-    if len(new) >= len(old) and new[: len(old)] == old:
+    if len(new) >= len(old) and all(_same(a, b) for a, b in zip(old, new, strict=False)):
         return SessionUpdate(mode="append", messages=new[len(old) :])
     return SessionUpdate(mode="replace", messages=new)
+
+
+def _same(a: Message, b: Message) -> bool:
+    """Equal as messages: ``source`` (the original text of an imported line, kept for a
+    byte-faithful export) is how a message was written, not what it says."""
+    return a == b or _content(a) == _content(b)
+
+
+def _content(m: Message) -> Message:
+    return msgspec.structs.replace(m, source=None)
 
 
 class SessionStore:

@@ -85,6 +85,11 @@ def as_message(message: Message | Mapping[str, Any]) -> Message:
     """Accept a `Message` or its JSON object form."""
     if isinstance(message, Message):
         return message
+    if not isinstance(message, Mapping):
+        raise InvalidInputError(
+            "a message is a Message or a mapping with 'role' and 'content', not "
+            f"{type(message).__name__}: {message!r:.80}"
+        )
     return Message.from_json(dict(message))
 
 

@@ -660,13 +660,15 @@ def records_table(title: str, records: Sequence[TurnRecord]) -> Table:
             notes.append(f"{r.error.kind}: {r.error.message}")
         notes += [f"fallback {f.from_tier}->{f.to_tier} ({f.reason})" for f in r.fallbacks]
         status = r.outcome or "open"
+        # Every value a caller chose goes in as Text: as a plain str, rich would read it as
+        # markup ("[/]" in a turn id raises, "[red]" in a model tier is swallowed).
         table.add_row(
             str(r.seq),
-            short_id(r.turn_id),
-            short_id(r.parent_turn_id),
+            Text(short_id(r.turn_id)),
+            Text(short_id(r.parent_turn_id)),
             Text(status, style=outcome_style(status)),
             str(r.steps),
-            r.model_tier or "-",
+            Text(r.model_tier or "-"),
             f"{r.usage.input_tokens:,}/{r.usage.output_tokens:,}",
             fmt_duration(r.timing.duration_ms) if r.timing.settled_ms else "-",
             Text("; ".join(notes)),

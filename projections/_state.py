@@ -19,6 +19,7 @@ from eventstore import (
     HashGetAll,
     HashLoad,
     HashSet,
+    InvalidInputError,
     NewEvent,
     RecordedEvent,
     StateUpdated,
@@ -40,6 +41,20 @@ class ReaderView(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         validate_view_name(self.name)
+        for block, fields in self.blocks.items():
+            if not isinstance(block, str):
+                raise InvalidInputError(f"reader view {self.name!r}: block names are strings")
+            # A lone string is the classic missing comma, ("name") for ("name",): iterated,
+            # it would select the fields "n", "a", "m", "e" and hide the one meant.
+            if fields is not None and (
+                isinstance(fields, str | bytes)
+                or not isinstance(fields, tuple | list | frozenset | set)
+                or not all(isinstance(f, str) for f in fields)
+            ):
+                raise InvalidInputError(
+                    f"reader view {self.name!r}, block {block!r}: fields are None (the whole "
+                    f"block) or a tuple of field names, not {fields!r:.60}"
+                )
 
 
 class Block(msgspec.Struct, frozen=True, kw_only=True):

@@ -133,6 +133,14 @@ async def test_scripted_conversation(store: es.EventStore) -> None:
     assert report.ok and report.anomalies == []
 
 
+def test_reader_view_fields_must_be_a_tuple_of_names() -> None:
+    with pytest.raises(es.InvalidInputError, match="tuple of field names"):
+        ReaderView("planner", {"profile": ("name")})  # type: ignore[dict-item]  # the missing comma
+    with pytest.raises(es.InvalidInputError, match="tuple of field names"):
+        ReaderView("planner", {"profile": (1, 2)})  # type: ignore[dict-item]
+    assert ReaderView("planner", {"profile": ["name"]}).blocks  # type: ignore[dict-item]
+
+
 async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("a", request_message=user("hi"))
@@ -241,6 +249,17 @@ async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     compacted = session_update(before, [assistant("summary")])
     assert compacted.mode == "replace"
     assert session_update(before, before).messages == []
+    # An imported line keeps its original text as ``source``; a runtime hands the messages back
+    # in their JSON form, without it. Still the same messages: an append, not a replace.
+    imported = [es.Message.from_json_bytes(b'{"role": "user",  "content": "a"}'), before[1]]
+    assert imported[0].source is not None
+    handed_back = [m.to_json() for m in imported] + [{"role": "user", "content": "c"}]
+    again = session_update(imported, handed_back)
+    assert again.mode == "append" and [m.text for m in again.messages] == ["c"]
+    changed = [{"role": "user", "content": "A"}, handed_back[1]]
+    assert session_update(imported, changed).mode == "replace"
+    with pytest.raises(es.InvalidInputError, match="not str"):
+        session_update(["a"], [])  # type: ignore[list-item]
 
     writer_a, writer_b = SessionStore(store), SessionStore(store)
     await writer_a.append("s", before)

@@ -348,6 +348,22 @@ def test_show_prints_window_state_tree_records_and_transcript(demo: Demo) -> Non
     assert shown["transcript"][0]["message"]["role"] == "system"  # compacted
 
 
+def test_show_prints_values_that_look_like_markup_as_they_are(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn(
+            "m1", turn_id="[/]", request_message={"role": "user", "content": "[bold]hi"}
+        )
+        await threads.settle_turn("m1", turn, outcome="completed", model_tier="[red]gpt-[/]mini")
+
+    with_store(redis_url, namespace, setup)
+    run = cli("show", "m1", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert "[red]gpt-[/]mini" in run.out and "[bold]hi" in run.out
+
+
 def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
     rows = replay_rows(demo)
     booking = next(
