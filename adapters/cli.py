@@ -74,6 +74,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
+EXIT_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 EXIT_CODES = """\
 exit codes:
   0    ok
@@ -81,11 +82,13 @@ exit codes:
   2    usage error, bad input, or the store is unreachable or refused the request
   3    internal error (a bug in threadlog; THREADLOG_DEBUG=1 shows the traceback)
   130  interrupted (Ctrl-C); tail stops with 0
+  141  the output's reader went away (a pipe into head), nothing on stderr
 """
 URL_ENV = "THREADLOG_URL"
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
+MAX_NUMBER = 2**63 - 1  # the largest seq, count or window the command accepts
 """Output width when stdout is not a terminal (and COLUMNS is unset): wide enough for ids."""
 _MAX_STREAM_ID_SEQ = 2**64 - 1
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
@@ -118,7 +121,10 @@ def parse_time(text: str) -> datetime:
     match = _DURATION.fullmatch(text.strip())
     if match is not None:
         seconds = float(match.group(1)) * _UNITS[match.group(2).lower()]
-        return datetime.now(UTC) - timedelta(seconds=seconds)
+        try:
+            return datetime.now(UTC) - timedelta(seconds=seconds)
+        except OverflowError:
+            raise argparse.ArgumentTypeError(f"{text!r} reaches back before year 1") from None
     try:
         moment = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -145,8 +151,8 @@ def parse_workers(text: str) -> int | str:
 def parse_as_of(text: str) -> AsOf:
     """A seq (digits) or a time (see `parse_time`)."""
     stripped = text.strip()
-    if stripped.isdigit():
-        return int(stripped)
+    if stripped.isascii() and stripped.isdigit():  # not "²" or "١٢": digits of other scripts
+        return _positive(stripped)
     return parse_time(stripped)
 
 
@@ -157,6 +163,9 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    if value > MAX_NUMBER:
+        # Seqs and counts are 64-bit in Redis; a bigger number would reach it as a bad id.
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most {MAX_NUMBER})")
     return value
 
 
@@ -1345,12 +1354,18 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
 # -- the entry point ----------------------------------------------------------------------------
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits with 1 here, the code for "verification failed": let main() say 141.
+        raise BrokenPipeError
+
+
 def _consoles() -> tuple[Console, Console]:
     width = None
     if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
         width = PLAIN_WIDTH
-    out = Console(highlight=False, soft_wrap=True, width=width)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    out = _Console(highlight=False, soft_wrap=True, width=width)
+    err = _Console(stderr=True, highlight=False, soft_wrap=True)
     return out, err
 
 
@@ -1411,6 +1426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "tail":
             return EXIT_OK
         return _fail("interrupted", 130)
+    except BrokenPipeError:
+        return _reader_gone()
     except Failed:
         return EXIT_FAILED
     except SystemExit:
@@ -1421,6 +1438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FAILED
         if isinstance(exc, KeyboardInterrupt):
             return EXIT_OK if command == "tail" else _fail("interrupted", 130)
+        if isinstance(exc, BrokenPipeError):
+            return _reader_gone()
         if isinstance(exc, UsageError):
             return _fail(str(exc), EXIT_USAGE)
         if isinstance(exc, es.CorruptEventError):
@@ -1434,6 +1453,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exception(exc)
         return _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
     return EXIT_OK
+
+
+def _reader_gone() -> int:
+    """Stop quietly when stdout's reader has gone (``| head``), as shell tools do. Python
+    flushes stdout once more at exit and would fail again: it goes to /dev/null first."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_PIPE
 
 
 def _command_names(parser: argparse.ArgumentParser) -> Iterable[str]:

@@ -112,6 +112,11 @@ class StoreSettings:
             raise InvalidURLError(
                 f"unknown URL parameter {unknown[0]!r}; known: {', '.join(sorted(_PARAMS))}"
             )
+        tls_only = sorted(k for k in query if k.startswith("ssl_"))
+        if tls_only and not parts.scheme.startswith("rediss"):
+            raise InvalidURLError(
+                f"URL parameter {tls_only[0]!r} is a TLS setting: it needs a rediss:// URL"
+            )
         last = {k: v[-1] for k, v in query.items()}
         values: dict[str, Any] = {}
         try:

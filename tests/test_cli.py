@@ -183,6 +183,12 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["threads", "--url", "foo://x"], "unsupported URL scheme 'foo'"),
     (["threads", "--url", ""], "--url is empty"),
     (["threads", "--namespace", "bad/ns"], "namespace 'bad/ns'"),
+    (["show", "t1", "--as-of", "10000000d"], "reaches back before year 1"),
+    (["tail", "--since", "99999999999d"], "reaches back before year 1"),
+    (["show", "t1", "--as-of", "\u00b2"], "not an ISO-8601 time"),
+    (["replay", "t1", "--to", "99999999999999999999999"], "is too large"),
+    (["show", "t1", "--window", "100000000000000000000"], "is too large"),
+    (["threads", "--url", "unix:///tmp/x.sock?ssl_cert_reqs=none"], "needs a rediss:// URL"),
 ]
 
 
@@ -219,6 +225,33 @@ def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> Non
         assert "cannot use redis at redis://alice:***@127.0.0.1" in line, line
         assert "s3cret" not in run.err + run.out
     assert time.monotonic() - started < 30
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(redis_url: str) -> None:
+    """``threadlog replay T | head -1``: exit 141 (SIGPIPE's code), nothing on stderr."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        # Far more output than a pipe buffers (64 KiB), so the writer meets the closed pipe.
+        for n in range(20):
+            await store.append("long", [msg(f"line {n}.{i} " * 10) for i in range(100)])
+
+    with_store(redis_url, namespace, setup)
+    for argv in (["replay", "long"], ["replay", "long", "--json"]):
+        proc = subprocess.Popen(
+            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+            cwd=ROOT,
+            env=child_env(COLUMNS="40"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away after one line
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait(timeout=60) == 141, (argv, err)
+        assert err == b"", (argv, err)
 
 
 # -- demo -----------------------------------------------------------------------------------------
