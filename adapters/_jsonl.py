@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import anyio
@@ -21,6 +20,7 @@ import msgspec
 from eventstore import InvalidInputError, Message, MessageFormatError
 
 from ._access import Principal
+from ._files import temp_beside
 from ._sessions import SessionStore
 
 # Messages per transcript event are capped by bytes, so that no event nears the store's limit.
@@ -161,9 +161,10 @@ async def import_jsonl(
 
 
 def _write_atomically(path: Path, chunks: list[bytes]) -> None:
-    directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InvalidInputError(f"cannot write {path}: it is a directory; give a file name")
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = temp_beside(path)
     except OSError as exc:
         raise InvalidInputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -328,6 +329,12 @@ async def test_jsonl_round_trip_is_byte_faithful(store: es.EventStore, tmp_path:
     out = tmp_path / "out.jsonl"
     assert await export_jsonl(sessions, "s", out) == 5
     assert out.read_bytes() == source.read_bytes()
+    # Written as any file the user writes: 0666 less the umask (mkstemp alone gives 0600).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask
+    with pytest.raises(es.InvalidInputError, match="is a directory"):
+        await export_jsonl(sessions, "s", tmp_path)
     loaded = (await sessions.load("s")).messages
     assert isinstance(loaded[1].content, list)
     assert isinstance(loaded[1].content[2], es.ToolCallPart)
