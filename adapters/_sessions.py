@@ -17,6 +17,7 @@ from eventstore import (
     ANY,
     AppendResult,
     EventStore,
+    EventTooLargeError,
     ExpectedVersion,
     InvalidInputError,
     Message,
@@ -55,6 +56,31 @@ def session_update(
     if len(new) >= len(old) and all(_same(a, b) for a, b in zip(old, new, strict=False)):
         return SessionUpdate(mode="append", messages=new[len(old) :])
     return SessionUpdate(mode="replace", messages=new)
+
+
+_EVENT_SLACK = 4096  # what an event adds to its messages: type tag, reason, array headers
+_size_encoder = msgspec.msgpack.Encoder()
+
+
+def _split(event: TranscriptAppended | TranscriptReplaced, budget: int) -> list[NewEvent]:
+    """The same change as events of at most ``budget`` bytes of messages each: the messages
+    in order, a replace first (then appends), so the fold gives the same transcript."""
+    chunks: list[list[Message]] = [[]]
+    size = 0
+    for message in event.messages:
+        n = len(_size_encoder.encode(message))
+        if chunks[-1] and size + n > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(message)
+        size += n
+    first: TranscriptAppended | TranscriptReplaced = (
+        TranscriptReplaced(messages=chunks[0], reason=event.reason)
+        if isinstance(event, TranscriptReplaced)
+        else TranscriptAppended(messages=chunks[0])
+    )
+    rest = [TranscriptAppended(messages=chunk) for chunk in chunks[1:]]
+    return [NewEvent(payload=first), *(NewEvent(payload=e) for e in rest)]
 
 
 def _same(a: Message, b: Message) -> bool:
@@ -166,12 +192,23 @@ class SessionStore:
         expected = (
             expected_version if expected_version is not None else self._seen.get(session_id, ANY)
         )
-        result = await self.projector.append(
-            session_id,
-            [NewEvent(payload=event)],
-            expected_version=expected,
-            idempotency_key=idempotency_key,
-        )
+        try:
+            result = await self.projector.append(
+                session_id,
+                [NewEvent(payload=event)],
+                expected_version=expected,
+                idempotency_key=idempotency_key,
+            )
+        except EventTooLargeError:
+            # Nothing was written (sizes are checked before anything is sent). A transcript
+            # bigger than one event goes as several in one atomic append instead; only a
+            # single message over the limit is still refused.
+            events = _split(event, self.store.max_event_bytes - _EVENT_SLACK)
+            if len(events) == 1:
+                raise
+            result = await self.projector.append(
+                session_id, events, expected_version=expected, idempotency_key=idempotency_key
+            )
         if result.duplicate:
             # A retry answered from the ledger: the original version is history, not now.
             self._seen.pop(session_id, None)

@@ -275,6 +275,25 @@ async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     assert [m.text for m in (await writer_a.load("s")).messages] == ["fresh summary"]
 
 
+async def test_a_transcript_bigger_than_one_event_is_written_whole(store: es.EventStore) -> None:
+    """A compacted transcript over the event size limit (1 MiB) goes as several events of one
+    atomic append; only a single message over the limit is refused, writing nothing."""
+    sessions = SessionStore(store)
+    big = [user(f"{i}" + "x" * 300_000) for i in range(4)]
+    version = await sessions.append("bs-1", big)
+    assert [m.text[0] for m in (await sessions.load("bs-1")).messages] == ["0", "1", "2", "3"]
+    await sessions.load("bs-1")
+    assert version == 2  # two events, one append
+    replaced = await sessions.replace("bs-1", [assistant("summary"), *big])
+    assert replaced == version + 2
+    loaded = (await sessions.load("bs-1")).messages
+    assert [m.text[:2] for m in loaded] == ["su", "0x", "1x", "2x", "3x"]
+    assert (await Projector(store).check("bs-1")).ok
+    with pytest.raises(es.EventTooLargeError):
+        await sessions.append("bs-1", [user("y" * 1_100_000)])
+    assert await store.version("bs-1") == replaced
+
+
 ALL_PARTS = {
     "role": "assistant",
     "content": [
