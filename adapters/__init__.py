@@ -38,6 +38,7 @@ from ._threads import (
     Settlement,
     StateUpdate,
     ThreadStore,
+    TurnConflictError,
     TurnNotFoundError,
     as_message,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "TenantPolicy",
     "ThreadStore",
     "Transcript",
+    "TurnConflictError",
     "TurnNotFoundError",
     "Verdict",
     "as_message",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Literal, Protocol
 
@@ -83,9 +84,9 @@ class CallbackPolicy:
         self, principal: Principal | None, action: Action, namespace: str, thread_id: str | None
     ) -> bool:
         verdict = self._decide(principal, action, namespace, thread_id)
-        if not isinstance(verdict, bool):
+        if inspect.isawaitable(verdict):
             verdict = await verdict
-        return verdict
+        return verdict is True  # a callback that forgets to return (None) denies: fail closed
 
 
 async def authorize(
@@ -96,5 +97,6 @@ async def authorize(
     thread_id: str | None,
 ) -> None:
     """Raise `AccessDenied` unless ``policy`` allows the call."""
-    if not await policy.allows(principal, action, namespace, thread_id):
+    # Only True allows: a policy that returns None or another truthy value by mistake denies.
+    if await policy.allows(principal, action, namespace, thread_id) is not True:
         raise AccessDenied(principal, action, thread_id)

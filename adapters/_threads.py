@@ -53,6 +53,10 @@ class TurnNotFoundError(InvalidInputError):
     """Raised when a turn id was not opened in the thread it is used with."""
 
 
+class TurnConflictError(ConflictError):
+    """Raised when a turn id is opened again with other details than it was first opened with."""
+
+
 class StateUpdate(msgspec.Struct, frozen=True):
     """A state block update to record with a turn's settlement."""
 
@@ -91,6 +95,22 @@ def as_message(message: Message | Mapping[str, Any]) -> Message:
             f"{type(message).__name__}: {message!r:.80}"
         )
     return Message.from_json(dict(message))
+
+
+def _check_counts(steps: int, usage: Usage | None) -> None:
+    """Counts are never negative: analytics sums them (a -1 would hide a turn's tokens)."""
+    counts = {"steps": steps}
+    if usage is not None:
+        counts |= {
+            "usage.input_tokens": usage.input_tokens,
+            "usage.output_tokens": usage.output_tokens,
+            "usage.cached_tokens": usage.cached_tokens,
+        }
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidInputError(f"{name} must be a whole number >= 0, not {value!r}")
+    if usage is not None and usage.cost_usd is not None and not usage.cost_usd >= 0:
+        raise InvalidInputError(f"usage.cost_usd must be >= 0, not {usage.cost_usd!r}")
 
 
 class ThreadStore:
@@ -194,6 +214,8 @@ class ThreadStore:
         this thread. Re-opening the same ``turn_id`` is idempotent.
         """
         await self._allow(principal, "write", thread_id)
+        if turn_id is not None and (not isinstance(turn_id, str) or not turn_id):
+            raise InvalidInputError(f"turn_id must be a non-empty string, not {turn_id!r}")
         if (
             parent_turn_id is not None
             and await self.projector.record(thread_id, parent_turn_id) is None
@@ -213,8 +235,8 @@ class ThreadStore:
                 idempotency_key=f"open:{turn_id}",
             )
         except IdempotencyKeyReusedError:
-            raise TurnNotFoundError(
-                f"turn {turn_id!r} was already opened with different details"
+            raise TurnConflictError(
+                f"turn {turn_id!r} was already opened in thread {thread_id!r} with other details"
             ) from None
         return turn_id
 
@@ -242,6 +264,7 @@ class ThreadStore:
         in this thread is refused with `TurnNotFoundError`.
         """
         await self._allow(principal, "write", thread_id)
+        _check_counts(steps, usage)
         current = await self.projector.record(thread_id, turn_id)
         if current is None:
             raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")

@@ -21,6 +21,7 @@ from adapters import (
     StateUpdate,
     TenantPolicy,
     ThreadStore,
+    TurnConflictError,
     TurnNotFoundError,
     export_jsonl,
     import_jsonl,
@@ -167,6 +168,27 @@ async def test_turn_ids_are_injectable(store: es.EventStore) -> None:
     threads = ThreadStore(store, new_turn_id=lambda: next(ids))
     assert await threads.open_turn("t") == "turn-1"
     assert await threads.open_turn("t") == "turn-2"
+    assert await threads.open_turn("t", turn_id="mine") == "mine"
+    assert await threads.open_turn("t", turn_id="mine") == "mine"  # the same again: idempotent
+    with pytest.raises(TurnConflictError):
+        await threads.open_turn("t", turn_id="mine", request_message=user("other"))
+    with pytest.raises(es.InvalidInputError, match="non-empty"):
+        await threads.open_turn("t", turn_id="")
+    assert await store.version("t") == 3
+
+
+async def test_negative_counts_are_refused_and_write_nothing(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t")
+    for bad in (
+        {"steps": -1},
+        {"usage": es.Usage(input_tokens=-1)},
+        {"usage": es.Usage(output_tokens=3, cached_tokens=-2)},
+        {"usage": es.Usage(cost_usd=-0.5)},
+    ):
+        with pytest.raises(es.InvalidInputError, match=">= 0"):
+            await threads.settle_turn("t", turn, outcome="completed", **bad)
+    assert await store.version("t") == 1
 
 
 async def test_state_version_conflict_writes_nothing(store: es.EventStore) -> None:
@@ -421,6 +443,11 @@ async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> 
     with pytest.raises(AccessDenied):
         await by_owner.list_messages("t", principal=Principal(id="bob"))
     assert len(await by_owner.list_messages("t", principal=Principal(id="alice"))) == 1
+    # A callback that forgets to return (None) denies: the policy fails closed.
+    forgetful = ThreadStore(store, policy=CallbackPolicy(lambda p, action, ns, thread: None))  # type: ignore[arg-type,return-value]
+    with pytest.raises(AccessDenied):
+        await forgetful.append_message("t", user("x"), principal=Principal(id="alice"))
+    assert await store.version("t") == 1
 
 
 async def test_records_across_threads_newest_first_paginated(store: es.EventStore) -> None:
