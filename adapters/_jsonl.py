@@ -67,7 +67,9 @@ def parse_jsonl(
     """Parse every line; returns the messages and the malformed lines (never raises for data)."""
     messages: list[Message] = []
     errors: list[JsonlLineError] = []
-    lines = data.split(b"\n")
+    # A UTF-8 byte order mark (some Windows editors write one) marks the encoding; it is not
+    # part of the first message.
+    lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the newline that ends the last line does not open another
     for number, raw in enumerate(lines, start=1):

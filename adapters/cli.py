@@ -973,12 +973,27 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     await _require_thread(ctx, thread)
     if args.start < 1:
         raise UsageError("--from must be a seq >= 1")
+    if args.stop is not None and args.stop < args.start:
+        raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
     out = ctx.out
     count = 0
+    expected = args.start
+    gaps = 0
     async for step in auditor.replay(thread, start=args.start, stop=args.stop, as_of=args.as_of):
         count += 1
         event = step.event
+        if event.seq != expected:
+            # Seqs are dense; a hole means entries were removed from the log. Say so where
+            # it is (stderr in --json mode) and end with exit code 1, as verify would.
+            gaps += 1
+            hole = f"{_span_text(expected, event.seq - 1)} missing from the log"
+            note = f"{hole}: the log was damaged (run 'threadlog verify {thread}')"
+            if args.json:
+                ctx.err.print(Text(f"threadlog: {note}"))
+            else:
+                out.print(Text(f"!      {note}", style="bold red"))
+        expected = event.seq + 1
         if args.json:
             row = event_json(event)
             row["models"] = {
@@ -1002,6 +1017,12 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         sys.stdout.flush()
     elif count == 0:
         out.print("No events in that range.")
+    if gaps:
+        raise Failed
+
+
+def _span_text(first: int, last: int) -> str:
+    return f"seq {first} is" if first == last else f"seqs {first}..{last} are"
 
 
 async def _feed_positions(

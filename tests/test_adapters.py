@@ -404,6 +404,13 @@ async def test_jsonl_malformed_lines(store: es.EventStore, tmp_path: Path) -> No
     assert [m.text for m in (await sessions.load("s")).messages] == ["ok", "also ok"]
     with pytest.raises(es.InvalidInputError):
         await import_jsonl(sessions, tmp_path / "missing.jsonl", "s")
+    # A byte order mark opens the file, not the first message; CRLF ends lines as LF does.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(
+        b'\xef\xbb\xbf{"role":"user","content":"first"}\r\n{"role":"user","content":"b"}'
+    )
+    assert (await import_jsonl(sessions, bom, "s-bom")).imported == 2
+    assert [m.text for m in (await sessions.load("s-bom")).messages] == ["first", "b"]
 
 
 async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> None:

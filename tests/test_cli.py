@@ -506,6 +506,18 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert verdict.code == 1
     assert verdict.json()["ok"] is False and verdict.json()["first_bad_seq"] == 2
 
+    # Replaying a damaged log shows where the hole is and ends with exit code 1.
+    holed = cli("replay", "tampered", url=redis_url, namespace=namespace)
+    assert holed.code == 1, holed
+    assert "seq 2 is missing from the log" in holed.out and "#3 " in holed.out, holed.out
+    holed = cli("replay", "tampered", "--json", url=redis_url, namespace=namespace)
+    assert holed.code == 1 and "seq 2 is missing" in holed.err, holed
+    assert [json.loads(line)["seq"] for line in holed.lines()] == [1, 3]
+    backwards = cli(
+        "replay", "intact", "--from", "3", "--to", "2", url=redis_url, namespace=namespace
+    )
+    assert "comes before --from 3" in assert_one_line_error(backwards)
+
     garbled = cli("verify", "garbled", url=redis_url, namespace=namespace)
     assert garbled.code == 1 and "undecodable" in garbled.out, garbled
     # Reading the damaged log elsewhere is exit code 1 too, with a pointer to verify.
