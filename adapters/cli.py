@@ -1199,6 +1199,9 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
         )
         if bad:
             line.append(f"{len(bad)} FAILED", style="bold red")
+        elif not verdicts:
+            # Most likely a misspelt --namespace: "all OK" would read as a clean audit.
+            line.append("no threads there - nothing was verified (is the namespace right?)")
         else:
             line.append("all OK", style="bold green")
         ctx.out.print(line)

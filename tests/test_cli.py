@@ -548,6 +548,8 @@ def test_threads_of_the_framework_adapters_verify_and_replay(redis_url: str) -> 
     from adapters.openai_agents import ThreadlogSession
 
     namespace = fresh_namespace()
+    empty = cli("verify", "--all", url=redis_url, namespace=namespace)
+    assert empty.code == 0 and "nothing was verified (is the namespace right?)" in empty.out
 
     async def setup(store: es.EventStore) -> None:
         session = ThreadlogSession("user-1", store)
