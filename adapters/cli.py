@@ -396,7 +396,7 @@ class Ctx:
         return Projector(self.store)
 
     def json(self, value: Any) -> None:
-        data = msgspec.json.format(msgspec.json.encode(value), indent=2)
+        data = msgspec.json.format(msgspec.json.encode(json_ready(value)), indent=2)
         sys.stdout.write(data.decode("utf-8") + "\n")
         sys.stdout.flush()
 
@@ -603,8 +603,44 @@ def event_json(event: es.RecordedEvent) -> dict[str, Any]:
         "time": event.time.isoformat(),
         "type": event.type,
         "turn": event.turn_id,
-        "payload": msgspec.to_builtins(event.payload),
+        "payload": json_ready(event.payload),
     }
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` as JSON-ready builtins, with every `Message` in its own JSON form (`to_json`:
+    unknown fields in place, no ``extra`` / ``source`` bookkeeping)."""
+    if isinstance(value, es.Message):
+        return value.to_json()
+    if isinstance(value, msgspec.Struct):
+        out = msgspec.to_builtins(value)
+        names = value.__struct_encode_fields__
+        for index, field in enumerate(value.__struct_fields__):
+            sub = getattr(value, field)
+            if not _holds_message(sub):
+                continue
+            if isinstance(out, list):
+                out[index] = json_ready(sub)
+            elif names[index] in out:  # absent: left out as a default
+                out[names[index]] = json_ready(sub)
+        return out
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    return msgspec.to_builtins(value)
+
+
+def _holds_message(value: Any) -> bool:
+    if isinstance(value, es.Message):
+        return True
+    if isinstance(value, msgspec.Struct):
+        return any(_holds_message(getattr(value, f)) for f in value.__struct_fields__)
+    if isinstance(value, dict):
+        return any(_holds_message(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_message(v) for v in value)
+    return False
 
 
 def messages_table(title: str, messages: Sequence[StoredMessage | TranscriptMessage]) -> Table:

@@ -397,6 +397,24 @@ def test_show_prints_values_that_look_like_markup_as_they_are(redis_url: str) ->
     assert "[red]gpt-[/]mini" in run.out and "[bold]hi" in run.out
 
 
+def test_json_output_shows_messages_in_their_own_json_form(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    text = b'{"role": "user",  "content": "hi", "zz": {"n": 1}}'  # spacing kept as source
+
+    async def setup(store: es.EventStore) -> None:
+        message = es.Message.from_json_bytes(text)
+        assert message.source is not None and message.extra == {"zz": {"n": 1}}
+        await ThreadStore(store).append_message("j1", message)
+
+    with_store(redis_url, namespace, setup)
+    replay = cli("replay", "j1", "--json", url=redis_url, namespace=namespace)
+    assert replay.code == 0, replay
+    payload = json.loads(replay.lines()[0])["payload"]
+    assert payload["message"] == {"role": "user", "content": "hi", "zz": {"n": 1}}
+    shown = cli("show", "j1", "--json", url=redis_url, namespace=namespace).json()
+    assert shown["messages"][0]["message"] == {"role": "user", "content": "hi", "zz": {"n": 1}}
+
+
 def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
     rows = replay_rows(demo)
     booking = next(
