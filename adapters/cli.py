@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TIME",
         help="start at a past time: ISO-8601, or a duration ago (15m, 2h)",
     )
-    p.add_argument("--limit", type=_positive, metavar="N", help="exit after N events")
+    p.add_argument("--limit", type=_positive, metavar="N", help="exit after N events (0: no limit)")
     p.add_argument(
         "--interval", type=_seconds, default=0.25, metavar="SEC", help="poll interval (0.25)"
     )
