@@ -169,8 +169,11 @@ class SessionStore:
         """Apply a `SessionUpdate` (see `session_update`); returns the new version."""
         if update.mode == "append":
             if not update.messages:
+                # Nothing to write; the version is still the transcript's, whether or not this
+                # store has loaded it.
                 await self._allow(principal, "write", session_id)
-                return self._seen.get(session_id, 0)
+                seen = self._seen.get(session_id)
+                return seen if seen is not None else await self.store.version(session_id)
             return await self.append(
                 session_id, update.messages, expected_version=expected_version, principal=principal
             )

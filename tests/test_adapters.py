@@ -272,6 +272,9 @@ async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     compacted = session_update(before, [assistant("summary")])
     assert compacted.mode == "replace"
     assert session_update(before, before).messages == []
+    nothing = session_update(before, before)
+    await SessionStore(store).append("s-none", before)
+    assert await SessionStore(store).save("s-none", nothing) == 1  # never loaded: still 1
     # An imported line keeps its original text as ``source``; a runtime hands the messages back
     # in their JSON form, without it. Still the same messages: an append, not a replace.
     imported = [es.Message.from_json_bytes(b'{"role": "user",  "content": "a"}'), before[1]]
