@@ -31,10 +31,12 @@ than ``RedisSession.add_items`` on the append row.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import warnings
 from typing import Any, cast
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 from agents.extensions.memory.redis_session import RedisSession
@@ -50,7 +52,9 @@ from eventstore import (
     Role,
     connect,
 )
+from eventstore._scripts import APPEND
 from eventstore._views import decode_view_result
+from eventstore._wire import pack_script_call
 from eventstore.servers import redis_server
 from projections import MessagesProjection, TranscriptProjection
 
@@ -113,6 +117,8 @@ TL_WINDOW = "threadlog list_messages(limit=6)"
 SDK_WINDOW = "SDK get_items(limit=6)"
 LC_WINDOW = "LangChain messages[-6:] (sync)"
 LC_AWINDOW = "LangChain aget_messages()[-6:]"
+WHATIF_APPEND = "what-if: SessionStore.append, blocking I/O"
+PEERS = {SDK_ADD, LC_ADD, LC_AADD}  # the append sides that are not threadlog's own calls
 WHATIF_LOAD = "what-if: LRANGE + threadlog parse"
 WHATIF_WINDOW = "what-if: LRANGE + threadlog parse"
 
@@ -121,12 +127,47 @@ def role(i: int) -> Role:
     return "user" if i % 2 == 0 else "assistant"
 
 
+class BlockingAppends:
+    """What `SessionStore.append` would cost on a synchronous client (threadlog has none):
+    every bit of its client work, then the script call sent and its reply read on a plain
+    blocking unix socket, with no event loop in between. An upper bound on what a sync path
+    could save, measured beside LangChain's synchronous `add_message`."""
+
+    def __init__(self, store: RedisEventStore, socket_path: str) -> None:
+        self.store = store
+        self.sessions = SessionStore(store)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(socket_path)
+        self.reader = hiredis.Reader()
+        self.sha = APPEND.sha.encode("ascii")
+        # The store's one seam between building an append and sending it.
+        store._append_script = self._exchange  # type: ignore[method-assign]
+
+    def _exchange(self, keys: list[Any], args: list[Any]) -> asyncio.Future[Any]:
+        self.sock.sendall(pack_script_call(b"EVALSHA", self.sha, keys, args))
+        reply = self.reader.gets()
+        while reply is False:
+            self.reader.feed(self.sock.recv(65536))
+            reply = self.reader.gets()
+        if isinstance(reply, Exception):
+            raise reply
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(reply)
+        return done
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class SessionBench:
     """Every side, with the same 1,000 message texts in each store's own form."""
 
-    def __init__(self, store: RedisEventStore, url: str, sdk_client: Any) -> None:
+    def __init__(
+        self, store: RedisEventStore, url: str, sdk_client: Any, blocking: BlockingAppends
+    ) -> None:
         self.store = store
         self.url = url
+        self.blocking = blocking
         self.sessions = SessionStore(store)
         self.threads = ThreadStore(store)
         self.sdk_client = sdk_client
@@ -208,6 +249,20 @@ class SessionBench:
 
         return op
 
+    async def setup_whatif_append(self, r: int, n: int) -> Op:
+        sid, sessions, msgs = f"tl-blocking-{r}", self.blocking.sessions, self.tl_messages
+        i = r * n
+
+        async def op() -> None:
+            nonlocal i
+            await sessions.append(sid, [msgs[i % N_MESSAGES]])
+            i += 1
+
+        return op
+
+    async def teardown_whatif_append(self, r: int) -> None:
+        await self.sessions.delete(f"tl-blocking-{r}")
+
     async def teardown_tl_append_msg(self, r: int) -> None:
         await self.threads.delete_thread(f"tl-append-msg-{r}")
 
@@ -267,6 +322,7 @@ class SessionBench:
             Side(SDK_ADD, self.setup_sdk_add, self.teardown_sdk_add),
             Side(LC_ADD, self.setup_lc_add, self.teardown_lc_add),
             Side(LC_AADD, self.setup_lc_aadd, self.teardown_lc_aadd),
+            Side(WHATIF_APPEND, self.setup_whatif_append, self.teardown_whatif_append),
         ]
 
     # -- load ------------------------------------------------------------------------------
@@ -338,7 +394,11 @@ async def _run(
         store = await connect(server.url, namespace="bench", partitions=16)
         assert isinstance(store, RedisEventStore)
         sdk_client = aioredis.from_url(server.url)
-        bench = SessionBench(store, server.url, sdk_client)
+        blocking_store = await connect(server.url, namespace="bench", partitions=16)
+        assert isinstance(blocking_store, RedisEventStore)
+        assert server.unix_socket is not None
+        blocking = BlockingAppends(blocking_store, str(server.unix_socket))
+        bench = SessionBench(store, server.url, sdk_client, blocking)
         try:
             info = await store.client.info("server")
             await bench.populate()
@@ -399,7 +459,10 @@ async def _run(
             profile: dict[str, dict[str, Any]] = {
                 "append": {
                     name: await profile_side(
-                        c, side, n_append, direct=tl if "threadlog" in name else None
+                        c,
+                        side,
+                        n_append,
+                        direct=tl if "SessionStore" in name or "threadlog" in name else None,
                     )
                     for name, side in sides.items()
                 },
@@ -431,6 +494,8 @@ async def _run(
             )
         finally:
             bench.close()
+            blocking.close()
+            await blocking_store.close()
             await sdk_client.aclose()
             await store.close()
     env["loadavg_at_end"] = loadavg()
@@ -491,6 +556,11 @@ def report(
         f"{t['value']:.2f}x (target {t['target']}x)"
         for t in targets
     ]
+    whatif_sync = paired_ratio(append, LC_ADD, WHATIF_APPEND)
+    verdicts.append(
+        f"INFO (append; no such API, what a synchronous client path could reach): {LC_ADD} / "
+        f"{WHATIF_APPEND} = {whatif_sync:.2f}x"
+    )
     prof_rows = [
         profile_row(op, side, p) for op, sides in profile.items() for side, p in sides.items()
     ]
@@ -524,6 +594,7 @@ def report(
             "window_langchain": window_lc.summary(),
         },
         "targets": targets,
+        "whatif_sync_append_vs_langchain_sync": round(whatif_sync, 3),
         "profile": profile,
         "environment": env,
         "tables": {"operations": rows, "profile": prof_rows},
