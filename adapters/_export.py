@@ -66,8 +66,6 @@ import anyio
 import anyio.to_thread
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from redis import exceptions as rex
-from redis.asyncio.client import Pipeline, Redis
 
 from eventstore import (
     CorruptEventError,
@@ -75,10 +73,10 @@ from eventstore import (
     FeedEntry,
     InvalidInputError,
     OperationalError,
+    RawRange,
     RedisEventStore,
     StoreSettings,
     open_store,
-    translate_redis_error,
     validate_view_name,
 )
 from eventstore._codec import seq_of_entry_id
@@ -966,10 +964,6 @@ class _Pipeline:
         self.claim = claim
         self.progress = progress
         self.guard = guard
-        # Standalone Redis: the log pages of a chunk go as one pipeline, and their replies
-        # stay raw RESP arrays (an empty callback table: no per-entry dict is built).
-        client = getattr(store, "client", None) if isinstance(store, RedisEventStore) else None
-        self._raw_client: Redis | None = client if isinstance(client, Redis) else None
 
     async def run(self) -> None:
         read_send, read_receive = anyio.create_memory_object_stream[_Piece](1)
@@ -1012,51 +1006,11 @@ class _Pipeline:
     async def _read_log(self, pages: list[_Page]) -> list[tuple[str, int, list[Any]]]:
         """The entries of each page: none when the thread is no longer in the page's
         incarnation (deleted, or deleted and created again: its seqs now name other events)."""
-        client = self._raw_client
-        if client is None:
-            return [
-                (
-                    thread,
-                    lo,
-                    await self.store.read_raw(
-                        thread, start=lo, stop=hi, count=PAGE + 1, incarnation=life
-                    ),
-                )
-                for thread, lo, hi, life in pages
-            ]
-        assert isinstance(self.store, RedisEventStore)
-        keys = self.store.keys
         # Every range is a set of dense ``<seq>-0`` ids, so a page holds at most PAGE entries;
         # COUNT one more keeps a damaged log (foreign entries) from growing a reply unbounded.
-        # With an incarnation, the check and the read are one MULTI/EXEC block of their own, as
-        # in `read_raw`: atomic, without holding the server for the whole chunk.
-        pipe = Pipeline(client.connection_pool, {}, False, None)
-        for thread, lo, hi, life in pages:
-            xrange = ("XRANGE", keys.log(thread), b"%d-0" % lo, b"%d-0" % hi, "COUNT", PAGE + 1)
-            if life is None:
-                pipe.execute_command(*xrange)
-            else:
-                pipe.execute_command("MULTI")
-                pipe.execute_command("HGET", keys.meta(thread), "n")
-                pipe.execute_command(*xrange)
-                pipe.execute_command("EXEC")
-        try:
-            replies = iter(await pipe.execute())
-        except (rex.RedisError, OSError) as exc:
-            raise translate_redis_error(exc) from exc
-        out = []
-        for thread, lo, _, life in pages:
-            if life is None:
-                out.append((thread, lo, next(replies)))
-                continue
-            for _ in range(3):  # OK, QUEUED, QUEUED
-                next(replies)
-            alive, entries = next(replies)
-            for reply in (alive, entries):
-                if isinstance(reply, Exception):
-                    raise translate_redis_error(reply)
-            out.append((thread, lo, entries if alive is not None and int(alive) == life else []))
-        return out
+        ranges = [RawRange(thread, lo, hi, life) for thread, lo, hi, life in pages]
+        found = await self.store.read_raw_ranges(ranges, count=PAGE + 1)
+        return [(r.thread_id, r.start, entries) for r, entries in zip(ranges, found, strict=True)]
 
     async def _decode(
         self,
