@@ -41,6 +41,7 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import functools
 import gc
 import json
 import os
@@ -314,6 +315,13 @@ class _Rows:
         self.payload_ends.append(len(self.payload))
 
 
+@functools.lru_cache(maxsize=64)
+def _entry_ids(lo: int, n: int) -> tuple[bytes, ...]:
+    """The entry ids of ``n`` events from seq ``lo``. Pages of long threads start at the same
+    seqs (1, 1 + PAGE, ...), so most are formatted once per run (~0.09 us an id otherwise)."""
+    return tuple(map(b"%d-0".__mod__, range(lo, lo + n)))
+
+
 def _decode_page(rows: _Rows, thread: str, lo: int, entries: list[Any], since: int | None) -> None:
     """Decode the log entries of one ``XRANGE`` from seq ``lo`` into ``rows``.
 
@@ -327,7 +335,7 @@ def _decode_page(rows: _Rows, thread: str, lo: int, entries: list[Any], since: i
         return
     try:
         ids_, *fields = zip(*entries, strict=True)
-        if ids_ != tuple(map(b"%d-0".__mod__, range(lo, lo + n))):
+        if ids_ != _entry_ids(lo, n):
             raise ValueError("not consecutive")
         first = fields[0][0]
         if first.__class__ is dict:
