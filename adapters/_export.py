@@ -16,11 +16,12 @@ still in that incarnation (one atomic check and read): a thread deleted and crea
 before the export catches up would otherwise have its new events read for the old entries.
 
 A run is three stages joined by one-slot queues, so each overlaps the others: reading (feed
-entries, then the log ranges they name — on standalone Redis as one pipeline of raw
-``XRANGE`` replies per chunk), decoding (column by column, no per-row objects), and writing
-(in a worker thread: pyarrow encodes and compresses without holding the GIL). Memory stays
-bounded whatever the log's size: a chunk holds at most `CHUNK_EVENTS` events (or one append,
-when an append is larger), and at most two chunks wait between the stages.
+entries, then the log ranges they name, with `EventStore.read_raw_ranges`, a piece of at most
+about `PAGE` events per round trip), decoding (each piece as it arrives, column by column, no
+per-row objects, into the rows of its chunk), and writing a chunk at a time (in a worker
+thread: pyarrow encodes and compresses without holding the GIL). Memory stays bounded whatever
+the log's size: a chunk holds at most `CHUNK_EVENTS` events (or one append, when an append is
+larger), and at most two chunks wait between the stages.
 
 With ``workers=N`` the partitions are shared out among N processes: the calling process and
 N - 1 worker processes it spawns, each opening its own connection from the store's settings
@@ -999,10 +1000,11 @@ class _Pipeline:
                         if self.guard is not None:
                             self.guard()
                         chunk = _Chunk(p, run)
-                        if run[0].deleted:
+                        # A tombstone's chunk, or (damaged feed entries) one naming no seqs,
+                        # still goes through as one empty piece: its position is reached.
+                        reads = [] if run[0].deleted else _reads(_pages(run))
+                        if not reads:
                             await send.send(_Piece(chunk, [], True))
-                            continue
-                        reads = _reads(_pages(run))
                         for i, pages in enumerate(reads, 1):
                             # The decoder works on the previous piece meanwhile (the stream
                             # holds one), so the server answers this read during that work.
