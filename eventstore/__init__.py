@@ -39,6 +39,7 @@ from ._contract import (
     AppendResult,
     EventStore,
     ExpectedVersion,
+    RawRange,
     StreamState,
     ThreadInfo,
 )
@@ -151,6 +152,7 @@ __all__ = [
     "Part",
     "ReasoningPart",
     "RecordedEvent",
+    "RawRange",
     "RedisEventStore",
     "Role",
     "StateUpdated",

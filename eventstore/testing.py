@@ -21,7 +21,8 @@ import msgspec
 import pytest
 
 from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
-from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion
+from ._codec import decode_rows
+from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion, RawRange
 from ._errors import (
     ConcurrencyError,
     CorruptEventError,
@@ -78,6 +79,13 @@ class _Unregistered(Event, tag="testing.unregistered", frozen=True):
     """A payload type nobody registered."""
 
     x: int = 0
+
+
+def _fields(fields: Any) -> dict[bytes, bytes]:
+    """Stored fields as `EventStore.read_raw` gives them (a dict), from either form."""
+    if isinstance(fields, dict):
+        return fields
+    return dict(zip(fields[0::2], fields[1::2], strict=True))
 
 
 class EventStoreConformance:
@@ -538,6 +546,76 @@ class EventStoreConformance:
         assert await store.read_raw(a, start=1, incarnation=reborn.incarnation + 1) == []
         await store.delete_thread(a)
         assert await store.read_raw(a, start=1, incarnation=reborn.incarnation) == []
+
+    async def test_read_raw_ranges_is_read_raw_in_bulk(self, store: EventStore) -> None:
+        await store.append("a", [msg(f"a{i}") for i in range(5)])
+        await store.append("b", [msg(f"b{i}") for i in range(3)])
+        ranges = [
+            RawRange("a", 1, 2),
+            RawRange("b", 1, 3),
+            RawRange("a", 3, 5),
+            RawRange("a", 6, 9),  # past the end: empty
+            RawRange("nobody", 1, 5),  # no such thread: empty
+            RawRange("b", 2, 2),
+            RawRange("a", 4),  # to the end
+            RawRange("a", 0, 1),  # seqs start at 1
+        ]
+        found = await store.read_raw_ranges(ranges)
+        assert [[(i, _fields(f)) for i, f in rows] for rows in found] == [
+            await store.read_raw(r.thread_id, start=r.start, stop=r.stop) for r in ranges
+        ]
+        assert [[i for i, _ in rows] for rows in found] == [
+            [b"1-0", b"2-0"], [b"1-0", b"2-0", b"3-0"], [b"3-0", b"4-0", b"5-0"], [], [],
+            [b"2-0"], [b"4-0", b"5-0"], [b"1-0"],
+        ]  # fmt: skip
+        # At most ``count`` entries a range; many ranges in one call keep their order.
+        assert [len(rows) for rows in await store.read_raw_ranges(ranges[:3], count=2)] == [2, 2, 2]
+        many = [RawRange(t, s, s) for s in range(1, 4) for t in ("a", "b")] * 50
+        rows = await store.read_raw_ranges(many)
+        assert [(r.thread_id, x[0][0]) for r, x in zip(many, rows, strict=True)] == [
+            (r.thread_id, b"%d-0" % r.start) for r in many
+        ]
+        assert await store.read_raw_ranges([]) == []
+
+    async def test_read_raw_ranges_only_in_the_incarnation_asked(self, store: EventStore) -> None:
+        p, a, b = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("old 1"), msg("old 2")])
+        await store.append(b, [msg("b 1")])
+        await store.delete_thread(a)
+        await store.append(a, [msg("new 1")])
+        first, other, _, reborn = await store.read_feed(p)
+        assert first.incarnation is not None and reborn.incarnation is not None
+        found = await store.read_raw_ranges(
+            [
+                RawRange(a, 1, 2, first.incarnation),  # deleted since: nothing
+                RawRange(a, 1, 2, reborn.incarnation),
+                RawRange(b, 1, 1, other.incarnation),
+                RawRange(a, 1, 2),  # unchecked: whatever is there now
+                RawRange(a, 1, 1, reborn.incarnation + 1),
+            ]
+        )
+        assert [[i for i, _ in rows] for rows in found] == [[], [b"1-0"], [b"1-0"], [b"1-0"], []]
+        await store.delete_thread(a)
+        assert await store.read_raw_ranges([RawRange(a, 1, 1, reborn.incarnation)]) == [[]]
+
+    async def test_read_raw_ranges_give_damaged_entries_as_stored(self, store: EventStore) -> None:
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("t", [msg("a"), msg("b")])
+        good = (await store.read_raw("t", start=1, stop=1))[0][1]
+        await self.write_raw_entry(store, "t", "3-0", {**good, b"d": b"\xc1not msgpack"})
+        await self.write_raw_entry(store, "t", "4-0", {b"x": b"y"})
+        await self.write_raw_entry(store, "t", "4-5", good)
+        ((whole,),) = [await store.read_raw_ranges([RawRange("t", 1)])]
+        assert [(i, _fields(f)) for i, f in whole] == await store.read_raw("t")
+        assert [i for i, _ in whole] == [b"1-0", b"2-0", b"3-0", b"4-0", b"4-5"]
+        # Decoding them fails as reading them does: naming the thread and the damaged seq.
+        with pytest.raises(CorruptEventError) as info:
+            decode_rows("t", whole, store.registry)
+        assert (info.value.thread_id, info.value.seq) == ("t", 3)
+        with pytest.raises(CorruptEventError) as info:
+            decode_rows("t", whole[3:4], store.registry)
+        assert (info.value.thread_id, info.value.seq) == ("t", 4)
 
     async def test_feed_consumer_groups(self, store: EventStore) -> None:
         p, a, _ = await self._partition_with_two_threads(store)

@@ -90,6 +90,7 @@ PUBLIC_NAMES = [
     "Outcome",
     "Part",
     "ROLES",
+    "RawRange",
     "ReasoningPart",
     "RecordedEvent",
     "RedisEventStore",

@@ -29,9 +29,9 @@ from adapters import (
     committed_positions,
     read_parquet_dir,
 )
-from adapters._export import _fence_earlier_workers, _ulid_array, _ulid_text
+from adapters._export import PAGE, _fence_earlier_workers, _ulid_array, _ulid_text
 from eventstore.servers import free_port
-from eventstore.testing import read_all
+from eventstore.testing import msg, read_all
 
 pytestmark = [pytest.mark.anyio, pytest.mark.partitions(4)]
 
@@ -489,3 +489,29 @@ def test_ulid_text_of_a_whole_column_matches_one_at_a_time() -> None:
     ]
     assert _ulid_array(ids).to_pylist() == [_ulid_text(i) for i in ids]
     assert [_ulid_text(i) for i in ids[-3:-1]] == ["0" * 26, "7" + "Z" * 25]
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_damaged_entry_stops_the_export_naming_thread_and_seq(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    """Damage in a later read of a long thread (reads hand the decoder ~PAGE events at a time)
+    is reported as the log's readers report it, never skipped."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    damaged, total = PAGE + 150, PAGE + 300
+    for lo in range(1, damaged, 100):
+        await store.append("long", [msg(f"m{i}") for i in range(lo, min(lo + 100, damaged))])
+    client, keys = store.client, store.keys
+    ((_, good),) = await store.read_raw("long", start=1, stop=1)
+    # Written past every check: the entry, the version it takes, and a feed entry naming it.
+    await client.xadd(keys.log("long"), {**good, b"d": b"\xc1not msgpack"}, id=f"{damaged}-0")
+    await client.hset(keys.meta("long"), "v", damaged)
+    for lo in range(damaged + 1, total + 1, 100):
+        await store.append("long", [msg(f"m{i}") for i in range(lo, min(lo + 100, total + 1))])
+    life = await client.hget(keys.meta("long"), "n")
+    feed = {"t": "long", "f": damaged, "l": damaged, "n": life}
+    await client.xadd(keys.feed(keys.partition("long")), feed)
+    with pytest.raises(es.CorruptEventError) as info:
+        await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    assert (info.value.thread_id, info.value.seq) == ("long", damaged)
