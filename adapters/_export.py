@@ -323,8 +323,10 @@ def _entry_ids(lo: int, n: int) -> tuple[bytes, ...]:
     return tuple(map(b"%d-0".__mod__, range(lo, lo + n)))
 
 
-def _decode_page(rows: _Rows, thread: str, lo: int, entries: list[Any], since: int | None) -> None:
-    """Decode the log entries of one ``XRANGE`` from seq ``lo`` into ``rows``.
+def _decode_page(
+    rows: _Rows, thread: str, lo: int, hi: int, entries: list[Any], since: int | None
+) -> None:
+    """Decode the log entries of one ``XRANGE`` of seqs ``lo..hi`` into ``rows``.
 
     Entries come as redis-py parses them (``(id, {field: value})``) or as raw RESP arrays
     (``[id, [field, value, ...]]``). The fast path checks and decodes whole columns at once;
@@ -333,11 +335,11 @@ def _decode_page(rows: _Rows, thread: str, lo: int, entries: list[Any], since: i
     """
     n = len(entries)
     if not n:
-        return
+        return  # no longer in the page's incarnation: the thread was deleted (a tombstone follows)
     try:
         ids_, *fields = zip(*entries, strict=True)
-        if ids_ != _entry_ids(lo, n):
-            raise ValueError("not consecutive")
+        if n != hi - lo + 1 or ids_ != _entry_ids(lo, n):
+            raise ValueError("not every seq of the range")
         first = fields[0][0]
         if first.__class__ is dict:
             ids, times, datas, metas = zip(*map(_entry_values, fields[0]), strict=True)
@@ -358,14 +360,24 @@ def _decode_page(rows: _Rows, thread: str, lo: int, entries: list[Any], since: i
         else:
             decoded_metas = [_any_msgpack.decode(m) if m else None for m in metas]
     except (ValueError, TypeError, KeyError, IndexError, msgspec.DecodeError):
-        _decode_carefully(rows, thread, entries, since)
+        _decode_carefully(rows, thread, lo, hi, entries, since)
         return
     rows.add_events(thread, range(lo, lo + n), ids, time_ms, payloads, decoded_metas, since)
 
 
-def _decode_carefully(rows: _Rows, thread: str, entries: list[Any], since: int | None) -> None:
+def _decode_carefully(
+    rows: _Rows, thread: str, lo: int, hi: int, entries: list[Any], since: int | None
+) -> None:
+    expected = lo
     for entry_id, raw in entries:
         seq = seq_of_entry_id(thread, entry_id)
+        if seq != expected:
+            # The feed says the thread's life holds every seq of the range: a hole is damage,
+            # and leaving it out would export a silently incomplete log.
+            raise CorruptEventError(
+                thread, expected, "cannot export: missing from the log (run 'verify')"
+            )
+        expected = seq + 1
         if isinstance(raw, list):
             raw = dict(zip(raw[0::2], raw[1::2], strict=False))
         try:
@@ -384,6 +396,10 @@ def _decode_carefully(rows: _Rows, thread: str, entries: list[Any], since: int |
         if not isinstance(payload, dict):
             raise CorruptEventError(thread, seq, "cannot export: payload is not a map")
         rows.add_events(thread, [seq], [event_id], [time_ms], [payload], [meta], since)
+    if expected <= hi:
+        raise CorruptEventError(
+            thread, expected, "cannot export: missing from the log (run 'verify')"
+        )
 
 
 class _Chunk:
@@ -407,9 +423,9 @@ class _Piece:
 
     __slots__ = ("chunk", "last", "pages")
 
-    def __init__(self, chunk: _Chunk, pages: list[tuple[str, int, list[Any]]], last: bool):
+    def __init__(self, chunk: _Chunk, pages: list[_ReadPage], last: bool):
         self.chunk = chunk
-        self.pages = pages  # thread, first seq, entries
+        self.pages = pages  # thread, first seq, last seq, entries
         self.last = last
 
 
@@ -444,7 +460,8 @@ def _chunks(entries: list[FeedEntry], budget: int) -> Iterable[list[FeedEntry]]:
         yield run
 
 
-_Page = tuple[str, int, int, int | None]
+_Page = tuple[str, int, int, int | None]  # thread, first seq, last seq, incarnation
+_ReadPage = tuple[str, int, int, list[Any]]  # thread, first seq, last seq, its entries
 """A log range to read: thread, first seq, last seq, and the thread's incarnation (or None)."""
 
 
@@ -1013,14 +1030,17 @@ class _Pipeline:
                             )
                     after = entries[-1].id
 
-    async def _read_log(self, pages: list[_Page]) -> list[tuple[str, int, list[Any]]]:
+    async def _read_log(self, pages: list[_Page]) -> list[_ReadPage]:
         """The entries of each page: none when the thread is no longer in the page's
         incarnation (deleted, or deleted and created again: its seqs now name other events)."""
         # Every range is a set of dense ``<seq>-0`` ids, so a page holds at most PAGE entries;
         # COUNT one more keeps a damaged log (foreign entries) from growing a reply unbounded.
         ranges = [RawRange(thread, lo, hi, life) for thread, lo, hi, life in pages]
         found = await self.store.read_raw_ranges(ranges, count=PAGE + 1)
-        return [(r.thread_id, r.start, entries) for r, entries in zip(ranges, found, strict=True)]
+        return [
+            (thread, lo, hi, entries)
+            for (thread, lo, hi, _), entries in zip(pages, found, strict=True)
+        ]
 
     async def _decode(
         self,
@@ -1041,9 +1061,8 @@ class _Pipeline:
                 paused = gc.isenabled()
                 gc.disable()
                 try:
-                    for thread, lo, entries in piece.pages:
-                        # A thread deleted since leaves nothing to read; its tombstone follows.
-                        _decode_page(rows, thread, lo, entries, since_ms)
+                    for thread, lo, hi, entries in piece.pages:
+                        _decode_page(rows, thread, lo, hi, entries, since_ms)
                     piece.pages = []  # freed here, while the collector is off
                 finally:
                     if paused:

@@ -515,3 +515,21 @@ async def test_a_damaged_entry_stops_the_export_naming_thread_and_seq(
     with pytest.raises(es.CorruptEventError) as info:
         await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
     assert (info.value.thread_id, info.value.seq) == ("long", damaged)
+
+
+@pytest.mark.parametrize("removed", [5, 20], ids=["mid-log", "last"])
+async def test_an_entry_removed_from_the_log_stops_the_export(
+    redis_store: es.EventStore, tmp_path: Path, removed: int
+) -> None:
+    """An XDEL'd event (mid-log, or the thread's last) is named, not left out of the export:
+    the feed says the thread's life holds every seq it covers."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    for lo in range(1, 21, 5):
+        await store.append("holed", [msg(f"m{i}") for i in range(lo, lo + 5)])
+    await store.append("whole", [msg("fine")])
+    assert await store.client.xdel(store.keys.log("holed"), f"{removed}-0") == 1
+    with pytest.raises(es.CorruptEventError) as info:
+        await Exporter(store, tmp_path, fmt="ndjson").run()
+    assert (info.value.thread_id, info.value.seq) == ("holed", removed)
+    assert "missing from the log" in str(info.value)
