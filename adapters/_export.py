@@ -52,7 +52,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -82,6 +81,8 @@ from eventstore import (
     validate_view_name,
 )
 from eventstore._codec import seq_of_entry_id
+
+from ._files import temp_beside
 
 Format = Literal["ndjson", "parquet"]
 COLUMNS = (
@@ -507,7 +508,7 @@ class _PartWriter:
 
     def __init__(self, directory: Path, number: int, fmt: Format, namespace: str) -> None:
         self.final = directory / f"part-{number:08d}.{fmt}"
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{self.final.name}.", suffix=".tmp")
+        fd, tmp = temp_beside(self.final)
         os.close(fd)
         self.tmp = Path(tmp)
         self.fmt = fmt
@@ -662,7 +663,7 @@ def _parquet_schema() -> Any:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
@@ -810,7 +811,9 @@ class Exporter:
         ``since`` skips events recorded before that time (a first export of recent data).
         ``progress`` gets the running count of rows written.
         """
-        await anyio.to_thread.run_sync(lambda: self.directory.mkdir(parents=True, exist_ok=True))
+        if since is not None and not isinstance(since, datetime):
+            raise InvalidInputError(f"since must be a datetime, not {since!r}")
+        await anyio.to_thread.run_sync(self._prepare_directory)
         since_ms = int(since.timestamp() * 1000) if since is not None else None
         paused = self.pause_gc and gc.isenabled()
         if paused:
@@ -820,6 +823,25 @@ class Exporter:
         finally:
             if paused:
                 gc.enable()
+
+    def _prepare_directory(self) -> None:
+        """The output directory, made if missing; refused, with a clear error, when it is a
+        file or already holds the other format's parts (a glob over one format would then
+        silently miss rows)."""
+        if self.directory.exists() and not self.directory.is_dir():
+            raise InvalidInputError(f"cannot export to {self.directory}: it is not a directory")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidInputError(
+                f"cannot export to {self.directory}: {exc.strerror or exc}"
+            ) from None
+        other = "ndjson" if self.fmt == "parquet" else "parquet"
+        if next(self.directory.glob(f"part-*.{other}"), None) is not None:
+            raise InvalidInputError(
+                f"{self.directory} holds {other} parts; export {self.fmt} to another directory "
+                f"(each directory keeps one format, so its parts read as one table)"
+            )
 
     async def _run(
         self, since_ms: int | None, progress: Callable[[int], None] | None

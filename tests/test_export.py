@@ -166,6 +166,27 @@ def test_unknown_format_is_refused(tmp_path: Path) -> None:
         Exporter(es.MemoryEventStore(), tmp_path, fmt="csv")  # type: ignore[arg-type]
 
 
+async def test_bad_targets_and_arguments_are_refused_clearly(tmp_path: Path) -> None:
+    store = es.MemoryEventStore()
+    await store.append("t", [msg("x")])
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    with pytest.raises(es.InvalidInputError, match="not a directory"):
+        await Exporter(store, a_file, fmt="ndjson").run()
+    with pytest.raises(es.InvalidInputError, match="since must be a datetime"):
+        await Exporter(store, tmp_path / "out", fmt="ndjson").run(since="1h")  # type: ignore[arg-type]
+    # One format per directory: a glob over part-*.parquet must see every row.
+    mixed = tmp_path / "mixed"
+    assert (await Exporter(store, mixed, fmt="ndjson").run()).events == 1
+    with pytest.raises(es.InvalidInputError, match="holds ndjson parts"):
+        await Exporter(store, mixed, fmt="parquet").run()
+    # Parts are made as any file the user writes: 0666 less the umask, not mkstemp's 0600.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    (part,) = mixed.glob("part-*.ndjson")
+    assert part.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
 EXPORTER = textwrap.dedent(
     """
     import sys, anyio, eventstore as es
