@@ -10,7 +10,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Self
 
-from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, GroupInfo
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
@@ -140,6 +140,22 @@ class EventStore(abc.ABC):
                 batch = []
         if batch:
             yield batch
+
+    async def read_payload_batches(
+        self, thread_id: str, *, start: int = 1, stop: int | None = None
+    ) -> AsyncIterator[list[PayloadRow]]:
+        """`read_batches` with each event as a `PayloadRow` ``(seq, payload, id bytes, meta)``.
+
+        For folds that need no more of an event; a backend may skip building the
+        `RecordedEvent` (and the id's text). The same events, checks and errors.
+
+        Raises:
+            CorruptEventError: a stored entry does not decode (names thread and seq).
+        """
+        from ._codec import payload_row  # _codec imports this module
+
+        async for batch in self.read_batches(thread_id, start=start, stop=stop):
+            yield [payload_row(e) for e in batch]
 
     @abc.abstractmethod
     async def read_raw(

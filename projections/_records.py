@@ -16,6 +16,8 @@ import msgspec
 from ulid import ULID
 
 from eventstore import (
+    Event,
+    EventMeta,
     Fallback,
     Grant,
     HashGetAll,
@@ -37,6 +39,7 @@ from eventstore import (
     ViewOp,
     ViewRead,
     ViewResult,
+    event_id_text,
 )
 
 from ._base import Projection, decode_as, encoder
@@ -115,6 +118,32 @@ class RecordsState:
     opened: set[str] = field(default_factory=set)
     closed: set[str] = field(default_factory=set)  # turns whose latest record is a settlement
     anomalies: list[Anomaly] = field(default_factory=list)
+    # Open records a fold of payload rows has not encoded yet (turn -> seq, version, parent,
+    # grant, event id bytes); ``turns`` holds `_OPEN` for them. A turn's settlement normally
+    # replaces its open record, which is then never encoded (nor its id turned into text).
+    pending: dict[str, tuple[int, int, str | None, Grant | None, bytes]] = field(
+        default_factory=dict
+    )
+
+    def entries(self) -> dict[str, ViewEntry]:
+        """``turns``, with every record encoded (call this, not ``turns``, after a fold)."""
+        if self.pending:
+            turns = self.turns
+            for turn, (seq, version, parent, grant, event_id) in self.pending.items():
+                value = _RecordValue(
+                    status="open",
+                    event_id=event_id_text(event_id),
+                    parent_turn_id=parent,
+                    grant=grant,
+                )
+                turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+            self.pending.clear()
+        return self.turns
+
+
+_OPEN = ViewEntry(0, b"")
+"""The place of a pending open record in `RecordsState.turns` (keeps the turns' order)."""
+_TURN_EVENTS = (TurnOpened, TurnSettled)  # a tuple: `A | B` would build a union on every call
 
 
 _value_decoder = msgspec.msgpack.Decoder(_RecordValue)
@@ -161,29 +190,54 @@ class RecordsProjection(Projection[RecordsState]):
 
     def apply(self, state: RecordsState, event: RecordedEvent) -> RecordsState:
         payload = event.payload
-        value = _value_of(payload, event.id)
-        if value is None:
-            return state
-        assert isinstance(payload, TurnOpened | TurnSettled)
+        if isinstance(payload, _TURN_EVENTS):
+            state.entries()  # an earlier fold of payload rows may have left some pending
+            self._apply(state, event.seq, payload, event.id)
+        return state
+
+    def apply_payload(
+        self, state: RecordsState, seq: int, payload: Event, event_id: bytes, meta: EventMeta
+    ) -> RecordsState:
+        if isinstance(payload, _TURN_EVENTS):
+            self._apply(state, seq, payload, event_id)
+        return state
+
+    def _apply(
+        self,
+        state: RecordsState,
+        seq: int,
+        payload: TurnOpened | TurnSettled,
+        event_id: str | bytes,
+    ) -> None:
+        """Fold one turn event; ``event_id`` as bytes (a payload row) leaves an open record
+        pending, as text encodes it at once (``apply``: ``turns`` stays complete)."""
         turn = payload.turn_id
-        prior = state.turns.get(turn)
-        version = (prior.version if prior else 0) + 1
-        state.turns[turn] = ViewEntry(event.seq, encoder.encode(value), version)
+        turns = state.turns
+        prior = turns.get(turn)
+        if prior is _OPEN:
+            version = state.pending.pop(turn)[1] + 1
+        else:
+            version = (prior.version if prior else 0) + 1
+        if type(event_id) is bytes and isinstance(payload, TurnOpened):
+            turns[turn] = _OPEN
+            state.pending[turn] = (seq, version, payload.parent_turn_id, payload.grant, event_id)
+        else:
+            text = event_id if isinstance(event_id, str) else event_id_text(event_id)
+            value = _value_of(payload, text)
+            assert value is not None
+            turns[turn] = ViewEntry(seq, encoder.encode(value), version)
         if isinstance(payload, TurnOpened):
             if turn in state.opened:
-                state.anomalies.append(Anomaly(kind="opened_twice", seq=event.seq, turn_id=turn))
+                state.anomalies.append(Anomaly(kind="opened_twice", seq=seq, turn_id=turn))
             state.opened.add(turn)
             state.closed.discard(turn)
         else:
             if turn not in state.opened:
-                state.anomalies.append(
-                    Anomaly(kind="settled_without_open", seq=event.seq, turn_id=turn)
-                )
+                state.anomalies.append(Anomaly(kind="settled_without_open", seq=seq, turn_id=turn))
             if turn in state.closed:
-                state.anomalies.append(Anomaly(kind="settled_twice", seq=event.seq, turn_id=turn))
+                state.anomalies.append(Anomaly(kind="settled_twice", seq=seq, turn_id=turn))
             state.closed.add(turn)
-            state.settled.append(ViewEntry(event.seq, turn.encode("utf-8")))
-        return state
+            state.settled.append(ViewEntry(seq, turn.encode("utf-8")))
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
         out: list[ViewOp] = []
@@ -200,7 +254,7 @@ class RecordsProjection(Projection[RecordsState]):
 
     def materialize(self, state: RecordsState) -> list[ViewOp]:
         return [
-            HashLoad("turns", dict(state.turns)),
+            HashLoad("turns", dict(state.entries())),
             ListLoad("settled", tuple(state.settled)),
         ]
 
@@ -239,7 +293,7 @@ class RecordsProjection(Projection[RecordsState]):
         """
         return [
             _record(thread_id, t, e.seq, _value_decoder.decode(e.value))
-            for t, e in sorted(state.turns.items())
+            for t, e in sorted(state.entries().items())
         ]
 
     @staticmethod
@@ -253,11 +307,12 @@ class RecordsProjection(Projection[RecordsState]):
         shows the same way in a fold as in the materialized view.
         """
         entries = state.settled if last is None else state.settled[-last:] if last else []
+        turns = state.entries()
         seen: dict[str, TurnRecord] = {}
         for entry in entries:
             turn = entry.value.decode("utf-8")
             if turn not in seen:
-                e = state.turns[turn]
+                e = turns[turn]
                 seen[turn] = _record(thread_id, turn, e.seq, _value_decoder.decode(e.value))
         return list(seen.values())
 
