@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
@@ -12,6 +12,7 @@ from typing import Self
 
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, GroupInfo
+from ._gc import paused_collector
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
 
@@ -141,13 +142,21 @@ class EventStore(abc.ABC):
         if batch:
             yield batch
 
-    async def read_payload_batches(
-        self, thread_id: str, *, start: int = 1, stop: int | None = None
-    ) -> AsyncIterator[list[PayloadRow]]:
-        """`read_batches` with each event as a `PayloadRow` ``(seq, payload, id bytes, meta)``.
+    async def fold_payloads(
+        self,
+        thread_id: str,
+        fold: Callable[[list[PayloadRow]], None],
+        *,
+        start: int = 1,
+        stop: int | None = None,
+    ) -> None:
+        """Call ``fold`` with the events `read_batches` yields, as lists of `PayloadRow`
+        ``(seq, payload, event id as 16 raw bytes, meta)``.
 
-        For folds that need no more of an event; a backend may skip building the
-        `RecordedEvent` (and the id's text). The same events, checks and errors.
+        For folds that need no more of an event: a backend may skip building the
+        `RecordedEvent` (and the id's text), and runs ``fold`` with the cyclic garbage
+        collector paused (``fold`` cannot await; it must not keep the lists it is given).
+        The same events, checks and errors as `read_batches`.
 
         Raises:
             CorruptEventError: a stored entry does not decode (names thread and seq).
@@ -155,7 +164,9 @@ class EventStore(abc.ABC):
         from ._codec import payload_row  # _codec imports this module
 
         async for batch in self.read_batches(thread_id, start=start, stop=stop):
-            yield [payload_row(e) for e in batch]
+            with paused_collector():
+                fold([payload_row(e) for e in batch])
+            del batch
 
     @abc.abstractmethod
     async def read_raw(

@@ -303,7 +303,7 @@ class RecordedEvent(msgspec.Struct, frozen=True, kw_only=True):
 PayloadRow = tuple[int, Event, bytes, EventMeta]
 """An event as a fold over payloads sees it: ``(seq, payload, event id as 16 raw bytes, meta)``.
 
-What `EventStore.read_payload_batches` yields; no `RecordedEvent` is built (see
+What `EventStore.fold_payloads` hands its fold; no `RecordedEvent` is built (see
 `eventstore.event_id_text` for the id's text)."""
 
 

@@ -120,6 +120,14 @@ async def _call(op: Awaitable[T]) -> T:
         raise translate_redis_error(exc) from exc
 
 
+async def _cancel(pending: asyncio.Task[Any] | None) -> None:
+    """Cancel a read-ahead nobody will take, and wait for it."""
+    if pending is not None:
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError, EventStoreError):
+            await pending
+
+
 def _as_dict(fields: Any) -> dict[bytes, bytes]:
     """Stream entry fields as redis-py's reply callback gives them (the raw reply is flat)."""
     if isinstance(fields, dict):
@@ -431,51 +439,66 @@ class RedisEventStore(EventStore):
     async def read_batches(
         self, thread_id: str, *, start: int = 1, stop: int | None = None
     ) -> AsyncIterator[list[RecordedEvent]]:
-        async for batch in self._read_ahead(thread_id, start, stop, decode_rows):
-            yield batch
-
-    async def read_payload_batches(
-        self, thread_id: str, *, start: int = 1, stop: int | None = None
-    ) -> AsyncIterator[list[PayloadRow]]:
-        async for batch in self._read_ahead(thread_id, start, stop, decode_payload_rows):
-            yield batch
-
-    async def _read_ahead(
-        self,
-        thread_id: str,
-        start: int,
-        stop: int | None,
-        decode: Callable[[str, Sequence[Any], EventRegistry], list[T]],
-    ) -> AsyncIterator[list[T]]:
         validate_thread_id(thread_id)
         log = self.keys.log(thread_id)
         hi = b"+" if stop is None else b"%d-0" % stop
-        lo = b"%d-0" % max(start, 1)
-        fetch = self._xrange_rows
-        pending: asyncio.Task[list[Any]] | None = asyncio.ensure_future(fetch(log, lo, hi))
+        pending: asyncio.Task[list[Any]] | None
+        pending = self._fetch_ahead(log, b"%d-0" % max(start, 1), hi)
         try:
             while pending is not None:
                 rows = await pending
-                pending = None
-                if len(rows) == READ_BATCH:
-                    # Read ahead: the next batch travels and the server answers it while this
-                    # one is decoded and folded. sleep(0) lets the task send its command now,
-                    # before the CPU-bound work below keeps the event loop busy.
-                    pending = asyncio.ensure_future(fetch(log, b"(" + rows[-1][0], hi))
-                    await asyncio.sleep(0)
+                pending = self._fetch_next(log, rows, hi)
+                if pending is not None:
+                    await asyncio.sleep(0)  # the read-ahead's command goes out now
                 if rows:
                     with paused_collector():
-                        batch = decode(thread_id, rows, self.registry)
+                        batch = decode_rows(thread_id, rows, self.registry)
                     del rows  # not held while the caller folds the batch
                     yield batch
-                    # Nor the batch while the next one is read: a collection meanwhile would
-                    # find it alive (see `paused_collector`).
-                    del batch
+                    del batch  # nor while the next one is read
         finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, EventStoreError):
-                    await pending
+            await _cancel(pending)
+
+    async def fold_payloads(
+        self,
+        thread_id: str,
+        fold: Callable[[list[PayloadRow]], None],
+        *,
+        start: int = 1,
+        stop: int | None = None,
+    ) -> None:
+        validate_thread_id(thread_id)
+        log = self.keys.log(thread_id)
+        hi = b"+" if stop is None else b"%d-0" % stop
+        pending: asyncio.Task[list[Any]] | None
+        pending = self._fetch_ahead(log, b"%d-0" % max(start, 1), hi)
+        try:
+            while pending is not None:
+                rows = await pending
+                pending = self._fetch_next(log, rows, hi)
+                if pending is not None:
+                    await asyncio.sleep(0)  # the read-ahead's command goes out now
+                # Decoded and folded with the collector paused, and dropped before it resumes
+                # (see `paused_collector`): nothing is left for a collection to promote.
+                with paused_collector():
+                    if rows:
+                        fold(decode_payload_rows(thread_id, rows, self.registry))
+                    del rows
+        finally:
+            await _cancel(pending)
+
+    def _fetch_ahead(self, log: str, lo: bytes, hi: bytes) -> asyncio.Task[list[Any]]:
+        return asyncio.ensure_future(self._xrange_rows(log, lo, hi))
+
+    def _fetch_next(self, log: str, rows: list[Any], hi: bytes) -> asyncio.Task[list[Any]] | None:
+        """The read of the batch after ``rows``, started now (None after the last batch).
+
+        Read ahead: the next batch travels and the server answers it while this one is
+        decoded and folded.
+        """
+        if len(rows) < READ_BATCH:
+            return None
+        return self._fetch_ahead(log, b"(" + rows[-1][0], hi)
 
     async def _xrange_rows(self, log: str, lo: bytes, hi: bytes) -> list[Any]:
         client = self.client

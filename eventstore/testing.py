@@ -35,7 +35,7 @@ from ._errors import (
     UnknownEventTypeError,
     ViewConflictError,
 )
-from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event
+from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent, register_event
 from ._events import registry as default_registry
 from ._views import (
     HashDelete,
@@ -184,14 +184,16 @@ class EventStoreConformance:
         await store.append("t", news[:600])
         await store.append("t", news[600:])
         events = [e async for b in store.read_batches("t", start=3, stop=1100) for e in b]
-        batches = [b async for b in store.read_payload_batches("t", start=3, stop=1100)]
+        batches: list[list[PayloadRow]] = []
+        await store.fold_payloads("t", lambda rows: batches.append(list(rows)), start=3, stop=1100)
         assert all(batches)
         rows = [row for b in batches for row in b]
         assert [
             (seq, payload, event_id_text(i), meta.turn_id) for seq, payload, i, meta in rows
         ] == [(e.seq, e.payload, e.id, e.turn_id) for e in events]
         assert [r[0] for r in rows] == list(range(3, 1101))
-        assert [b async for b in store.read_payload_batches("missing")] == []
+        await store.fold_payloads("missing", batches.append)
+        assert sum(map(len, batches)) == len(rows)
 
     async def test_read_by_time(self, store: EventStore) -> None:
         await store.append("t", [msg("early")])
@@ -737,7 +739,7 @@ class EventStoreConformance:
         assert info.value.thread_id == "t"
         for seq in range(3, 3 + len(garbage)):
             with pytest.raises(CorruptEventError) as info:
-                [b async for b in store.read_payload_batches("t", start=seq, stop=seq)]
+                await store.fold_payloads("t", lambda rows: None, start=seq, stop=seq)
             assert (info.value.thread_id, info.value.seq) == ("t", seq)
         # Reading stops at the damage, never skips it silently; the good prefix is readable.
         assert _texts(await read_all(store, "t", stop=2)) == ["a", "b"]

@@ -26,6 +26,7 @@ from eventstore import (
     InvalidInputError,
     ListLoad,
     NewEvent,
+    PayloadRow,
     ViewEntry,
     ViewOp,
     ViewRead,
@@ -205,20 +206,23 @@ class Projector:
         if self._folds_payloads:
             # Every projection folds payload rows: no RecordedEvent per event.
             fast = self._fast_route
-            async for rows in self.store.read_payload_batches(thread_id, stop=stop):
-                with paused_collector():  # no await inside: one batch's synchronous fold
-                    for seq, payload, event_id, meta in rows:
-                        kind = type(payload)
-                        fast_targets = fast.get(kind)
-                        if fast_targets is None:
-                            fast_targets = fast[kind] = [
-                                (_payload_apply(p), name) for p, name in self._targets(kind)
-                            ]
-                        for apply, name in fast_targets:
-                            states[name] = apply(states[name], seq, payload, event_id, meta)
-                version = rows[-1][0]
-                del rows  # dead before the next batch is read
-            return Folded(thread_id, version, states)
+            last = 0
+
+            def fold(rows: list[PayloadRow]) -> None:
+                nonlocal last
+                for seq, payload, event_id, meta in rows:
+                    kind = type(payload)
+                    targets = fast.get(kind)
+                    if targets is None:
+                        targets = fast[kind] = [
+                            (_payload_apply(p), name) for p, name in self._targets(kind)
+                        ]
+                    for apply, name in targets:
+                        states[name] = apply(states[name], seq, payload, event_id, meta)
+                last = rows[-1][0]
+
+            await self.store.fold_payloads(thread_id, fold, stop=stop)
+            return Folded(thread_id, last, states)
         route = self._route
         async for batch in self.store.read_batches(thread_id, stop=stop):
             for event in batch:
