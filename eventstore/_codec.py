@@ -287,7 +287,7 @@ def decode_rows(
     cannot decode, goes through `decode_entry`, so damage raises exactly what it raises there:
     `CorruptEventError` naming thread and seq.
     """
-    return _decode_rows(thread_id, rows, registry, False)
+    return _decode_rows(thread_id, rows, registry)
 
 
 def decode_payload_rows(
@@ -298,7 +298,56 @@ def decode_payload_rows(
     The same checks and the same errors; only the `RecordedEvent` (and the event id's text,
     a quarter of a bulk decode) is not built, for folds that need no more than this.
     """
-    return _decode_rows(thread_id, rows, registry, True)
+    decode, versions = registry.fast_path()
+    decode_payload = decode.decode
+    decode_meta = _meta_decoder.decode
+    pick = _pick_fields
+    last_raw, last_meta = b"", _NO_META
+    out: list[PayloadRow] = []
+    append = out.append
+    # `_decode_rows` minus what a row leaves out; the same checks, in its order where it
+    # matters (a failure falls through to `decode_entry`, which raises or decodes as there).
+    for entry_id, fields in rows:
+        try:
+            if type(fields) is list and len(fields) == 12:
+                (
+                    n_i, id_bytes, n_v, version_raw, n_s, time_raw,
+                    n_d, data, n_m, meta_raw, n_h, link,
+                ) = fields  # fmt: skip
+                named = (
+                    n_i == b"i" and n_v == b"v" and n_s == b"s" and n_d == b"d" and n_m == b"m"
+                    and n_h == b"h"
+                )  # fmt: skip
+            elif type(fields) is dict and len(fields) == 6:
+                id_bytes, version_raw, time_raw, data, meta_raw, link = pick(fields)
+                named = True
+            else:
+                named = False
+            seq_raw = entry_id[:-2]
+            if (
+                named
+                and len(id_bytes) == 16
+                and entry_id[-2:] == b"-0"
+                and seq_raw.isdigit()
+                and len(seq_raw) <= 20
+            ):
+                version = int(version_raw)
+                payload = decode_payload(data)
+                if versions.get(type(payload)) == version:
+                    if meta_raw != last_raw:
+                        last_meta = decode_meta(meta_raw) if meta_raw else _NO_META
+                        last_raw = meta_raw
+                    int(time_raw)  # checked as the full path checks it, though not kept
+                    if type(link) is bytes and link.isascii():  # the full path: .decode("ascii")
+                        append((int(seq_raw), payload, id_bytes, last_meta))
+                        continue
+        except (*_DECODE_FAILURES, KeyError):
+            pass  # decode_entry below says what is wrong, in its words
+        if type(fields) is list:
+            it = iter(fields)
+            fields = dict(zip(it, it, strict=False))
+        append(payload_row(decode_entry(thread_id, entry_id, fields, registry)))
+    return out
 
 
 def payload_row(event: RecordedEvent) -> PayloadRow:
@@ -321,14 +370,14 @@ def event_id_text(id_bytes: bytes) -> str:
 
 
 def _decode_rows(
-    thread_id: str, rows: Sequence[Any], registry: EventRegistry, light: bool
-) -> list[Any]:
+    thread_id: str, rows: Sequence[Any], registry: EventRegistry
+) -> list[RecordedEvent]:
     decode, versions = registry.fast_path()
     decode_payload = decode.decode
     decode_meta = _meta_decoder.decode
     pick = _pick_fields
     last_raw, last_meta = b"", _NO_META
-    out: list[Any] = []
+    out: list[RecordedEvent] = []
     append = out.append
     for entry_id, fields in rows:
         try:
@@ -364,13 +413,6 @@ def _decode_rows(
                         last_meta = decode_meta(meta_raw) if meta_raw else _NO_META
                         last_raw = meta_raw
                     meta = last_meta
-                    if light:
-                        # The checks the full path makes on the fields a row leaves out, first:
-                        # a failure below must not leave the row appended.
-                        int(time_raw)
-                        link.decode("ascii")
-                        append((int(seq_raw), payload, id_bytes, meta))
-                        continue
                     append(
                         RecordedEvent(
                             thread_id=thread_id,
@@ -391,8 +433,7 @@ def _decode_rows(
         if type(fields) is list:
             it = iter(fields)
             fields = dict(zip(it, it, strict=False))
-        event = decode_entry(thread_id, entry_id, fields, registry)
-        append(payload_row(event) if light else event)
+        append(decode_entry(thread_id, entry_id, fields, registry))
     return out
 
 
