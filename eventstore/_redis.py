@@ -136,20 +136,20 @@ def _as_dict(fields: Any) -> dict[bytes, bytes]:
     return dict(zip(it, it, strict=True))
 
 
-def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: list[Any]) -> bytes:
+def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: list[bytes]) -> bytes:
     """One chunk of a view load in RESP: ``HGET meta v``, ``command stage values...``,
     ``PEXPIRE stage <staging TTL>``; one %-format for all the values, no step per byte."""
     m, k, c = encode(meta), encode(stage), command.encode("ascii")
     ttl = b"%d" % (STAGING_TTL_S * 1000)
-    flat: list[Any] = []
-    for value in values:
-        b = value if type(value) is bytes else encode(value)
-        flat += (len(b), b)
+    n = len(values)
+    flat: list[Any] = [b""] * (2 * n)
+    flat[0::2] = map(len, values)
+    flat[1::2] = values
     return b"".join(
         (
             b"*3\r\n$4\r\nHGET\r\n$%d\r\n%b\r\n$1\r\nv\r\n" % (len(m), m),
-            b"*%d\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(values) + 2, len(c), c, len(k), k),
-            (b"$%d\r\n%b\r\n" * len(values)) % tuple(flat),
+            b"*%d\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (n + 2, len(c), c, len(k), k),
+            (b"$%d\r\n%b\r\n" * n) % tuple(flat),
             b"*3\r\n$7\r\nPEXPIRE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(ttl), ttl),
         )
     )
@@ -683,23 +683,26 @@ class RedisEventStore(EventStore):
             plan.append((op, stage, self._chunk_bounds(sizes[n], width)))
             args += (view, index(stage), len(op.entries))
 
-        def chunks() -> Iterator[tuple[str, str, list[Any]]]:
-            """(staging key, command, values) per chunk, stamped when asked for."""
+        encoder = self._client.get_encoder()
+        charset, errors = encoder.encoding, encoder.encoding_errors
+
+        def chunks() -> Iterator[tuple[str, str, list[bytes]]]:
+            """(staging key, command, values) per chunk, stamped when asked for: the formats
+            of `stamp_list_value` and `stamp_hash_value`, inlined (a call per value cost more
+            than the stamping), and field names encoded as the client encodes them."""
             for op, stage, bounds in plan:
                 if isinstance(op, ListLoad):
                     entries = op.entries
                     for a, b in bounds:
-                        yield (
-                            stage,
-                            "RPUSH",
-                            [stamp_list_value(e.seq, e.value) for e in entries[a:b]],
-                        )
+                        values = [b"%d:%b" % (e.seq, e.value) for e in entries[a:b]]
+                        yield stage, "RPUSH", values
                 else:
                     fields = list(op.entries.items())
                     for a, b in bounds:
-                        pairs: list[Any] = []
-                        for f, e in fields[a:b]:
-                            pairs += (f, stamp_hash_value(e.version, e.seq, e.value))
+                        pairs: list[bytes] = [b""] * (2 * (b - a))
+                        part = fields[a:b]
+                        pairs[0::2] = [f.encode(charset, errors) for f, _ in part]
+                        pairs[1::2] = [b"%d:%d:%b" % (e.version, e.seq, e.value) for _, e in part]
                         yield stage, "HSET", pairs
 
         try:
