@@ -174,6 +174,60 @@ def _value_of(payload: object, event_id: str) -> _RecordValue | None:
     return None
 
 
+def _version_after(state: RecordsState, turn: str) -> int:
+    """The hash version the turn's next record gets (its current one, pending or not, + 1)."""
+    prior = state.turns.get(turn)
+    if prior is None:
+        return 1
+    if prior is _OPEN:
+        return state.pending.pop(turn)[1] + 1
+    return prior.version + 1
+
+
+def _open(state: RecordsState, seq: int, payload: TurnOpened, event_id: bytes | str) -> None:
+    """Fold a `TurnOpened`: its record left pending (see `RecordsState.pending`) when the id
+    comes as bytes (a payload row), encoded at once when it comes as text."""
+    turn = payload.turn_id
+    version = _version_after(state, turn)
+    if isinstance(event_id, str):
+        value = _value_of(payload, event_id)
+        assert value is not None
+        state.turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+    else:
+        state.turns[turn] = _OPEN
+        state.pending[turn] = (seq, version, payload.parent_turn_id, payload.grant, event_id)
+    if turn in state.opened:
+        state.anomalies.append(Anomaly(kind="opened_twice", seq=seq, turn_id=turn))
+    state.opened.add(turn)
+    state.closed.discard(turn)
+
+
+def _settle(state: RecordsState, seq: int, payload: TurnSettled, event_id: str) -> None:
+    """Fold a `TurnSettled`: its record encoded (it replaces the open one)."""
+    turn = payload.turn_id
+    version = _version_after(state, turn)
+    value = _RecordValue(
+        status="settled",
+        event_id=event_id,
+        parent_turn_id=payload.parent_turn_id,
+        grant=payload.grant,
+        outcome=payload.outcome,
+        steps=payload.steps,
+        model_tier=payload.model_tier,
+        fallbacks=payload.fallbacks,
+        usage=payload.usage,
+        timing=payload.timing,
+        error=payload.error,
+    )
+    state.turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+    if turn not in state.opened:
+        state.anomalies.append(Anomaly(kind="settled_without_open", seq=seq, turn_id=turn))
+    if turn in state.closed:
+        state.anomalies.append(Anomaly(kind="settled_twice", seq=seq, turn_id=turn))
+    state.closed.add(turn)
+    state.settled.append(ViewEntry(seq, turn.encode("utf-8")))
+
+
 def _record(thread_id: str, turn_id: str, seq: int, v: _RecordValue) -> TurnRecord:
     return TurnRecord(thread_id=thread_id, turn_id=turn_id, seq=seq, **msgspec.structs.asdict(v))
 
@@ -192,52 +246,22 @@ class RecordsProjection(Projection[RecordsState]):
         payload = event.payload
         if isinstance(payload, _TURN_EVENTS):
             state.entries()  # an earlier fold of payload rows may have left some pending
-            self._apply(state, event.seq, payload, event.id)
+            if isinstance(payload, TurnSettled):
+                _settle(state, event.seq, payload, event.id)
+            else:
+                # The id as text: encoded at once, ``turns`` stays complete for callers that
+                # read it directly.
+                _open(state, event.seq, payload, event.id)
         return state
 
     def apply_payload(
         self, state: RecordsState, seq: int, payload: Event, event_id: bytes, meta: EventMeta
     ) -> RecordsState:
-        if isinstance(payload, _TURN_EVENTS):
-            self._apply(state, seq, payload, event_id)
+        if isinstance(payload, TurnSettled):
+            _settle(state, seq, payload, event_id_text(event_id))
+        elif isinstance(payload, TurnOpened):
+            _open(state, seq, payload, event_id)
         return state
-
-    def _apply(
-        self,
-        state: RecordsState,
-        seq: int,
-        payload: TurnOpened | TurnSettled,
-        event_id: str | bytes,
-    ) -> None:
-        """Fold one turn event; ``event_id`` as bytes (a payload row) leaves an open record
-        pending, as text encodes it at once (``apply``: ``turns`` stays complete)."""
-        turn = payload.turn_id
-        turns = state.turns
-        prior = turns.get(turn)
-        if prior is _OPEN:
-            version = state.pending.pop(turn)[1] + 1
-        else:
-            version = (prior.version if prior else 0) + 1
-        if type(event_id) is bytes and isinstance(payload, TurnOpened):
-            turns[turn] = _OPEN
-            state.pending[turn] = (seq, version, payload.parent_turn_id, payload.grant, event_id)
-        else:
-            text = event_id if isinstance(event_id, str) else event_id_text(event_id)
-            value = _value_of(payload, text)
-            assert value is not None
-            turns[turn] = ViewEntry(seq, encoder.encode(value), version)
-        if isinstance(payload, TurnOpened):
-            if turn in state.opened:
-                state.anomalies.append(Anomaly(kind="opened_twice", seq=seq, turn_id=turn))
-            state.opened.add(turn)
-            state.closed.discard(turn)
-        else:
-            if turn not in state.opened:
-                state.anomalies.append(Anomaly(kind="settled_without_open", seq=seq, turn_id=turn))
-            if turn in state.closed:
-                state.anomalies.append(Anomaly(kind="settled_twice", seq=seq, turn_id=turn))
-            state.closed.add(turn)
-            state.settled.append(ViewEntry(seq, turn.encode("utf-8")))
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
         out: list[ViewOp] = []

@@ -31,7 +31,8 @@ from eventstore import (
 from eventstore._codec import decode_entry, decode_payload_rows, decode_rows, payload_row
 from eventstore._keys import STAGING_TTL_S
 from eventstore.servers import RedisServer
-from projections import Block, Projector, StateProjection
+from projections import Block, Projector, RecordsProjection, StateProjection
+from projections._records import RecordsState
 from projections.testing import make_projector, message, opened, settled, snapshot, ulids
 
 from .test_fuzz import FAST, entry_fields_strategy, entry_ids
@@ -385,3 +386,45 @@ async def test_folds_skip_recorded_events_only_when_every_projection_folds_paylo
     assert (await fast.fold("t")).states["state"]["plan"].value == 1
     assert StateViaPayloads.calls == 1
     assert (await slow.fold("t")).states["state"]["notes"].value == "hello"
+
+
+class RecordsViaEvents(RecordsProjection):
+    """Overrides ``apply`` (unchanged): folds take the RecordedEvent path for every projection."""
+
+    def apply(self, state: RecordsState, event: es.RecordedEvent) -> RecordsState:
+        return super().apply(state, event)
+
+
+async def test_payload_and_event_folds_agree_on_odd_turn_histories() -> None:
+    """Open records left pending (payload rows) and encoded at once (events) come out the same,
+    anomalies and hash versions included, and a pending record resolves where it is read."""
+    store = es.MemoryEventStore(namespace="n" + uuid.uuid4().hex[:12])
+    fast = make_projector(store)
+    slow = Projector(
+        store,
+        [fast.messages, fast.state_projection, RecordsViaEvents(), fast.transcript_projection],
+    )
+    assert fast._folds_payloads and not slow._folds_payloads
+    a, b, c, d = ulids(4)
+    history: list[es.Event] = [
+        opened(a, "q"),
+        opened(a, "q again"),  # opened twice, still open
+        settled(b, "completed", "no open"),  # settled without open
+        opened(c, parent=a),
+        settled(c, "failed", parent=a),
+        settled(c, "completed", parent=a),  # settled twice
+        opened(c),  # re-opened after settling
+        opened(d, "never settled"),
+    ]
+    for n in range(1, len(history) + 1):
+        await fast.delete_thread("t")
+        for payload in history[:n]:
+            await fast.append("t", [payload])
+        f, s = await fast.fold("t"), await slow.fold("t")
+        assert fast._materialize(f) == slow._materialize(s)
+        assert f.states["records"].anomalies == s.states["records"].anomalies
+        assert await fast.turns("t", as_of=n) == await slow.turns("t", as_of=n)
+        assert await fast.records("t", as_of=n) == await slow.records("t", as_of=n)
+        assert (await fast.check("t")).ok
+    kinds = [x.kind for x in (await fast.fold("t")).states["records"].anomalies]
+    assert kinds == ["opened_twice", "settled_without_open", "settled_twice", "opened_twice"]
