@@ -60,7 +60,7 @@ from eventstore import (
     new_ulid,
     registry,
 )
-from eventstore._codec import _ulid_str, decode_entry, decode_rows
+from eventstore._codec import _ulid_str, decode_entry, decode_payload_rows, decode_rows
 from eventstore._redis import READ_BATCH
 from eventstore._views import decode_view_result
 from eventstore._wire import HeldConnections
@@ -490,6 +490,10 @@ def fixed(fn: Callable[[], Awaitable[object]]) -> Callable[[int, int], Awaitable
     return setup
 
 
+def _drop_rows(rows: object) -> None:
+    """A fold that keeps nothing: `fold_payloads` timed on its own."""
+
+
 async def rebuild_breakdown(bench: ReadBench, n_events: int, repeats: int) -> dict[str, Any]:
     """Where a rebuild's time goes, per event: each stage timed alone (median of ``repeats``)."""
     p, store, client, thread = bench.projector, bench.store, bench.client, bench.big
@@ -518,8 +522,14 @@ async def rebuild_breakdown(bench: ReadBench, n_events: int, repeats: int) -> di
             pass
         add("store.read_batches: XRANGE (read-ahead) + decode_rows", time.perf_counter() - t0)
         t0 = time.perf_counter()
+        await store.fold_payloads(thread, _drop_rows)
+        add(
+            "store.fold_payloads: XRANGE (read-ahead) + decode_payload_rows",
+            time.perf_counter() - t0,
+        )
+        t0 = time.perf_counter()
         folded = await p.fold(thread)
-        add("fold: read_batches + apply (by event type)", time.perf_counter() - t0)
+        add("fold: fold_payloads + apply_payload (by event type)", time.perf_counter() - t0)
         t0 = time.perf_counter()
         ops = [op for proj in p.projections for op in proj.materialize(folded.states[proj.name])]
         add("materialize (encode view values)", time.perf_counter() - t0)
@@ -549,6 +559,10 @@ async def rebuild_breakdown(bench: ReadBench, n_events: int, repeats: int) -> di
         for i in range(0, len(raw_sample), READ_BATCH):
             decode_rows(thread, raw_sample[i : i + READ_BATCH], registry)
 
+    def decode_payload_batch() -> None:
+        for i in range(0, len(raw_sample), READ_BATCH):
+            decode_payload_rows(thread, raw_sample[i : i + READ_BATCH], registry)
+
     def payload_only() -> None:
         decode = bench.payload_decoder.decode
         for d in payloads:
@@ -568,6 +582,9 @@ async def rebuild_breakdown(bench: ReadBench, n_events: int, repeats: int) -> di
 
     cpu = {
         "decode_rows (the bulk path, raw replies)": time_cpu(decode_batch, n=3, batches=5) / m,
+        "decode_payload_rows (a rebuild's bulk path: no RecordedEvent)": (
+            time_cpu(decode_payload_batch, n=3, batches=5) / m
+        ),
         "decode_entry (one entry, dict fields)": time_cpu(decode_all, n=3, batches=5) / m,
         "  registry.decode (payload)": time_cpu(registry_decode, n=3, batches=5) / m,
         "  event id text (threadlog's own base32)": time_cpu(ulid_fast, n=3, batches=5) / m,

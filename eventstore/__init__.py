@@ -30,7 +30,7 @@ from ._catalog import (
     TurnSettled,
     Usage,
 )
-from ._codec import chain_link, content_digest, entry_digest
+from ._codec import chain_link, content_digest, entry_digest, event_id_text
 from ._connect import StoreSettings, connect, embedded_url, open_store, redact, stop_embedded
 from ._contract import (
     ANY,
@@ -63,7 +63,16 @@ from ._errors import (
     ViewConflictError,
     WrongKeyTypeError,
 )
-from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event, registry
+from ._events import (
+    Event,
+    EventMeta,
+    EventRegistry,
+    NewEvent,
+    PayloadRow,
+    RecordedEvent,
+    register_event,
+    registry,
+)
 from ._feed import FeedEntry, GroupInfo
 from ._ids import new_ulid, validate_namespace, validate_thread_id, validate_view_name
 from ._keys import (
@@ -110,6 +119,7 @@ __all__ = [
     "ConflictError",
     "CorruptEventError",
     "Event",
+    "EventMeta",
     "EventRegistry",
     "EventStore",
     "EventStoreError",
@@ -151,6 +161,7 @@ __all__ = [
     "Outcome",
     "Part",
     "ReasoningPart",
+    "PayloadRow",
     "RecordedEvent",
     "RawRange",
     "RedisEventStore",
@@ -188,6 +199,7 @@ __all__ = [
     "content_digest",
     "embedded_url",
     "entry_digest",
+    "event_id_text",
     "new_ulid",
     "open_store",
     "partition_of",

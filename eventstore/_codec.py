@@ -29,7 +29,15 @@ from ._errors import (
     InvalidInputError,
     UnknownEventTypeError,
 )
-from ._events import Event, EventMeta, EventRegistry, NewEvent, RecordedEvent, as_new_event
+from ._events import (
+    Event,
+    EventMeta,
+    EventRegistry,
+    NewEvent,
+    PayloadRow,
+    RecordedEvent,
+    as_new_event,
+)
 from ._ids import mint_ulid, validate_thread_id
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
@@ -279,6 +287,91 @@ def decode_rows(
     cannot decode, goes through `decode_entry`, so damage raises exactly what it raises there:
     `CorruptEventError` naming thread and seq.
     """
+    return _decode_rows(thread_id, rows, registry)
+
+
+def decode_payload_rows(
+    thread_id: str, rows: Sequence[Any], registry: EventRegistry
+) -> list[PayloadRow]:
+    """`decode_rows`, each event as a `PayloadRow` ``(seq, payload, id bytes, meta)``.
+
+    The same checks and the same errors; only the `RecordedEvent` (and the event id's text,
+    a quarter of a bulk decode) is not built, for folds that need no more than this.
+    """
+    decode, versions = registry.fast_path()
+    decode_payload = decode.decode
+    decode_meta = _meta_decoder.decode
+    pick = _pick_fields
+    last_raw, last_meta = b"", _NO_META
+    out: list[PayloadRow] = []
+    append = out.append
+    # `_decode_rows` minus what a row leaves out; the same checks, in its order where it
+    # matters (a failure falls through to `decode_entry`, which raises or decodes as there).
+    for entry_id, fields in rows:
+        try:
+            if type(fields) is list and len(fields) == 12:
+                (
+                    n_i, id_bytes, n_v, version_raw, n_s, time_raw,
+                    n_d, data, n_m, meta_raw, n_h, link,
+                ) = fields  # fmt: skip
+                named = (
+                    n_i == b"i" and n_v == b"v" and n_s == b"s" and n_d == b"d" and n_m == b"m"
+                    and n_h == b"h"
+                )  # fmt: skip
+            elif type(fields) is dict and len(fields) == 6:
+                id_bytes, version_raw, time_raw, data, meta_raw, link = pick(fields)
+                named = True
+            else:
+                named = False
+            seq_raw = entry_id[:-2]
+            if (
+                named
+                and len(id_bytes) == 16
+                and entry_id[-2:] == b"-0"
+                and seq_raw.isdigit()
+                and len(seq_raw) <= 20
+            ):
+                version = int(version_raw)
+                payload = decode_payload(data)
+                if versions.get(type(payload)) == version:
+                    if meta_raw != last_raw:
+                        last_meta = decode_meta(meta_raw) if meta_raw else _NO_META
+                        last_raw = meta_raw
+                    int(time_raw)  # checked as the full path checks it, though not kept
+                    if type(link) is bytes and link.isascii():  # the full path: .decode("ascii")
+                        append((int(seq_raw), payload, id_bytes, last_meta))
+                        continue
+        except (*_DECODE_FAILURES, KeyError):
+            pass  # decode_entry below says what is wrong, in its words
+        if type(fields) is list:
+            it = iter(fields)
+            fields = dict(zip(it, it, strict=False))
+        append(payload_row(decode_entry(thread_id, entry_id, fields, registry)))
+    return out
+
+
+def payload_row(event: RecordedEvent) -> PayloadRow:
+    """The `PayloadRow` of a decoded event."""
+    meta = (
+        _NO_META
+        if event.turn_id is None and event.correlation_id is None and event.causation_id is None
+        else EventMeta(
+            turn_id=event.turn_id,
+            correlation_id=event.correlation_id,
+            causation_id=event.causation_id,
+        )
+    )
+    return (event.seq, event.payload, _parse_ulid(event.id, "event id"), meta)
+
+
+def event_id_text(id_bytes: bytes) -> str:
+    """The text of an event id given as its 16 raw bytes (as in a `PayloadRow`)."""
+    return _ulid_str(id_bytes)
+
+
+def _decode_rows(
+    thread_id: str, rows: Sequence[Any], registry: EventRegistry
+) -> list[RecordedEvent]:
     decode, versions = registry.fast_path()
     decode_payload = decode.decode
     decode_meta = _meta_decoder.decode

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Self
 
-from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, GroupInfo
+from ._gc import paused_collector
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
 
@@ -154,6 +155,32 @@ class EventStore(abc.ABC):
                 batch = []
         if batch:
             yield batch
+
+    async def fold_payloads(
+        self,
+        thread_id: str,
+        fold: Callable[[list[PayloadRow]], None],
+        *,
+        start: int = 1,
+        stop: int | None = None,
+    ) -> None:
+        """Call ``fold`` with the events `read_batches` yields, as lists of `PayloadRow`
+        ``(seq, payload, event id as 16 raw bytes, meta)``.
+
+        For folds that need no more of an event: a backend may skip building the
+        `RecordedEvent` (and the id's text), and runs ``fold`` with the cyclic garbage
+        collector paused (``fold`` cannot await; it must not keep the lists it is given).
+        The same events, checks and errors as `read_batches`.
+
+        Raises:
+            CorruptEventError: a stored entry does not decode (names thread and seq).
+        """
+        from ._codec import payload_row  # _codec imports this module
+
+        async for batch in self.read_batches(thread_id, start=start, stop=stop):
+            with paused_collector():
+                fold([payload_row(e) for e in batch])
+            del batch
 
     @abc.abstractmethod
     async def read_raw(

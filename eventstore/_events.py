@@ -300,6 +300,13 @@ class RecordedEvent(msgspec.Struct, frozen=True, kw_only=True):
         return datetime.fromtimestamp(self.time_ms / 1000, tz=UTC)
 
 
+PayloadRow = tuple[int, Event, bytes, EventMeta]
+"""An event as a fold over payloads sees it: ``(seq, payload, event id as 16 raw bytes, meta)``.
+
+What `EventStore.fold_payloads` hands its fold; no `RecordedEvent` is built (see
+`eventstore.event_id_text` for the id's text)."""
+
+
 def as_new_event(item: Event | NewEvent) -> NewEvent:
     """Wrap a bare payload in a `NewEvent`; pass a `NewEvent` through."""
     if isinstance(item, NewEvent):

@@ -10,7 +10,7 @@ import itertools
 import operator
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
     decode_entry,
+    decode_payload_rows,
     decode_rows,
     encode_events,
     expected_version_arg,
@@ -47,9 +48,10 @@ from ._errors import (
     ViewConflictError,
     WrongKeyTypeError,
 )
-from ._events import Event, EventRegistry, NewEvent, RecordedEvent
+from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
+from ._gc import paused_collector
 from ._ids import validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
 from ._scripts import (
@@ -91,6 +93,7 @@ T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
 _EXEC = pack_command(("EXEC",))
 _PLAIN_READS = (ListRange, HashGetAll, HashGet)
+_VALUE = operator.attrgetter("value")
 READ_BATCH = 512
 LOAD_CHUNK_VALUES = 8192
 LOAD_CHUNK_BYTES = 4 * 1024 * 1024
@@ -122,6 +125,14 @@ async def _call(op: Awaitable[T]) -> T:
         raise translate_redis_error(exc) from exc
 
 
+async def _cancel(pending: asyncio.Task[Any] | None) -> None:
+    """Cancel a read-ahead nobody will take, and wait for it."""
+    if pending is not None:
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError, EventStoreError):
+            await pending
+
+
 def _as_dict(fields: Any) -> dict[bytes, bytes]:
     """Stream entry fields as redis-py's reply callback gives them (the raw reply is flat)."""
     if isinstance(fields, dict):
@@ -130,23 +141,30 @@ def _as_dict(fields: Any) -> dict[bytes, bytes]:
     return dict(zip(it, it, strict=True))
 
 
-def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: Sequence[Any]) -> bytes:
+def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: list[bytes]) -> bytes:
     """One chunk of a view load in RESP: ``HGET meta v``, ``command stage values...``,
     ``PEXPIRE stage <staging TTL>``; one %-format for all the values, no step per byte."""
     m, k, c = encode(meta), encode(stage), command.encode("ascii")
     ttl = b"%d" % (STAGING_TTL_S * 1000)
-    flat: list[Any] = []
-    for value in values:
-        b = value if type(value) is bytes else encode(value)
-        flat += (len(b), b)
+    n = len(values)
+    flat: list[Any] = [b""] * (2 * n)
+    flat[0::2] = map(len, values)
+    flat[1::2] = values
     return b"".join(
         (
             b"*3\r\n$4\r\nHGET\r\n$%d\r\n%b\r\n$1\r\nv\r\n" % (len(m), m),
-            b"*%d\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(values) + 2, len(c), c, len(k), k),
-            (b"$%d\r\n%b\r\n" * len(values)) % tuple(flat),
+            b"*%d\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (n + 2, len(c), c, len(k), k),
+            (b"$%d\r\n%b\r\n" * n) % tuple(flat),
             b"*3\r\n$7\r\nPEXPIRE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(ttl), ttl),
         )
     )
+
+
+def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
+    """Raise `ConcurrencyError` unless a chunk's read of the thread's version matches."""
+    actual = int(version) if version is not None else 0
+    if actual != expected_version:
+        raise ConcurrencyError(thread_id, expected_version, actual)
 
 
 class _KeyIndex:
@@ -493,28 +511,63 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         log = self.keys.log(thread_id)
         hi = b"+" if stop is None else b"%d-0" % stop
-        lo = b"%d-0" % max(start, 1)
-        fetch = self._xrange_rows
-        pending: asyncio.Task[list[Any]] | None = asyncio.ensure_future(fetch(log, lo, hi))
+        pending: asyncio.Task[list[Any]] | None
+        pending = self._fetch_ahead(log, b"%d-0" % max(start, 1), hi)
         try:
             while pending is not None:
                 rows = await pending
-                pending = None
-                if len(rows) == READ_BATCH:
-                    # Read ahead: the next batch travels and the server answers it while this
-                    # one is decoded and folded. sleep(0) lets the task send its command now,
-                    # before the CPU-bound work below keeps the event loop busy.
-                    pending = asyncio.ensure_future(fetch(log, b"(" + rows[-1][0], hi))
-                    await asyncio.sleep(0)
+                pending = self._fetch_next(log, rows, hi)
+                if pending is not None:
+                    await asyncio.sleep(0)  # the read-ahead's command goes out now
                 if rows:
-                    batch = decode_rows(thread_id, rows, self.registry)
+                    with paused_collector():
+                        batch = decode_rows(thread_id, rows, self.registry)
                     del rows  # not held while the caller folds the batch
                     yield batch
+                    del batch  # nor while the next one is read
         finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, EventStoreError):
-                    await pending
+            await _cancel(pending)
+
+    async def fold_payloads(
+        self,
+        thread_id: str,
+        fold: Callable[[list[PayloadRow]], None],
+        *,
+        start: int = 1,
+        stop: int | None = None,
+    ) -> None:
+        validate_thread_id(thread_id)
+        log = self.keys.log(thread_id)
+        hi = b"+" if stop is None else b"%d-0" % stop
+        pending: asyncio.Task[list[Any]] | None
+        pending = self._fetch_ahead(log, b"%d-0" % max(start, 1), hi)
+        try:
+            while pending is not None:
+                rows = await pending
+                pending = self._fetch_next(log, rows, hi)
+                if pending is not None:
+                    await asyncio.sleep(0)  # the read-ahead's command goes out now
+                # Decoded and folded with the collector paused, and dropped before it resumes
+                # (see `paused_collector`): nothing is left for a collection to promote.
+                with paused_collector():
+                    if rows:
+                        fold(decode_payload_rows(thread_id, rows, self.registry))
+                    del rows
+        finally:
+            await _cancel(pending)
+
+    def _fetch_ahead(self, log: str, lo: bytes, hi: bytes) -> asyncio.Task[list[Any]]:
+        return asyncio.ensure_future(self._xrange_rows(log, lo, hi))
+
+    def _fetch_next(self, log: str, rows: list[Any], hi: bytes) -> asyncio.Task[list[Any]] | None:
+        """The read of the batch after ``rows``, started now (None after the last batch).
+
+        Read ahead: the next batch travels and the server answers it while this one is
+        decoded and folded.
+        """
+        if len(rows) < READ_BATCH:
+            return None
+        return self._fetch_ahead(log, b"(" + rows[-1][0], hi)
 
     async def _xrange_rows(self, log: str, lo: bytes, hi: bytes) -> list[Any]:
         client = self.client
@@ -631,11 +684,13 @@ class RedisEventStore(EventStore):
         sizes: list[list[int]] = []  # per op: the bytes of each value (hash: field and value)
         for op in ops:
             self.keys.view(thread_id, op.view)  # validates the name before anything is sent
+            # Mapped, not a comprehension: no Python step per value (a rebuild loads ~1 a event).
             if isinstance(op, ListLoad):
-                sizes.append([len(e.value) for e in op.entries])
+                sizes.append(list(map(len, map(_VALUE, op.entries))))
                 values += len(op.entries)
             elif isinstance(op, HashLoad):
-                sizes.append([len(f) + len(e.value) for f, e in op.entries.items()])
+                lengths = map(len, map(_VALUE, op.entries.values()))
+                sizes.append(list(map(operator.add, map(len, op.entries), lengths)))
                 values += 2 * len(op.entries)
             elif isinstance(op, ViewClear):
                 sizes.append([])
@@ -687,27 +742,46 @@ class RedisEventStore(EventStore):
         index = _KeyIndex([meta])
         args: list[Any] = [expected_version, len(ops)]
         staged: list[str] = []
-        try:
-            for n, op in enumerate(ops):
-                view = index(self.keys.view(thread_id, op.view))
-                if not isinstance(op, ListLoad | HashLoad) or not op.entries:
-                    args += (view, 0, 0)  # a ViewClear, or a load that empties
-                    continue
-                stage = self.keys.staging(thread_id, token, n)
-                staged.append(stage)
+        plan: list[tuple[ListLoad | HashLoad, str, list[tuple[int, int]]]] = []
+        for n, op in enumerate(ops):
+            view = index(self.keys.view(thread_id, op.view))
+            if not isinstance(op, ListLoad | HashLoad) or not op.entries:
+                args += (view, 0, 0)  # a ViewClear, or a load that empties
+                continue
+            stage = self.keys.staging(thread_id, token, n)
+            staged.append(stage)
+            width = 1 if isinstance(op, ListLoad) else 2
+            plan.append((op, stage, self._chunk_bounds(sizes[n], width)))
+            args += (view, index(stage), len(op.entries))
+
+        encoder = self._client.get_encoder()
+        charset, errors = encoder.encoding, encoder.encoding_errors
+
+        def chunks() -> Iterator[tuple[str, str, list[bytes]]]:
+            """(staging key, command, values) per chunk, stamped when asked for: the formats
+            of `stamp_list_value` and `stamp_hash_value`, inlined (a call per value cost more
+            than the stamping), and field names encoded as the client encodes them."""
+            for op, stage, bounds in plan:
                 if isinstance(op, ListLoad):
                     entries = op.entries
-                    for a, b in self._chunk_bounds(sizes[n], 1):
-                        values = [stamp_list_value(e.seq, e.value) for e in entries[a:b]]
-                        await self._stage(thread_id, meta, stage, "RPUSH", values, expected_version)
+                    for a, b in bounds:
+                        values = [b"%d:%b" % (e.seq, e.value) for e in entries[a:b]]
+                        yield stage, "RPUSH", values
                 else:
                     fields = list(op.entries.items())
-                    for a, b in self._chunk_bounds(sizes[n], 2):
-                        pairs: list[Any] = []
-                        for f, e in fields[a:b]:
-                            pairs += (f, stamp_hash_value(e.version, e.seq, e.value))
-                        await self._stage(thread_id, meta, stage, "HSET", pairs, expected_version)
-                args += (view, index(stage), len(op.entries))
+                    for a, b in bounds:
+                        pairs: list[bytes] = [b""] * (2 * (b - a))
+                        part = fields[a:b]
+                        pairs[0::2] = [f.encode(charset, errors) for f, _ in part]
+                        pairs[1::2] = [b"%d:%d:%b" % (e.version, e.seq, e.value) for _, e in part]
+                        yield stage, "HSET", pairs
+
+        try:
+            if self._packs_chunks:
+                await self._stage_pipelined(thread_id, meta, chunks(), expected_version)
+            else:
+                for stage, command, values in chunks():
+                    await self._stage(thread_id, meta, stage, command, values, expected_version)
             reply = await _call(SWAP_VIEWS(self.client, index.keys, args))
         except BaseException:
             if staged:
@@ -722,23 +796,6 @@ class RedisEventStore(EventStore):
                 f"thread {thread_id!r}: the staged contents of {lost} vanished before the load "
                 "completed (expired or deleted); nothing was loaded, run the rebuild again"
             )
-
-    async def _exchange(self, payload: bytes, replies: int) -> list[Any]:
-        """Send ``payload`` (``replies`` commands, packed) on a pool connection; read the replies.
-
-        An error reply raises (redis-py's ``ResponseError``), as do connection errors; either
-        way the connection may hold unread replies, so it is disconnected, not reused as is.
-        """
-        pool = self.client.connection_pool
-        conn = await pool.get_connection()
-        try:
-            await conn.send_packed_command(payload)
-            return [await conn.read_response() for _ in range(replies)]
-        except BaseException:
-            await conn.disconnect()
-            raise
-        finally:
-            await pool.release(conn)
 
     def _chunk_bounds(self, sizes: Sequence[int], width: int) -> list[tuple[int, int]]:
         """Cut items of ``sizes`` bytes (``width`` values each) into chunks within the limits."""
@@ -765,18 +822,69 @@ class RedisEventStore(EventStore):
         values: list[Any],
         expected_version: int,
     ) -> None:
-        if self._packs_chunks:
-            payload = _pack_stage(self._client.get_encoder().encode, meta, stage, command, values)
-            version, _, _ = await _call(self._exchange(payload, 3))
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hget(meta, "v")
-            pipe.execute_command(command, stage, *values)
-            pipe.pexpire(stage, STAGING_TTL_S * 1000)
-            version, _, _ = await _call(pipe.execute())
-        actual = int(version) if version is not None else 0
-        if actual != expected_version:
-            raise ConcurrencyError(thread_id, expected_version, actual)
+        """One chunk through a redis-py pipeline (the cluster client's way)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(meta, "v")
+        pipe.execute_command(command, stage, *values)
+        pipe.pexpire(stage, STAGING_TTL_S * 1000)
+        version, _, _ = await _call(pipe.execute())
+        _check_staged(thread_id, version, expected_version)
+        await self._staged(stage)
+
+    async def _stage_pipelined(
+        self,
+        thread_id: str,
+        meta: str,
+        chunks: Iterator[tuple[str, str, list[Any]]],
+        expected_version: int,
+    ) -> None:
+        """Chunks packed by the store on one pool connection, the next sent before the replies
+        of the one before are read: the server stores a chunk while this process stamps and
+        packs the next, instead of each side idle while the other works. (Measured on a busy
+        2-vCPU machine the gain was within the noise: most of a load's wait is the server
+        reading the 4 MiB chunks, during the send.) At most two chunks are in flight, and each
+        still reads the version: an append ends the load at the chunk after the next.
+
+        A failure or cancellation disconnects the connection (replies may be left unread).
+        """
+        encode = self._client.get_encoder().encode
+        pool = self.client.connection_pool
+        conn = await _call(pool.get_connection())
+        in_flight: str | None = None  # the staging key of the chunk whose replies are unread
+        try:
+            while True:
+                with paused_collector():  # stamping and packing: no await
+                    chunk = next(chunks, None)
+                    payload = None if chunk is None else _pack_stage(encode, meta, *chunk)
+                if payload is not None:
+                    await _call(conn.send_packed_command(payload))
+                    del payload
+                if in_flight is not None:
+                    version, _, _ = [await _call(conn.read_response()) for _ in range(3)]
+                    try:
+                        _check_staged(thread_id, version, expected_version)
+                    except ConcurrencyError:
+                        if chunk is not None:
+                            # Let the chunk sent meanwhile land before the caller deletes the
+                            # staging keys: it would otherwise race the delete, and could
+                            # recreate a key (with a TTL, or none if cut before its PEXPIRE).
+                            for _ in range(3):
+                                await _call(conn.read_response())
+                        raise
+                    await self._staged(in_flight)
+                if chunk is None:
+                    return
+                in_flight = chunk[0]
+        except ConcurrencyError:
+            raise  # every reply was read: the connection is clean
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+
+    async def _staged(self, stage: str) -> None:
+        """Called when a chunk has landed in ``stage`` (tests hook in here)."""
 
     # -- listing --------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
-from ._codec import decode_rows
+from ._codec import decode_rows, event_id_text
 from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion, RawRange
 from ._errors import (
     ConcurrencyError,
@@ -35,7 +35,7 @@ from ._errors import (
     UnknownEventTypeError,
     ViewConflictError,
 )
-from ._events import Event, EventRegistry, NewEvent, RecordedEvent, register_event
+from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent, register_event
 from ._events import registry as default_registry
 from ._views import (
     HashDelete,
@@ -182,6 +182,25 @@ class EventStoreConformance:
         assert [e.seq for e in back_limited] == [1200, 1199, 1198]
         assert await read_all(store, "t", start=1201) == []
         assert await read_all(store, "t", start=8, stop=7) == []
+
+    async def test_payload_batches_are_the_events_in_parts(self, store: EventStore) -> None:
+        news = [
+            NewEvent(payload=msg(str(i)), turn_id=f"turn-{i // 7}" if i % 3 else None)
+            for i in range(1, 1201)
+        ]
+        await store.append("t", news[:600])
+        await store.append("t", news[600:])
+        events = [e async for b in store.read_batches("t", start=3, stop=1100) for e in b]
+        batches: list[list[PayloadRow]] = []
+        await store.fold_payloads("t", lambda rows: batches.append(list(rows)), start=3, stop=1100)
+        assert all(batches)
+        rows = [row for b in batches for row in b]
+        assert [
+            (seq, payload, event_id_text(i), meta.turn_id) for seq, payload, i, meta in rows
+        ] == [(e.seq, e.payload, e.id, e.turn_id) for e in events]
+        assert [r[0] for r in rows] == list(range(3, 1101))
+        await store.fold_payloads("missing", batches.append)
+        assert sum(map(len, batches)) == len(rows)
 
     async def test_read_by_time(self, store: EventStore) -> None:
         await store.append("t", [msg("early")])
@@ -795,6 +814,10 @@ class EventStoreConformance:
         with pytest.raises(CorruptEventError) as info:
             await read_all(store, "t", start=99)
         assert info.value.thread_id == "t"
+        for seq in range(3, 3 + len(garbage)):
+            with pytest.raises(CorruptEventError) as info:
+                await store.fold_payloads("t", lambda rows: None, start=seq, stop=seq)
+            assert (info.value.thread_id, info.value.seq) == ("t", seq)
         # Reading stops at the damage, never skips it silently; the good prefix is readable.
         assert _texts(await read_all(store, "t", stop=2)) == ["a", "b"]
 

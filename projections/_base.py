@@ -22,6 +22,7 @@ import msgspec
 
 from eventstore import (
     Event,
+    EventMeta,
     EventValidationError,
     InvalidInputError,
     NewEvent,
@@ -65,6 +66,19 @@ class Projection(abc.ABC, Generic[S]):
     @abc.abstractmethod
     def apply(self, state: S, event: RecordedEvent) -> S:
         """Fold one event into the state (may mutate and return ``state``)."""
+
+    def apply_payload(
+        self, state: S, seq: int, payload: Event, event_id: bytes, meta: EventMeta
+    ) -> S:
+        """Optional: ``apply`` for an event given as the parts of a `PayloadRow` (the event id as
+        16 raw bytes, `eventstore.event_id_text` gives its text).
+
+        A projection that implements it folds exactly as its ``apply`` does; folds then skip
+        building a `RecordedEvent` per event when every projection of the projector has it. A
+        subclass that overrides ``apply`` below the class that implemented this one gets
+        ``apply`` instead (as with ``handles``).
+        """
+        raise NotImplementedError
 
     @abc.abstractmethod
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import msgspec
 
 from eventstore import (
+    Event,
+    EventMeta,
     ListLoad,
     ListPush,
     ListRange,
@@ -84,6 +86,14 @@ class MessagesProjection(Projection[list[StoredMessage]]):
         value = conversation_message(event.payload, event.turn_id)
         if value is not None:
             state.append(StoredMessage(seq=event.seq, message=value.message, turn_id=value.turn_id))
+        return state
+
+    def apply_payload(
+        self, state: list[StoredMessage], seq: int, payload: Event, event_id: bytes, meta: EventMeta
+    ) -> list[StoredMessage]:
+        value = conversation_message(payload, meta.turn_id)
+        if value is not None:
+            state.append(StoredMessage(seq=seq, message=value.message, turn_id=value.turn_id))
         return state
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:

@@ -26,6 +26,7 @@ from eventstore import (
     InvalidInputError,
     ListLoad,
     NewEvent,
+    PayloadRow,
     ViewEntry,
     ViewOp,
     ViewRead,
@@ -33,6 +34,7 @@ from eventstore import (
     validate_thread_id,
 )
 from eventstore._events import as_new_event
+from eventstore._gc import paused_collector
 
 from ._base import Projection, check_payload
 from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage
@@ -116,6 +118,8 @@ class Projector:
         self._by_name = {p.name: p for p in self.projections}
         # payload type -> the projections whose ``handles`` take it: a fold calls only those.
         self._route: dict[type[Event], list[tuple[Projection[Any], str]]] = {}
+        self._folds_payloads = all(_payload_apply(p) is not None for p in self.projections)
+        self._fast_route: dict[type[Event], list[tuple[Any, str]]] = {}
 
     def _get(self, kind: type[Any]) -> Any:
         for p in self.projections:
@@ -199,6 +203,26 @@ class Projector:
         version = 0
         if stop == 0:
             return Folded(thread_id, 0, states)
+        if self._folds_payloads:
+            # Every projection folds payload rows: no RecordedEvent per event.
+            fast = self._fast_route
+            last = 0
+
+            def fold(rows: list[PayloadRow]) -> None:
+                nonlocal last
+                for seq, payload, event_id, meta in rows:
+                    kind = type(payload)
+                    targets = fast.get(kind)
+                    if targets is None:
+                        targets = fast[kind] = [
+                            (_payload_apply(p), name) for p, name in self._targets(kind)
+                        ]
+                    for apply, name in targets:
+                        states[name] = apply(states[name], seq, payload, event_id, meta)
+                last = rows[-1][0]
+
+            await self.store.fold_payloads(thread_id, fold, stop=stop)
+            return Folded(thread_id, last, states)
         route = self._route
         async for batch in self.store.read_batches(thread_id, stop=stop):
             for event in batch:
@@ -349,10 +373,10 @@ class Projector:
         for _ in range(REBUILD_ATTEMPTS):
             version = await self.store.version(thread_id)
             folded = await self._fold_to(thread_id, version)
+            with paused_collector():
+                ops = self._materialize(folded)
             try:
-                await self.store.load_views(
-                    thread_id, self._materialize(folded), expected_version=folded.version
-                )
+                await self.store.load_views(thread_id, ops, expected_version=folded.version)
             except ConcurrencyError:
                 continue
             return folded.version
@@ -418,6 +442,22 @@ def _declared_handles(p: Projection[Any]) -> tuple[type[Event], ...] | None:
         if "handles" in vars(cls):
             return p.handles if type(p).apply is cls.apply else None  # type: ignore[attr-defined]
     return None
+
+
+def _payload_apply(p: Projection[Any]) -> Any:
+    """``p.apply_payload`` if it folds as ``p.apply`` does, else None.
+
+    It does when the class that implements it is the class that defines ``apply`` or a
+    subclass of it; a subclass that overrides ``apply`` alone must get ``apply``.
+    """
+    if "apply" in vars(p) or "apply_payload" in vars(p):
+        return None
+    mro = type(p).__mro__
+    apply_cls = next(c for c in mro if "apply" in vars(c))
+    payload_cls = next(c for c in mro if "apply_payload" in vars(c))
+    if payload_cls is Projection or not issubclass(payload_cls, apply_cls):
+        return None
+    return p.apply_payload
 
 
 def _check_count(n: int, what: str) -> None:

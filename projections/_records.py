@@ -16,6 +16,8 @@ import msgspec
 from ulid import ULID
 
 from eventstore import (
+    Event,
+    EventMeta,
     Fallback,
     Grant,
     HashGetAll,
@@ -37,6 +39,7 @@ from eventstore import (
     ViewOp,
     ViewRead,
     ViewResult,
+    event_id_text,
 )
 
 from ._base import Projection, decode_as, encoder
@@ -115,6 +118,32 @@ class RecordsState:
     opened: set[str] = field(default_factory=set)
     closed: set[str] = field(default_factory=set)  # turns whose latest record is a settlement
     anomalies: list[Anomaly] = field(default_factory=list)
+    # Open records a fold of payload rows has not encoded yet (turn -> seq, version, parent,
+    # grant, event id bytes); ``turns`` holds `_OPEN` for them. A turn's settlement normally
+    # replaces its open record, which is then never encoded (nor its id turned into text).
+    pending: dict[str, tuple[int, int, str | None, Grant | None, bytes]] = field(
+        default_factory=dict
+    )
+
+    def entries(self) -> dict[str, ViewEntry]:
+        """``turns``, with every record encoded (call this, not ``turns``, after a fold)."""
+        if self.pending:
+            turns = self.turns
+            for turn, (seq, version, parent, grant, event_id) in self.pending.items():
+                value = _RecordValue(
+                    status="open",
+                    event_id=event_id_text(event_id),
+                    parent_turn_id=parent,
+                    grant=grant,
+                )
+                turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+            self.pending.clear()
+        return self.turns
+
+
+_OPEN = ViewEntry(0, b"")
+"""The place of a pending open record in `RecordsState.turns` (keeps the turns' order)."""
+_TURN_EVENTS = (TurnOpened, TurnSettled)  # a tuple: `A | B` would build a union on every call
 
 
 _value_decoder = msgspec.msgpack.Decoder(_RecordValue)
@@ -145,6 +174,60 @@ def _value_of(payload: object, event_id: str) -> _RecordValue | None:
     return None
 
 
+def _version_after(state: RecordsState, turn: str) -> int:
+    """The hash version the turn's next record gets (its current one, pending or not, + 1)."""
+    prior = state.turns.get(turn)
+    if prior is None:
+        return 1
+    if prior is _OPEN:
+        return state.pending.pop(turn)[1] + 1
+    return prior.version + 1
+
+
+def _open(state: RecordsState, seq: int, payload: TurnOpened, event_id: bytes | str) -> None:
+    """Fold a `TurnOpened`: its record left pending (see `RecordsState.pending`) when the id
+    comes as bytes (a payload row), encoded at once when it comes as text."""
+    turn = payload.turn_id
+    version = _version_after(state, turn)
+    if isinstance(event_id, str):
+        value = _value_of(payload, event_id)
+        assert value is not None
+        state.turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+    else:
+        state.turns[turn] = _OPEN
+        state.pending[turn] = (seq, version, payload.parent_turn_id, payload.grant, event_id)
+    if turn in state.opened:
+        state.anomalies.append(Anomaly(kind="opened_twice", seq=seq, turn_id=turn))
+    state.opened.add(turn)
+    state.closed.discard(turn)
+
+
+def _settle(state: RecordsState, seq: int, payload: TurnSettled, event_id: str) -> None:
+    """Fold a `TurnSettled`: its record encoded (it replaces the open one)."""
+    turn = payload.turn_id
+    version = _version_after(state, turn)
+    value = _RecordValue(
+        status="settled",
+        event_id=event_id,
+        parent_turn_id=payload.parent_turn_id,
+        grant=payload.grant,
+        outcome=payload.outcome,
+        steps=payload.steps,
+        model_tier=payload.model_tier,
+        fallbacks=payload.fallbacks,
+        usage=payload.usage,
+        timing=payload.timing,
+        error=payload.error,
+    )
+    state.turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+    if turn not in state.opened:
+        state.anomalies.append(Anomaly(kind="settled_without_open", seq=seq, turn_id=turn))
+    if turn in state.closed:
+        state.anomalies.append(Anomaly(kind="settled_twice", seq=seq, turn_id=turn))
+    state.closed.add(turn)
+    state.settled.append(ViewEntry(seq, turn.encode("utf-8")))
+
+
 def _record(thread_id: str, turn_id: str, seq: int, v: _RecordValue) -> TurnRecord:
     return TurnRecord(thread_id=thread_id, turn_id=turn_id, seq=seq, **msgspec.structs.asdict(v))
 
@@ -161,28 +244,23 @@ class RecordsProjection(Projection[RecordsState]):
 
     def apply(self, state: RecordsState, event: RecordedEvent) -> RecordsState:
         payload = event.payload
-        value = _value_of(payload, event.id)
-        if value is None:
-            return state
-        assert isinstance(payload, TurnOpened | TurnSettled)
-        turn = payload.turn_id
-        prior = state.turns.get(turn)
-        version = (prior.version if prior else 0) + 1
-        state.turns[turn] = ViewEntry(event.seq, encoder.encode(value), version)
-        if isinstance(payload, TurnOpened):
-            if turn in state.opened:
-                state.anomalies.append(Anomaly(kind="opened_twice", seq=event.seq, turn_id=turn))
-            state.opened.add(turn)
-            state.closed.discard(turn)
-        else:
-            if turn not in state.opened:
-                state.anomalies.append(
-                    Anomaly(kind="settled_without_open", seq=event.seq, turn_id=turn)
-                )
-            if turn in state.closed:
-                state.anomalies.append(Anomaly(kind="settled_twice", seq=event.seq, turn_id=turn))
-            state.closed.add(turn)
-            state.settled.append(ViewEntry(event.seq, turn.encode("utf-8")))
+        if isinstance(payload, _TURN_EVENTS):
+            state.entries()  # an earlier fold of payload rows may have left some pending
+            if isinstance(payload, TurnSettled):
+                _settle(state, event.seq, payload, event.id)
+            else:
+                # The id as text: encoded at once, ``turns`` stays complete for callers that
+                # read it directly.
+                _open(state, event.seq, payload, event.id)
+        return state
+
+    def apply_payload(
+        self, state: RecordsState, seq: int, payload: Event, event_id: bytes, meta: EventMeta
+    ) -> RecordsState:
+        if isinstance(payload, TurnSettled):
+            _settle(state, seq, payload, event_id_text(event_id))
+        elif isinstance(payload, TurnOpened):
+            _open(state, seq, payload, event_id)
         return state
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
@@ -200,7 +278,7 @@ class RecordsProjection(Projection[RecordsState]):
 
     def materialize(self, state: RecordsState) -> list[ViewOp]:
         return [
-            HashLoad("turns", dict(state.turns)),
+            HashLoad("turns", dict(state.entries())),
             ListLoad("settled", tuple(state.settled)),
         ]
 
@@ -239,7 +317,7 @@ class RecordsProjection(Projection[RecordsState]):
         """
         return [
             _record(thread_id, t, e.seq, _value_decoder.decode(e.value))
-            for t, e in sorted(state.turns.items())
+            for t, e in sorted(state.entries().items())
         ]
 
     @staticmethod
@@ -253,11 +331,12 @@ class RecordsProjection(Projection[RecordsState]):
         shows the same way in a fold as in the materialized view.
         """
         entries = state.settled if last is None else state.settled[-last:] if last else []
+        turns = state.entries()
         seen: dict[str, TurnRecord] = {}
         for entry in entries:
             turn = entry.value.decode("utf-8")
             if turn not in seen:
-                e = state.turns[turn]
+                e = turns[turn]
                 seen[turn] = _record(thread_id, turn, e.seq, _value_decoder.decode(e.value))
         return list(seen.values())
 

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 
 from eventstore import (
+    Event,
+    EventMeta,
     HashGet,
     HashGetAll,
     HashLoad,
@@ -31,6 +33,8 @@ from eventstore import (
 )
 
 from ._base import Projection, UnknownBlockError, UnknownReaderViewError, decode_as, encoder
+
+_NO_META = EventMeta()
 
 
 class ReaderView(msgspec.Struct, frozen=True):
@@ -103,14 +107,18 @@ class StateProjection(Projection[dict[str, Block]]):
                 )
 
     def apply(self, state: dict[str, Block], event: RecordedEvent) -> dict[str, Block]:
-        payload = event.payload
+        return self.apply_payload(state, event.seq, event.payload, b"", _NO_META)
+
+    def apply_payload(
+        self, state: dict[str, Block], seq: int, payload: Event, event_id: bytes, meta: EventMeta
+    ) -> dict[str, Block]:
         if isinstance(payload, StateUpdated):
             prior = state.get(payload.block)
             state[payload.block] = Block(
                 name=payload.block,
                 value=payload.value,
                 version=(prior.version if prior else 0) + 1,
-                seq=event.seq,
+                seq=seq,
             )
         return state
 

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import msgspec
 
 from eventstore import (
+    Event,
+    EventMeta,
     ListLoad,
     ListPush,
     ListRange,
@@ -29,6 +31,7 @@ from eventstore import (
 from ._base import Projection, decode_entries, encoder
 
 _message_decoder = msgspec.msgpack.Decoder(Message)
+_NO_META = EventMeta()
 
 
 class TranscriptMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -53,11 +56,20 @@ class TranscriptProjection(Projection[list[TranscriptMessage]]):
     def apply(
         self, state: list[TranscriptMessage], event: RecordedEvent
     ) -> list[TranscriptMessage]:
-        payload = event.payload
+        return self.apply_payload(state, event.seq, event.payload, b"", _NO_META)
+
+    def apply_payload(
+        self,
+        state: list[TranscriptMessage],
+        seq: int,
+        payload: Event,
+        event_id: bytes,
+        meta: EventMeta,
+    ) -> list[TranscriptMessage]:
         if isinstance(payload, TranscriptReplaced):
             state = []
         if isinstance(payload, TranscriptAppended | TranscriptReplaced):
-            state.extend(TranscriptMessage(seq=event.seq, message=m) for m in payload.messages)
+            state.extend(TranscriptMessage(seq=seq, message=m) for m in payload.messages)
         return state
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
