@@ -121,11 +121,51 @@ def encode_events(
     Each payload is encoded, then decoded back through the registry, so a payload that would
     not decode later (wrong field types, constraint violations) is refused now.
     """
-    validate_thread_id(thread_id)
-    if isinstance(events, _EVENT_TYPES) or not isinstance(events, Sequence):
+    return _encode(thread_id, events, registry, max_event_bytes, secret, None, False)
+
+
+def encode_append(
+    thread_id: str,
+    events: Sequence[Event | NewEvent],
+    registry: EventRegistry,
+    *,
+    max_event_bytes: int,
+    secret: bytes | None,
+    thread_valid: bool = False,
+) -> tuple[list[EncodedEvent], bytes]:
+    """`encode_events` and the raw bytes of `request_digest` in one pass: both digests hash
+    each event's framed content, which is formatted once. ``thread_valid``: the caller has
+    already validated ``thread_id``."""
+    request = hashlib.blake2b(digest_size=8)
+    encoded = _encode(thread_id, events, registry, max_event_bytes, secret, request, thread_valid)
+    return encoded, request.digest()
+
+
+def _encode(
+    thread_id: str,
+    events: Sequence[Event | NewEvent],
+    registry: EventRegistry,
+    max_event_bytes: int,
+    secret: bytes | None,
+    request: Any,
+    thread_valid: bool,
+) -> list[EncodedEvent]:
+    if not thread_valid:
+        validate_thread_id(thread_id)
+    # A list or tuple needs no ABC check (an isinstance against Sequence is a slow one).
+    if (type(events) is not list and type(events) is not tuple) and (
+        isinstance(events, _EVENT_TYPES) or not isinstance(events, Sequence)
+    ):
         raise InvalidInputError("events must be a sequence of Event or NewEvent")
     if not events:
         raise InvalidInputError(f"thread {thread_id!r}: an append needs at least one event")
+    thread = thread_id.encode("utf-8")
+    key = secret or b""
+    # The registry's union decoder, for the check that each payload decodes: a payload it
+    # accepts is one `registry.decode` returns as it is (it is at its class's current version);
+    # one it refuses goes through `registry.decode`, which words the error. Asked for after
+    # the first `version_of`, which refuses an unregistered type in its own words.
+    check: Any = None
     out: list[EncodedEvent] = []
     seen: set[bytes] = set()
     for index, item in enumerate(events):
@@ -154,8 +194,13 @@ def encode_events(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"
             ) from exc
+        if check is None:
+            check = registry.fast_path()[0].decode
         try:
-            registry.decode(data, version)
+            try:
+                check(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                registry.decode(data, version)
         except (EventValidationError, UnknownEventTypeError) as exc:
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
@@ -173,8 +218,19 @@ def encode_events(
                 shown = _ulid_str(id_bytes)
                 raise InvalidInputError(f"thread {thread_id!r}: event id {shown} appears twice")
             seen.add(id_bytes)
-        digest = content_digest(thread_id, id_bytes, version, data, meta, secret)
-        out.append(EncodedEvent(id_bytes, version, data, meta, digest))
+        # `content_digest`, with its input in two parts: the second is also what
+        # `request_digest` hashes for this event.
+        v = b"%d" % version
+        content = b"%d:%s%d:%s%d:%s" % (len(v), v, len(data), data, len(meta), meta)
+        h = hashlib.blake2b(
+            b"%d:%s%d:%s" % (len(thread), thread, len(id_bytes), id_bytes),
+            digest_size=16,
+            key=key,
+        )
+        h.update(content)
+        if request is not None:
+            request.update(content)
+        out.append(EncodedEvent(id_bytes, version, data, meta, h.hexdigest()))
     return out
 
 

@@ -29,6 +29,20 @@ def new_ulid() -> str:
 
 _mint_lock = threading.Lock()
 _last_minted = 0
+# Random bits for minted ids, read from the OS a batch at a time (a getrandom() call per id
+# cost more than the rest of minting); emptied in a forked child, which must not reuse them.
+_RANDOM_BATCH = 64 * 10
+_random = b""
+_random_at = 0
+
+
+def _forget_random() -> None:
+    global _random, _random_at
+    _random, _random_at = b"", 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_random)
 
 
 def mint_ulid() -> bytes:
@@ -38,9 +52,14 @@ def mint_ulid() -> bytes:
     much. An id that would not sort after the previous one (same ms, lower random part, or a
     clock step back) is the previous one plus one, as ULID's monotonic mode does.
     """
-    global _last_minted
-    n = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    global _last_minted, _random, _random_at
+    ms = time.time_ns() // 1_000_000
     with _mint_lock:
+        at = _random_at
+        if at + 10 > len(_random):
+            _random, at = os.urandom(_RANDOM_BATCH), 0
+        _random_at = at + 10
+        n = ms << 80 | int.from_bytes(_random[at : at + 10], "big")
         if n <= _last_minted:
             n = _last_minted + 1
         _last_minted = n

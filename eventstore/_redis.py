@@ -19,13 +19,13 @@ from redis.asyncio.cluster import RedisCluster
 
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
+    EncodedEvent,
     decode_entry,
     decode_rows,
-    encode_events,
+    encode_append,
     expected_version_arg,
     idempotency_key_for,
     idempotency_key_text,
-    request_digest,
 )
 from ._contract import (
     ANY,
@@ -83,7 +83,7 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
-from ._wire import HeldConnections, can_hold, pack_command
+from ._wire import HeldConnections, can_hold, evalsha_prefix, pack_command
 
 T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
@@ -124,6 +124,35 @@ def _as_dict(fields: Any) -> dict[bytes, bytes]:
         return fields
     it = iter(fields)
     return dict(zip(it, it, strict=True))
+
+
+# An append of one event and no view ops, after the thread's memoized head: expected version,
+# idempotency key, request digest, "1" event, "0" ops, then the event's five values.
+_APPEND_ONE = (
+    b"*18\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n1\r\n$1\r\n0\r\n" + b"$%d\r\n%b\r\n" * 5
+)
+_APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
+
+
+def _pack_append(
+    head: bytes, exp: bytes, ikey: bytes, rdigest: bytes, encoded: Sequence[EncodedEvent]
+) -> bytes:
+    """An append of several events and no view ops, packed after the thread's memoized head."""
+    n = b"%d" % len(encoded)
+    parts = [
+        b"*%d\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n0\r\n"
+        % (13 + 5 * len(encoded), head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
+           len(n), n)
+    ]  # fmt: skip
+    for e in encoded:
+        v, digest = b"%d" % e.version, e.digest.encode("ascii")
+        parts.append(
+            _APPEND_EVENT % (
+                len(e.id_bytes), e.id_bytes, len(v), v, len(e.data), e.data, len(e.meta), e.meta,
+                len(digest), digest,
+            )
+        )  # fmt: skip
+    return b"".join(parts)
 
 
 def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: Sequence[Any]) -> bytes:
@@ -209,8 +238,8 @@ class RedisEventStore(EventStore):
         self._held = HeldConnections(client) if can_hold(client) else None
         # Every append goes through it; with max_batch=1 it never queues (group commit off).
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch, held=self._held)
-        # thread id -> (layout, the thread id and its four append-script keys, encoded)
-        self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
+        # thread id -> what its appends send (`_memo_thread`)
+        self._append_keys: dict[str, tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]] = {}
 
     @property
     def client(self) -> Any:
@@ -248,36 +277,65 @@ class RedisEventStore(EventStore):
         idempotency_key: str | None = None,
         view_ops: Sequence[ViewOp] = (),
     ) -> AppendResult:
-        encoded = encode_events(
+        memo = self._append_keys.get(thread_id)
+        if memo is None or memo[0] is not self.keys:
+            memo = self._memo_thread(thread_id)
+        _, thread, thread_keys, head = memo
+        encoded, rdigest = encode_append(
             thread_id,
             events,
             self.registry,
             max_event_bytes=self.max_event_bytes,
             secret=self._secret,
+            thread_valid=True,  # by `_memo_thread`
         )
-        expected = expected_version_arg(expected_version)
+        if type(expected_version) is int and expected_version >= 0:
+            exp = b"%d" % expected_version
+        else:
+            exp = expected_version_arg(expected_version).encode("ascii")
         ops = list(view_ops)
-        check_ops(ops, len(encoded), in_append=True)
+        if ops:
+            check_ops(ops, len(encoded), in_append=True)
         ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
-        rdigest = bytes.fromhex(request_digest(encoded))
 
         # Arguments go as the bytes redis-py would send: its per-argument encoding is a large
         # share of an append's client time. Numbers and ASCII tokens are formatted here, the
-        # thread's keys come encoded from a per-thread memo.
-        thread, *thread_keys = self._encoded_thread_keys(thread_id)
-        keys: list[Any] = thread_keys
-        args: list[Any] = [
-            thread, expected.encode("ascii"), ikey, rdigest, b"%d" % len(encoded), b"%d" % len(ops)
-        ]  # fmt: skip
-        for e in encoded:
-            args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
-        if ops:
-            index = _KeyIndex(keys)
-            for op in ops:
-                args += self._op_args(thread_id, op, index)
-            keys = index.keys
-
-        reply = await _call(self._append_script(keys, args))
+        # thread's keys come encoded from a per-thread memo. On the direct path an append
+        # without view ops is packed here whole: the thread's part of the command is memoized
+        # as RESP, and the rest is one format.
+        call: Any
+        if head and not ops:
+            if len(encoded) == 1:
+                e = encoded[0]
+                v = b"%d" % e.version
+                call = _APPEND_ONE % (
+                    head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
+                    len(e.id_bytes), e.id_bytes, len(v), v, len(e.data), e.data,
+                    len(e.meta), e.meta, len(e.digest), e.digest.encode("ascii"),
+                )  # fmt: skip
+            else:
+                call = _pack_append(head, exp, ikey, rdigest, encoded)
+        else:
+            keys: list[Any] = list(thread_keys)
+            args: list[Any] = [
+                thread, exp, ikey, rdigest, b"%d" % len(encoded),
+                b"%d" % len(ops),
+            ]  # fmt: skip
+            for e in encoded:
+                args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
+            if ops:
+                index = _KeyIndex(keys)
+                for op in ops:
+                    args += self._op_args(thread_id, op, index)
+                keys = index.keys
+            call = (keys, args)
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        try:
+            reply = await self._group_commit.submit(thread_keys[0], call)
+        # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            raise translate_redis_error(exc) from exc
         status = reply[0]
         if status == b"ok":
             return AppendResult(thread_id, int(reply[1]), int(reply[2]))
@@ -290,31 +348,33 @@ class RedisEventStore(EventStore):
                 thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
             )
         if status == b"view":
-            key = keys[int(reply[1]) - 1]
+            key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
             raise ViewConflictError(
                 thread_id, view, reply[2].decode("utf-8"), int(reply[3]), int(reply[4])
             )
         raise OperationalError(f"unexpected append reply {reply!r}")
 
-    def _append_script(self, keys: list[Any], args: list[Any]) -> Awaitable[Any]:
-        if self._closed:
-            raise StoreClosedError("the store is closed")
-        return self._group_commit(keys, args)
-
-    def _encoded_thread_keys(self, thread_id: str) -> tuple[bytes, ...]:
-        """The thread id and its log, meta, feed and index keys, encoded as the client
-        encodes; memoized per thread (bounded) and per layout, which `ensure_namespace` may swap.
+    def _memo_thread(self, thread_id: str) -> tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]:
+        """Validate the thread id and memoize, per thread (bounded) and per layout (which
+        `ensure_namespace` may swap), what its appends send: the thread id and its log, meta,
+        feed and index keys, encoded as the client encodes, and on the direct path (else empty)
+        the RESP of ``EVALSHA <sha> 4 <keys> <thread id>``, which begins each of its appends
+        without view ops.
         """
-        hit = self._append_keys.get(thread_id)
-        if hit is not None and hit[0] is self.keys:
-            return hit[1]
+        validate_thread_id(thread_id)
         encode = self._client.get_encoder().encode
-        encoded = tuple(encode(k) for k in (thread_id, *self.keys.thread_keys(thread_id)))
+        thread = encode(thread_id)
+        keys = tuple(encode(k) for k in self.keys.thread_keys(thread_id))
+        head = b""
+        if self._group_commit.packs:
+            head = evalsha_prefix(self._group_commit.script.sha.encode("ascii")) + b"".join(
+                b"$%d\r\n%b\r\n" % (len(b), b) for b in (b"%d" % len(keys), *keys, thread)
+            )
         if len(self._append_keys) >= _APPEND_KEYS_MEMO:
             self._append_keys.clear()
-        self._append_keys[thread_id] = (self.keys, encoded)
-        return encoded
+        memo = self._append_keys[thread_id] = (self.keys, thread, keys, head)
+        return memo
 
     def _op_args(self, thread_id: str, op: ViewOp, index: _KeyIndex) -> list[Any]:
         k = index(self.keys.view(thread_id, op.view))
