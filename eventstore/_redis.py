@@ -126,11 +126,31 @@ def _as_dict(fields: Any) -> dict[bytes, bytes]:
     return dict(zip(it, it, strict=True))
 
 
-# An append of one event and no view ops, after the thread's memoized head: expected version,
-# idempotency key, request digest, "1" event, "0" ops, then the event's five values.
-_APPEND_ONE = (
-    b"*18\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n1\r\n$1\r\n0\r\n" + b"$%d\r\n%b\r\n" * 5
+# An `AppendResult` built without its dataclass __init__, whose four object.__setattr__ calls
+# (it is frozen) cost more than anything else an answered append does; slot by slot, the same
+# object.
+_new_object = object.__new__
+_set_result_fields = tuple(
+    vars(AppendResult)[name].__set__ for name in ("thread_id", "first_seq", "last_seq", "duplicate")
 )
+
+
+def _append_result(thread_id: str, first: int, last: int, duplicate: bool) -> AppendResult:
+    result: AppendResult = _new_object(AppendResult)
+    set_thread, set_first, set_last, set_duplicate = _set_result_fields
+    set_thread(result, thread_id)
+    set_first(result, first)
+    set_last(result, last)
+    set_duplicate(result, duplicate)
+    return result
+
+
+# RESP bulk string headers "$<n>\r\n" of short arguments, looked up rather than formatted: an
+# append of one event without view ops is packed as one join of its pieces (a %-format of the
+# same command parses its format string on every call and costs half as much again).
+_BULK = [b"$%d\r\n" % n for n in range(1024)]
+_CRLF = b"\r\n"
+_ONE_EVENT_NO_OPS = b"$1\r\n1\r\n$1\r\n0\r\n"
 _APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
 
 
@@ -307,12 +327,20 @@ class RedisEventStore(EventStore):
         if head and not ops:
             if len(encoded) == 1:
                 e = encoded[0]
-                v = b"%d" % e.version
-                call = _APPEND_ONE % (
-                    head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
-                    len(e.id_bytes), e.id_bytes, len(v), v, len(e.data), e.data,
-                    len(e.meta), e.meta, len(e.digest), e.digest.encode("ascii"),
-                )  # fmt: skip
+                v, data, meta, digest = b"%d" % e.version, e.data, e.meta, e.digest.encode()
+                b = _BULK
+                n_ikey, n_data, n_meta = len(ikey), len(data), len(meta)
+                # The thread's head, expected version, idempotency key, request digest, "1"
+                # event, "0" ops, then the event's id, version, data, meta and digest.
+                call = b"".join((
+                    b"*18\r\n", head, b[len(exp)], exp, _CRLF,
+                    b[n_ikey] if n_ikey < 1024 else b"$%d\r\n" % n_ikey, ikey, _CRLF,
+                    b[len(rdigest)], rdigest, _CRLF, _ONE_EVENT_NO_OPS,
+                    b[len(e.id_bytes)], e.id_bytes, _CRLF, b[len(v)], v, _CRLF,
+                    b[n_data] if n_data < 1024 else b"$%d\r\n" % n_data, data, _CRLF,
+                    b[n_meta] if n_meta < 1024 else b"$%d\r\n" % n_meta, meta, _CRLF,
+                    b[len(digest)], digest, _CRLF,
+                ))  # fmt: skip
             else:
                 call = _pack_append(head, exp, ikey, rdigest, encoded)
         else:
@@ -338,7 +366,7 @@ class RedisEventStore(EventStore):
             raise translate_redis_error(exc) from exc
         status = reply[0]
         if status == b"ok":
-            return AppendResult(thread_id, int(reply[1]), int(reply[2]))
+            return _append_result(thread_id, int(reply[1]), int(reply[2]), False)
         if status == b"dup":
             return AppendResult(thread_id, int(reply[1]), int(reply[2]), duplicate=True)
         if status == b"conflict":
