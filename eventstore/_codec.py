@@ -173,8 +173,10 @@ def _encode(
     # the first `version_of`, which refuses an unregistered type in its own words.
     check: Any = None
     out: list[EncodedEvent] = []
-    seen: set[bytes] = set()
-    for index, item in enumerate(events):
+    seen: set[bytes] | None = None  # ids the caller chose, made when there is one
+    index = -1
+    for item in events:
+        index += 1
         meta_obj: EventMeta | None = None
         if isinstance(item, Event):
             # What `as_new_event` does, minus the NewEvent: a fresh id, minted as bytes.
@@ -220,7 +222,9 @@ def _encode(
         if id_bytes is None:
             id_bytes = _parse_ulid(event_id, "event id")
             # Minted ids are new by construction; only ids the caller chose can repeat.
-            if id_bytes in seen:
+            if seen is None:
+                seen = set()
+            elif id_bytes in seen:
                 shown = _ulid_str(id_bytes)
                 raise InvalidInputError(f"thread {thread_id!r}: event id {shown} appears twice")
             seen.add(id_bytes)

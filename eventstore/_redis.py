@@ -313,10 +313,13 @@ class RedisEventStore(EventStore):
             exp = b"%d" % expected_version
         else:
             exp = expected_version_arg(expected_version).encode("ascii")
-        ops = list(view_ops)
+        ops = list(view_ops) if view_ops else []
         if ops:
             check_ops(ops, len(encoded), in_append=True)
-        ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
+        if idempotency_key is None:
+            ikey = b"e" + encoded[0].id_bytes  # `idempotency_key_for`, inlined for the default
+        else:
+            ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
 
         # Arguments go as the bytes redis-py would send: its per-argument encoding is a large
         # share of an append's client time. Numbers and ASCII tokens are formatted here, the

@@ -132,10 +132,15 @@ class GroupCommit:
         self._waiting += 1
         if first_key in busy:
             self._queue_waits = True
-        elif not self._queue_waits and len(queue) >= min(
-            self.max_batch, max(2, self._waiting // 2)
-        ):
-            self._flush()
+        elif not self._queue_waits:
+            # Half of the calls waiting, at least 2 and at most max_batch (>= 2 here).
+            limit = self._waiting >> 1
+            if limit > self.max_batch:
+                limit = self.max_batch
+            elif limit < 2:
+                limit = 2
+            if len(queue) >= limit:
+                self._flush()
         # A queued batch is sent by its own task: a caller that is cancelled does not take the
         # other calls of its batch down with it (its own append may still land, as any
         # cancelled append may; retrying with the same idempotency key is safe).
@@ -237,9 +242,13 @@ class GroupCommit:
                     for c in calls
                 )
             else:
-                payload = b"".join(
-                    c if type(c) is bytes else pack_script_call(b"EVALSHA", sha, *c) for c in calls
-                )
+                try:
+                    payload = b"".join(calls)  # type: ignore[arg-type]  # all packed, mostly
+                except TypeError:
+                    payload = b"".join(
+                        c if type(c) is bytes else pack_script_call(b"EVALSHA", sha, *c)
+                        for c in calls
+                    )
             return await self._held.exchange(payload, len(calls))
         command, text = (
             ("EVAL", self.script.source) if with_source else ("EVALSHA", self.script.sha)
