@@ -150,7 +150,6 @@ def _append_result(thread_id: str, first: int, last: int, duplicate: bool) -> Ap
 # same command parses its format string on every call and costs half as much again).
 _BULK = [b"$%d\r\n" % n for n in range(1024)]
 _CRLF = b"\r\n"
-_ONE_EVENT_NO_OPS = b"$1\r\n1\r\n$1\r\n0\r\n"
 _APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
 
 
@@ -297,7 +296,8 @@ class RedisEventStore(EventStore):
         idempotency_key: str | None = None,
         view_ops: Sequence[ViewOp] = (),
     ) -> AppendResult:
-        memo = self._append_keys.get(thread_id)
+        # (Anything but a str is refused by `_memo_thread`'s validation, unhashable ids too.)
+        memo = self._append_keys.get(thread_id) if isinstance(thread_id, str) else None
         if memo is None or memo[0] is not self.keys:
             memo = self._memo_thread(thread_id)
         _, thread, thread_keys, head = memo
@@ -330,19 +330,21 @@ class RedisEventStore(EventStore):
         if head and not ops:
             if len(encoded) == 1:
                 e = encoded[0]
-                v, data, meta, digest = b"%d" % e.version, e.data, e.meta, e.digest.encode()
+                v, data, meta = b"%d" % e.version, e.data, e.meta
                 b = _BULK
                 n_ikey, n_data, n_meta = len(ikey), len(data), len(meta)
                 # The thread's head, expected version, idempotency key, request digest, "1"
-                # event, "0" ops, then the event's id, version, data, meta and digest.
+                # event, "0" ops, then the event's id, version, data, meta and digest. Fixed
+                # lengths by construction: request digest 8 bytes, id 16, content digest 32
+                # hex digits.
                 call = b"".join((
                     b"*18\r\n", head, b[len(exp)], exp, _CRLF,
-                    b[n_ikey] if n_ikey < 1024 else b"$%d\r\n" % n_ikey, ikey, _CRLF,
-                    b[len(rdigest)], rdigest, _CRLF, _ONE_EVENT_NO_OPS,
-                    b[len(e.id_bytes)], e.id_bytes, _CRLF, b[len(v)], v, _CRLF,
+                    b[n_ikey] if n_ikey < 1024 else b"$%d\r\n" % n_ikey, ikey,
+                    b"\r\n$8\r\n", rdigest, b"\r\n$1\r\n1\r\n$1\r\n0\r\n$16\r\n", e.id_bytes,
+                    _CRLF, b[len(v)], v, _CRLF,
                     b[n_data] if n_data < 1024 else b"$%d\r\n" % n_data, data, _CRLF,
-                    b[n_meta] if n_meta < 1024 else b"$%d\r\n" % n_meta, meta, _CRLF,
-                    b[len(digest)], digest, _CRLF,
+                    b[n_meta] if n_meta < 1024 else b"$%d\r\n" % n_meta, meta,
+                    b"\r\n$32\r\n", e.digest.encode(), _CRLF,
                 ))  # fmt: skip
             else:
                 call = _pack_append(head, exp, ikey, rdigest, encoded)
