@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable
 from importlib import resources
 from typing import Any
 
@@ -96,16 +95,17 @@ class GroupCommit:
 
     @property
     def packs(self) -> bool:
-        """Whether `submit` takes calls packed as RESP (`pack_evalsha`): on the direct path."""
+        """Whether `submit` takes calls packed as RESP (``EVALSHA <sha> ...``, the whole
+        command): on the direct path, where they are sent as they are."""
         return self._held is not None
 
-    def __call__(self, keys: list[Any], args: list[Any]) -> Awaitable[Any]:
-        return self.submit(keys[0], (keys, args))
+    async def __call__(self, keys: list[Any], args: list[Any]) -> Any:
+        return await self.submit(keys[0], (keys, args))
 
     async def submit(self, first_key: Any, call: Call) -> Any:
         """Run one call of the script: ``(keys, args)``, or on the direct path (`packs`) the
-        whole ``EVALSHA`` command as RESP bytes (`pack_evalsha`), whose first key is
-        ``first_key``. Returns its reply; an error reply is raised."""
+        whole ``EVALSHA`` command as RESP bytes (see `_wire.evalsha_prefix`), whose first key
+        is ``first_key``. Returns its reply; an error reply is raised."""
         busy = self._busy
         if self.max_batch == 1 or (not self._in_flight and not self._queue):
             self._in_flight += 1
