@@ -325,7 +325,7 @@ class RedisEventStore(EventStore):
         # share of an append's client time. Numbers and ASCII tokens are formatted here, the
         # thread's keys come encoded from a per-thread memo. On the direct path an append
         # without view ops is packed here whole: the thread's part of the command is memoized
-        # as RESP, and the rest is one format.
+        # as RESP, and the rest is joined (one event) or formatted (several) after it.
         call: Any
         if head and not ops:
             if len(encoded) == 1:
