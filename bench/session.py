@@ -140,20 +140,34 @@ class BlockingAppends:
         self.sock.connect(socket_path)
         self.reader = hiredis.Reader()
         self.sha = APPEND.sha.encode("ascii")
-        # The store's one seam between building an append and sending it.
-        store._append_script = self._exchange  # type: ignore[method-assign]
+        # The store's one seam between building an append and sending it: its group commit.
+        self._committer = store._group_commit
+        store._group_commit = self  # type: ignore[assignment]
 
-    def _exchange(self, keys: list[Any], args: list[Any]) -> asyncio.Future[Any]:
-        self.sock.sendall(pack_script_call(b"EVALSHA", self.sha, keys, args))
+    @property
+    def packs(self) -> bool:  # the store packs whole commands when its committer does
+        return bool(self._committer.packs)
+
+    @property
+    def script(self) -> Any:
+        return self._committer.script
+
+    async def submit(self, first_key: Any, call: Any) -> Any:
+        """The group commit's call, answered on the blocking socket (no await inside)."""
+        if not isinstance(call, bytes):  # (keys, args): what the direct path would pack
+            keys, args = call
+            call = pack_script_call(b"EVALSHA", self.sha, keys, args)
+        self.sock.sendall(call)
         reply = self.reader.gets()
         while reply is False:
             self.reader.feed(self.sock.recv(65536))
             reply = self.reader.gets()
         if isinstance(reply, Exception):
             raise reply
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        done.set_result(reply)
-        return done
+        return reply
+
+    async def aclose(self) -> None:
+        await self._committer.aclose()
 
     def close(self) -> None:
         self.sock.close()

@@ -129,14 +129,62 @@ def encode_events(
     Each payload is encoded, then decoded back through the registry, so a payload that would
     not decode later (wrong field types, constraint violations) is refused now.
     """
-    validate_thread_id(thread_id)
-    if isinstance(events, _EVENT_TYPES) or not isinstance(events, Sequence):
+    return _encode(thread_id, events, registry, max_event_bytes, secret, None, False)
+
+
+def encode_append(
+    thread_id: str,
+    events: Sequence[Event | NewEvent],
+    registry: EventRegistry,
+    *,
+    max_event_bytes: int,
+    secret: bytes | None,
+    thread_valid: bool = False,
+) -> tuple[list[EncodedEvent], bytes]:
+    """`encode_events` and the raw bytes of `request_digest` in one pass: both digests hash
+    each event's framed content, which is formatted once. ``thread_valid``: the caller has
+    already validated ``thread_id``."""
+    request = _REQUEST_DIGEST.copy()
+    encoded = _encode(thread_id, events, registry, max_event_bytes, secret, request, thread_valid)
+    return encoded, request.digest()
+
+
+# Hash states before any input, copied for each digest: a copy costs a fraction of a constructor
+# with keyword arguments. Unkeyed only: a store's secret is not kept at module level.
+_REQUEST_DIGEST = hashlib.blake2b(digest_size=8)
+_UNKEYED_CONTENT_DIGEST = hashlib.blake2b(digest_size=16)
+
+
+def _encode(
+    thread_id: str,
+    events: Sequence[Event | NewEvent],
+    registry: EventRegistry,
+    max_event_bytes: int,
+    secret: bytes | None,
+    request: Any,
+    thread_valid: bool,
+) -> list[EncodedEvent]:
+    if not thread_valid:
+        validate_thread_id(thread_id)
+    # A list or tuple needs no ABC check (an isinstance against Sequence is a slow one).
+    if (type(events) is not list and type(events) is not tuple) and (
+        isinstance(events, _EVENT_TYPES) or not isinstance(events, Sequence)
+    ):
         raise InvalidInputError("events must be a sequence of Event or NewEvent")
     if not events:
         raise InvalidInputError(f"thread {thread_id!r}: an append needs at least one event")
+    thread = thread_id.encode("utf-8")
+    thread_part = b"%d:%s" % (len(thread), thread)
+    # The registry's union decoder, for the check that each payload decodes: a payload it
+    # accepts is one `registry.decode` returns as it is (it is at its class's current version);
+    # one it refuses goes through `registry.decode`, which words the error. Asked for after
+    # the first `version_of`, which refuses an unregistered type in its own words.
+    check: Any = None
     out: list[EncodedEvent] = []
-    seen: set[bytes] = set()
-    for index, item in enumerate(events):
+    seen: set[bytes] | None = None  # ids the caller chose, made when there is one
+    index = -1
+    for item in events:
+        index += 1
         meta_obj: EventMeta | None = None
         if isinstance(item, Event):
             # What `as_new_event` does, minus the NewEvent: a fresh id, minted as bytes.
@@ -162,8 +210,13 @@ def encode_events(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"
             ) from exc
+        if check is None:
+            check = registry.fast_path()[0].decode
         try:
-            registry.decode(data, version)
+            try:
+                check(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                registry.decode(data, version)
         except (EventValidationError, UnknownEventTypeError) as exc:
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
@@ -177,12 +230,25 @@ def encode_events(
         if id_bytes is None:
             id_bytes = _parse_ulid(event_id, "event id")
             # Minted ids are new by construction; only ids the caller chose can repeat.
-            if id_bytes in seen:
+            if seen is None:
+                seen = set()
+            elif id_bytes in seen:
                 shown = _ulid_str(id_bytes)
                 raise InvalidInputError(f"thread {thread_id!r}: event id {shown} appears twice")
             seen.add(id_bytes)
-        digest = content_digest(thread_id, id_bytes, version, data, meta, secret)
-        out.append(EncodedEvent(id_bytes, version, data, meta, digest))
+        # `content_digest`, with its input in two parts: the second is also what
+        # `request_digest` hashes for this event.
+        v = b"%d" % version
+        content = b"%d:%s%d:%s%d:%s" % (len(v), v, len(data), data, len(meta), meta)
+        if secret:
+            h = hashlib.blake2b(digest_size=16, key=secret)
+        else:
+            h = _UNKEYED_CONTENT_DIGEST.copy()
+        h.update(b"%b%d:%b" % (thread_part, len(id_bytes), id_bytes))
+        h.update(content)
+        if request is not None:
+            request.update(content)
+        out.append(EncodedEvent(id_bytes, version, data, meta, h.hexdigest()))
     return out
 
 

@@ -62,6 +62,7 @@ class EventRegistry:
         self._lock = threading.Lock()
         self._decoder: msgspec.msgpack.Decoder[Any] | None = None
         self._versions: dict[type[Event], int] = {}
+        self._class_versions: dict[type[Event], int] = {}  # for `version_of`, kept by register
 
     def register(
         self,
@@ -100,6 +101,7 @@ class EventRegistry:
                     f"event tag {tag!r} is already registered to {known.cls.__qualname__}"
                 )
             self._types[tag] = _TypeInfo(cls, version, ups)
+            self._class_versions[cls] = version
             self._decoder = None
 
     def __contains__(self, tag: object) -> bool:
@@ -111,6 +113,10 @@ class EventRegistry:
 
     def version_of(self, payload: Event) -> int:
         """The schema version ``payload`` is written at; raises if its type is unregistered."""
+        # By class first: every append asks, and a tag is registered to one class only.
+        version = self._class_versions.get(type(payload))
+        if version is not None:
+            return version
         info = self._types.get(payload.event_type)
         if info is None or info.cls is not type(payload):
             raise UnknownEventTypeError(

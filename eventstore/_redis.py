@@ -19,14 +19,14 @@ from redis.asyncio.cluster import RedisCluster
 
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
+    EncodedEvent,
     decode_entry,
     decode_payload_rows,
     decode_rows,
-    encode_events,
+    encode_append,
     expected_version_arg,
     idempotency_key_for,
     idempotency_key_text,
-    request_digest,
 )
 from ._contract import (
     ANY,
@@ -87,7 +87,7 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
-from ._wire import HeldConnections, can_hold, pack_command
+from ._wire import HeldConnections, can_hold, evalsha_prefix, pack_command
 
 T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
@@ -139,6 +139,54 @@ def _as_dict(fields: Any) -> dict[bytes, bytes]:
         return fields
     it = iter(fields)
     return dict(zip(it, it, strict=True))
+
+
+# An `AppendResult` built without its dataclass __init__, whose four object.__setattr__ calls
+# (it is frozen) cost more than anything else an answered append does; slot by slot, the same
+# object.
+_new_object = object.__new__
+_set_result_fields = tuple(
+    vars(AppendResult)[name].__set__ for name in ("thread_id", "first_seq", "last_seq", "duplicate")
+)
+
+
+def _append_result(thread_id: str, first: int, last: int, duplicate: bool) -> AppendResult:
+    result: AppendResult = _new_object(AppendResult)
+    set_thread, set_first, set_last, set_duplicate = _set_result_fields
+    set_thread(result, thread_id)
+    set_first(result, first)
+    set_last(result, last)
+    set_duplicate(result, duplicate)
+    return result
+
+
+# RESP bulk string headers "$<n>\r\n" of short arguments, looked up rather than formatted: an
+# append of one event without view ops is packed as one join of its pieces (a %-format of the
+# same command parses its format string on every call and costs half as much again).
+_BULK = [b"$%d\r\n" % n for n in range(1024)]
+_CRLF = b"\r\n"
+_APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
+
+
+def _pack_append(
+    head: bytes, exp: bytes, ikey: bytes, rdigest: bytes, encoded: Sequence[EncodedEvent]
+) -> bytes:
+    """An append of several events and no view ops, packed after the thread's memoized head."""
+    n = b"%d" % len(encoded)
+    parts = [
+        b"*%d\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n0\r\n"
+        % (13 + 5 * len(encoded), head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
+           len(n), n)
+    ]  # fmt: skip
+    for e in encoded:
+        v, digest = b"%d" % e.version, e.digest.encode("ascii")
+        parts.append(
+            _APPEND_EVENT % (
+                len(e.id_bytes), e.id_bytes, len(v), v, len(e.data), e.data, len(e.meta), e.meta,
+                len(digest), digest,
+            )
+        )  # fmt: skip
+    return b"".join(parts)
 
 
 def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: list[bytes]) -> bytes:
@@ -231,8 +279,8 @@ class RedisEventStore(EventStore):
         self._held = HeldConnections(client) if can_hold(client) else None
         # Every append goes through it; with max_batch=1 it never queues (group commit off).
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch, held=self._held)
-        # thread id -> (layout, the thread id and its four append-script keys, encoded)
-        self._append_keys: dict[str, tuple[KeyLayout, tuple[bytes, ...]]] = {}
+        # thread id -> what its appends send (`_memo_thread`)
+        self._append_keys: dict[str, tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]] = {}
 
     @property
     def client(self) -> Any:
@@ -270,39 +318,82 @@ class RedisEventStore(EventStore):
         idempotency_key: str | None = None,
         view_ops: Sequence[ViewOp] = (),
     ) -> AppendResult:
-        encoded = encode_events(
+        # (Anything but a str is refused by `_memo_thread`'s validation, unhashable ids too.)
+        memo = self._append_keys.get(thread_id) if isinstance(thread_id, str) else None
+        if memo is None or memo[0] is not self.keys:
+            memo = self._memo_thread(thread_id)
+        _, thread, thread_keys, head = memo
+        encoded, rdigest = encode_append(
             thread_id,
             events,
             self.registry,
             max_event_bytes=self.max_event_bytes,
             secret=self._secret,
+            thread_valid=True,  # by `_memo_thread`
         )
-        expected = expected_version_arg(expected_version)
-        ops = list(view_ops)
-        check_ops(ops, len(encoded), in_append=True)
-        ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
-        rdigest = bytes.fromhex(request_digest(encoded))
+        if type(expected_version) is int and expected_version >= 0:
+            exp = b"%d" % expected_version
+        else:
+            exp = expected_version_arg(expected_version).encode("ascii")
+        ops = list(view_ops) if view_ops else []
+        if ops:
+            check_ops(ops, len(encoded), in_append=True)
+        if idempotency_key is None:
+            ikey = b"e" + encoded[0].id_bytes  # `idempotency_key_for`, inlined for the default
+        else:
+            ikey = idempotency_key_for(idempotency_key, encoded[0].id_bytes)
 
         # Arguments go as the bytes redis-py would send: its per-argument encoding is a large
         # share of an append's client time. Numbers and ASCII tokens are formatted here, the
-        # thread's keys come encoded from a per-thread memo.
-        thread, *thread_keys = self._encoded_thread_keys(thread_id)
-        keys: list[Any] = thread_keys
-        args: list[Any] = [
-            thread, expected.encode("ascii"), ikey, rdigest, b"%d" % len(encoded), b"%d" % len(ops)
-        ]  # fmt: skip
-        for e in encoded:
-            args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
-        if ops:
-            index = _KeyIndex(keys)
-            for op in ops:
-                args += self._op_args(thread_id, op, index)
-            keys = index.keys
-
-        reply = await _call(self._append_script(keys, args))
+        # thread's keys come encoded from a per-thread memo. On the direct path an append
+        # without view ops is packed here whole: the thread's part of the command is memoized
+        # as RESP, and the rest is joined (one event) or formatted (several) after it.
+        call: Any
+        if head and not ops:
+            if len(encoded) == 1:
+                e = encoded[0]
+                v, data, meta = b"%d" % e.version, e.data, e.meta
+                b = _BULK
+                n_ikey, n_data, n_meta = len(ikey), len(data), len(meta)
+                # The thread's head, expected version, idempotency key, request digest, "1"
+                # event, "0" ops, then the event's id, version, data, meta and digest. Fixed
+                # lengths by construction: request digest 8 bytes, id 16, content digest 32
+                # hex digits.
+                call = b"".join((
+                    b"*18\r\n", head, b[len(exp)], exp, _CRLF,
+                    b[n_ikey] if n_ikey < 1024 else b"$%d\r\n" % n_ikey, ikey,
+                    b"\r\n$8\r\n", rdigest, b"\r\n$1\r\n1\r\n$1\r\n0\r\n$16\r\n", e.id_bytes,
+                    _CRLF, b[len(v)], v, _CRLF,
+                    b[n_data] if n_data < 1024 else b"$%d\r\n" % n_data, data, _CRLF,
+                    b[n_meta] if n_meta < 1024 else b"$%d\r\n" % n_meta, meta,
+                    b"\r\n$32\r\n", e.digest.encode(), _CRLF,
+                ))  # fmt: skip
+            else:
+                call = _pack_append(head, exp, ikey, rdigest, encoded)
+        else:
+            keys: list[Any] = list(thread_keys)
+            args: list[Any] = [
+                thread, exp, ikey, rdigest, b"%d" % len(encoded),
+                b"%d" % len(ops),
+            ]  # fmt: skip
+            for e in encoded:
+                args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
+            if ops:
+                index = _KeyIndex(keys)
+                for op in ops:
+                    args += self._op_args(thread_id, op, index)
+                keys = index.keys
+            call = (keys, args)
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        try:
+            reply = await self._group_commit.submit(thread_keys[0], call)
+        # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            raise translate_redis_error(exc) from exc
         status = reply[0]
         if status == b"ok":
-            return AppendResult(thread_id, int(reply[1]), int(reply[2]))
+            return _append_result(thread_id, int(reply[1]), int(reply[2]), False)
         if status == b"dup":
             return AppendResult(thread_id, int(reply[1]), int(reply[2]), duplicate=True)
         if status == b"conflict":
@@ -312,31 +403,33 @@ class RedisEventStore(EventStore):
                 thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
             )
         if status == b"view":
-            key = keys[int(reply[1]) - 1]
+            key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
             raise ViewConflictError(
                 thread_id, view, reply[2].decode("utf-8"), int(reply[3]), int(reply[4])
             )
         raise OperationalError(f"unexpected append reply {reply!r}")
 
-    def _append_script(self, keys: list[Any], args: list[Any]) -> Awaitable[Any]:
-        if self._closed:
-            raise StoreClosedError("the store is closed")
-        return self._group_commit(keys, args)
-
-    def _encoded_thread_keys(self, thread_id: str) -> tuple[bytes, ...]:
-        """The thread id and its log, meta, feed and index keys, encoded as the client
-        encodes; memoized per thread (bounded) and per layout, which `ensure_namespace` may swap.
+    def _memo_thread(self, thread_id: str) -> tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]:
+        """Validate the thread id and memoize, per thread (bounded) and per layout (which
+        `ensure_namespace` may swap), what its appends send: the thread id and its log, meta,
+        feed and index keys, encoded as the client encodes, and on the direct path (else empty)
+        the RESP of ``EVALSHA <sha> 4 <keys> <thread id>``, which begins each of its appends
+        without view ops.
         """
-        hit = self._append_keys.get(thread_id)
-        if hit is not None and hit[0] is self.keys:
-            return hit[1]
+        validate_thread_id(thread_id)
         encode = self._client.get_encoder().encode
-        encoded = tuple(encode(k) for k in (thread_id, *self.keys.thread_keys(thread_id)))
+        thread = encode(thread_id)
+        keys = tuple(encode(k) for k in self.keys.thread_keys(thread_id))
+        head = b""
+        if self._group_commit.packs:
+            head = evalsha_prefix(self._group_commit.script.sha.encode("ascii")) + b"".join(
+                b"$%d\r\n%b\r\n" % (len(b), b) for b in (b"%d" % len(keys), *keys, thread)
+            )
         if len(self._append_keys) >= _APPEND_KEYS_MEMO:
             self._append_keys.clear()
-        self._append_keys[thread_id] = (self.keys, encoded)
-        return encoded
+        memo = self._append_keys[thread_id] = (self.keys, thread, keys, head)
+        return memo
 
     def _op_args(self, thread_id: str, op: ViewOp, index: _KeyIndex) -> list[Any]:
         k = index(self.keys.view(thread_id, op.view))

@@ -9,7 +9,10 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from ._wire import HeldConnections, can_hold, pack_script_call
+from ._wire import HeldConnections, can_hold, pack_script_call, with_script_source
+
+Call = tuple[list[Any], list[Any]] | bytes
+"""One call of a script: its keys and args, or (direct path only) its packed ``EVALSHA``."""
 
 
 class Script:
@@ -72,12 +75,13 @@ class GroupCommit:
         self.client = client
         self.script = script
         self.max_batch = max(1, max_batch)
-        self._queue: list[tuple[list[Any], list[Any], asyncio.Future[Any]]] = []
+        self._queue: list[tuple[Any, Call, asyncio.Future[Any]]] = []
         self._in_flight = 0
         self._waiting = 0  # calls queued or in a pipeline, not yet answered
         self._busy: dict[Any, int] = {}  # first key -> calls in flight with it
         self._queue_waits = False  # the queue holds a call whose first key is in flight
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last send
         # Its own RESP path where it is exact (see `_wire`), redis-py's otherwise; a store
         # passes the connections it holds, to share them with its reads (and closes them).
         self._owns_held = held is None and can_hold(client)
@@ -89,26 +93,54 @@ class GroupCommit:
         self.pipelines = 0
         self.pipelined_calls = 0
 
+    @property
+    def packs(self) -> bool:
+        """Whether `submit` takes calls packed as RESP (``EVALSHA <sha> ...``, the whole
+        command): on the direct path, where they are sent as they are."""
+        return self._held is not None
+
     async def __call__(self, keys: list[Any], args: list[Any]) -> Any:
+        return await self.submit(keys[0], (keys, args))
+
+    async def submit(self, first_key: Any, call: Call) -> Any:
+        """Run one call of the script: ``(keys, args)``, or on the direct path (`packs`) the
+        whole ``EVALSHA`` command as RESP bytes (see `_wire.evalsha_prefix`), whose first key
+        is ``first_key``. Returns its reply; an error reply is raised."""
+        busy = self._busy
         if self.max_batch == 1 or (not self._in_flight and not self._queue):
             self._in_flight += 1
             self.sent_alone += 1
-            self._mark(keys[0], 1)
+            busy[first_key] = busy.get(first_key, 0) + 1
+            # The next burst may run on another loop: its first queued call asks for it.
+            self._loop = None
             try:
-                return await self._one(keys, args)
+                return await self._one(call)
             finally:
-                self._mark(keys[0], -1)
+                self._mark(first_key, -1)
                 self._in_flight -= 1
-                self._drain()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((keys, args, future))
+                if self._queue and not self._in_flight:
+                    self._flush()
+        # Something is in flight, or queued behind it, on this loop (a lone call or a send
+        # task): the loop is the burst's, asked once per burst (asyncio's get_running_loop
+        # costs a getpid() system call every time).
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        queue = self._queue
+        queue.append((first_key, call, future))
         self._waiting += 1
-        if keys[0] in self._busy:
+        if first_key in busy:
             self._queue_waits = True
-        if not self._queue_waits and len(self._queue) >= min(
-            self.max_batch, max(2, self._waiting // 2)
-        ):
-            self._flush()
+        elif not self._queue_waits:
+            # Half of the calls waiting, at least 2 and at most max_batch (>= 2 here).
+            limit = self._waiting >> 1
+            if limit > self.max_batch:
+                limit = self.max_batch
+            elif limit < 2:
+                limit = 2
+            if len(queue) >= limit:
+                self._flush()
         # A queued batch is sent by its own task: a caller that is cancelled does not take the
         # other calls of its batch down with it (its own append may still land, as any
         # cancelled append may; retrying with the same idempotency key is safe).
@@ -117,10 +149,11 @@ class GroupCommit:
         finally:
             self._waiting -= 1
 
-    async def _one(self, keys: list[Any], args: list[Any]) -> Any:
+    async def _one(self, call: Call) -> Any:
         if self._held is None:
-            return await self.script(self.client, keys, args)
-        (reply,) = await self._run([(keys, args)])
+            assert not isinstance(call, bytes)  # packed calls are for the direct path only
+            return await self.script(self.client, *call)
+        (reply,) = await self._run([call])
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -129,10 +162,6 @@ class GroupCommit:
         """Give back the connections held for the direct path, if this committer holds them."""
         if self._owns_held and self._held is not None:
             await self._held.close()
-
-    def _drain(self) -> None:
-        if self._queue and not self._in_flight:
-            self._flush()
 
     def _mark(self, key: Any, delta: int) -> None:
         n = self._busy.get(key, 0) + delta
@@ -144,40 +173,51 @@ class GroupCommit:
     def _flush(self) -> None:
         batch, self._queue = self._queue, []
         self._queue_waits = False
-        for keys, _, _ in batch:
-            self._mark(keys[0], 1)
+        busy = self._busy
+        for key, _, _ in batch:
+            busy[key] = busy.get(key, 0) + 1
         self._in_flight += 1
         self.pipelines += 1
         self.pipelined_calls += len(batch)
-        task = asyncio.get_running_loop().create_task(self._send(batch))
+        loop = self._loop = asyncio.get_running_loop()
+        task = loop.create_task(self._send(batch))
         self._tasks.add(task)
         task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._in_flight -= 1
-        self._drain()
+        if self._queue and not self._in_flight:
+            self._flush()
 
-    async def _send(self, batch: list[tuple[list[Any], list[Any], asyncio.Future[Any]]]) -> None:
+    async def _send(self, batch: list[tuple[Any, Call, asyncio.Future[Any]]]) -> None:
         try:
             try:
-                replies = await self._run([(keys, args) for keys, args, _ in batch])
+                replies = await self._run([call for _, call, _ in batch])
             finally:
                 # Answered (or failed): its threads may go out again, even before its callers
                 # resume and make their next calls.
-                for keys, _, _ in batch:
-                    self._mark(keys[0], -1)
+                busy = self._busy
+                for key, _, _ in batch:
+                    n = busy[key] - 1
+                    if n:
+                        busy[key] = n
+                    else:
+                        del busy[key]
         except BaseException as exc:
             for _, _, future in batch:
-                _settle(future, error=exc)
+                if not future.done():  # its caller was cancelled
+                    future.set_exception(exc)
             return
         for (_, _, future), reply in zip(batch, replies, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
             if isinstance(reply, Exception):
-                _settle(future, error=reply)
+                future.set_exception(reply)
             else:
-                _settle(future, reply)
+                future.set_result(reply)
 
-    async def _run(self, calls: list[tuple[list[Any], list[Any]]]) -> list[Any]:
+    async def _run(self, calls: list[Call]) -> list[Any]:
         """The calls in one pipeline, a reply (or error) each, in order.
 
         The server may have forgotten the script (restart, failover, SCRIPT FLUSH): the calls
@@ -191,31 +231,34 @@ class GroupCommit:
                 replies[i] = reply
         return replies
 
-    async def _pipeline(
-        self, calls: list[tuple[list[Any], list[Any]]], *, with_source: bool
-    ) -> list[Any]:
+    async def _pipeline(self, calls: list[Call], *, with_source: bool) -> list[Any]:
         if self._held is not None:
-            verb, body = (b"EVAL", self._source) if with_source else (b"EVALSHA", self._sha)
-            payload = b"".join(pack_script_call(verb, body, keys, args) for keys, args in calls)
+            sha, source = self._sha, self._source
+            if with_source:
+                payload = b"".join(
+                    with_script_source(c, sha, source)
+                    if type(c) is bytes
+                    else pack_script_call(b"EVAL", source, *c)
+                    for c in calls
+                )
+            else:
+                try:
+                    payload = b"".join(calls)  # type: ignore[arg-type]  # all packed, mostly
+                except TypeError:
+                    payload = b"".join(
+                        c if type(c) is bytes else pack_script_call(b"EVALSHA", sha, *c)
+                        for c in calls
+                    )
             return await self._held.exchange(payload, len(calls))
         command, text = (
             ("EVAL", self.script.source) if with_source else ("EVALSHA", self.script.sha)
         )
         pipe = self.client.pipeline(transaction=False)
-        for keys, args in calls:
+        for call in calls:
+            assert not isinstance(call, bytes)  # packed calls are for the direct path only
+            keys, args = call
             pipe.execute_command(command, text, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))
-
-
-def _settle(
-    future: asyncio.Future[Any], reply: Any = None, *, error: BaseException | None = None
-) -> None:
-    if future.done():  # its caller was cancelled
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(reply)
 
 
 APPEND = Script.from_package("append")

@@ -91,6 +91,25 @@ def pack_script_call(
     return pack_command((command, body, b"%d" % len(keys), *keys, *args))
 
 
+def evalsha_prefix(sha: bytes) -> bytes:
+    """The RESP of ``EVALSHA <sha>`` that follows a packed call's argument count."""
+    return b"$7\r\nEVALSHA\r\n$%d\r\n%b\r\n" % (len(sha), sha)
+
+
+def with_script_source(command: bytes, sha: bytes, source: bytes) -> bytes:
+    """A packed ``EVALSHA <sha> ...`` as ``EVAL <source> ...``, every other argument as it was."""
+    count, _, rest = command.partition(b"\r\n")
+    prefix = evalsha_prefix(sha)
+    if not (count[:1] == b"*" and rest.startswith(prefix)):
+        raise ValueError("not a packed EVALSHA of this script")
+    return b"%b\r\n$4\r\nEVAL\r\n$%d\r\n%b\r\n%b" % (
+        count,
+        len(source),
+        source,
+        rest[len(prefix) :],
+    )
+
+
 async def _make_ready(conn: Any) -> None:
     """What the pool checks when it hands a connection out, for one that waited here: a server
     that closed it meanwhile (a kill, a timeout) or left bytes on it means reconnect first."""

@@ -165,3 +165,62 @@ async def test_batches_in_flight_together_keep_each_threads_order(
     for t in range(8):
         texts = [e.payload.message.text for e in await read_all(store, f"t{t}")]  # type: ignore[attr-defined]
         assert texts == [str(v) for v in range(20)]
+
+
+def _parse_command(packed: bytes) -> list[bytes]:
+    import hiredis
+
+    reader = hiredis.Reader()
+    reader.feed(packed)
+    command = reader.gets()
+    assert isinstance(command, list) and reader.gets() is False  # exactly one command
+    return command
+
+
+async def test_packed_appends_are_the_calls_redis_py_would_send(
+    standalone: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the direct path the store packs appends without view ops itself (one event: a join
+    with fixed lengths; several: a format per event); each must be the EVALSHA of the same
+    keys and arguments as the unpacked call, and its NOSCRIPT form the EVAL of them."""
+    from eventstore._scripts import APPEND
+    from eventstore._wire import with_script_source
+
+    gc = committer(standalone)
+    assert gc.packs
+    sent: list[tuple[object, object]] = []
+    original = gc.submit
+
+    def record(first_key: object, call: object) -> object:
+        sent.append((first_key, call))
+        return original(first_key, call)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gc, "submit", record)
+    # Past 1,024 bytes, a length is formatted rather than looked up: a long payload and key.
+    first = es.NewEvent(payload=msg("one " * 300), id=es.new_ulid(), turn_id=es.new_ulid())
+    second = es.NewEvent(payload=msg("two"), id=es.new_ulid())
+    await standalone.append("p", [first], expected_version=es.NO_THREAD)
+    big = es.NewEvent(payload=msg("big " * 300), id=es.new_ulid())
+    await standalone.append("p", [big], idempotency_key="€" * 500)
+    await standalone.append("p", [msg("x"), second], expected_version=2)
+    keys = [k.encode() for k in standalone.keys.thread_keys("p")]
+    for (first_key, packed), (n, expected, ikey) in zip(
+        sent,
+        [(1, b"no_thread", b"e"), (1, b"any", b"k:" + "€".encode() * 500), (2, b"2", b"e")],
+        strict=True,
+    ):
+        assert isinstance(packed, bytes) and first_key == keys[0]
+        command = _parse_command(packed)
+        assert command[:7] == [b"EVALSHA", APPEND.sha.encode(), b"4", *keys]
+        args = command[7:]
+        assert args[:2] == [b"p", expected] and args[2].startswith(ikey)
+        assert args[2] == ikey or len(args[2]) == 17
+        assert len(args[3]) == 8 and args[4:6] == [b"%d" % n, b"0"]
+        assert len(args) == 6 + 5 * n
+        events = [args[6 + 5 * i : 11 + 5 * i] for i in range(n)]
+        assert all(len(e[0]) == 16 and len(e[4]) == 32 for e in events)
+        source = _parse_command(
+            with_script_source(packed, APPEND.sha.encode(), APPEND.source.encode())
+        )
+        assert source == [b"EVAL", APPEND.source.encode(), *command[2:]]
+    assert [e.seq for e in await read_all(standalone, "p")] == [1, 2, 3, 4]
