@@ -85,6 +85,11 @@ from eventstore._codec import seq_of_entry_id
 from ._files import temp_beside
 
 Format = Literal["ndjson", "parquet"]
+Compression = Literal["snappy", "zstd", "lz4", "none"]
+COMPRESSIONS: tuple[Compression, ...] = ("snappy", "zstd", "lz4", "none")
+# Snappy, as pyarrow and Spark write by default: on 1,000,000 events (bench.export, one run)
+# it exported at 206k events/s and 176 MB against zstd's 191k events/s and 107 MB.
+DEFAULT_COMPRESSION: Compression = "snappy"
 COLUMNS = (
     "namespace",
     "thread",
@@ -506,8 +511,16 @@ def _reads(pages: list[_Page]) -> list[list[_Page]]:
 class _PartWriter:
     """Writes one part file under a temporary name; `commit` renames it into place."""
 
-    def __init__(self, directory: Path, number: int, fmt: Format, namespace: str) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        number: int,
+        fmt: Format,
+        namespace: str,
+        compression: Compression = DEFAULT_COMPRESSION,
+    ) -> None:
         self.final = directory / f"part-{number:08d}.{fmt}"
+        self.compression = compression
         fd, tmp = temp_beside(self.final)
         os.close(fd)
         self.tmp = Path(tmp)
@@ -540,7 +553,7 @@ class _PartWriter:
         ]
         batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
         if self._parquet is None:
-            self._parquet = _parquet_writer(self.tmp, schema)
+            self._parquet = _parquet_writer(self.tmp, schema, self.compression)
         self._parquet.write_batch(batch)
 
     def commit(self, positions: dict[int, str]) -> Path:
@@ -563,7 +576,7 @@ class _PartWriter:
     def write_empty(self) -> None:
         import pyarrow as pa
 
-        self._parquet = _parquet_writer(self.tmp, _parquet_schema())
+        self._parquet = _parquet_writer(self.tmp, _parquet_schema(), self.compression)
         self._parquet.write_table(pa.Table.from_pylist([], schema=_parquet_schema()))
 
     def abort(self) -> None:
@@ -592,7 +605,7 @@ class _NdjsonRow(msgspec.Struct, frozen=True):
     payload: str
 
 
-def _parquet_writer(path: Path, schema: Any) -> Any:
+def _parquet_writer(path: Path, schema: Any, compression: Compression) -> Any:
     import pyarrow.parquet as pq
 
     # Dictionary encoding only where values repeat: on ids and payloads it is built, found
@@ -600,7 +613,7 @@ def _parquet_writer(path: Path, schema: Any) -> Any:
     return pq.ParquetWriter(
         path,
         schema,
-        compression="zstd",
+        compression=compression,
         use_dictionary=_DICTIONARY_COLUMNS,
         write_statistics=_STATISTICS_COLUMNS,
     )
@@ -753,9 +766,15 @@ class Exporter:
         settings: StoreSettings | None = None,
         worker_timeout: float = 300.0,
         pause_gc: bool = False,
+        compression: Compression = DEFAULT_COMPRESSION,
     ) -> None:
         if fmt not in ("ndjson", "parquet"):
             raise InvalidInputError(f"unknown export format {fmt!r} (ndjson or parquet)")
+        if compression not in COMPRESSIONS:
+            raise InvalidInputError(
+                f"unknown Parquet compression {compression!r} ({', '.join(COMPRESSIONS)})"
+            )
+        self.compression: Compression = compression
         validate_view_name(name)
         self.adaptive = workers == "auto"
         if workers == "auto":
@@ -910,6 +929,7 @@ class Exporter:
             guard=guard,
             chunk_events=CHUNK_EVENTS if workers == 1 else PARALLEL_CHUNK_EVENTS,
             collect=self.pause_gc,
+            compression=self.compression,
         )
 
     async def _run_parallel(
@@ -950,6 +970,7 @@ class Exporter:
                     start=positions,
                     parent_pid=os.getpid(),
                     timeout=self.worker_timeout,
+                    compression=self.compression,
                 )
                 children.append(_Child.start(job))
             async with anyio.create_task_group() as tg:
@@ -997,8 +1018,10 @@ class _Pipeline:
         guard: Callable[[], None] | None,
         chunk_events: int,
         collect: bool,
+        compression: Compression = DEFAULT_COMPRESSION,
     ) -> None:
         self.store = store
+        self.compression: Compression = compression
         self.chunk_events = chunk_events
         self.collect = collect
         self.directory = directory
@@ -1102,7 +1125,11 @@ class _Pipeline:
                 async for item in receive:
                     if writer is None:
                         writer = _PartWriter(
-                            self.directory, state.next_number(), self.fmt, self.store.namespace
+                            self.directory,
+                            state.next_number(),
+                            self.fmt,
+                            self.store.namespace,
+                            self.compression,
                         )
                     await anyio.to_thread.run_sync(writer.write, item.rows)
                     state.tombstones += item.rows.tombstones
@@ -1244,6 +1271,7 @@ class _WorkerJob:
     start: dict[int, str]
     parent_pid: int
     timeout: float
+    compression: Compression = DEFAULT_COMPRESSION
 
 
 class _Stopped(Exception):
@@ -1437,6 +1465,7 @@ async def _worker_run(job: _WorkerJob, conn: Connection, stopping: list[int]) ->
             guard=guard,
             chunk_events=PARALLEL_CHUNK_EVENTS,
             collect=True,
+            compression=job.compression,
         )
         await pipeline.run()
         return state.result()

@@ -45,7 +45,7 @@ from projections import (
 
 from ._audit import Auditor, Verdict
 from ._demo import PLANNER_VIEW, demo_state, record_demo
-from ._export import Exporter
+from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
 from ._jsonl import export_jsonl, import_jsonl
 from ._sessions import SessionStore
 
@@ -330,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help="processes sharing the partitions (default auto: one per CPU, at most 3 and one "
         "per partition, when at least 200,000 events wait; 1 exports in this process only)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=COMPRESSIONS,
+        default=DEFAULT_COMPRESSION,
+        help=f"Parquet compression codec (default {DEFAULT_COMPRESSION}; snappy writes faster, "
+        "zstd smaller files)",
     )
     add("rebuild", "recompute materialized views from the log", cmd_rebuild, parents=[target])
     add(
@@ -1279,6 +1286,7 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
         # Workers open their own connections: to the same URL, in the store's namespace.
         settings=es.StoreSettings.from_url(ctx.where.url, namespace=ctx.store.namespace),
         pause_gc=True,  # this process does nothing else meanwhile
+        compression=args.compression,
     )
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)

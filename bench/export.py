@@ -11,7 +11,9 @@ its own, so its wall time, CPU time and peak memory (``VmHWM``) are its alone:
   committed (fsync, rename) in a fresh directory — run as ``threadlog export`` runs it:
   ``workers="auto"`` (``--workers N`` to choose: this process and N - 1 worker processes share
   the partitions; auto is one per CPU, at most 3, for 200,000 events or more) and
-  ``pause_gc=True``;
+  ``pause_gc=True``, Parquet with the default codec (snappy);
+- ``parquet, zstd``: the same with ``compression="zstd"`` (``--compression zstd``): smaller
+  files for more CPU;
 - ``parquet, 1 process``: the same with ``workers=1`` (``threadlog export --workers 1``): the
   difference to ``parquet`` is the worker processes alone;
 - ``raw XRANGE + decode``: redis-py ``XRANGE`` over every thread (4096 entries per call) and a
@@ -47,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adapters._export import DEFAULT_COMPRESSION
 from eventstore import (
     Message,
     NewEvent,
@@ -70,9 +73,16 @@ TARGET_PEAK_MB = 500
 EVENTS_PER_APPEND = 100
 EVENTS_PER_THREAD = 1000
 LOADERS = 16
-SIDES = ("raw XRANGE + decode", "parquet", "parquet, 1 process", "ndjson", "verify")
-EXPORT_SIDES = {"parquet": ("parquet", None), "parquet, 1 process": ("parquet", 1)}
-EXPORT_SIDES["ndjson"] = ("ndjson", None)
+SIDES = (
+    "raw XRANGE + decode", "parquet", "parquet, zstd", "parquet, 1 process", "ndjson", "verify"
+)  # fmt: skip
+# side -> (format, workers (None: WORKERS), Parquet compression)
+EXPORT_SIDES: dict[str, tuple[str, int | None, str]] = {
+    "parquet": ("parquet", None, DEFAULT_COMPRESSION),
+    "parquet, zstd": ("parquet", None, "zstd"),  # smaller files, more CPU
+    "parquet, 1 process": ("parquet", 1, DEFAULT_COMPRESSION),
+    "ndjson": ("ndjson", None, DEFAULT_COMPRESSION),
+}
 WORKERS: int | str = "auto"
 """Processes of the export sides run as the CLI runs them (``--workers``; ``auto`` as the CLI)."""
 SMALL_NAMESPACES = {"bench-small": EVENTS_PER_APPEND, "bench-turns": 2}
@@ -247,7 +257,7 @@ async def _child_work(
         if side in EXPORT_SIDES:
             from adapters import Exporter
 
-            fmt, fixed = EXPORT_SIDES[side]
+            fmt, fixed, compression = EXPORT_SIDES[side]
             n = fixed or (workers if workers == "auto" else int(workers))
             exporter = Exporter(
                 store,
@@ -257,6 +267,7 @@ async def _child_work(
                 workers=n,  # type: ignore[arg-type]
                 settings=StoreSettings.from_url(url, namespace=namespace),
                 pause_gc=True,  # as `threadlog export` runs it
+                compression=compression,  # type: ignore[arg-type]
             )
             with WorkerPeaks(exporter.workers - 1) as peaks:
                 result = await exporter.run()

@@ -554,3 +554,19 @@ async def test_an_entry_removed_from_the_log_stops_the_export(
         await Exporter(store, tmp_path, fmt="ndjson").run()
     assert (info.value.thread_id, info.value.seq) == ("holed", removed)
     assert "missing from the log" in str(info.value)
+
+
+async def test_parquet_compression_is_chosen_and_checked(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    store = es.MemoryEventStore()
+    await store.append("t", [msg("x")])
+    for codec, expected in ((None, "SNAPPY"), ("zstd", "ZSTD"), ("none", "UNCOMPRESSED")):
+        out = tmp_path / str(codec)
+        extra: dict[str, Any] = {} if codec is None else {"compression": codec}
+        await Exporter(store, out, **extra).run()
+        (part,) = out.glob("part-*.parquet")
+        column = pq.ParquetFile(part).metadata.row_group(0).column(0)
+        assert column.compression == expected
+    with pytest.raises(es.InvalidInputError, match="unknown Parquet compression"):
+        Exporter(store, tmp_path / "bad", compression="gzip")  # type: ignore[arg-type]
