@@ -35,6 +35,7 @@ from projections import (
     CheckReport,
     MessagesProjection,
     Projector,
+    RebuildError,
     RecordsProjection,
     StoredMessage,
     TranscriptMessage,
@@ -1314,14 +1315,22 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         version = await projector.rebuild(thread)
         ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
         return
+    failed: dict[str, es.EventStoreError] = {}
     with ctx.progress("rebuilding") as bar:
-        done = await projector.rebuild_all(progress=bar.update)
-    ctx.out.print(
-        Text(
-            f"rebuilt the views of {plural(len(done), 'thread')} in namespace "
-            f"{ctx.store.namespace!r}"
-        )
+        try:
+            done = await projector.rebuild_all(progress=bar.update)
+        except RebuildError as exc:
+            done, failed = exc.rebuilt, exc.failed
+    line = Text(
+        f"rebuilt the views of {plural(len(done), 'thread')} in namespace {ctx.store.namespace!r}"
     )
+    if failed:
+        line.append(f"; {len(failed)} NOT REBUILT (damaged logs: run verify)", style="bold red")
+    ctx.out.print(line)
+    for thread, error in failed.items():
+        ctx.out.print(Text(f"  {thread}: {error}", style="red"))
+    if failed:
+        raise Failed
 
 
 def _print_report(ctx: Ctx, report: CheckReport) -> None:

@@ -60,6 +60,7 @@ from ._errors import (
     StoreConnectionError,
     StoreTimeoutError,
     UnknownEventTypeError,
+    UnstampedViewError,
     ViewConflictError,
     WrongKeyTypeError,
 )
@@ -183,6 +184,7 @@ __all__ = [
     "TurnOpened",
     "TurnSettled",
     "UnknownEventTypeError",
+    "UnstampedViewError",
     "Usage",
     "ViewClear",
     "ViewConflictError",

@@ -148,6 +148,22 @@ class StoreClosedError(OperationalError):
     """Raised when a closed store is used."""
 
 
+class UnstampedViewError(OperationalError):
+    """Raised when a materialized view holds a value threadlog did not write (no version/seq
+    stamp): the view was changed from outside; `rebuild` restores it."""
+
+    def __init__(self, thread_id: str, view: str, detail: str) -> None:
+        self.thread_id = thread_id
+        self.view = view
+        self.detail = detail
+        super().__init__(
+            f"thread {thread_id!r}: view {view!r} holds an unstamped value ({detail}); run rebuild"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.view, self.detail))
+
+
 class WrongKeyTypeError(OperationalError):
     """Raised when one of a thread's keys holds another kind of value than threadlog wrote
     there (Redis's ``WRONGTYPE``): the data was replaced from outside threadlog."""

@@ -133,6 +133,20 @@ async def _cancel(pending: asyncio.Task[Any] | None) -> None:
             await pending
 
 
+_MAX_ID_MS = 2**64 - 1  # the largest first part of a stream id
+
+
+def _upper(stop: int | None) -> bytes:
+    """The id a read up to seq ``stop`` ends at; past the largest id a stream can hold is
+    "+" (memory and Redis then agree: everything up to the end, not an invalid id)."""
+    return b"+" if stop is None or stop >= _MAX_ID_MS else b"%d-0" % max(stop, 0)
+
+
+def _lower(start: int) -> bytes:
+    """The id a read from seq ``start`` begins at (seqs begin at 1)."""
+    return b"%d-0" % min(max(start, 1), _MAX_ID_MS)
+
+
 def _as_dict(fields: Any) -> dict[bytes, bytes]:
     """Stream entry fields as redis-py's reply callback gives them (the raw reply is flat)."""
     if isinstance(fields, dict):
@@ -477,8 +491,8 @@ class RedisEventStore(EventStore):
         incarnation: int | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
         validate_thread_id(thread_id)
-        hi = "+" if stop is None else f"{stop}-0"
-        log, lo = self.keys.log(thread_id), f"{max(start, 1)}-0"
+        hi = _upper(stop)
+        log, lo = self.keys.log(thread_id), _lower(start)
         if incarnation is None:
             rows = await _call(self.client.xrange(log, lo, hi, count=count))
         else:
@@ -502,11 +516,11 @@ class RedisEventStore(EventStore):
         commands: list[tuple[Any, ...]] = []
         for r in ranges:
             validate_thread_id(r.thread_id)
-            hi = b"+" if r.stop is None else b"%d-0" % r.stop
+            hi = _upper(r.stop)
             xrange = (
                 b"XRANGE",
                 keys.log(r.thread_id),
-                b"%d-0" % max(r.start, 1),
+                _lower(r.start),
                 hi,
                 b"COUNT",
                 count,
@@ -570,10 +584,10 @@ class RedisEventStore(EventStore):
         remaining = limit
         lo = max(start, 1)
         if backwards:
-            hi_id = "+" if stop is None else f"{stop}-0"
+            hi_id = _upper(stop)
             while remaining is None or remaining > 0:
                 count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
-                rows = await _call(self.client.xrevrange(log, hi_id, f"{lo}-0", count=count))
+                rows = await _call(self.client.xrevrange(log, hi_id, _lower(lo), count=count))
                 for entry_id, fields in rows:
                     yield decode_entry(thread_id, entry_id, fields, self.registry)
                 if len(rows) < count:
@@ -583,10 +597,10 @@ class RedisEventStore(EventStore):
                 last_seq = int(rows[-1][0].split(b"-", 1)[0])
                 if last_seq <= lo:
                     return
-                hi_id = f"{last_seq - 1}-0"
+                hi_id = b"%d-0" % (last_seq - 1)
         else:
-            hi = "+" if stop is None else f"{stop}-0"
-            lo_id = f"{lo}-0"
+            hi = _upper(stop)
+            lo_id = _lower(lo)
             while remaining is None or remaining > 0:
                 count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
                 rows = await _call(self.client.xrange(log, lo_id, hi, count=count))
@@ -596,16 +610,16 @@ class RedisEventStore(EventStore):
                     return
                 if remaining is not None:
                     remaining -= len(rows)
-                lo_id = "(" + rows[-1][0].decode("ascii")
+                lo_id = b"(" + rows[-1][0]
 
     async def read_batches(
         self, thread_id: str, *, start: int = 1, stop: int | None = None
     ) -> AsyncIterator[list[RecordedEvent]]:
         validate_thread_id(thread_id)
         log = self.keys.log(thread_id)
-        hi = b"+" if stop is None else b"%d-0" % stop
+        hi = _upper(stop)
         pending: asyncio.Task[list[Any]] | None
-        pending = self._fetch_ahead(log, b"%d-0" % max(start, 1), hi)
+        pending = self._fetch_ahead(log, _lower(start), hi)
         try:
             while pending is not None:
                 rows = await pending
@@ -631,9 +645,9 @@ class RedisEventStore(EventStore):
     ) -> None:
         validate_thread_id(thread_id)
         log = self.keys.log(thread_id)
-        hi = b"+" if stop is None else b"%d-0" % stop
+        hi = _upper(stop)
         pending: asyncio.Task[list[Any]] | None
-        pending = self._fetch_ahead(log, b"%d-0" % max(start, 1), hi)
+        pending = self._fetch_ahead(log, _lower(start), hi)
         try:
             while pending is not None:
                 rows = await pending

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._errors import InvalidInputError, OperationalError
+from ._errors import InvalidInputError, UnstampedViewError
 
 
 class ViewEntry(msgspec.Struct, frozen=True):
@@ -195,7 +195,4 @@ def decode_view_result(thread_id: str, read: ViewRead, raw: list[bytes]) -> View
         it = iter(raw)
         return {f.decode("utf-8"): unstamp_hash_value(v) for f, v in zip(it, it, strict=True)}
     except ValueError as exc:
-        raise OperationalError(
-            f"thread {thread_id!r}: view {read.view!r} holds an unstamped value ({exc}); "
-            "run rebuild"
-        ) from exc
+        raise UnstampedViewError(thread_id, read.view, str(exc)) from exc

@@ -182,6 +182,14 @@ class EventStoreConformance:
         assert [e.seq for e in back_limited] == [1200, 1199, 1198]
         assert await read_all(store, "t", start=1201) == []
         assert await read_all(store, "t", start=8, stop=7) == []
+        # Bounds past any stream id: the same answers on every backend, never a server error.
+        huge = 10**30
+        assert len(await read_all(store, "t", start=1190, stop=huge)) == 11
+        assert len(await read_all(store, "t", start=1198, stop=huge, backwards=True)) == 3
+        assert await read_all(store, "t", start=huge) == []
+        assert len(await store.read_raw("t", start=1199, stop=huge)) == 2
+        batches = [b async for b in store.read_batches("t", start=1199, stop=huge)]
+        assert [e.seq for b in batches for e in b] == [1199, 1200]
 
     async def test_payload_batches_are_the_events_in_parts(self, store: EventStore) -> None:
         news = [

@@ -5,7 +5,16 @@ This package never imports redis; it talks to any `eventstore.EventStore`.
 
 from ._base import Projection, UnknownBlockError, UnknownReaderViewError
 from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage, conversation_message
-from ._projector import AsOf, CheckReport, Context, Difference, Folded, Progress, Projector
+from ._projector import (
+    AsOf,
+    CheckReport,
+    Context,
+    Difference,
+    Folded,
+    Progress,
+    Projector,
+    RebuildError,
+)
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
 from ._runner import (
     AsyncProjection,
@@ -25,6 +34,7 @@ __all__ = [
     "AsOf",
     "Block",
     "CheckReport",
+    "RebuildError",
     "Context",
     "Difference",
     "Folded",

@@ -35,6 +35,9 @@ from ._base import Projection, decode_entries, encoder
 DEFAULT_WINDOW = 6
 
 
+_MAX_LIST = 2**62  # more entries than any Redis list (or memory) can hold
+
+
 class StoredMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A message of the conversation with the seq of the event that added it."""
 
@@ -116,9 +119,10 @@ class MessagesProjection(Projection[list[StoredMessage]]):
     # -- reads ---------------------------------------------------------------------------------
 
     @staticmethod
-    def window_read(n: int = DEFAULT_WINDOW) -> ViewRead:
+    def window_read(n: int = DEFAULT_WINDOW) -> ListRange:
         """The read for the last ``n`` messages (``n`` must be >= 1)."""
-        return ListRange("messages", -n, -1)
+        # Any n beyond what a list can hold means "all of it"; Redis would refuse the index.
+        return ListRange("messages", -min(n, _MAX_LIST), -1)
 
     @staticmethod
     def parse(result: ViewResult) -> list[StoredMessage]:

@@ -18,8 +18,10 @@ from eventstore import (
     ANY,
     AppendResult,
     ConcurrencyError,
+    CorruptEventError,
     Event,
     EventStore,
+    EventStoreError,
     ExpectedVersion,
     HashGet,
     HashLoad,
@@ -27,10 +29,12 @@ from eventstore import (
     ListLoad,
     NewEvent,
     PayloadRow,
+    UnstampedViewError,
     ViewEntry,
     ViewOp,
     ViewRead,
     ViewResult,
+    WrongKeyTypeError,
     validate_thread_id,
 )
 from eventstore._events import as_new_event
@@ -264,7 +268,9 @@ class Projector:
             validate_thread_id(thread_id)
             return []
         # The window needs no version: one plain LRANGE, the cheapest read of all.
-        return MessagesProjection.parse(await self.store.read_list(thread_id, "messages", -n, -1))
+        read = MessagesProjection.window_read(n)
+        rows = await self.store.read_list(thread_id, read.view, read.start, read.stop)
+        return MessagesProjection.parse(rows)
 
     async def state(
         self, thread_id: str, view: str | None = None, *, as_of: AsOf | None = None
@@ -386,10 +392,31 @@ class Projector:
         """Compare every materialized view with the fold of the log at the same version."""
         validate_thread_id(thread_id)
         reads = [r for p in self.projections for r in p.full_reads()]
-        version, results = await self._read(thread_id, reads)
-        actual: dict[str, ViewResult] = {r.view: res for r, res in zip(reads, results, strict=True)}
+        # A view holding a value threadlog never wrote (no stamp) is itself a difference: it
+        # is reported, and the other views are still compared (read again without it).
+        unstamped: dict[str, str] = {}
+        while True:
+            readable = [r for r in reads if r.view not in unstamped]
+            try:
+                version, results = await self._read(thread_id, readable)
+                break
+            except UnstampedViewError as exc:
+                if exc.view in unstamped:
+                    raise
+                unstamped[exc.view] = exc.detail
+        actual: dict[str, ViewResult] = {
+            r.view: res for r, res in zip(readable, results, strict=True)
+        }
         folded = await self._fold_to(thread_id, version)
-        differences: list[Difference] = []
+        differences: list[Difference] = [
+            Difference(
+                view=view,
+                key="(values)",
+                expected="values stamped by threadlog",
+                actual=f"an unstamped value: {detail}",
+            )
+            for view, detail in unstamped.items()
+        ]
         if folded.version != version:
             differences.append(
                 Difference(
@@ -400,7 +427,8 @@ class Projector:
                 )
             )
         for op in self._materialize(folded):
-            differences += _compare(op, actual.get(op.view))
+            if op.view not in unstamped:
+                differences += _compare(op, actual.get(op.view))
         anomalies: list[Anomaly] = []
         for state in folded.states.values():
             if isinstance(state, RecordsState):
@@ -410,12 +438,51 @@ class Projector:
         )
 
     async def rebuild_all(self, *, progress: Progress | None = None) -> dict[str, int]:
-        """Rebuild every thread of the namespace; returns thread -> version."""
-        return await self._each_thread(self.rebuild, progress)
+        """Rebuild every thread of the namespace; returns thread -> version.
+
+        A thread whose log cannot be folded (damaged: `CorruptEventError`, `WrongKeyTypeError`)
+        does not stop the others: they are all rebuilt first, then `RebuildError` names the
+        threads that were not (their views are left as they were).
+        """
+        failed: dict[str, EventStoreError] = {}
+
+        async def rebuild(thread_id: str) -> int | None:
+            try:
+                return await self.rebuild(thread_id)
+            except (CorruptEventError, WrongKeyTypeError) as exc:
+                failed[thread_id] = exc
+                return None
+
+        done = await self._each_thread(rebuild, progress)
+        rebuilt = {t: v for t, v in done.items() if v is not None}
+        if failed:
+            raise RebuildError(rebuilt, failed)
+        return rebuilt
 
     async def check_all(self, *, progress: Progress | None = None) -> dict[str, CheckReport]:
-        """Check every thread of the namespace."""
-        return await self._each_thread(self.check, progress)
+        """Check every thread of the namespace. A thread whose log cannot be folded is
+        reported as a difference (view ``(log)``), and the others are still checked."""
+
+        async def check(thread_id: str) -> CheckReport:
+            try:
+                return await self.check(thread_id)
+            except (CorruptEventError, WrongKeyTypeError) as exc:
+                seq = getattr(exc, "seq", None)
+                return CheckReport(
+                    thread_id=thread_id,
+                    version=await _version_or_zero(self.store, thread_id),
+                    differences=[
+                        Difference(
+                            view="(log)",
+                            key=f"seq {seq}" if seq is not None else "(keys)",
+                            expected="a log that folds",
+                            actual=str(exc),
+                        )
+                    ],
+                    anomalies=[],
+                )
+
+        return await self._each_thread(check, progress)
 
     async def _each_thread(
         self, job: Callable[[str], Awaitable[Any]], progress: Progress | None
@@ -427,6 +494,27 @@ class Projector:
             if progress is not None:
                 progress(done, len(threads))
         return out
+
+
+class RebuildError(EventStoreError):
+    """Raised when `Projector.rebuild_all` could not rebuild some threads (their logs are
+    damaged); every other thread was rebuilt. ``failed`` maps each to its error."""
+
+    def __init__(self, rebuilt: dict[str, int], failed: dict[str, EventStoreError]) -> None:
+        self.rebuilt = rebuilt
+        self.failed = failed
+        first, error = next(iter(failed.items()))
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        super().__init__(
+            f"rebuilt {len(rebuilt)} threads; not {first!r}{more}: {error} (run 'verify')"
+        )
+
+
+async def _version_or_zero(store: EventStore, thread_id: str) -> int:
+    try:
+        return await store.version(thread_id)
+    except WrongKeyTypeError:
+        return 0
 
 
 def _declared_handles(p: Projection[Any]) -> tuple[type[Event], ...] | None:

@@ -177,6 +177,15 @@ async def test_turn_ids_are_injectable(store: es.EventStore) -> None:
     assert await store.version("t") == 3
 
 
+async def test_a_window_larger_than_any_list_is_the_whole_history(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    for text in ("a", "b", "c"):
+        await threads.append_message("t", user(text))
+    for limit in (3, 10**6, 10**20):
+        assert [m.message.text for m in await threads.list_messages("t", limit)] == ["a", "b", "c"]
+    assert await threads.list_messages("t", 0) == []
+
+
 async def test_negative_counts_are_refused_and_write_nothing(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("t")

@@ -114,6 +114,7 @@ PUBLIC_NAMES = [
     "TurnOpened",
     "TurnSettled",
     "UnknownEventTypeError",
+    "UnstampedViewError",
     "Usage",
     "ViewClear",
     "ViewConflictError",
@@ -222,6 +223,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         ViewConflictError: lambda: ViewConflictError("t", "state", "field", 1, 2),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "missing field 'd'"),
+        eventstore.UnstampedViewError: lambda: eventstore.UnstampedViewError(
+            "t", "messages", "no stamp"
+        ),
     }
     make = samples.get(cls)
     if make is not None:

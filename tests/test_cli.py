@@ -623,6 +623,28 @@ def test_check_finds_differences_and_rebuild_repairs_them(redis_url: str) -> Non
     assert clean.code == 0 and "all OK" in clean.out
     assert clean.err == ""  # no progress bar without a terminal
 
+    async def more_damage(store: es.EventStore) -> None:
+        # A view value threadlog never wrote, and a log with an undecodable entry.
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.lset(store.keys.view("beta", "messages"), 0, "zzz")
+        await ThreadStore(store).append_message("gamma", {"role": "user", "content": "x"})
+        ((_, fields),) = await store.read_raw("gamma")
+        log = store.keys.log("gamma")
+        await store.client.delete(log)
+        await store.client.xadd(log, {**fields, b"d": b"\xc1 not msgpack"}, id="1-0")
+
+    with_store(redis_url, namespace, more_damage)
+    unstamped = cli("check", "beta", url=redis_url, namespace=namespace)
+    assert unstamped.code == 1 and "an unstamped value" in unstamped.out, unstamped
+    every = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert every.code == 1 and "checked 3 threads" in every.out, every
+    assert "2 DIFFERENT" in every.out and "beta" in every.out and "gamma" in every.out
+    partly = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert partly.code == 1, partly
+    assert "rebuilt the views of 2 threads" in partly.out and "1 NOT REBUILT" in partly.out
+    assert "gamma" in partly.out
+    assert cli("check", "beta", url=redis_url, namespace=namespace).code == 0
+
 
 # -- export, JSONL --------------------------------------------------------------------------------
 
