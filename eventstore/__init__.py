@@ -78,6 +78,7 @@ from ._feed import FeedEntry, GroupInfo
 from ._ids import new_ulid, validate_namespace, validate_thread_id, validate_view_name
 from ._keys import (
     ACL_COMMANDS,
+    ACL_READ_COMMANDS,
     DEFAULT_PARTITIONS,
     KeyLayout,
     acl_key_pattern,
@@ -109,6 +110,7 @@ from ._views import (
 
 __all__ = [
     "ACL_COMMANDS",
+    "ACL_READ_COMMANDS",
     "ANY",
     "DEFAULT_PARTITIONS",
     "EXISTS",

@@ -45,9 +45,23 @@ ACL_COMMANDS: tuple[str, ...] = (
 """Every command a store sends, or its scripts call (Redis checks both against the user)."""
 
 
-def acl_rules(namespace: str) -> list[str]:
-    """``ACL SETUSER`` rules (after ``on`` and the password) confining a user to one namespace."""
-    return [acl_key_pattern(namespace), "resetchannels", "-@all", *ACL_COMMANDS]
+ACL_READ_COMMANDS: tuple[str, ...] = (
+    # connect() (it records nothing when it may not), plain reads and MULTI/EXEC snapshots
+    "+ping", "+hget", "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists",
+    "+multi", "+exec", "+lrange", "+llen", "+hlen", "+hmget", "+type",
+    # the read scripts (read_views, seq_at), by SHA and re-sent with EVAL; the commands they
+    # call are all above
+    "+evalsha", "+eval",
+)  # fmt: skip
+"""What a read-only user (an auditor) needs: verify, check, show, replay and every read, but
+no append, no view write, no change-feed group (export and projection runners write those)."""
+
+
+def acl_rules(namespace: str, *, read_only: bool = False) -> list[str]:
+    """``ACL SETUSER`` rules (after ``on`` and the password) confining a user to one namespace;
+    with ``read_only``, to reading it (`ACL_READ_COMMANDS`)."""
+    commands = ACL_READ_COMMANDS if read_only else ACL_COMMANDS
+    return [acl_key_pattern(namespace), "resetchannels", "-@all", *commands]
 
 
 def acl_key_pattern(namespace: str) -> str:

@@ -311,8 +311,19 @@ class RedisEventStore(EventStore):
         differs from this store's.
         """
         key = KeyLayout.config_key(self.namespace)
-        await _call(self.client.hsetnx(key, "partitions", self.partitions))
-        stored = int(await _call(self.client.hget(key, "partitions")))
+        recorded = await _call(self.client.hget(key, "partitions"))
+        if recorded is None:
+            try:
+                await self.client.hsetnx(key, "partitions", self.partitions)
+            except rex.NoPermissionError:
+                # A user with read-only rights (an auditor) cannot record the count. A
+                # namespace with no count recorded has never been written, so this store's
+                # own count reads it as well as any other.
+                return
+            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                raise translate_redis_error(exc) from exc
+            recorded = await _call(self.client.hget(key, "partitions"))
+        stored = int(recorded)
         if stored != self.partitions:
             if explicit_partitions:
                 raise InvalidInputError(

@@ -39,6 +39,7 @@ from eventstore import (
 # Adding or removing a public name is a decision: make it here too.
 PUBLIC_NAMES = [
     "ACL_COMMANDS",
+    "ACL_READ_COMMANDS",
     "ANY",
     "AppendResult",
     "ConcurrencyError",

@@ -23,7 +23,7 @@ import redis
 from redis.asyncio.connection import SSLConnection
 
 import eventstore as es
-from adapters import AccessDenied, Principal, SessionStore, TenantPolicy, ThreadStore
+from adapters import AccessDenied, Auditor, Principal, SessionStore, TenantPolicy, ThreadStore
 from eventstore import (
     EventStore,
     KeyLayout,
@@ -237,6 +237,41 @@ async def test_a_tenant_user_can_neither_read_nor_write_another_tenants_keys(
     assert_no_secret(logged(caplog), password_a, password_b, url_a)
 
     assert key_dump(acl_server, b) == before  # B's keys: byte for byte as they were
+
+
+async def test_a_read_only_auditor_can_verify_check_and_read_but_not_write(
+    acl_server: RedisServer,
+) -> None:
+    """An auditor's user may only read (and run the read scripts): connecting must not need a
+    write, and every audit works; a write is refused by Redis and changes nothing."""
+    namespace = new_namespace()
+    user, password = add_tenant(acl_server, namespace)
+    writer = await open_store(
+        StoreSettings.from_url(tenant_url(acl_server, user, password), namespace=namespace)
+    )
+    async with writer:
+        await ThreadStore(writer).append_message("t", {"role": "user", "content": "hi"})
+    empty = new_namespace()  # never written: connecting must not need to record it
+
+    def auditor_of(ns: str) -> str:
+        user, password = f"auditor-{ns}", secrets.token_urlsafe(18)
+        with admin(acl_server) as c:
+            rules = es.acl_rules(ns, read_only=True)
+            c.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *rules)
+        return tenant_url(acl_server, user, password)
+
+    before = key_dump(acl_server, namespace)
+    async with await es.connect(auditor_of(empty), namespace=empty) as store:
+        assert await store.threads() == []
+    assert key_dump(acl_server, empty) == {}
+    async with await es.connect(auditor_of(namespace), namespace=namespace) as store:
+        assert isinstance(store, RedisEventStore)
+        assert (await Auditor(store).verify("t")).ok
+        assert (await Projector(store).check("t")).ok
+        assert [m.message.text for m in await ThreadStore(store).list_messages("t")] == ["hi"]
+        with pytest.raises(OperationalError, match=r"can.t run this command|denied"):
+            await store.append("t", [msg("forged")])
+    assert key_dump(acl_server, namespace) == before
 
 
 async def test_access_policy_refuses_other_tenants_before_redis_is_asked(
