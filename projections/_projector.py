@@ -223,7 +223,7 @@ class Projector:
                         ]
                     for apply, name in targets:
                         states[name] = apply(states[name], seq, payload, event_id, meta)
-                last = rows[-1][0]
+                last = _contiguous(thread_id, last, rows[0][0], rows[-1][0], len(rows), rows)
 
             await self.store.fold_payloads(thread_id, fold, stop=stop)
             return Folded(thread_id, last, states)
@@ -236,7 +236,8 @@ class Projector:
                     targets = route[kind] = self._targets(kind)
                 for p, name in targets:
                     states[name] = p.apply(states[name], event)
-            version = batch[-1].seq
+            seqs = [e.seq for e in batch]
+            version = _contiguous(thread_id, version, seqs[0], seqs[-1], len(batch), batch)
         return Folded(thread_id, version, states)
 
     def _targets(self, kind: type[Event]) -> list[tuple[Projection[Any], str]]:
@@ -494,6 +495,26 @@ class Projector:
             if progress is not None:
                 progress(done, len(threads))
         return out
+
+
+def _contiguous(
+    thread_id: str, before: int, first: int, last: int, n: int, batch: Sequence[Any]
+) -> int:
+    """``last``, once a folded batch is known to continue the log without a hole.
+
+    Seqs are dense, so a batch after seq ``before`` must hold exactly ``before + 1 .. last``;
+    checking its ends and its length is enough. A hole (an entry removed from the log) is
+    named, never folded over: views built across it would silently differ from the log.
+    """
+    if first == before + 1 and last - first + 1 == n:
+        return last
+    expected = before + 1
+    for item in batch:
+        seq = item[0] if isinstance(item, tuple) else item.seq
+        if seq != expected:
+            break
+        expected += 1
+    raise CorruptEventError(thread_id, expected, "missing from the log (run 'verify')")
 
 
 class RebuildError(EventStoreError):

@@ -646,6 +646,25 @@ def test_check_finds_differences_and_rebuild_repairs_them(redis_url: str) -> Non
     assert cli("check", "beta", url=redis_url, namespace=namespace).code == 0
 
 
+def test_check_and_rebuild_never_fold_over_a_hole_in_the_log(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for text in ("one", "two", "three"):
+            await threads.append_message("holed", {"role": "user", "content": text})
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.xdel(store.keys.log("holed"), "2-0") == 1
+
+    with_store(redis_url, namespace, setup)
+    for command in ("check", "rebuild"):
+        run = cli(command, "holed", url=redis_url, namespace=namespace)
+        line = assert_one_line_error(run, code=1)
+        assert "seq 2" in line and "missing from the log" in line, line
+    every = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert every.code == 1 and "1 NOT REBUILT" in every.out, every
+
+
 # -- export, JSONL --------------------------------------------------------------------------------
 
 
