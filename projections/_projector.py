@@ -236,8 +236,9 @@ class Projector:
                     targets = route[kind] = self._targets(kind)
                 for p, name in targets:
                     states[name] = p.apply(states[name], event)
-            seqs = [e.seq for e in batch]
-            version = _contiguous(thread_id, version, seqs[0], seqs[-1], len(batch), batch)
+            version = _contiguous(
+                thread_id, version, batch[0].seq, batch[-1].seq, len(batch), batch
+            )
         return Folded(thread_id, version, states)
 
     def _targets(self, kind: type[Event]) -> list[tuple[Projection[Any], str]]:
