@@ -133,7 +133,12 @@ def parse_time(text: str) -> datetime:
             f"{text!r} is not an ISO-8601 time (2024-06-13T09:40:00+02:00) or a duration "
             "ago (90s, 15m, 2h, 7d)"
         ) from None
-    return moment if moment.tzinfo is not None else moment.astimezone()
+    try:
+        moment = moment if moment.tzinfo is not None else moment.astimezone()
+        moment.timestamp()  # the store asks for it: a time it cannot give is refused here
+    except (OverflowError, OSError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of the range of times") from None
+    return moment
 
 
 def parse_workers(text: str) -> int | str:

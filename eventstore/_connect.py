@@ -385,7 +385,13 @@ def embedded_url(directory: Path) -> str:
         )
         return "memory://"
     directory = directory.resolve()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise StoreConnectionError(
+            f"cannot keep the embedded redis-server in {directory}: it is not a directory "
+            f"(move it away, or set {URL_ENV})"
+        ) from None
     sock = _socket_path(directory)
     with open(directory / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -186,6 +186,7 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["show", "t1", "--as-of", "10000000d"], "reaches back before year 1"),
     (["tail", "--since", "99999999999d"], "reaches back before year 1"),
     (["show", "t1", "--as-of", "\u00b2"], "not an ISO-8601 time"),
+    (["show", "t1", "--as-of", "0001-01-01T00:00"], "out of the range of times"),
     (["replay", "t1", "--to", "99999999999999999999999"], "is too large"),
     (["show", "t1", "--window", "100000000000000000000"], "is too large"),
     (["threads", "--url", "unix:///tmp/x.sock?ssl_cert_reqs=none"], "needs a rediss:// URL"),

@@ -465,6 +465,15 @@ async def test_embedded_server_repairs_an_aof_cut_inside_a_script_block(short_di
         assert await _intact(home, ns) == ["one", "two", "four", "five"]
 
 
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_an_embedded_directory_that_is_a_file_is_a_clear_error(short_dir: Path) -> None:
+    home = short_dir / ".threadlog"
+    home.write_text("not a directory")
+    with pytest.raises(StoreConnectionError, match="it is not a directory"):
+        await connect(embedded_dir=home)
+
+
 def test_stale_pid_file_is_not_trusted(short_dir: Path) -> None:
     home = short_dir / "stale"
     home.mkdir()
