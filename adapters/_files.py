@@ -8,7 +8,15 @@ from pathlib import Path
 
 
 def _umask() -> int:
-    # os.umask can only be read by setting it; set it straight back.
+    # Linux reports it without changing it; os.umask can only be read by setting it, which
+    # another thread creating a file meanwhile would see (export parts are written in threads).
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -44,7 +44,7 @@ from projections import (
     TurnRecord,
 )
 
-from ._audit import Auditor, Verdict
+from ._audit import Auditor, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
 from ._jsonl import export_jsonl, import_jsonl
@@ -1036,7 +1036,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
             # Seqs are dense; a hole means entries were removed from the log. Say so where
             # it is (stderr in --json mode) and end with exit code 1, as verify would.
             gaps += 1
-            hole = f"{_span_text(expected, event.seq - 1)} missing from the log"
+            hole = f"{_span(expected, event.seq - 1)} missing from the log"
             note = f"{hole}: the log was damaged (run 'threadlog verify {thread}')"
             if args.json:
                 ctx.err.print(Text(f"threadlog: {note}"))
@@ -1068,10 +1068,6 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         out.print("No events in that range.")
     if gaps:
         raise Failed
-
-
-def _span_text(first: int, last: int) -> str:
-    return f"seq {first} is" if first == last else f"seqs {first}..{last} are"
 
 
 async def _feed_positions(

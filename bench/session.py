@@ -235,11 +235,9 @@ class SessionBench:
 
     # -- append ----------------------------------------------------------------------------
 
-    def _cycle(self, r: int, n: int) -> range:
-        return range(r * n, r * n + n)
-
-    async def setup_tl_append(self, r: int, n: int) -> Op:
-        sid, sessions, msgs = f"tl-append-{r}", self.sessions, self.tl_messages
+    def _session_appends(self, sessions: SessionStore, sid: str, r: int, n: int) -> Op:
+        """One message appended to session ``sid`` per call, round ``r``'s share of texts."""
+        msgs = self.tl_messages
         i = r * n
 
         async def op() -> None:
@@ -248,6 +246,9 @@ class SessionBench:
             i += 1
 
         return op
+
+    async def setup_tl_append(self, r: int, n: int) -> Op:
+        return self._session_appends(self.sessions, f"tl-append-{r}", r, n)
 
     async def teardown_tl_append(self, r: int) -> None:
         await self.sessions.delete(f"tl-append-{r}")
@@ -263,22 +264,14 @@ class SessionBench:
 
         return op
 
+    async def teardown_tl_append_msg(self, r: int) -> None:
+        await self.threads.delete_thread(f"tl-append-msg-{r}")
+
     async def setup_whatif_append(self, r: int, n: int) -> Op:
-        sid, sessions, msgs = f"tl-blocking-{r}", self.blocking.sessions, self.tl_messages
-        i = r * n
-
-        async def op() -> None:
-            nonlocal i
-            await sessions.append(sid, [msgs[i % N_MESSAGES]])
-            i += 1
-
-        return op
+        return self._session_appends(self.blocking.sessions, f"tl-blocking-{r}", r, n)
 
     async def teardown_whatif_append(self, r: int) -> None:
         await self.sessions.delete(f"tl-blocking-{r}")
-
-    async def teardown_tl_append_msg(self, r: int) -> None:
-        await self.threads.delete_thread(f"tl-append-msg-{r}")
 
     async def setup_sdk_add(self, r: int, n: int) -> Op:
         session, items = (

@@ -158,20 +158,24 @@ def _value_of(payload: object, event_id: str) -> _RecordValue | None:
             grant=payload.grant,
         )
     if isinstance(payload, TurnSettled):
-        return _RecordValue(
-            status="settled",
-            event_id=event_id,
-            parent_turn_id=payload.parent_turn_id,
-            grant=payload.grant,
-            outcome=payload.outcome,
-            steps=payload.steps,
-            model_tier=payload.model_tier,
-            fallbacks=payload.fallbacks,
-            usage=payload.usage,
-            timing=payload.timing,
-            error=payload.error,
-        )
+        return _settled_value(payload, event_id)
     return None
+
+
+def _settled_value(payload: TurnSettled, event_id: str) -> _RecordValue:
+    return _RecordValue(
+        status="settled",
+        event_id=event_id,
+        parent_turn_id=payload.parent_turn_id,
+        grant=payload.grant,
+        outcome=payload.outcome,
+        steps=payload.steps,
+        model_tier=payload.model_tier,
+        fallbacks=payload.fallbacks,
+        usage=payload.usage,
+        timing=payload.timing,
+        error=payload.error,
+    )
 
 
 def _version_after(state: RecordsState, turn: str) -> int:
@@ -206,20 +210,7 @@ def _settle(state: RecordsState, seq: int, payload: TurnSettled, event_id: str) 
     """Fold a `TurnSettled`: its record encoded (it replaces the open one)."""
     turn = payload.turn_id
     version = _version_after(state, turn)
-    value = _RecordValue(
-        status="settled",
-        event_id=event_id,
-        parent_turn_id=payload.parent_turn_id,
-        grant=payload.grant,
-        outcome=payload.outcome,
-        steps=payload.steps,
-        model_tier=payload.model_tier,
-        fallbacks=payload.fallbacks,
-        usage=payload.usage,
-        timing=payload.timing,
-        error=payload.error,
-    )
-    state.turns[turn] = ViewEntry(seq, encoder.encode(value), version)
+    state.turns[turn] = ViewEntry(seq, encoder.encode(_settled_value(payload, event_id)), version)
     if turn not in state.opened:
         state.anomalies.append(Anomaly(kind="settled_without_open", seq=seq, turn_id=turn))
     if turn in state.closed:
