@@ -901,3 +901,57 @@ def test_tail_stops_cleanly_on_ctrl_c(
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def _catches_sigint(pid: int) -> bool | None:
+    """Whether the process has a SIGINT handler of its own (``SigCgt``); None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M)
+    assert caught is not None, status
+    return bool(int(caught.group(1), 16) & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_ctrl_c_while_the_command_line_is_still_loading_prints_no_traceback(
+    redis_url: str,
+) -> None:
+    """A Ctrl-C before the command line's own handler exists (its imports take ~0.3 s) ends the
+    process quietly, killed by SIGINT, instead of printing a KeyboardInterrupt traceback."""
+    script = _installed_script()
+    for _ in range(5):  # the window is ~0.3 s; a very slow start may let it pass unseen
+        proc = subprocess.Popen(
+            [*script, "tail", "--url", redis_url, "--namespace", fresh_namespace()],
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # Python starts with a handler of its own; the console script sets the default action
+        # for its imports (no handler), and the command line puts a handler back after them.
+        seen_python_handler = hit_window = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            caught = _catches_sigint(proc.pid)
+            if caught is None:
+                break
+            if caught and seen_python_handler and hit_window:
+                break
+            if caught:
+                seen_python_handler = True
+            elif seen_python_handler:
+                proc.send_signal(signal.SIGINT)
+                hit_window = True
+                break
+            time.sleep(0.0005)
+        if not hit_window:
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        if hit_window:
+            assert proc.returncode == -signal.SIGINT, (proc.returncode, err)
+            return
+        assert proc.returncode == 0, (proc.returncode, err)  # tail's own quiet stop
+    pytest.fail("never caught the process while it was loading")
