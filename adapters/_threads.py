@@ -31,6 +31,7 @@ from eventstore import (
     TurnSettled,
     Usage,
     new_ulid,
+    validate_count,
     validate_thread_id,
 )
 from projections import (
@@ -144,6 +145,7 @@ class ThreadStore:
         self, thread_id: str, limit: int = DEFAULT_WINDOW, *, principal: Principal | None = None
     ) -> list[StoredMessage]:
         """The history window: the last ``limit`` messages (``limit=0``: none)."""
+        validate_count(limit, "limit")
         await self._allow(principal, "read", thread_id)
         return await self.projector.last(thread_id, limit)
 
@@ -156,8 +158,12 @@ class ThreadStore:
         idempotency_key: str | None = None,
         principal: Principal | None = None,
     ) -> AppendResult:
-        """Add a message to the conversation directly (outside the turn lifecycle)."""
+        """Add a message to the conversation directly (outside the turn lifecycle).
+
+        A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
+        """
         await self._allow(principal, "write", thread_id)
+        await self._require_turn(thread_id, turn_id)
         event = NewEvent(payload=MessageAppended(message=as_message(message), turn_id=turn_id))
         return await self.projector.append(thread_id, [event], idempotency_key=idempotency_key)
 
@@ -186,14 +192,30 @@ class ThreadStore:
         With ``expected_block_version`` the update applies only if the block is at exactly that
         version (0: the block must not exist); otherwise `ViewConflictError` and nothing is
         written. Failure is not rollback: an update recorded before its turn fails stays.
+        A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
         """
+        if expected_block_version is not None:
+            validate_count(expected_block_version, "expected_block_version")
         await self._allow(principal, "write", thread_id)
+        await self._require_turn(thread_id, turn_id)
         event = StateUpdated(
             block=block, value=value, turn_id=turn_id, expected_version=expected_block_version
         )
         return await self.projector.append(
             thread_id, [NewEvent(payload=event, turn_id=turn_id)], idempotency_key=idempotency_key
         )
+
+    async def _require_turn(self, thread_id: str, turn_id: str | None) -> None:
+        """A turn id an event is tagged with must be a turn of this thread: a typo would
+        otherwise attach the event, in the log and in every audit, to a turn that never ran.
+        One read of the turn's record (settled or not: a late update after settling is the
+        runtime's to allow)."""
+        if turn_id is None:
+            return
+        if not isinstance(turn_id, str) or not turn_id:
+            raise InvalidInputError(f"turn_id must be a non-empty string, not {turn_id!r}")
+        if await self.projector.record(thread_id, turn_id) is None:
+            raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
 
     # -- turns ----------------------------------------------------------------------------------
 
@@ -392,6 +414,8 @@ class ThreadStore:
         principal: Principal | None = None,
     ) -> Context:
         """History window, a reader view and the latest records in one round trip."""
+        validate_count(limit, "limit")
+        validate_count(records, "records")
         await self._allow(principal, "read", thread_id)
         return await self.projector.context(thread_id, n=limit, view=view, records=records)
 

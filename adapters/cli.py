@@ -35,6 +35,7 @@ from projections import (
     CheckReport,
     MessagesProjection,
     Projector,
+    RebuildBusyError,
     RebuildError,
     RecordsProjection,
     StoredMessage,
@@ -246,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a reader view of the state, the turn-record tree and the integrity verdict. "
         "Each run uses a new thread.",
     )
+    add(
+        "stop",
+        f"stop the embedded redis-server of this directory (./{EMBEDDED_DIR}/)",
+        cmd_stop,
+        description=f"Stop the private redis-server that threadlog started under "
+        f"./{EMBEDDED_DIR}/ (any command run here without --url or ${URL_ENV} starts it, and "
+        "it keeps running between commands). Its data stays; the next command starts it "
+        "again.",
+    )
     p = add(
         "threads", "list threads, most recent activity first", cmd_threads, parents=[json_parent]
     )
@@ -426,10 +436,35 @@ def resolve_where(url: str | None) -> Where:
     env = os.environ.get(URL_ENV)
     if env:
         return Where(env)
-    found = es.embedded_url(EMBEDDED_DIR)  # starts the server when needed
+    found = es.embedded_url(EMBEDDED_DIR, on_start=_say_started)  # started when needed
     if found.startswith("unix://"):
         return Where(found, embedded=EMBEDDED_DIR.resolve())
     return Where(found)
+
+
+def _say_started(directory: Path) -> None:
+    sys.stderr.write(
+        f"threadlog: started an embedded redis-server in {directory}/ for this directory; "
+        "it keeps running for the next command ('threadlog stop' stops it)\n"
+    )
+
+
+async def cmd_stop(ctx: Ctx, args: argparse.Namespace) -> None:
+    raise AssertionError("stop runs without a store: see main")  # pragma: no cover
+
+
+def _stop_embedded(args: argparse.Namespace) -> int:
+    if getattr(args, "url", None) is not None or getattr(args, "namespace", None) is not None:
+        raise UsageError(
+            "stop takes no --url or --namespace: it stops the embedded redis-server of this "
+            f"directory (./{EMBEDDED_DIR}/)"
+        )
+    home = EMBEDDED_DIR.resolve()
+    if es.stop_embedded(EMBEDDED_DIR):
+        print(f"stopped the embedded redis-server in {home}/ (its data stays there)")
+    else:
+        print(f"no embedded redis-server is running in {home}/")
+    return EXIT_OK
 
 
 class _Progress:
@@ -832,8 +867,8 @@ async def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> None:
     if not ctx.where.given and ctx.where.embedded is not None:
         out.print(
             Text(
-                "The embedded redis-server keeps running for the next command; stop it with "
-                'python -c "import eventstore; eventstore.stop_embedded()"',
+                "The embedded redis-server keeps running for the next command; "
+                "'threadlog stop' stops it.",
                 style="dim",
             )
         )
@@ -996,7 +1031,7 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     n = args.window
     if n:
         out.print(messages_table(f"History window: the last {n} messages", shown.messages))
-    out.print(state_table(f"State: {len(shown.state)} blocks", shown.state))
+    out.print(state_table(f"State: {plural(len(shown.state), 'block')}", shown.state))
     title = f"Turn tree: {plural(len(shown.turns), 'turn')}"
     if len(tree) < len(whole_tree):
         title += f", the last {len(tree)} of {len(whole_tree)} root turns"
@@ -1325,8 +1360,14 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     line = Text(
         f"rebuilt the views of {plural(len(done), 'thread')} in namespace {ctx.store.namespace!r}"
     )
+    busy = {t for t, e in failed.items() if isinstance(e, RebuildBusyError)}
     if failed:
-        line.append(f"; {len(failed)} NOT REBUILT (damaged logs: run verify)", style="bold red")
+        why = []
+        if len(failed) > len(busy):
+            why.append(f"{len(failed) - len(busy)} with damaged logs: run verify")
+        if busy:
+            why.append(f"{len(busy)} kept changing: run rebuild again when writers pause")
+        line.append(f"; {len(failed)} NOT REBUILT ({'; '.join(why)})", style="bold red")
     ctx.out.print(line)
     for thread, error in failed.items():
         ctx.out.print(Text(f"  {thread}: {error}", style="red"))
@@ -1498,6 +1539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command is None:
             names = ", ".join(_command_names(parser))
             raise UsageError(f"choose a command: {names} (see 'threadlog --help')")
+        if command == "stop":  # before resolve_where, which would start the server
+            return _stop_embedded(args)
         where = resolve_where(getattr(args, "url", None))
         anyio.run(_run, args, where)
     except KeyboardInterrupt:

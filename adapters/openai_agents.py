@@ -255,6 +255,13 @@ class ThreadlogSession:
         """Append ``items`` in one atomic step (nothing to do for an empty list)."""
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
+        for i, item in enumerate(items):
+            # An input item is a JSON object (a TypedDict); anything else would be stored and
+            # handed back to the SDK, which fails on it later, far from the bad call.
+            if not isinstance(item, Mapping):
+                raise InvalidInputError(
+                    f"items[{i}] must be an input item (a dict), not {type(item).__name__}"
+                )
         if not items:
             return
         await self._expire_if_idle()

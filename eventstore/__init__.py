@@ -75,7 +75,14 @@ from ._events import (
     registry,
 )
 from ._feed import FeedEntry, GroupInfo
-from ._ids import new_ulid, validate_namespace, validate_thread_id, validate_view_name
+from ._ids import (
+    new_ulid,
+    validate_count,
+    validate_limit,
+    validate_namespace,
+    validate_thread_id,
+    validate_view_name,
+)
 from ._keys import (
     ACL_COMMANDS,
     ACL_READ_COMMANDS,
@@ -211,6 +218,8 @@ __all__ = [
     "register_event",
     "registry",
     "stop_embedded",
+    "validate_count",
+    "validate_limit",
     "validate_namespace",
     "validate_thread_id",
     "translate_redis_error",

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -371,9 +372,12 @@ def _redis_client(settings: StoreSettings) -> Any:
 # -- the embedded server ---------------------------------------------------------------------
 
 
-def embedded_url(directory: Path) -> str:
+def embedded_url(directory: Path, *, on_start: Callable[[Path], None] | None = None) -> str:
     """A URL for the private redis-server under ``directory``, started if needed.
 
+    ``on_start(directory)`` is called when this call started the server (it keeps running
+    after the process exits: `stop_embedded` stops it). The directory is private to its owner
+    (mode 0700) and the server's files are created 0600: they hold every conversation.
     Falls back to ``memory://`` (with a logged notice) when no redis-server binary exists.
     """
     binary = shutil.which("redis-server")
@@ -386,7 +390,10 @@ def embedded_url(directory: Path) -> str:
         return "memory://"
     directory = directory.resolve()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        created = not directory.exists()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if created:
+            directory.chmod(0o700)  # mkdir's mode passes through the umask
     except (FileExistsError, NotADirectoryError):
         raise StoreConnectionError(
             f"cannot keep the embedded redis-server in {directory}: it is not a directory "
@@ -395,22 +402,27 @@ def embedded_url(directory: Path) -> str:
     sock = _socket_path(directory)
     with open(directory / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _answers(sock):
+        # A server still loading a long AOF answers LOADING: it is there, and a second one on
+        # the same files would ruin them.
+        if not _answers(sock, loading_too=True):
             _start_server(binary, directory, sock)
+            if on_start is not None:
+                on_start(directory)
     return f"unix://{sock}"
 
 
 def _socket_path(directory: Path) -> Path:
     sock = directory / "redis.sock"
-    if len(str(sock)) < 100:
+    # Unix socket paths are limited to 107 bytes (bytes: a path of accented letters is twice
+    # as long as it looks); deep directories get a short alias.
+    if len(os.fsencode(sock)) < 100:
         return sock
-    # Unix socket paths are limited to ~107 bytes; deep directories get a short alias.
-    digest = hashlib.sha1(str(directory).encode(), usedforsecurity=False).hexdigest()[:12]
+    digest = hashlib.sha1(os.fsencode(directory), usedforsecurity=False).hexdigest()[:12]
     alias = Path(tempfile.gettempdir()) / f"threadlog-{digest}.sock"
     return alias
 
 
-def _answers(sock: Path) -> bool:
+def _answers(sock: Path, *, loading_too: bool = False) -> bool:
     if not sock.exists():
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -418,9 +430,10 @@ def _answers(sock: Path) -> bool:
         try:
             s.connect(str(sock))
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            reply = s.recv(16)
         except OSError:
             return False
+    return reply.startswith(b"+PONG") or (loading_too and reply.startswith(b"-LOADING"))
 
 
 def _start_server(binary: str, directory: Path, sock: Path) -> None:
@@ -445,7 +458,13 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
         "--pidfile", str(directory / "redis.pid"),
         "--logfile", str(directory / "redis.log"),
     ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    pidfile = directory / "redis.pid"
+    with contextlib.suppress(FileNotFoundError):
+        pidfile.unlink()  # stale (the server is not answering): the new one writes its own
+    # umask 077: the AOF, the log and the pid file are readable by their owner only.
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=30, check=False, umask=0o077
+    )
     if done.returncode != 0:
         raise StoreConnectionError(
             f"could not start the embedded redis-server: {done.stderr.strip() or done.stdout}"
@@ -455,11 +474,40 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
         if _answers(sock):
             log.info("threadlog: started embedded redis-server at %s", sock)
             return
+        if _exited(pidfile):
+            break
         time.sleep(0.05)
+    else:
+        raise StoreConnectionError(
+            f"the embedded redis-server did not answer on {sock} within 10 s "
+            f"(see {directory / 'redis.log'})"
+        )
     raise StoreConnectionError(
-        f"the embedded redis-server did not answer on {sock} within 10 s "
-        f"(see {directory / 'redis.log'})"
+        f"the embedded redis-server in {directory} stopped as it started: "
+        f"{_last_warning(directory / 'redis.log')} (see {directory / 'redis.log'})"
     )
+
+
+def _exited(pidfile: Path) -> bool:
+    """Whether the daemon that wrote ``pidfile`` has exited (False while there is none yet)."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return not _alive(pid)
+
+
+def _last_warning(logfile: Path) -> str:
+    """The last warning line of a redis-server log (``<pid>:<role> <time> # <text>``)."""
+    try:
+        lines = logfile.read_text("utf-8", "replace").splitlines()
+    except OSError:
+        return "it left no log"
+    for line in reversed(lines):
+        _, sep, text = line.partition(" # ")
+        if sep and text.strip():
+            return text.strip()
+    return "its log gives no reason"
 
 
 def _repair_after_crash(directory: Path) -> None:

@@ -199,6 +199,29 @@ class EventStore(abc.ABC):
         read (a feed entry's seqs then name events that no longer exist).
         """
 
+    async def read_change(self, entry: FeedEntry) -> list[RecordedEvent]:
+        """The events of one change of the feed, decoded, read in the thread's life the change
+        belongs to (its `FeedEntry.incarnation`), in one atomic step.
+
+        Empty for a deletion, and when the thread was deleted since (perhaps created again
+        under its id: its seqs then name other events, which are not this change's).
+
+        Raises:
+            CorruptEventError: a stored entry does not decode (names thread and seq).
+        """
+        from ._codec import decode_rows  # the codec imports this module: not at the top
+
+        if entry.deleted:
+            return []
+        rows = await self.read_raw(
+            entry.thread_id,
+            start=entry.first_seq,
+            stop=entry.last_seq,
+            count=max(1, entry.last_seq - entry.first_seq + 1),
+            incarnation=entry.incarnation,
+        )
+        return decode_rows(entry.thread_id, rows, self.registry)
+
     async def read_raw_ranges(
         self, ranges: Sequence[RawRange], *, count: int = 512
     ) -> list[list[tuple[bytes, Any]]]:

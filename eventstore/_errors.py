@@ -16,6 +16,15 @@ class ConflictError(EventStoreError):
     """Raised when an append is refused because the stored state disagrees with the caller."""
 
 
+# A symbolic expected version (a `StreamState`, not imported here: the contract imports this
+# module) is shown by its name and what it means, not as "StreamState.NO_THREAD".
+_EXPECTED_WORDS: dict[object, str] = {
+    "NO_THREAD": "NO_THREAD (no events yet)",
+    "EXISTS": "EXISTS (at least one event)",
+    "ANY": "ANY",
+}
+
+
 class ConcurrencyError(ConflictError):
     """Raised when an append's expected version does not match the thread's actual version."""
 
@@ -23,9 +32,8 @@ class ConcurrencyError(ConflictError):
         self.thread_id = thread_id
         self.expected = expected
         self.actual = actual
-        super().__init__(
-            f"thread {thread_id!r}: expected version {expected}, actual version {actual}"
-        )
+        shown = _EXPECTED_WORDS.get(getattr(expected, "name", None), expected)
+        super().__init__(f"thread {thread_id!r}: expected version {shown}, actual version {actual}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.thread_id, self.expected, self.actual))

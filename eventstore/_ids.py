@@ -70,6 +70,18 @@ def mint_ulid() -> bytes:
     return raw
 
 
+def validate_count(value: object, name: str) -> None:
+    """Refuse a count that is not an int >= 0: `InvalidInputError` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{name} must be an int >= 0, not {value!r}")
+
+
+def validate_limit(limit: object, name: str = "limit") -> None:
+    """`validate_count` for a limit that may also be None (no limit)."""
+    if limit is not None:
+        validate_count(limit, name)
+
+
 def validate_thread_id(thread_id: object) -> str:
     """Return ``thread_id`` if it is a usable thread id, else raise `InvalidThreadIdError`."""
     if not isinstance(thread_id, str):

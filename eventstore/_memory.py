@@ -47,7 +47,7 @@ from ._feed import (
     parse_stream_id,
     safe_trim_point,
 )
-from ._ids import validate_namespace, validate_thread_id, validate_view_name
+from ._ids import validate_limit, validate_namespace, validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, partition_of
 from ._views import (
     HashDelete,
@@ -372,6 +372,7 @@ class MemoryEventStore(EventStore):
         backwards: bool = False,
         limit: int | None = None,
     ) -> AsyncIterator[RecordedEvent]:
+        validate_limit(limit)
         thread = self._thread(thread_id)
         if thread is None:
             return
@@ -379,7 +380,7 @@ class MemoryEventStore(EventStore):
         if backwards:
             span = span[::-1]
         if limit is not None:
-            span = span[: max(limit, 0)]
+            span = span[:limit]
         for n, i in enumerate(span):
             if n and n % READ_BATCH == 0:
                 await anyio.lowlevel.checkpoint()
@@ -460,6 +461,7 @@ class MemoryEventStore(EventStore):
         self, *, limit: int | None = None, before_ms: int | None = None
     ) -> list[ThreadInfo]:
         self._check_open()
+        validate_limit(limit)
         rows = (
             ThreadInfo(t, ms, partition_of(t, self.partitions))
             for t, ms in self._ns.index.items()

@@ -52,7 +52,7 @@ from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
 from ._gc import paused_collector
-from ._ids import validate_thread_id, validate_view_name
+from ._ids import validate_limit, validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
 from ._scripts import (
     APPEND,
@@ -591,6 +591,7 @@ class RedisEventStore(EventStore):
         limit: int | None = None,
     ) -> AsyncIterator[RecordedEvent]:
         validate_thread_id(thread_id)
+        validate_limit(limit)
         log = self.keys.log(thread_id)
         remaining = limit
         lo = max(start, 1)
@@ -1009,6 +1010,7 @@ class RedisEventStore(EventStore):
     async def threads(
         self, *, limit: int | None = None, before_ms: int | None = None
     ) -> list[ThreadInfo]:
+        validate_limit(limit)
         hi: Any = "+inf" if before_ms is None else f"({before_ms}"
         per_partition: list[list[ThreadInfo]] = []
         for p in range(self.partitions):

@@ -502,6 +502,19 @@ class EventStoreConformance:
         older = await store.threads(before_ms=listed[0].last_activity_ms)
         assert [t.thread_id for t in older] == ["three", "two"]
 
+    @pytest.mark.parametrize("bad", [-1, -3, 1.5, "2", True])
+    async def test_a_limit_that_is_not_a_count_is_refused(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        for name in ("one", "two", "three"):
+            await store.append(name, [msg(name)])
+        with pytest.raises(InvalidInputError, match="limit"):
+            await store.threads(limit=bad)
+        with pytest.raises(InvalidInputError, match="limit"):
+            await read_all(store, "one", limit=bad)
+        assert await store.threads(limit=0) == []
+        assert await read_all(store, "one", limit=0) == []
+
     # -- deletion -------------------------------------------------------------------------------
 
     async def test_delete_thread(self, store: EventStore) -> None:

@@ -13,6 +13,7 @@ from ._projector import (
     Folded,
     Progress,
     Projector,
+    RebuildBusyError,
     RebuildError,
 )
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
@@ -34,6 +35,7 @@ __all__ = [
     "AsOf",
     "Block",
     "CheckReport",
+    "RebuildBusyError",
     "RebuildError",
     "Context",
     "Difference",

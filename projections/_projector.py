@@ -35,6 +35,7 @@ from eventstore import (
     ViewRead,
     ViewResult,
     WrongKeyTypeError,
+    validate_count,
     validate_thread_id,
 )
 from eventstore._events import as_new_event
@@ -262,7 +263,7 @@ class Projector:
         self, thread_id: str, n: int = DEFAULT_WINDOW, *, as_of: AsOf | None = None
     ) -> list[StoredMessage]:
         """The history window: the last ``n`` messages (``n=0``: none)."""
-        _check_count(n, "n")
+        validate_count(n, "n")
         if as_of is not None:
             folded = await self.fold(thread_id, as_of=as_of)
             return MessagesProjection.window(folded.states[self.messages.name], n)
@@ -293,7 +294,7 @@ class Projector:
     ) -> list[TurnRecord]:
         """Settled turn records in settle order (only the latest ``last`` when given)."""
         if last is not None:
-            _check_count(last, "last")
+            validate_count(last, "last")
             if last == 0:
                 validate_thread_id(thread_id)
                 return []
@@ -343,8 +344,8 @@ class Projector:
         records: int = 0,
     ) -> Context:
         """Messages window, a reader view and the latest records, in one round trip."""
-        _check_count(n, "n")
-        _check_count(records, "records")
+        validate_count(n, "n")
+        validate_count(records, "records")
         sp = self.state_projection
         reads: list[ViewRead] = [sp.read_for(view)]
         if n:
@@ -375,7 +376,8 @@ class Projector:
     async def rebuild(self, thread_id: str) -> int:
         """Recompute every view of the thread from its log; returns the version rebuilt at.
 
-        If appends land meanwhile, the fold is repeated (a bounded number of times).
+        If appends land meanwhile, the fold is repeated (a bounded number of times), then
+        `RebuildBusyError` is raised and the views are left as they were.
         """
         validate_thread_id(thread_id)
         for _ in range(REBUILD_ATTEMPTS):
@@ -388,7 +390,7 @@ class Projector:
             except ConcurrencyError:
                 continue
             return folded.version
-        raise ConcurrencyError(thread_id, "a quiet moment", await self.store.version(thread_id))
+        raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
     async def check(self, thread_id: str) -> CheckReport:
         """Compare every materialized view with the fold of the log at the same version."""
@@ -443,15 +445,16 @@ class Projector:
         """Rebuild every thread of the namespace; returns thread -> version.
 
         A thread whose log cannot be folded (damaged: `CorruptEventError`, `WrongKeyTypeError`)
-        does not stop the others: they are all rebuilt first, then `RebuildError` names the
-        threads that were not (their views are left as they were).
+        or that kept changing while it was rebuilt (`RebuildBusyError`) does not stop the
+        others: they are all rebuilt first, then `RebuildError` names the threads that were not
+        (their views are left as they were).
         """
         failed: dict[str, EventStoreError] = {}
 
         async def rebuild(thread_id: str) -> int | None:
             try:
                 return await self.rebuild(thread_id)
-            except (CorruptEventError, WrongKeyTypeError) as exc:
+            except (CorruptEventError, WrongKeyTypeError, RebuildBusyError) as exc:
                 failed[thread_id] = exc
                 return None
 
@@ -518,18 +521,36 @@ def _contiguous(
     raise CorruptEventError(thread_id, expected, "missing from the log (run 'verify')")
 
 
+class RebuildBusyError(ConcurrencyError):
+    """Raised when a thread kept changing while it was rebuilt: appends landed between the fold
+    and the swap of its views on every attempt. Its views were left as they were."""
+
+    def __init__(self, thread_id: str, attempts: int, actual: int) -> None:
+        super().__init__(thread_id, "a quiet moment", actual)
+        self.attempts = attempts
+        # ConcurrencyError's wording ("expected version a quiet moment") says nothing useful.
+        self.args = (
+            f"thread {thread_id!r} kept changing while it was rebuilt (appends landed during "
+            f"each of {attempts} attempts; now at version {actual}): its views are as they "
+            "were; rebuild it again when its writers pause",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.attempts, self.actual))
+
+
 class RebuildError(EventStoreError):
     """Raised when `Projector.rebuild_all` could not rebuild some threads (their logs are
-    damaged); every other thread was rebuilt. ``failed`` maps each to its error."""
+    damaged, or they kept changing); every other thread was rebuilt. ``failed`` maps each to
+    its error."""
 
     def __init__(self, rebuilt: dict[str, int], failed: dict[str, EventStoreError]) -> None:
         self.rebuilt = rebuilt
         self.failed = failed
         first, error = next(iter(failed.items()))
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
-        super().__init__(
-            f"rebuilt {len(rebuilt)} threads; not {first!r}{more}: {error} (run 'verify')"
-        )
+        hint = "rebuild again later" if isinstance(error, RebuildBusyError) else "run 'verify'"
+        super().__init__(f"rebuilt {len(rebuilt)} threads; not {first!r}{more}: {error} ({hint})")
 
 
 async def _version_or_zero(store: EventStore, thread_id: str) -> int:
@@ -568,11 +589,6 @@ def _payload_apply(p: Projection[Any]) -> Any:
     if payload_cls is Projection or not issubclass(payload_cls, apply_cls):
         return None
     return p.apply_payload
-
-
-def _check_count(n: int, what: str) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise InvalidInputError(f"{what} must be an int >= 0, not {n!r}")
 
 
 def _show(entry: ViewEntry | None) -> str:

@@ -153,14 +153,9 @@ class ProjectionRunner:
                 break
             incr: list[Increment] = []
             for entry in fresh:
-                events: list[RecordedEvent] = []
-                if not entry.deleted:
-                    events = [
-                        e
-                        async for e in self.store.read(
-                            entry.thread_id, start=entry.first_seq, stop=entry.last_seq
-                        )
-                    ]
+                # In the change's own life of the thread: a thread deleted (and created again)
+                # since has other events at these seqs, which are counted by their own changes.
+                events = await self.store.read_change(entry)
                 incr += self.projection.increments(entry, events)
             applied = await self.store.apply_checkpointed(
                 partition, name, expected=checkpoint, checkpoint=fresh[-1].id, incr=incr

@@ -54,7 +54,7 @@ from eventstore import (
 
 from ._base import UnknownBlockError, UnknownReaderViewError
 from ._messages import StoredMessage
-from ._projector import AsOf, Projector
+from ._projector import AsOf, Projector, RebuildBusyError, RebuildError
 from ._records import Anomaly, TurnNode, TurnRecord
 from ._state import Block, ReaderView, StateProjection
 from ._transcript import TranscriptMessage
@@ -687,6 +687,40 @@ class ProjectionConformance:
         assert all(r.ok for r in (await projector.check_all()).values())
         assert _texts(await projector.last("one")) == ["one"]
         assert (await projector.state("three"))["plan"].value == "three"
+
+    async def test_a_thread_that_keeps_changing_does_not_stop_rebuild_all(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        """A writer lands between the fold and the swap on every attempt: that thread is named
+        as not rebuilt (its views as they were), and every other thread is rebuilt."""
+        for t in ("busy", "quiet"):
+            await projector.append(t, [StateUpdated(block="plan", value=t)])
+        await self.delete_view(store, "quiet", "state")
+        await self.delete_view(store, "busy", "state")
+
+        real_load = store.load_views
+
+        async def load_views(thread_id: str, *args: Any, **kwargs: Any) -> None:
+            if thread_id == "busy":  # another writer, just after the fold
+                await store.append("busy", [StateUpdated(block="notes", value=1)])
+            await real_load(thread_id, *args, **kwargs)
+
+        store.load_views = load_views  # type: ignore[method-assign]
+        try:
+            with pytest.raises(RebuildBusyError) as one:
+                await projector.rebuild("busy")
+            assert one.value.thread_id == "busy" and "kept changing" in str(one.value)
+            with pytest.raises(RebuildError) as caught:
+                await projector.rebuild_all()
+        finally:
+            del store.load_views
+        assert set(caught.value.rebuilt) == {"quiet"}
+        assert set(caught.value.failed) == {"busy"}
+        assert isinstance(caught.value.failed["busy"], RebuildBusyError)
+        assert "rebuild again later" in str(caught.value)
+        assert (await projector.check("quiet")).ok
+        assert not (await projector.check("busy")).ok  # left as it was: its state view is gone
+        assert await projector.rebuild("busy") == await store.version("busy")
 
     # -- bad input ------------------------------------------------------------------------------
 

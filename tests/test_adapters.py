@@ -210,6 +210,43 @@ async def test_state_version_conflict_writes_nothing(store: es.EventStore) -> No
     assert await store.version("t") == 1
 
 
+async def test_events_tagged_with_a_turn_never_opened_are_refused(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t", request_message={"role": "user", "content": "hi"})
+    await threads.update_state("t", "plan", 1, turn_id=turn)
+    await threads.append_message("t", {"role": "assistant", "content": "ok"}, turn_id=turn)
+    other = await threads.open_turn("elsewhere")
+    for bad in ("not-a-turn", other):  # unknown, or a turn of another thread
+        with pytest.raises(TurnNotFoundError, match=bad):
+            await threads.update_state("t", "plan", 2, turn_id=bad)
+        with pytest.raises(TurnNotFoundError, match=bad):
+            await threads.append_message("t", {"role": "user", "content": "x"}, turn_id=bad)
+    with pytest.raises(es.InvalidInputError, match="turn_id"):
+        await threads.update_state("t", "plan", 2, turn_id="")
+    assert await store.version("t") == 3
+    assert (await threads.state("t"))["plan"].value == 1
+
+
+async def test_counts_are_named_as_the_caller_named_them(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    await threads.append_message("t", {"role": "user", "content": "x"})
+    with pytest.raises(es.InvalidInputError, match=r"^limit must be an int >= 0, not -1$"):
+        await threads.list_messages("t", -1)
+    with pytest.raises(es.InvalidInputError, match=r"^limit must be"):
+        await threads.context("t", limit=-1)
+    with pytest.raises(es.InvalidInputError, match=r"^records must be"):
+        await threads.context("t", records=-2)
+    with pytest.raises(es.InvalidInputError, match=r"^expected_block_version must be"):
+        await threads.update_state("t", "plan", 1, turn_id=None, expected_block_version=-1)
+    with pytest.raises(es.ConcurrencyError, match=r"expected version NO_THREAD \(no events yet\)"):
+        await store.append(
+            "t",
+            [es.MessageAppended(message=es.Message(role="user", content="y"))],
+            expected_version=es.NO_THREAD,
+        )
+    assert await store.version("t") == 1
+
+
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
     namespace = "a" + uuid.uuid4().hex[:12]
     a_store = await es.connect(redis_url, namespace=namespace)

@@ -141,6 +141,8 @@ PUBLIC_NAMES = [
     "registry",
     "stop_embedded",
     "translate_redis_error",
+    "validate_count",
+    "validate_limit",
     "validate_namespace",
     "validate_thread_id",
     "validate_view_name",

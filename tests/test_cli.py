@@ -318,6 +318,31 @@ def test_installed_script_runs_the_demo_on_the_embedded_default_repeatedly(
         assert "in-memory backend" in first.out
 
 
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_the_embedded_server_is_announced_when_started_and_stopped_by_threadlog_stop(
+    tmp_path: Path,
+) -> None:
+    env = child_env(THREADLOG_URL=None)
+    home = (tmp_path / ".threadlog").resolve()
+    try:
+        first = cli("threads", cwd=tmp_path, env=env)
+        second = cli("threads", cwd=tmp_path, env=env)
+        refused = cli("stop", "--url", "redis://localhost:1", cwd=tmp_path, env=env)
+        stopped = cli("stop", cwd=tmp_path, env=env)
+        pid_file_left = (home / "redis.pid").exists()
+        again = cli("stop", cwd=tmp_path, env=env)
+    finally:
+        es.stop_embedded(home)
+    assert first.code == 0, first
+    assert f"started an embedded redis-server in {home}/" in first.err
+    assert "'threadlog stop' stops it" in first.err
+    assert second.code == 0 and "started" not in second.err, second
+    assert_one_line_error(refused)
+    assert stopped.code == 0 and f"stopped the embedded redis-server in {home}/" in stopped.out
+    assert not pid_file_left  # redis-server removes it on a clean shutdown
+    assert again.code == 0 and "no embedded redis-server is running" in again.out, again
+
+
 # -- threads, show, replay ------------------------------------------------------------------------
 
 

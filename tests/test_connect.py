@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -34,7 +35,7 @@ from eventstore import (
     redact,
     stop_embedded,
 )
-from eventstore._connect import SECRET_ENV, URL_ENV
+from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
 from eventstore.servers import free_port
 from eventstore.testing import msg, read_all
 from projections import Projector
@@ -406,6 +407,55 @@ async def test_embedded_server_in_a_deep_directory_uses_a_short_socket(tmp_path:
             await store.append("t", [msg("deep")])
             assert not (home / "redis.sock").exists()
         assert stop_embedded(home) is True
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_embedded_server_in_a_path_of_accented_letters_uses_a_short_socket(
+    short_dir: Path,
+) -> None:
+    """The limit is in bytes: a letter "ü" is two."""
+    room = 99 - len(str(short_dir / "redis.sock")) - 1  # characters left below 100
+    home = short_dir / ("ü" * room)
+    assert len(str(home / "redis.sock")) < 100 <= len(os.fsencode(home / "redis.sock"))
+    with _stopped_afterwards(home):
+        async with await connect(embedded_dir=home, namespace=_ns()) as store:
+            assert isinstance(store, RedisEventStore)
+            await store.append("t", [msg("accented")])
+            assert not (home / "redis.sock").exists()
+        assert stop_embedded(home) is True
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_embedded_server_files_are_private_to_their_owner(short_dir: Path) -> None:
+    home = short_dir / "private"
+    started: list[Path] = []
+    with _stopped_afterwards(home):
+        url = embedded_url(home, on_start=started.append)
+        assert started == [home.resolve()]
+        assert embedded_url(home, on_start=started.append) == url
+        assert started == [home.resolve()]  # the second call found it running
+        async with await connect(url, namespace=_ns()) as store:
+            await store.append("t", [msg("secret")])
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        files = [p for p in home.rglob("*") if p.is_file() and p.name != "lock"]
+        assert any(p.name.startswith("appendonly") for p in files), files
+        for path in files:
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+        assert stop_embedded(home) is True
+
+
+@pytest.mark.usefixtures("no_url_env")
+def test_embedded_server_that_cannot_start_says_why_at_once(short_dir: Path) -> None:
+    home = short_dir / "broken"
+    home.mkdir()
+    (home / "appendonlydir").write_text("a file where redis wants its AOF directory")
+    with _stopped_afterwards(home):
+        began = time.monotonic()
+        with pytest.raises(StoreConnectionError, match=r"stopped as it started: .*appendonly"):
+            embedded_url(home)
+        assert time.monotonic() - began < 8  # not the 10 s wait for an answer
 
 
 def _kill_embedded(home: Path) -> None:

@@ -324,7 +324,10 @@ async def test_items_round_trip_losslessly(store: es.EventStore) -> None:
         await session.add_items("not a list")  # type: ignore[arg-type]
     with pytest.raises(es.InvalidInputError):
         await session.add_items([cast(TResponseInputItem, {"content": object()})])
-    assert await session.get_items() == items  # the refused add wrote nothing
+    for not_an_item in (None, "plain string", 5, ["a", "list"]):
+        with pytest.raises(es.InvalidInputError, match=r"items\[1\] must be an input item"):
+            await session.add_items([items[0], cast(TResponseInputItem, not_an_item)])
+    assert await session.get_items() == items  # the refused adds wrote nothing
 
 
 async def test_session_settings_limit_and_ids(store: es.EventStore) -> None:

@@ -78,6 +78,37 @@ async def test_usage_projection_counts_every_turn_once(store: es.EventStore) -> 
     assert totals(await usage.report(store))["small"] == (t + 1, a + 1000, b + 500)
 
 
+async def test_a_thread_deleted_and_created_again_is_counted_in_each_life_once(
+    store: es.EventStore,
+) -> None:
+    """A change is read in its own life of the thread: the new life's events, at the same seqs,
+    are not counted again for the old change (they come with their own)."""
+    await settle(store, "x", "old-tier", 100)
+    await store.delete_thread("x")
+    await settle(store, "x", "new-tier", 7)
+    usage = UsageProjection()
+    assert await ProjectionRunner(store, usage, consumer="c1").run_once() == 3
+    # The old life's events are gone from the log: nothing of it is left to count, and the new
+    # life's turn counts once.
+    assert totals(await usage.report(store)) == {"new-tier": (1, 7, 3)}
+
+
+async def test_read_change_reads_a_change_in_its_own_life(store: es.EventStore) -> None:
+    await settle(store, "y", "a", 10)
+    (first,) = [
+        e
+        for p in range(store.partitions)
+        for e in await store.read_feed(p, count=100)
+        if e.thread_id == "y"
+    ]
+    events = await store.read_change(first)
+    assert [e.seq for e in events] == [1, 2]
+    assert [e.type for e in events] == ["turn.opened", "turn.settled"]
+    await store.delete_thread("y")
+    await settle(store, "y", "b", 20)
+    assert await store.read_change(first) == []
+
+
 class Exploding(UsageProjection):
     """Dies on the n-th change it sees, the way a consumer dies mid-batch."""
 
