@@ -87,6 +87,9 @@ exit codes:
   141  the output's reader went away (a pipe into head), nothing on stderr
 """
 URL_ENV = "THREADLOG_URL"
+READ_ONLY_COMMANDS = frozenset(
+    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl"}
+)
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
@@ -1491,7 +1494,11 @@ def _consoles() -> tuple[Console, Console]:
 async def _run(args: argparse.Namespace, where: Where) -> None:
     out, err = _consoles()
     namespace: str | None = getattr(args, "namespace", None)
-    store = await es.connect(where.url, namespace=namespace)
+    # Commands that only read leave a namespace that was never written without any key (a
+    # misspelt --namespace must not create one).
+    store = await es.connect(
+        where.url, namespace=namespace, create_namespace=args.command not in READ_ONLY_COMMANDS
+    )
     async with store:
         ctx = Ctx(
             out=out,

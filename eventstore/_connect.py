@@ -221,12 +221,16 @@ async def connect(
     socket_timeout: float | None = None,
     max_batch: int | None = None,
     embedded_dir: Path | None = None,
+    create_namespace: bool = True,
 ) -> EventStore:
     """Open an event store.
 
     With no ``url`` and no ``THREADLOG_URL``, starts (or reuses) a private redis-server under
     ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend and logs
     a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain.
+    A namespace's partition count is recorded in Redis the first time a store opens it;
+    ``create_namespace=False`` is for readers (audits, listings): a namespace never written
+    is then left without any key, and reads as empty. Do not write through such a store.
 
     Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
     answer.
@@ -244,13 +248,16 @@ async def connect(
         socket_timeout=socket_timeout,
         max_batch=max_batch,
     )
-    return await open_store(settings, registry=registry)
+    return await open_store(settings, registry=registry, create_namespace=create_namespace)
 
 
 async def open_store(
-    settings: StoreSettings, *, registry: EventRegistry | None = None
+    settings: StoreSettings,
+    *,
+    registry: EventRegistry | None = None,
+    create_namespace: bool = True,
 ) -> EventStore:
-    """Open the store ``settings`` describe."""
+    """Open the store ``settings`` describe (``create_namespace``: see `connect`)."""
     parts = urlsplit(settings.url)
     if parts.scheme == "memory":
         name = (parts.netloc + parts.path).strip("/")
@@ -283,7 +290,9 @@ async def open_store(
     )
     try:
         await _call(client.ping())
-        await store.ensure_namespace(explicit_partitions=settings.partitions is not None)
+        await store.ensure_namespace(
+            explicit_partitions=settings.partitions is not None, create=create_namespace
+        )
     except OperationalError as exc:
         await store.close()
         raise StoreConnectionError(

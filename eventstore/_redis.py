@@ -303,15 +303,21 @@ class RedisEventStore(EventStore):
             raise StoreClosedError("the store is closed")
         return self._client
 
-    async def ensure_namespace(self, *, explicit_partitions: bool = False) -> None:
+    async def ensure_namespace(
+        self, *, explicit_partitions: bool = False, create: bool = True
+    ) -> None:
         """Record this namespace's partition count, or adopt the one already recorded.
 
         The count is fixed for the life of a namespace because it decides where every thread's
         keys live. Raises `InvalidInputError` if ``explicit_partitions`` and the recorded count
-        differs from this store's.
+        differs from this store's. With ``create=False`` (a reader's store) a namespace with no
+        count recorded is left unrecorded: it has never been written, so it reads as empty
+        with any count, and a misspelt name leaves nothing behind.
         """
         key = KeyLayout.config_key(self.namespace)
         recorded = await _call(self.client.hget(key, "partitions"))
+        if recorded is None and not create:
+            return
         if recorded is None:
             try:
                 await self.client.hsetnx(key, "partitions", self.partitions)

@@ -31,6 +31,7 @@ import pytest
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
 from adapters._framework_events import StoredWrite, WritesPut
+from eventstore._keys import KeyLayout
 from eventstore.servers import free_port
 from eventstore.testing import msg
 
@@ -344,6 +345,26 @@ def test_the_embedded_server_is_announced_when_started_and_stopped_by_threadlog_
 
 
 # -- threads, show, replay ------------------------------------------------------------------------
+
+
+def test_reading_commands_leave_a_namespace_never_written_without_a_key(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    config = KeyLayout.config_key(namespace)
+
+    async def exists() -> int:
+        store = await es.connect(redis_url, namespace="probe" + uuid.uuid4().hex[:8])
+        async with store:
+            assert isinstance(store, es.RedisEventStore)
+            return int(await store.client.exists(config))
+
+    for argv in (("threads",), ("show", "t"), ("verify", "--all"), ("check", "--all")):
+        run = cli(*argv, url=redis_url, namespace=namespace)
+        assert run.code in (0, 2), run
+        assert "Traceback" not in run.err, run
+    assert anyio.run(exists) == 0
+    first = {"role": "user", "content": "now it exists"}
+    with_store(redis_url, namespace, lambda s: ThreadStore(s).append_message("t", first))
+    assert anyio.run(exists) == 1
 
 
 def test_threads_lists_newest_activity_first(redis_url: str) -> None:

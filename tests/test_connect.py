@@ -238,6 +238,21 @@ async def test_partition_count_is_pinned_per_namespace_on_redis(redis_url: str) 
 
 
 @pytest.mark.anyio
+async def test_a_reader_leaves_a_namespace_never_written_unrecorded(redis_url: str) -> None:
+    ns = _ns()
+    async with await connect(redis_url, namespace=ns, create_namespace=False) as reader:
+        assert await reader.threads() == []
+        assert isinstance(reader, RedisEventStore)
+        assert await reader.client.exists(f"tl:{{{ns}:cfg}}") == 0
+    async with await connect(redis_url, namespace=ns, partitions=4) as writer:
+        await writer.append("t", [msg("x")])
+    # A namespace that exists is adopted as it is, whatever the reader would have chosen.
+    async with await connect(redis_url, namespace=ns, create_namespace=False) as reader:
+        assert reader.partitions == 4
+        assert await _texts(reader, "t") == ["x"]
+
+
+@pytest.mark.anyio
 async def test_partition_count_is_pinned_per_namespace_in_memory() -> None:
     url = f"memory://pinned-{uuid.uuid4().hex[:8]}?namespace=n"
     async with await connect(url, partitions=4) as first:
