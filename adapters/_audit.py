@@ -503,7 +503,7 @@ def _why(verifier: _Verifier, raw_id: bytes, fields: dict[bytes, bytes]) -> str 
     try:
         decode_entry(verifier.thread_id, raw_id, fields, verifier.registry)
     except CorruptEventError as exc:
-        if exc.reason.startswith("unknown event type"):  # as EventRegistry.decode words it
+        if exc.unknown_type:
             return (
                 f"{exc} (a type this reader does not know: register its Event class, or import "
                 "the adapter that defines it, before verifying)"

@@ -315,7 +315,8 @@ def decode_entry(
     try:
         payload = registry.decode(data, version)
     except (EventValidationError, UnknownEventTypeError) as exc:
-        raise CorruptEventError(thread_id, seq, str(exc)) from None
+        unknown = isinstance(exc, UnknownEventTypeError)
+        raise CorruptEventError(thread_id, seq, str(exc), unknown_type=unknown) from None
     try:
         meta = _meta_decoder.decode(meta_raw) if meta_raw else _NO_META
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

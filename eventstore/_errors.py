@@ -123,15 +123,29 @@ class InvalidURLError(InvalidInputError):
 class CorruptEventError(EventStoreError):
     """Raised when a stored event cannot be decoded; names the thread and the seq."""
 
-    def __init__(self, thread_id: str, seq: int | None, reason: str) -> None:
+    def __init__(
+        self, thread_id: str, seq: int | None, reason: str, *, unknown_type: bool = False
+    ) -> None:
         self.thread_id = thread_id
         self.seq = seq
         self.reason = reason
+        self.unknown_type = unknown_type
+        """The entry is whole but names an event type (or version) the reader's registry does
+        not know: the reader, not the log, may be what is missing."""
         where = f"seq {seq}" if seq is not None else "unknown seq"
         super().__init__(f"thread {thread_id!r} {where}: undecodable event: {reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.thread_id, self.seq, self.reason))
+        return (
+            _rebuild_corrupt_event_error,
+            (type(self), self.thread_id, self.seq, self.reason, self.unknown_type),
+        )
+
+
+def _rebuild_corrupt_event_error(
+    cls: type[CorruptEventError], thread_id: str, seq: int | None, reason: str, unknown: bool
+) -> CorruptEventError:
+    return cls(thread_id, seq, reason, unknown_type=unknown)
 
 
 # -- operational: the server or the connection failed -------------------------------------------

@@ -225,7 +225,7 @@ def _sample(cls: type[BaseException]) -> BaseException:
         IdempotencyKeyReusedError: lambda: IdempotencyKeyReusedError("t", "k:req-1"),
         ViewConflictError: lambda: ViewConflictError("t", "state", "field", 1, 2),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
-        CorruptEventError: lambda: CorruptEventError("t", 12, "missing field 'd'"),
+        CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
         eventstore.UnstampedViewError: lambda: eventstore.UnstampedViewError(
             "t", "messages", "no stamp"
         ),

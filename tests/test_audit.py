@@ -372,6 +372,22 @@ async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> 
 # -- verify across a namespace -------------------------------------------------------------------
 
 
+class _OnlyTheWriterKnows(es.Event, tag="testing.writer-only", frozen=True):
+    note: str
+
+
+async def test_an_event_type_the_reader_does_not_know_is_named_as_such(redis_url: str) -> None:
+    namespace = "u" + uuid.uuid4().hex[:12]
+    writers = es.EventRegistry()
+    writers.register(_OnlyTheWriterKnows)
+    async with await es.connect(redis_url, namespace=namespace, registry=writers) as writer:
+        await writer.append(T, [_OnlyTheWriterKnows(note="x")])
+    async with await es.connect(redis_url, namespace=namespace) as reader:
+        verdict = await Auditor(reader).verify(T)
+    assert_damage(verdict, 1, "undecodable")
+    assert "a type this reader does not know: register its Event class" in verdict.detail
+
+
 async def test_verify_all_names_the_damaged_thread(store: es.EventStore) -> None:
     await populate(store)
     for name in ("clean-1", "clean-2"):
