@@ -60,7 +60,8 @@ from eventstore import (
     new_ulid,
     registry,
 )
-from eventstore._codec import _ulid_str, decode_entry, decode_payload_rows, decode_rows
+from eventstore._codec import decode_entry, decode_payload_rows, decode_rows
+from eventstore._ids import ulid_text
 from eventstore._redis import READ_BATCH
 from eventstore._views import decode_view_result
 from eventstore._wire import HeldConnections
@@ -578,7 +579,7 @@ async def rebuild_breakdown(bench: ReadBench, n_events: int, repeats: int) -> di
 
     def ulid_fast() -> None:
         for raw in ids:
-            _ulid_str(raw)
+            ulid_text(raw)
 
     cpu = {
         "decode_rows (the bulk path, raw replies)": time_cpu(decode_batch, n=3, batches=5) / m,

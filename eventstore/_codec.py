@@ -39,6 +39,7 @@ from ._events import (
     as_new_event,
 )
 from ._ids import mint_ulid, validate_thread_id
+from ._ids import ulid_text as _ulid_str
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 CHAIN_HEX_CHARS = 32
@@ -90,7 +91,6 @@ def chain_link(prev: str, seq: int, time_ms: int, digest: str) -> str:
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _CANONICAL_ULID = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
 _CROCKFORD_TO_INT_DIGITS = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
-_ULID_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # 10 bits -> two characters
 
 
 def _parse_ulid(value: str, what: str) -> bytes:
@@ -101,19 +101,6 @@ def _parse_ulid(value: str, what: str) -> bytes:
         return bytes(ULID.from_str(value))
     except (ValueError, TypeError) as exc:
         raise InvalidInputError(f"{what} {value!r} is not a ULID") from exc
-
-
-def _ulid_str(raw: bytes) -> str:
-    """``str(ULID.from_bytes(raw))``: 26 Crockford digits of the 128 bits (2 leading zero bits)."""
-    n = int.from_bytes(raw, "big")
-    p = _ULID_PAIRS
-    # One join, not twelve concatenations: a quarter less time, and bulk reads run it per event.
-    return "".join((
-        p[n >> 120], p[(n >> 110) & 1023], p[(n >> 100) & 1023], p[(n >> 90) & 1023],
-        p[(n >> 80) & 1023], p[(n >> 70) & 1023], p[(n >> 60) & 1023], p[(n >> 50) & 1023],
-        p[(n >> 40) & 1023], p[(n >> 30) & 1023], p[(n >> 20) & 1023], p[(n >> 10) & 1023],
-        p[n & 1023],
-    ))  # fmt: skip
 
 
 def encode_events(

@@ -7,8 +7,6 @@ import re
 import threading
 import time
 
-from ulid import ULID
-
 from ._errors import InvalidInputError, InvalidNamespaceError, InvalidThreadIdError
 
 MAX_THREAD_ID_BYTES = 256
@@ -23,8 +21,27 @@ _THREAD_FORBIDDEN_RE = re.compile(r"[\x00-\x1f\x7f{}]")
 
 
 def new_ulid() -> str:
-    """A new ULID as its 26-character Crockford base32 string."""
-    return str(ULID())
+    """A new ULID as its 26-character Crockford base32 string (`mint_ulid`'s, as text)."""
+    return ulid_text(mint_ulid())
+
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_ULID_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # 10 bits -> two characters
+
+
+def ulid_text(raw: bytes) -> str:
+    """``str(ULID.from_bytes(raw))``: 26 Crockford digits of the 128 bits (2 leading zero bits),
+    at a third of python-ulid's cost (ids are printed per event by bulk reads and minted per
+    event by appends)."""
+    n = int.from_bytes(raw, "big")
+    p = _ULID_PAIRS
+    # One join, not twelve concatenations: a quarter less time.
+    return "".join((
+        p[n >> 120], p[(n >> 110) & 1023], p[(n >> 100) & 1023], p[(n >> 90) & 1023],
+        p[(n >> 80) & 1023], p[(n >> 70) & 1023], p[(n >> 60) & 1023], p[(n >> 50) & 1023],
+        p[(n >> 40) & 1023], p[(n >> 30) & 1023], p[(n >> 20) & 1023], p[(n >> 10) & 1023],
+        p[n & 1023],
+    ))  # fmt: skip
 
 
 _mint_lock = threading.Lock()
