@@ -39,7 +39,7 @@ from eventstore import (
     content_digest,
     validate_thread_id,
 )
-from eventstore._codec import decode_entry
+from eventstore._codec import UNKEYED_FINGERPRINT, decode_entry, key_fingerprint
 from eventstore._events import EventMeta
 from projections import (
     AsOf,
@@ -85,7 +85,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     ``first_bad_seq``, ``kind`` and ``detail`` describe the first problem (the lowest seq);
     ``problems`` lists up to `MAX_PROBLEMS` of them in log order, ``problems_omitted`` counts the
     rest. ``head`` is the last stored link: record it elsewhere to detect later truncation.
-    ``keyed`` says whether the chain was checked with a secret key.
+    ``keyed`` says whether the chain was checked with a secret key. ``key_matches`` says
+    whether that key is the one the thread records it was written with (None: it records
+    none, as a thread from before key fingerprints were recorded).
     """
 
     thread_id: str
@@ -99,6 +101,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     problems_omitted: int = 0
     head: str = ""
     keyed: bool = False
+    key_matches: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +253,7 @@ class _Verifier:
         self.head = ""
         self.history: deque[_Entry] = deque(maxlen=WINDOW)
         self.ahead: deque[_Entry] = deque()
+        self.recorded_key: str | None = None  # the thread's chain key fingerprint, if any
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -467,11 +471,38 @@ class _Verifier:
         self._problem(1, "undecodable", f"the thread's keys cannot be read as a log: {error}")
         return self.verdict()
 
+    def _key_mismatch(self) -> str | None:
+        """Why the thread's recorded chain key is not the verifier's (None if it is, or if
+        the thread records none)."""
+        recorded = self.recorded_key
+        if recorded is None or recorded == key_fingerprint(self.secret):
+            return None
+        if recorded == UNKEYED_FINGERPRINT:
+            return (
+                "the thread was written without a chain key and this check used one: verify "
+                "it through a store opened without THREADLOG_SECRET"
+            )
+        if self.secret is None:
+            return (
+                "the thread was written with a chain key and this check used none: verify it "
+                "with THREADLOG_SECRET set to its writers' key"
+            )
+        return (
+            "the thread was written with another chain key than this check's: verify it with "
+            "its writers' key"
+        )
+
     def verdict(self) -> Verdict:
         first = self.first
+        mismatch = self._key_mismatch()
         if first is None:
             detail = f"{self.checked} events verified, chain intact"
             detail += " (keyed)" if self.secret is not None else " (unkeyed)"
+            if mismatch is not None:
+                detail += f"; but {mismatch}"
+        elif mismatch is not None:
+            # The thread says which key wrote it: no guessing from the pattern of failures.
+            detail = f"{first.detail}; {mismatch}"
         else:
             detail = first.detail
             total = len(self.problems) + self.omitted
@@ -495,6 +526,7 @@ class _Verifier:
             problems_omitted=self.omitted,
             head=self.head,
             keyed=self.secret is not None,
+            key_matches=None if self.recorded_key is None else mismatch is None,
         )
 
 
@@ -645,6 +677,7 @@ class Auditor:
         wrong_type: WrongKeyTypeError | None = None
         try:
             verifier.version = await store.version(thread_id)
+            verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:
                 # The next batch is read while this one is hashed.

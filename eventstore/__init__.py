@@ -44,6 +44,7 @@ from ._contract import (
     ThreadInfo,
 )
 from ._errors import (
+    ChainKeyMismatchError,
     ConcurrencyError,
     ConflictError,
     CorruptEventError,
@@ -125,6 +126,7 @@ __all__ = [
     "OUTCOMES",
     "ROLES",
     "AppendResult",
+    "ChainKeyMismatchError",
     "ConcurrencyError",
     "ConflictError",
     "CorruptEventError",

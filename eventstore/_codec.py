@@ -136,6 +136,23 @@ def encode_append(
     return encoded, request.digest()
 
 
+UNKEYED_FINGERPRINT = "-"
+"""What a thread written without a chain key records in place of a key fingerprint."""
+
+
+def key_fingerprint(secret: bytes | None) -> str:
+    """A short public name of a chain key: 16 hex digits of a BLAKE2b MAC, under the key, of
+    a fixed label (`UNKEYED_FINGERPRINT` without a key). Each thread records the one it was
+    created with, so a writer with another key is refused; the key itself is never sent.
+    It is a MAC of a known input, so it tells no more about the key than any keyed link does.
+    """
+    if not secret:
+        return UNKEYED_FINGERPRINT
+    return hashlib.blake2b(
+        b"threadlog chain key fingerprint v1", digest_size=8, key=secret
+    ).hexdigest()
+
+
 # Hash states before any input, copied for each digest: a copy costs a fraction of a constructor
 # with keyword arguments. Unkeyed only: a store's secret is not kept at module level.
 _REQUEST_DIGEST = hashlib.blake2b(digest_size=8)

@@ -114,6 +114,9 @@ class EventStore(abc.ABC):
             ConcurrencyError: the expected version does not hold. Nothing is written.
             ViewConflictError: a guarded view op found another version. Nothing is written.
             IdempotencyKeyReusedError: the key was used for different events. Nothing is written.
+            ChainKeyMismatchError: the thread was created with another chain key, or one side
+                has a key and the other none (checked after the idempotency key: a retry of an
+                append that landed still returns its result). Nothing is written.
             OperationalError: the server failed; the append may have landed, retry with the
                 same idempotency key.
         """
@@ -248,6 +251,13 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
         """The seq of the last event recorded at or before ``time_ms``; 0 if there is none."""
+
+    async def chain_key_fingerprint(self, thread_id: str) -> str | None:
+        """The fingerprint of the chain key the thread was written with (``"-"``: written
+        without one), or None when it records none: no such thread, a thread written before
+        fingerprints were recorded (it adopts its next writer's), or a backend that keeps none.
+        """
+        return None
 
     async def read_between(
         self,

@@ -74,6 +74,33 @@ class ViewConflictError(ConflictError):
         )
 
 
+class ChainKeyMismatchError(ConflictError):
+    """Raised when an append's chain key (``THREADLOG_SECRET``) is not the one the thread was
+    written with, or one side has a key and the other none; nothing is written.
+
+    Each thread records a fingerprint of its key when it is created (never the key itself):
+    links made with another key would fail every later `verify` under the thread's own key.
+    """
+
+    def __init__(self, thread_id: str, thread_keyed: bool, store_keyed: bool) -> None:
+        self.thread_id = thread_id
+        self.thread_keyed = thread_keyed
+        self.store_keyed = store_keyed
+        if thread_keyed and not store_keyed:
+            what = "was written with a chain key and this store has none"
+            fix = "set THREADLOG_SECRET to the key its other writers use"
+        elif store_keyed and not thread_keyed:
+            what = "was written without a chain key and this store has one"
+            fix = "leave THREADLOG_SECRET unset, as its other writers do"
+        else:
+            what = "was written with a different chain key"
+            fix = "set THREADLOG_SECRET to the key its other writers use"
+        super().__init__(f"thread {thread_id!r} {what}: {fix}; nothing was written")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.thread_keyed, self.store_keyed))
+
+
 # -- bad input: rejected before anything reaches the server ----------------------------------
 
 

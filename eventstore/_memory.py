@@ -19,6 +19,7 @@ import anyio.lowlevel
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
     LEDGER_DIGEST_BYTES,
+    UNKEYED_FINGERPRINT,
     chain_link,
     decode_entry,
     encode_events,
@@ -26,10 +27,12 @@ from ._codec import (
     expected_version_arg,
     idempotency_key_for,
     idempotency_key_text,
+    key_fingerprint,
     request_digest,
 )
 from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo
 from ._errors import (
+    ChainKeyMismatchError,
     ConcurrencyError,
     IdempotencyKeyReusedError,
     InvalidInputError,
@@ -91,6 +94,9 @@ class _Thread:
     head: str = ""
     created_ms: int = 0
     incarnation: int = 0
+    # The chain key fingerprint it was created with (meta "f"); None as in a thread from
+    # before fingerprints were recorded, which adopts its next writer's.
+    fingerprint: str | None = None
     ledger: dict[bytes, tuple[int, int, str]] = field(default_factory=dict)
     views: dict[str, list[bytes] | dict[str, bytes]] = field(default_factory=dict)
 
@@ -211,6 +217,7 @@ class MemoryEventStore(EventStore):
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
         self._secret = secret
+        self._fingerprint = key_fingerprint(secret)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -264,6 +271,10 @@ class MemoryEventStore(EventStore):
                     thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
                 )
             return AppendResult(thread_id, prior[0], prior[1], duplicate=True)
+        if thread.fingerprint is not None and thread.fingerprint != self._fingerprint:
+            raise ChainKeyMismatchError(
+                thread_id, thread.fingerprint != UNKEYED_FINGERPRINT, bool(self._secret)
+            )
         version = thread.version
         if (
             (expected == "no_thread" and version != 0)
@@ -297,6 +308,7 @@ class MemoryEventStore(EventStore):
             thread.created_ms = now
             thread.incarnation = _incarnation()
             self._ns.threads[thread_id] = thread
+        thread.fingerprint = self._fingerprint
         thread.version = last
         thread.head = prev
         thread.ledger[ikey] = (first, last, rdigest)
@@ -347,6 +359,10 @@ class MemoryEventStore(EventStore):
     async def version(self, thread_id: str) -> int:
         thread = self._thread(thread_id)
         return thread.version if thread else 0
+
+    async def chain_key_fingerprint(self, thread_id: str) -> str | None:
+        thread = self._thread(thread_id)
+        return thread.fingerprint if thread else None
 
     async def read_raw(
         self,

@@ -19,6 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
+    UNKEYED_FINGERPRINT,
     EncodedEvent,
     decode_entry,
     decode_payload_rows,
@@ -27,6 +28,7 @@ from ._codec import (
     expected_version_arg,
     idempotency_key_for,
     idempotency_key_text,
+    key_fingerprint,
 )
 from ._contract import (
     ANY,
@@ -37,6 +39,7 @@ from ._contract import (
     ThreadInfo,
 )
 from ._errors import (
+    ChainKeyMismatchError,
     ConcurrencyError,
     EventStoreError,
     IdempotencyKeyReusedError,
@@ -189,7 +192,7 @@ def _pack_append(
     n = b"%d" % len(encoded)
     parts = [
         b"*%d\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n0\r\n"
-        % (13 + 5 * len(encoded), head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
+        % (14 + 5 * len(encoded), head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
            len(n), n)
     ]  # fmt: skip
     for e in encoded:
@@ -271,6 +274,9 @@ class RedisEventStore(EventStore):
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
         self._secret = secret
+        # Sent with every append (in the memoized part of the command): the script refuses a
+        # thread created with another key.
+        self._fingerprint = key_fingerprint(secret).encode("ascii")
         self._client: Any = client
         self._is_cluster = isinstance(client, RedisCluster)
         self._owns_client = owns_client
@@ -386,12 +392,12 @@ class RedisEventStore(EventStore):
                 v, data, meta = b"%d" % e.version, e.data, e.meta
                 b = _BULK
                 n_ikey, n_data, n_meta = len(ikey), len(data), len(meta)
-                # The thread's head, expected version, idempotency key, request digest, "1"
-                # event, "0" ops, then the event's id, version, data, meta and digest. Fixed
-                # lengths by construction: request digest 8 bytes, id 16, content digest 32
-                # hex digits.
+                # The thread's head (to its chain key fingerprint), expected version,
+                # idempotency key, request digest, "1" event, "0" ops, then the event's id,
+                # version, data, meta and digest. Fixed lengths by construction: request
+                # digest 8 bytes, id 16, content digest 32 hex digits.
                 call = b"".join((
-                    b"*18\r\n", head, b[len(exp)], exp, _CRLF,
+                    b"*19\r\n", head, b[len(exp)], exp, _CRLF,
                     b[n_ikey] if n_ikey < 1024 else b"$%d\r\n" % n_ikey, ikey,
                     b"\r\n$8\r\n", rdigest, b"\r\n$1\r\n1\r\n$1\r\n0\r\n$16\r\n", e.id_bytes,
                     _CRLF, b[len(v)], v, _CRLF,
@@ -404,7 +410,7 @@ class RedisEventStore(EventStore):
         else:
             keys: list[Any] = list(thread_keys)
             args: list[Any] = [
-                thread, exp, ikey, rdigest, b"%d" % len(encoded),
+                thread, self._fingerprint, exp, ikey, rdigest, b"%d" % len(encoded),
                 b"%d" % len(ops),
             ]  # fmt: skip
             for e in encoded:
@@ -433,6 +439,10 @@ class RedisEventStore(EventStore):
             raise IdempotencyKeyReusedError(
                 thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
             )
+        if status == b"key":
+            raise ChainKeyMismatchError(
+                thread_id, reply[1] != UNKEYED_FINGERPRINT.encode(), bool(self._secret)
+            )
         if status == b"view":
             key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
@@ -445,8 +455,8 @@ class RedisEventStore(EventStore):
         """Validate the thread id and memoize, per thread (bounded) and per layout (which
         `ensure_namespace` may swap), what its appends send: the thread id and its log, meta,
         feed and index keys, encoded as the client encodes, and on the direct path (else empty)
-        the RESP of ``EVALSHA <sha> 4 <keys> <thread id>``, which begins each of its appends
-        without view ops.
+        the RESP of ``EVALSHA <sha> 4 <keys> <thread id> <key fingerprint>``, which begins
+        each of its appends without view ops.
         """
         validate_thread_id(thread_id)
         encode = self._client.get_encoder().encode
@@ -455,7 +465,8 @@ class RedisEventStore(EventStore):
         head = b""
         if self._group_commit.packs:
             head = evalsha_prefix(self._group_commit.script.sha.encode("ascii")) + b"".join(
-                b"$%d\r\n%b\r\n" % (len(b), b) for b in (b"%d" % len(keys), *keys, thread)
+                b"$%d\r\n%b\r\n" % (len(b), b)
+                for b in (b"%d" % len(keys), *keys, thread, self._fingerprint)
             )
         if len(self._append_keys) >= _APPEND_KEYS_MEMO:
             self._append_keys.clear()
@@ -485,6 +496,11 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         raw = await self._command("HGET", self.keys.meta(thread_id), "v")
         return int(raw) if raw is not None else 0
+
+    async def chain_key_fingerprint(self, thread_id: str) -> str | None:
+        validate_thread_id(thread_id)
+        raw = await self._command("HGET", self.keys.meta(thread_id), "f")
+        return raw.decode("ascii", "replace") if raw is not None else None
 
     async def _command(self, *parts: Any) -> Any:
         """One command whose reply redis-py would not reshape (no reply callback), on the held

@@ -21,9 +21,10 @@ import msgspec
 import pytest
 
 from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
-from ._codec import decode_rows, event_id_text
+from ._codec import UNKEYED_FINGERPRINT, decode_rows, event_id_text, key_fingerprint
 from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion, RawRange
 from ._errors import (
+    ChainKeyMismatchError,
     ConcurrencyError,
     CorruptEventError,
     EventTooLargeError,
@@ -106,6 +107,11 @@ class EventStoreConformance:
         self, store: EventStore, thread_id: str, entry_id: str, fields: dict[bytes, bytes]
     ) -> None:
         """Write a stream entry straight into the thread's log, bypassing every check."""
+        raise NotImplementedError
+
+    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
+        """Remove the thread's recorded chain key fingerprint, as in a thread written before
+        fingerprints were recorded (Redis: ``HDEL`` of its meta field ``f``)."""
         raise NotImplementedError
 
     @pytest.fixture
@@ -878,6 +884,182 @@ class EventStoreConformance:
             NoteV2(body="new", author="me"),
         ]
         assert [e.schema_version for e in events] == [1, 2]
+
+    # -- one chain key per thread ----------------------------------------------------------------
+
+    async def _snapshot(self, store: EventStore, thread_id: str) -> tuple[Any, ...]:
+        """Everything an append can change: version, log, views, feed, thread index."""
+        from ._keys import partition_of
+
+        views = await store.read_views(thread_id, [ListRange("l"), HashGetAll("h")])
+        feed = await store.read_feed(partition_of(thread_id, store.partitions))
+        return (
+            await store.version(thread_id),
+            await store.read_raw(thread_id),
+            views.results,
+            [(e.thread_id, e.first_seq, e.last_seq) for e in feed],
+            [t.thread_id for t in await store.threads()],
+            await store.chain_key_fingerprint(thread_id),
+        )
+
+    async def _refused(
+        self, writer: EventStore, owner: EventStore, *, thread_keyed: bool, store_keyed: bool
+    ) -> None:
+        """``owner`` wrote thread "t"; every append ``writer`` tries is refused, writing nothing."""
+        before = await self._snapshot(owner, "t")
+        attempts: list[dict[str, Any]] = [
+            {},
+            {
+                "idempotency_key": "k1",
+                "view_ops": [ListPush("l", (b"x",)), HashSet("h", "f", b"2")],
+            },
+            {"expected_version": await owner.version("t")},
+            {"expected_version": EXISTS},
+        ]
+        for kwargs in attempts:
+            for events in ([msg("x")], [msg("x"), msg("y")]):
+                with pytest.raises(ChainKeyMismatchError) as info:
+                    await writer.append("t", events, **kwargs)
+                assert info.value.thread_id == "t"
+                assert (info.value.thread_keyed, info.value.store_keyed) == (
+                    thread_keyed,
+                    store_keyed,
+                )
+                assert "THREADLOG_SECRET" in str(info.value)
+                assert "nothing was written" in str(info.value)
+        assert await self._snapshot(owner, "t") == before
+        assert await self._snapshot(writer, "t") == before
+        # The refused request did not burn its idempotency key: the thread's own writer can use it.
+        done = await owner.append("t", [msg("z")], idempotency_key="k1")
+        assert not done.duplicate and done.first_seq == before[0] + 1
+
+    async def test_writer_without_the_threads_chain_key_is_refused(self) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        keyed = await self.make_store(namespace, secret=b"s3cret")
+        plain = await self.make_store(namespace)
+        try:
+            await keyed.append(
+                "t", [msg("a")], view_ops=[ListPush("l", (b"a",)), HashSet("h", "f", b"1")]
+            )
+            await self._refused(plain, keyed, thread_keyed=True, store_keyed=False)
+        finally:
+            await keyed.close()
+            await plain.close()
+
+    async def test_keyed_writer_of_an_unkeyed_thread_is_refused(self) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        plain = await self.make_store(namespace)
+        keyed = await self.make_store(namespace, secret=b"s3cret")
+        try:
+            await plain.append(
+                "t", [msg("a")], view_ops=[ListPush("l", (b"a",)), HashSet("h", "f", b"1")]
+            )
+            await self._refused(keyed, plain, thread_keyed=False, store_keyed=True)
+        finally:
+            await keyed.close()
+            await plain.close()
+
+    async def test_writer_with_another_chain_key_is_refused(self) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        owner = await self.make_store(namespace, secret=b"s3cret")
+        other = await self.make_store(namespace, secret=b"another")
+        try:
+            await owner.append(
+                "t", [msg("a")], view_ops=[ListPush("l", (b"a",)), HashSet("h", "f", b"1")]
+            )
+            await self._refused(other, owner, thread_keyed=True, store_keyed=True)
+        finally:
+            await owner.close()
+            await other.close()
+
+    async def test_writers_with_the_same_chain_key_share_a_thread(self) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        stores = [await self.make_store(namespace, secret=b"s3cret") for _ in range(2)]
+        plain = [await self.make_store(namespace) for _ in range(2)]
+        try:
+            for i in range(4):
+                await stores[i % 2].append("keyed", [msg(str(i))])
+                await plain[i % 2].append("plain", [msg(str(i))])
+            assert await stores[0].version("keyed") == await plain[0].version("plain") == 4
+            assert await plain[0].chain_key_fingerprint("keyed") == key_fingerprint(b"s3cret")
+            assert await stores[0].chain_key_fingerprint("plain") == UNKEYED_FINGERPRINT
+            assert await stores[0].chain_key_fingerprint("nothing here") is None
+            # A fingerprint names the key without giving it away, and tells keys apart.
+            fp = key_fingerprint(b"s3cret")
+            assert len(fp) == 16 and b"s3cret".hex() not in fp
+            assert fp != key_fingerprint(b"s3cres") and key_fingerprint(None) == "-"
+        finally:
+            for store in (*stores, *plain):
+                await store.close()
+
+    async def test_retry_of_a_landed_append_is_a_duplicate_whatever_the_key(self) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        keyed = await self.make_store(namespace, secret=b"s3cret")
+        plain = await self.make_store(namespace)
+        try:
+            first = await keyed.append("t", [msg("a"), msg("b")], idempotency_key="req")
+            again = await keyed.append("t", [msg("a"), msg("b")], idempotency_key="req")
+            assert again.duplicate and (again.first_seq, again.last_seq) == (1, 2)
+            # The key is checked after the ledger: a retry of what landed writes nothing either
+            # way, so it answers with the original result rather than a refusal.
+            other = await plain.append("t", [msg("a"), msg("b")], idempotency_key="req")
+            assert other == again and not first.duplicate
+            with pytest.raises(IdempotencyKeyReusedError):
+                await plain.append("t", [msg("changed")], idempotency_key="req")
+            with pytest.raises(ChainKeyMismatchError):
+                await plain.append("t", [msg("c")], idempotency_key="new")
+            assert await keyed.version("t") == 2
+        finally:
+            await keyed.close()
+            await plain.close()
+
+    async def test_thread_from_before_key_fingerprints_adopts_its_next_writers_key(
+        self,
+    ) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        keyed = await self.make_store(namespace, secret=b"s3cret")
+        plain = await self.make_store(namespace)
+        try:
+            await plain.append("old", [msg("a")], idempotency_key="first")
+            await keyed.append("old-keyed", [msg("a")])
+            for thread in ("old", "old-keyed"):
+                try:
+                    await self.forget_chain_key(plain, thread)
+                except NotImplementedError:
+                    pytest.skip("the backend cannot make a thread from before key fingerprints")
+                assert await plain.chain_key_fingerprint(thread) is None
+            # Its earlier appends are still recognised, and nothing is recorded by a retry.
+            retry = await keyed.append("old", [msg("a")], idempotency_key="first")
+            assert retry.duplicate and await plain.chain_key_fingerprint("old") is None
+            # The first writer after the upgrade records its key; from then on it is enforced.
+            await plain.append("old", [msg("b")])
+            assert await plain.chain_key_fingerprint("old") == UNKEYED_FINGERPRINT
+            with pytest.raises(ChainKeyMismatchError):
+                await keyed.append("old", [msg("c")])
+            await keyed.append("old-keyed", [msg("b")])
+            assert await plain.chain_key_fingerprint("old-keyed") == key_fingerprint(b"s3cret")
+            with pytest.raises(ChainKeyMismatchError):
+                await plain.append("old-keyed", [msg("c")])
+            assert await plain.version("old") == await plain.version("old-keyed") == 2
+        finally:
+            await keyed.close()
+            await plain.close()
+
+    async def test_a_recreated_thread_records_its_new_writers_key(self) -> None:
+        namespace = "c" + uuid.uuid4().hex[:12]
+        keyed = await self.make_store(namespace, secret=b"s3cret")
+        plain = await self.make_store(namespace)
+        try:
+            await keyed.append("t", [msg("a")], view_ops=[ListPush("l", (b"a",))])
+            await plain.delete_thread("t", views=["l"])
+            assert await plain.chain_key_fingerprint("t") is None
+            await plain.append("t", [msg("new life")], expected_version=NO_THREAD)
+            assert await plain.chain_key_fingerprint("t") == UNKEYED_FINGERPRINT
+            with pytest.raises(ChainKeyMismatchError):
+                await keyed.append("t", [msg("b")])
+        finally:
+            await keyed.close()
+            await plain.close()
 
     # -- lifecycle -----------------------------------------------------------------------------
 

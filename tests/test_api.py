@@ -42,6 +42,7 @@ PUBLIC_NAMES = [
     "ACL_READ_COMMANDS",
     "ANY",
     "AppendResult",
+    "ChainKeyMismatchError",
     "ConcurrencyError",
     "ConflictError",
     "CorruptEventError",
@@ -223,6 +224,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
     samples: dict[type[BaseException], Callable[[], BaseException]] = {
         ConcurrencyError: lambda: ConcurrencyError("t:1", NO_THREAD, 3),
         IdempotencyKeyReusedError: lambda: IdempotencyKeyReusedError("t", "k:req-1"),
+        eventstore.ChainKeyMismatchError: lambda: eventstore.ChainKeyMismatchError(
+            "t", True, False
+        ),
         ViewConflictError: lambda: ViewConflictError("t", "state", "field", 1, 2),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),

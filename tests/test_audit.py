@@ -362,11 +362,58 @@ async def test_without_a_key_a_recomputed_chain_goes_unnoticed(store: es.EventSt
 
 async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> None:
     version = await populate(keyed)
-    assert (await Auditor(keyed, secret=SECRET).verify(T)).ok
+    good = await Auditor(keyed, secret=SECRET).verify(T)
+    assert good.ok and good.key_matches is True
     verdict = await Auditor(keyed, secret=b"another key").verify(T)
     assert_damage(verdict, 1, "modified")
     assert len(verdict.problems) == version
-    assert "another key" in verdict.detail
+    # The thread records which key wrote it: the verdict says so rather than guessing.
+    assert verdict.key_matches is False
+    assert "written with another chain key than this check's" in verdict.detail
+
+
+async def twin(store: es.EventStore, secret: bytes | None) -> es.EventStore:
+    """Another store on ``store``'s namespace (and server), with chain key ``secret``."""
+    if isinstance(store, es.MemoryEventStore):
+        return es.MemoryEventStore(namespace=store.namespace, server=store.server, secret=secret)
+    assert isinstance(store, es.RedisEventStore)
+    return es.RedisEventStore(
+        store.client,
+        namespace=store.namespace,
+        partitions=store.partitions,
+        secret=secret,
+        owns_client=False,
+    )
+
+
+async def test_verify_says_when_the_thread_was_written_with_or_without_a_key(
+    keyed: es.EventStore,
+) -> None:
+    await populate(keyed)
+    plain = await twin(keyed, None)
+    verdict = await Auditor(plain).verify(T)
+    assert_damage(verdict, 1, "modified")
+    assert verdict.key_matches is False and not verdict.keyed
+    assert "written with a chain key and this check used none" in verdict.detail
+    assert "THREADLOG_SECRET" in verdict.detail
+    await plain.append("plain", [es.MessageAppended(message=user("hi"))] * 2)
+    verdict = await Auditor(keyed).verify("plain")
+    assert_damage(verdict, 1, "modified")
+    assert verdict.key_matches is False
+    assert "written without a chain key and this check used one" in verdict.detail
+    assert (await Auditor(plain).verify("plain")).key_matches is True
+
+
+async def test_a_writer_without_the_key_is_refused_so_verify_stays_clean(
+    keyed: es.EventStore,
+) -> None:
+    # The defect this guards against: a worker deployed without THREADLOG_SECRET appended
+    # to a keyed thread, and the next audit reported its events as tampered.
+    await populate(keyed)
+    plain = await twin(keyed, None)
+    with pytest.raises(es.ChainKeyMismatchError):
+        await plain.append(T, [es.MessageAppended(message=user("unkeyed"))])
+    assert (await Auditor(keyed).verify(T)).ok
 
 
 # -- verify across a namespace -------------------------------------------------------------------

@@ -816,6 +816,33 @@ def test_jsonl_import_and_export_round_trip(redis_url: str, tmp_path: Path) -> N
     assert "imported 1 of 2 lines" in skipped.out and "skipped line 2" in skipped.out
 
 
+def test_a_writer_without_the_threads_chain_key_is_a_one_line_error(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_bytes(b'{"role":"user","content":"Plan my trip"}\n')
+    second.write_bytes(b'{"role":"user","content":"Lisbon"}\n')
+    keyed = child_env(THREADLOG_SECRET="s3cret")
+    run = cli("import-jsonl", str(first), "s1", url=redis_url, namespace=namespace, env=keyed)
+    assert run.code == 0, run
+    refused = cli("import-jsonl", str(second), "s1", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(refused, 2)
+    assert "'s1' was written with a chain key and this store has none" in line
+    assert "set THREADLOG_SECRET to the key its other writers use" in line
+    assert "nothing was written" in line
+    other = child_env(THREADLOG_SECRET="another")
+    wrong = cli("import-jsonl", str(second), "s1", url=redis_url, namespace=namespace, env=other)
+    assert "was written with a different chain key" in assert_one_line_error(wrong, 2)
+    ok = cli("import-jsonl", str(second), "s1", url=redis_url, namespace=namespace, env=keyed)
+    assert ok.code == 0, ok
+    verified = cli("verify", "s1", url=redis_url, namespace=namespace, env=keyed)
+    assert verified.code == 0 and "OK - 2 events verified, chain intact (keyed)" in verified.out
+    unkeyed = cli("verify", "s1", url=redis_url, namespace=namespace)
+    assert unkeyed.code == 1, unkeyed
+    assert "written with a chain key and this check used none" in unkeyed.out
+
+
 # -- tail -----------------------------------------------------------------------------------------
 
 

@@ -75,6 +75,10 @@ class TestClusterEventStore(EventStoreConformance):
         assert isinstance(store, RedisEventStore)
         await store.client.xadd(store.keys.log(thread_id), fields, id=entry_id)
 
+    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, RedisEventStore)
+        assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1
+
 
 class TestClusterProjections(ProjectionConformance):
     @pytest.fixture(autouse=True)

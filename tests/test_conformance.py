@@ -25,6 +25,10 @@ class TestMemoryEventStore(EventStoreConformance):
         thread = store.server.namespaces[store.namespace].threads[thread_id]
         thread.raw_xadd((int(ms), int(seq)), fields)
 
+    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, MemoryEventStore)
+        store.server.namespaces[store.namespace].threads[thread_id].fingerprint = None
+
 
 class TestRedisEventStore(EventStoreConformance):
     @pytest.fixture(autouse=True)
@@ -45,3 +49,7 @@ class TestRedisEventStore(EventStoreConformance):
     ) -> None:
         assert isinstance(store, RedisEventStore)
         await store.client.xadd(store.keys.log(thread_id), fields, id=entry_id)
+
+    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, RedisEventStore)
+        assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1

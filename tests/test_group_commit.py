@@ -213,14 +213,53 @@ async def test_packed_appends_are_the_calls_redis_py_would_send(
         command = _parse_command(packed)
         assert command[:7] == [b"EVALSHA", APPEND.sha.encode(), b"4", *keys]
         args = command[7:]
-        assert args[:2] == [b"p", expected] and args[2].startswith(ikey)
-        assert args[2] == ikey or len(args[2]) == 17
-        assert len(args[3]) == 8 and args[4:6] == [b"%d" % n, b"0"]
-        assert len(args) == 6 + 5 * n
-        events = [args[6 + 5 * i : 11 + 5 * i] for i in range(n)]
+        # The thread, the store's chain key fingerprint ("-": no key), the expected version...
+        assert args[:3] == [b"p", b"-", expected] and args[3].startswith(ikey)
+        assert args[3] == ikey or len(args[3]) == 17
+        assert len(args[4]) == 8 and args[5:7] == [b"%d" % n, b"0"]
+        assert len(args) == 7 + 5 * n
+        events = [args[7 + 5 * i : 12 + 5 * i] for i in range(n)]
         assert all(len(e[0]) == 16 and len(e[4]) == 32 for e in events)
         source = _parse_command(
             with_script_source(packed, APPEND.sha.encode(), APPEND.source.encode())
         )
         assert source == [b"EVAL", APPEND.source.encode(), *command[2:]]
     assert [e.seq for e in await read_all(standalone, "p")] == [1, 2, 3, 4]
+
+
+async def test_a_batch_refuses_only_the_call_with_another_chain_key(
+    store: es.RedisEventStore,
+) -> None:
+    """A writer without the key shares its pipelines between threads it may write and one
+    created with a key: only the appends to that thread are refused, and write nothing."""
+    keyed = es.RedisEventStore(
+        store.client,
+        namespace=store.namespace,
+        partitions=store.partitions,
+        secret=b"s3cret",
+        owns_client=False,
+    )
+    try:
+        await keyed.append("locked", [msg("keyed")])
+    finally:
+        await keyed.close()
+    await store.append("warm", [msg("busy")])
+    refused: list[str] = []
+    done: list[str] = []
+
+    async def one(thread: str) -> None:
+        try:
+            await store.append(thread, [msg(thread)])
+            done.append(thread)
+        except es.ChainKeyMismatchError as exc:
+            refused.append(exc.thread_id)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(30):
+            tg.start_soon(one, "locked" if i % 10 == 5 else f"t{i}")
+    gc = committer(store)
+    assert gc.pipelines > 0 and gc.pipelined_calls > gc.pipelines
+    assert refused == ["locked"] * 3 and len(done) == 27
+    assert [e.seq for e in await read_all(store, "locked")] == [1]
+    for thread in done:
+        assert [e.seq for e in await read_all(store, thread)] == [1]

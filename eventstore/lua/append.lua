@@ -3,11 +3,11 @@
 KEYS[1] log stream     KEYS[2] meta hash (with the idempotency ledger)
 KEYS[3] feed stream    KEYS[4] thread index   KEYS[5..] view keys named by the ops
 
-ARGV[1] thread id
-ARGV[2] expected version: "any" | "no_thread" | "exists" | decimal exact version
-ARGV[3] idempotency key (ledger field)    ARGV[4] request digest (8 raw bytes)
-ARGV[5] N events                 ARGV[6] M view ops
-ARGV[7 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
+ARGV[1] thread id              ARGV[2] the writer's chain key fingerprint ("-": no key)
+ARGV[3] expected version: "any" | "no_thread" | "exists" | decimal exact version
+ARGV[4] idempotency key (ledger field)    ARGV[5] request digest (8 raw bytes)
+ARGV[6] N events                 ARGV[7] M view ops
+ARGV[8 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
 then per op: opcode, view key index (into KEYS), operands:
   "lp" key event n v1..vn      push stamped values to a list
   "lr" key event n v1..vn      replace a list with stamped values
@@ -17,12 +17,13 @@ then per op: opcode, view key index (into KEYS), operands:
   "vc" key                               delete a view
 
 Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
-      | {"reused"} | {"view", key index, field, expected, actual}
+      | {"reused"} | {"view", key index, field, expected, actual} | {"key", recorded fingerprint}
 Every check runs before the first write: Redis does not roll a script back.
 
 Meta fields: "v" version, "h" chain head, "s" last time (ms), "c" creation time (ms), "n" the
 incarnation (creation time in us: tells a thread from one deleted and recreated under its id;
-every feed entry carries it); and the
+every feed entry carries it), "f" the fingerprint of the chain key the thread was created
+with (a thread from before fingerprints were recorded adopts its next writer's); and the
 ledger, one field per append: the idempotency key ("k:<caller's key>", or "e" + the first event
 id's 16 bytes: never one letter) -> "<first>[ <last>]" (last only when it differs) followed by
 the first 6 bytes of the request digest. One hash for both: each append reads and writes it
@@ -30,12 +31,13 @@ once, and every call a script makes costs about a microsecond on top of the comm
 ]]
 
 local log, meta, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local thread, expected, ikey, rdigest = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local n_events, n_ops = tonumber(ARGV[5]), tonumber(ARGV[6])
-local FIRST_EVENT = 7
+local thread, fingerprint, expected = ARGV[1], ARGV[2], ARGV[3]
+local ikey, rdigest = ARGV[4], ARGV[5]
+local n_events, n_ops = tonumber(ARGV[6]), tonumber(ARGV[7])
+local FIRST_EVENT = 8
 
 -- 1. idempotency: a known key returns the original result and writes nothing
-local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey, 'n')
+local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey, 'n', 'f')
 local prior = state[4]
 if prior then
   if string.sub(prior, -6) ~= string.sub(rdigest, 1, 6) then return {'reused'} end
@@ -44,7 +46,10 @@ if prior then
   return {'dup', tonumber(first), tonumber(last)}
 end
 
--- 2. expected version
+-- 2. one chain key per thread: links made with another key would never verify under its own
+if state[6] and state[6] ~= fingerprint then return {'key', state[6]} end
+
+-- 3. expected version
 local version = tonumber(state[1] or '0')
 if expected == 'no_thread' then
   if version ~= 0 then return {'conflict', version} end
@@ -54,7 +59,7 @@ elseif expected ~= 'any' then
   if version ~= tonumber(expected) then return {'conflict', version} end
 end
 
--- 3. parse ops and check their guards
+-- 4. parse ops and check their guards
 local ops = {}
 local pos = FIRST_EVENT + 5 * n_events
 -- A view key may hold the other kind of view (a list where a hash op lands, or the reverse).
@@ -111,7 +116,7 @@ for o = 1, n_ops do
   ops[o] = op
 end
 
--- 4. writes: events first (the first XADD is the first write of the script)
+-- 5. writes: events first (the first XADD is the first write of the script)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local last_time = tonumber(state[3] or '0')
@@ -176,11 +181,12 @@ local span = n_events == 1 and first_s or (first_s .. ' ' .. last_s)
 local entry = span .. string.sub(rdigest, 1, 6)
 if version == 0 then
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'c', now_s,
-    'n', incarnation)
-elseif state[5] then
+    'n', incarnation, 'f', fingerprint)
+elseif state[6] then  -- recorded with "f": "n" was recorded before it
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry)
-else  -- a thread from before incarnations were recorded gets one now
-  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'n', incarnation)
+else  -- a thread from before incarnations or key fingerprints were recorded gets them now
+  redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'n', incarnation,
+    'f', fingerprint)
 end
 redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s, 'n', incarnation)
 redis.call('ZADD', index, now_s, thread)
