@@ -282,15 +282,25 @@ class MemoryEventStore(EventStore):
             or (expected not in ("any", "no_thread", "exists") and version != int(expected))
         ):
             raise ConcurrencyError(thread_id, expected_version, version)
+        # Guards see the ops before them in this append, as if its events came one by one (as
+        # the script does): a field's version after the earlier sets, deletes and clears.
+        after: dict[tuple[str, str], int] = {}
+        cleared: set[str] = set()
         for op in ops:
-            if isinstance(op, HashSet | HashDelete) and op.expected_version is not None:
-                view = thread.views.get(op.view)
-                cur = view.get(op.field) if isinstance(view, dict) else None
-                actual = _field_version(cur)
-                if actual != op.expected_version:
+            if isinstance(op, HashSet | HashDelete):
+                known = after.get((op.view, op.field))
+                if known is None:
+                    view = None if op.view in cleared else thread.views.get(op.view)
+                    cur = view.get(op.field) if isinstance(view, dict) else None
+                    known = _field_version(cur)
+                if op.expected_version is not None and known != op.expected_version:
                     raise ViewConflictError(
-                        thread_id, op.view, op.field, op.expected_version, actual
+                        thread_id, op.view, op.field, op.expected_version, known
                     )
+                after[(op.view, op.field)] = known + 1 if isinstance(op, HashSet) else 0
+            elif isinstance(op, ViewClear | ListPush | ListReset):
+                cleared.add(op.view)
+                after = {vf: v for vf, v in after.items() if vf[0] != op.view}
 
         now = int(time.time() * 1000)
         last_time = thread.times[-1] if thread.times else 0

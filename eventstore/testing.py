@@ -437,6 +437,47 @@ class EventStoreConformance:
         assert list(snap.results[0]) == ["y"]
         assert snap.version == 3
 
+    async def test_guards_see_the_ops_before_them_in_the_same_append(
+        self, store: EventStore
+    ) -> None:
+        """As if the append's events came one by one: a guard reads the field's version after
+        the earlier sets, deletes and clears of the same append."""
+        await store.append("t", [msg("a")], view_ops=[HashSet("h", "x", b"1")])  # x at 1
+        await store.append(
+            "t",
+            [msg("b")],
+            view_ops=[HashSet("h", "x", b"2", 0, 1), HashSet("h", "x", b"3", 0, 2)],
+        )
+        # Two writers' worth of "I saw version 3" in one append: the second is a lost update.
+        before = await store.read_views("t", [HashGetAll("h")])
+        with pytest.raises(ViewConflictError) as caught:
+            await store.append(
+                "t",
+                [msg("c")],
+                view_ops=[HashSet("h", "x", b"4", 0, 3), HashSet("h", "x", b"5", 0, 3)],
+            )
+        assert (caught.value.expected, caught.value.actual) == (3, 4)
+        assert await store.read_views("t", [HashGetAll("h")]) == before
+        # A delete, a clear or a list op on the key starts the field again from 0.
+        await store.append(
+            "t",
+            [msg("d")],
+            view_ops=[HashDelete("h", "x", 3), HashSet("h", "x", b"6", 0, 0)],
+        )
+        await store.append(
+            "t",
+            [msg("e")],
+            view_ops=[HashSet("h", "y", b"1", 0, 0), ViewClear("h"), HashSet("h", "y", b"2", 0, 0)],
+        )
+        await store.append(
+            "t",
+            [msg("f")],
+            view_ops=[ListPush("h", (b"v",)), HashSet("h", "y", b"3", 0, 0)],
+        )
+        snap = await store.read_views("t", [HashGetAll("h")])
+        assert snap.results[0] == {"y": ViewEntry(5, b"3", 1)}
+        assert snap.version == 5
+
     async def test_hash_fields_listed_by_a_list_view(self, store: EventStore) -> None:
         ops: list[ViewOp] = []
         for i in range(5):

@@ -83,6 +83,24 @@ local function field_version(key, field)
   if not cur then return 0 end
   return tonumber(string.match(cur, '^(%d+):')) or 0
 end
+-- Guards see the ops before them in the same append, as if the events came one by one: per
+-- key and field, the sets since the version stored (or since a delete or clear reset it to 0).
+-- Only a guard reads the stored version; an unguarded set is just counted.
+local since = {}  -- key -> field -> {zero = reset to 0 by an earlier op, n = sets after}
+local cleared = {}  -- key -> true: an earlier op deleted the view or made it a list
+local function change(key, field)
+  local fields = since[key]
+  if not fields then
+    fields = {}
+    since[key] = fields
+  end
+  local c = fields[field]
+  if not c then
+    c = {zero = cleared[key] or false, n = 0}
+    fields[field] = c
+  end
+  return c
+end
 for o = 1, n_ops do
   local code, k = ARGV[pos], tonumber(ARGV[pos + 1])
   local op = {code = code, key = KEYS[k], k = k}
@@ -107,11 +125,22 @@ for o = 1, n_ops do
   else
     return redis.error_reply('ERR threadlog: unknown view op ' .. tostring(code))
   end
-  if (code == 'hs' or code == 'hd') and op.expected ~= '' then
-    local actual = field_version(op.key, op.field)
-    if actual ~= tonumber(op.expected) then
-      return {'view', k, op.field, tonumber(op.expected), actual}
+  if code == 'hs' or code == 'hd' then
+    local c = change(op.key, op.field)
+    if op.expected ~= '' then
+      local actual = (c.zero and 0 or field_version(op.key, op.field)) + c.n
+      if actual ~= tonumber(op.expected) then
+        return {'view', k, op.field, tonumber(op.expected), actual}
+      end
     end
+    if code == 'hs' then
+      c.n = c.n + 1
+    else
+      c.zero, c.n = true, 0
+    end
+  elseif code == 'vc' or code == 'lp' or code == 'lr' then
+    cleared[op.key] = true
+    since[op.key] = nil
   end
   ops[o] = op
 end
