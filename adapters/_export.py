@@ -32,6 +32,10 @@ writes its own part files, numbered so that no two collide and each process's nu
 names only the partitions its process exported, and a run's starting positions merge every
 committed sidecar in part order, partition by partition. A partition is exported by exactly
 one process in a run, so the merge gives each partition the position of its newest part.
+
+Positions are feed ids, which mean nothing outside their feed, so a directory records its
+source (`SOURCE_FILE`: namespace, the data set's `EventStore.namespace_id`, export name) and
+refuses any other (`ExportSourceError`), and each run checks its positions against the feeds.
 Runs are fenced by two ``flock`` locks in the directory: one run at a time, and a new run
 waits (bounded) until every worker of an earlier, killed run is gone before it reads the
 positions, so an orphaned worker can never commit a part a new run then exports again.
@@ -78,9 +82,11 @@ from eventstore import (
     RedisEventStore,
     StoreSettings,
     open_store,
+    redact,
     validate_view_name,
 )
 from eventstore._codec import seq_of_entry_id
+from eventstore._feed import parse_stream_id
 
 from ._files import temp_beside
 
@@ -140,6 +146,8 @@ _RUN_LOCK = ".export.lock"
 """Held (exclusively) by the process running an export into the directory."""
 _WORKERS_LOCK = ".workers.lock"
 """Held (shared) by every worker process of a run; a new run waits until none holds it."""
+SOURCE_FILE = "source.json"
+"""The directory's source: namespace, data set id (`EventStore.namespace_id`), export name."""
 FENCE_TIMEOUT = 30.0
 """Seconds a run waits for the workers of an earlier, killed run to be gone."""
 
@@ -153,10 +161,19 @@ class ExportResult(msgspec.Struct, frozen=True, kw_only=True):
     positions: dict[int, str]
     workers: int = 1
     """Processes that took part (this one included)."""
+    busy_partitions: int | None = None
+    """Partitions that had changes waiting, when the run counted them (to share them out)."""
 
 
 class ExportBusyError(OperationalError):
     """Raised when another export run is writing into the same directory."""
+
+
+class ExportSourceError(InvalidInputError):
+    """Raised when an export directory holds another source's export than the run's: another
+    namespace, another data set (another server, or this one flushed or restored from an older
+    copy), or another export name; or when the feeds contradict its positions. Nothing is
+    written: a run into it would export a wrong set of events (nothing, or a hole)."""
 
 
 class ExportWorkerError(OperationalError):
@@ -692,6 +709,103 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _Source(msgspec.Struct, frozen=True, kw_only=True):
+    """Whose events an export directory holds (`SOURCE_FILE`)."""
+
+    namespace: str
+    store: str
+    """The data set's id: `EventStore.namespace_id`."""
+    name: str
+    """The export name (its feed consumer group is ``export-<name>``)."""
+    url: str | None = None
+    """Where it was last exported from, password removed: for messages only (one data set can
+    be reached by several URLs)."""
+
+    def describe(self) -> str:
+        where = f" at {self.url}" if self.url else ""
+        return f"namespace {self.namespace!r} of data set {self.store}{where}"
+
+
+def _read_source(directory: Path) -> _Source | None:
+    path = directory / SOURCE_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return msgspec.json.decode(data, type=_Source)
+    except msgspec.DecodeError as exc:
+        raise ExportSourceError(
+            f"{path} does not say whose export {directory} holds ({exc}); restore it, or "
+            f"export to a new directory"
+        ) from None
+
+
+def _write_source(directory: Path, source: _Source) -> None:
+    _atomic_write(directory / SOURCE_FILE, msgspec.json.format(msgspec.json.encode(source)))
+    _fsync_dir(directory)
+
+
+def _check_source(directory: Path, recorded: _Source, asked: _Source) -> None:
+    """Raise `ExportSourceError` unless ``asked`` is the source the directory holds."""
+    if recorded.namespace != asked.namespace:
+        raise ExportSourceError(
+            f"{directory} holds an export of {recorded.describe()}; asked to export "
+            f"{asked.describe()}: one directory holds one namespace's export; export "
+            f"{asked.namespace!r} to another directory"
+        )
+    if recorded.store != asked.store:
+        raise ExportSourceError(
+            f"{directory} holds an export of {recorded.describe()}, but the store now holds "
+            f"{asked.describe()}: another server, or the data was flushed or replaced since "
+            f"(its feed positions no longer apply); export to a new directory"
+        )
+    if recorded.name != asked.name:
+        raise ExportSourceError(
+            f"{directory} was exported under the name {recorded.name!r}, not {asked.name!r}: "
+            f"the name keeps the directory's feed consumer group; use --name {recorded.name}"
+        )
+
+
+def _namespace_of_parts(directory: Path) -> str | None:
+    """The namespace the newest part with a row names (an older directory's source)."""
+    for path in sorted(directory.glob("part-*"), reverse=True):
+        try:
+            if path.suffix == ".ndjson":
+                with open(path, "rb") as f:
+                    line = f.readline()
+                if line.strip():
+                    return str(json.loads(line)["namespace"])
+            elif path.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                part = pq.ParquetFile(path)
+                if part.metadata.num_rows:
+                    return str(part.read_row_group(0, columns=["namespace"])[0][0].as_py())
+        except Exception:  # a part that does not say (damaged, edited): an older one may
+            continue
+    return None
+
+
+def _before(position: str) -> str | None:
+    """The stream id just below ``position`` (None below ``0-0``)."""
+    ms, n = parse_stream_id(position)
+    if n:
+        return f"{ms}-{n - 1}"
+    return f"{ms - 1}-{2**64 - 1}" if ms else None
+
+
+async def _on_feed(store: EventStore, partition: int, position: str) -> bool:
+    """Whether the partition's feed holds an entry at ``position``."""
+    before = _before(position)
+    if before is None:
+        return True
+    found = await store.read_feed(partition, after=before, count=1)
+    return bool(found) and found[0].id == position
+
+
 def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     """The newest committed part number, and the position of every partition: the one the
     newest committed part that names the partition recorded (0 and {} for a fresh directory).
@@ -747,8 +861,14 @@ class Exporter:
     counting still frees everything as before). Worker processes always run this way; an
     application that embeds the exporter keeps its collector unless it asks.
 
+    A directory holds one source's export (`SOURCE_FILE`: namespace, data set id, ``name``);
+    ``workers=N`` is a maximum: a run starts no more processes than there are partitions
+    with changes waiting.
+
     Raises `InvalidInputError` for a bad format, view name, worker count or settings;
-    `run` raises `ExportBusyError` while another run writes into the same directory, a
+    `run` raises `ExportSourceError` for a directory of another source (or positions the
+    store contradicts), `InvalidInputError` for ``since`` on a directory that has positions,
+    `ExportBusyError` while another run writes into the same directory, a
     worker's own error as itself (`CorruptEventError`, `StoreConnectionError`, ...), and
     `ExportWorkerError` when a worker dies or hangs.
     """
@@ -810,6 +930,7 @@ class Exporter:
         self.store = store
         self.directory = Path(directory)
         self.fmt: Format = fmt
+        self.name = name
         self.group = f"export-{name}"
         self.batch = batch
         self.rows_per_part = rows_per_part
@@ -827,7 +948,10 @@ class Exporter:
     ) -> ExportResult:
         """Export every change after the committed positions; returns what was written.
 
-        ``since`` skips events recorded before that time (a first export of recent data).
+        ``since`` starts a new directory at that time: events recorded before it are never
+        exported into it (later runs continue from where this one ended). It is refused on a
+        directory that has positions, where it would skip events for good; a run with it that
+        finds nothing since the time commits nothing, leaving the directory new.
         ``progress`` gets the running count of rows written.
         """
         if since is not None and not isinstance(since, datetime):
@@ -868,23 +992,136 @@ class Exporter:
         with _run_lock(self.directory):
             await _fence_earlier_workers(self.directory)
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
+            await self._claim_directory(positions)
+            if since_ms is not None and positions:
+                raise InvalidInputError(
+                    f"since (--since) only starts a new export directory: {self.directory} "
+                    f"already continues from its committed positions, and events before the "
+                    f"time would be skipped for good; run without it, or export to a new "
+                    f"directory"
+                )
             for p in range(self.store.partitions):
-                await self.store.create_feed_group(p, self.group, start=positions.get(p, "0-0"))
+                start = positions.get(p, "0-0")
+                created = await self.store.create_feed_group(p, self.group, start=start)
+                if not created and not positions:
+                    # A new directory takes over the group an abandoned one left (a directory
+                    # still in use was refused above): trimming waits for this one now.
+                    await self.store.advance_feed_group(p, self.group, start)
             workers = self.workers
+            busy: int | None = None
+            if workers > 1:
+                # A process with no partition to claim would only start and stop.
+                busy = await self._busy_partitions(positions)
+                workers = min(workers, max(busy, 1))
             small = self.adaptive and workers > 1
             if small and not await self._backlog_reaches(positions, PARALLEL_MIN_EVENTS):
                 workers = 1
             if workers > 1:
-                return await self._run_parallel(workers, number, positions, since_ms, progress)
-            state = _RunState(number + 1, 1, dict(positions))
-            partitions = iter(range(self.store.partitions))
+                result = await self._run_parallel(workers, number, positions, since_ms, progress)
+            else:
+                state = _RunState(number + 1, 1, dict(positions))
+                partitions = iter(range(self.store.partitions))
 
-            async def claim() -> int | None:
-                return next(partitions, None)
+                async def claim() -> int | None:
+                    return next(partitions, None)
 
-            pipeline = self._pipeline(self.store, 1, state, positions, since_ms, claim, progress)
-            await pipeline.run()
-            return state.result()
+                pipeline = self._pipeline(
+                    self.store, 1, state, positions, since_ms, claim, progress
+                )
+                await pipeline.run()
+                result = state.result()
+            result = msgspec.structs.replace(result, busy_partitions=busy)
+            if since_ms is not None and result.files and not result.events + result.tombstones:
+                result = await self._discard_empty_run(result)
+            return result
+
+    async def _claim_directory(self, positions: dict[int, str]) -> None:
+        """Check that the directory holds this run's source, recording it in a new (or older)
+        directory; raises `ExportSourceError` otherwise."""
+        asked = _Source(
+            namespace=self.store.namespace,
+            store=await self.store.namespace_id(),
+            name=self.name,
+            url=redact(self.settings.url) if self.settings is not None else None,
+        )
+        recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
+        if recorded is not None:
+            _check_source(self.directory, recorded, asked)
+        elif positions:
+            # A directory from before sources were recorded: its rows name their namespace,
+            # and the checks below on the feeds and the group stand in for the data set's id.
+            found = await anyio.to_thread.run_sync(_namespace_of_parts, self.directory)
+            if found is not None and found != asked.namespace:
+                raise ExportSourceError(
+                    f"{self.directory} holds an export of namespace {found!r}, not of "
+                    f"{asked.namespace!r}: one directory holds one namespace's export; "
+                    f"export {asked.namespace!r} to another directory"
+                )
+        if positions:
+            await self._check_positions(positions)
+        if recorded is None or (asked.url is not None and recorded.url != asked.url):
+            await anyio.to_thread.run_sync(_write_source, self.directory, asked)
+
+    async def _check_positions(self, positions: dict[int, str]) -> None:
+        """Refuse positions the store contradicts: a position that is not on its partition's
+        feed although the feed holds entries before it (the feed was reset, or is another
+        one: those entries would never be exported), and a consumer group ahead of the
+        directory (another directory exports under the same name)."""
+        store = self.store
+        for p, position in sorted(positions.items()):
+            if p >= store.partitions:
+                raise ExportSourceError(
+                    f"{self.directory} has a position in partition {p}, but namespace "
+                    f"{store.namespace!r} has {store.partitions} partitions: it holds another "
+                    f"store's export; export to another directory"
+                )
+            if await _on_feed(store, p, position):
+                continue
+            first = await store.read_feed(p, count=1)
+            if first and parse_stream_id(first[0].id) < parse_stream_id(position):
+                raise ExportSourceError(
+                    f"{self.directory} is at {position} in partition {p}, which the feed of "
+                    f"namespace {store.namespace!r} does not hold although it holds entries "
+                    f"before it (from {first[0].id}): the store was flushed, restored or "
+                    f"replaced since, or the directory holds another store's export; export "
+                    f"to a new directory"
+                )
+        for p in range(store.partitions):
+            ours = parse_stream_id(positions.get(p, "0-0"))
+            for group in await store.feed_groups(p):
+                if group.name == self.group and parse_stream_id(group.last_delivered) > ours:
+                    raise ExportSourceError(
+                        f"the feed consumer group {self.group!r} of namespace "
+                        f"{store.namespace!r} is ahead of {self.directory} (partition {p}: "
+                        f"{group.last_delivered}, the directory {positions.get(p, '0-0')}): "
+                        f"another export directory uses the export name {self.name!r}; give "
+                        f"each directory its own name (--name)"
+                    )
+
+    async def _busy_partitions(self, positions: dict[int, str]) -> int:
+        """How many partitions have changes waiting past ``positions``."""
+        busy = 0
+        for p in range(self.store.partitions):
+            if await self.store.read_feed(p, after=positions.get(p, "0-0"), count=1):
+                busy += 1
+        return busy
+
+    async def _discard_empty_run(self, result: ExportResult) -> ExportResult:
+        """Undo a ``since`` run that found nothing since the time: its parts are empty, and
+        keeping their positions would skip every earlier event for good although the directory
+        holds nothing yet. The directory stays new (and its groups back at the start)."""
+
+        def remove() -> None:
+            for name in result.files:
+                part = Path(name)
+                part.unlink(missing_ok=True)
+                part.with_suffix(".positions.json").unlink(missing_ok=True)
+            _fsync_dir(self.directory)
+
+        await anyio.to_thread.run_sync(remove)
+        for p in range(self.store.partitions):
+            await self.store.advance_feed_group(p, self.group, "0-0")
+        return msgspec.structs.replace(result, files=[], positions={})
 
     async def _backlog_reaches(self, positions: dict[int, str], events: int) -> bool:
         """Whether at least ``events`` events wait past ``positions``.

@@ -1,10 +1,15 @@
 """JSONL session files (one model message per line): import and export, byte-faithful.
 
 Every message is exported exactly as it was imported: a line that re-encodes to the same bytes
-is stored structurally, any other line also keeps its original text. Import validates the
-whole file before writing anything; malformed lines are reported with their line numbers and
-either refuse the import or, with ``skip_bad``, are skipped and reported one by one.
-Importing the same file twice writes it once.
+is stored structurally, any other line also keeps its original text. What is not a message is
+not kept: line ends (LF or CRLF) are written as LF, with a final newline, a leading UTF-8 byte
+order mark is dropped, and so are blank lines at the end of the file. Import validates the
+whole file before writing anything; malformed lines (a blank line before the last message is
+one) are reported with their line numbers and either refuse the import or, with ``skip_bad``,
+are skipped and reported one by one. A file with no message to import is refused, so that an
+import never reports success for a session it did not write. Importing the same file twice
+writes it once. Export refuses a session with no transcript: one never written, or a thread
+that holds other events (a conversation's messages) but no transcript event.
 """
 
 from __future__ import annotations
@@ -17,11 +22,17 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from eventstore import InvalidInputError, Message, MessageFormatError
+from eventstore import (
+    InvalidInputError,
+    Message,
+    MessageFormatError,
+    TranscriptAppended,
+    TranscriptReplaced,
+)
 
 from ._access import Principal
 from ._files import temp_beside
-from ._sessions import SessionStore
+from ._sessions import SessionStore, Transcript
 
 # Messages per transcript event are capped by bytes, so that no event nears the store's limit.
 EVENT_BUDGET_BYTES = 256 * 1024
@@ -40,14 +51,27 @@ class JsonlLineError(msgspec.Struct, frozen=True):
 
 
 class JsonlImportError(InvalidInputError):
-    """Raised when a JSONL file has malformed lines and ``skip_bad`` is off; nothing is written."""
+    """Raised when a JSONL file has malformed lines and ``skip_bad`` is off, or holds no
+    message to import (empty, or every line malformed); nothing is written."""
 
-    def __init__(self, path: str, errors: list[JsonlLineError]) -> None:
+    def __init__(self, path: str, errors: list[JsonlLineError], *, empty: bool = False) -> None:
         self.path = path
         self.errors = errors
+        self.empty = empty
         shown = "; ".join(f"line {e.line}: {e.reason}" for e in errors[:5])
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        super().__init__(f"{path}: {len(errors)} malformed line(s): {shown}{more}")
+        if not empty:
+            text = f"{len(errors)} malformed line(s): {shown}{more}"
+        elif errors:
+            text = f"no message to import: every line is malformed ({shown}{more})"
+        else:
+            text = "no message to import (the file is empty or blank); nothing written"
+        super().__init__(f"{path}: {text}")
+
+
+class NoTranscriptError(InvalidInputError):
+    """Raised when a session to export has no transcript: nothing was ever written to it, or
+    its thread holds other events (a conversation's messages) but no transcript event."""
 
 
 class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,8 +94,11 @@ def parse_jsonl(
     # A UTF-8 byte order mark (some Windows editors write one) marks the encoding; it is not
     # part of the first message.
     lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the newline that ends the last line does not open another
+    # The newline that ends the last line does not open another, and blank lines after the
+    # last message (an editor's, or a hand-edited file's) are no line of the file either; a
+    # blank line before a message stays a malformed line.
+    while lines and not lines[-1].strip():
+        lines.pop()
     for number, raw in enumerate(lines, start=1):
         if raw.endswith(b"\r"):
             raw = raw[:-1]
@@ -136,6 +163,8 @@ async def import_jsonl(
     messages, errors = parse_jsonl(data, max_message_bytes=limit)
     if errors and not skip_bad:
         raise JsonlImportError(str(path), errors)
+    if not messages:
+        raise JsonlImportError(str(path), errors, empty=True)
     digest = hashlib.sha256(data).hexdigest()[:32]
     events = _batches(messages)
     duplicate = True
@@ -148,9 +177,6 @@ async def import_jsonl(
         )
         duplicate = duplicate and result.duplicate
         version = result.last_seq
-    if not events:
-        duplicate = False
-        version = (await sessions.load(session_id, principal=principal)).version
     lines = len(messages) + len(errors)
     return ImportReport(
         session_id=session_id,
@@ -185,8 +211,42 @@ async def export_jsonl(
     *,
     principal: Principal | None = None,
 ) -> int:
-    """Write the session's current transcript as JSONL (atomically); returns the line count."""
-    transcript = await sessions.load(session_id, principal=principal)
+    """Write the session's current transcript as JSONL (atomically); returns the line count.
+
+    Raises `NoTranscriptError` (nothing written) for a session with no transcript.
+    """
+    transcript = await transcript_to_export(sessions, session_id, principal=principal)
     chunks = [m.to_json_bytes() + b"\n" for m in transcript.messages]
     await anyio.to_thread.run_sync(_write_atomically, Path(path), chunks)
     return len(transcript.messages)
+
+
+async def transcript_to_export(
+    sessions: SessionStore, session_id: str, *, principal: Principal | None = None
+) -> Transcript:
+    """The session's transcript, for export; raises `NoTranscriptError` when it has none.
+
+    A transcript compacted to nothing (a replace with no message) is a transcript: it
+    exports as an empty file.
+    """
+    transcript = await sessions.load(session_id, principal=principal)
+    if transcript.messages:
+        return transcript
+    store = sessions.store
+    where = f"in namespace {store.namespace!r}"
+    if transcript.version == 0 and not await store.read_raw(session_id, count=1):
+        raise NoTranscriptError(
+            f"no session {session_id!r} {where}: nothing was ever written to it"
+        )
+    # Only an empty transcript gets here: one scan of its thread, stopping at the first
+    # transcript event.
+    events = 0
+    async for event in store.read(session_id):
+        if isinstance(event.payload, TranscriptAppended | TranscriptReplaced):
+            return transcript
+        events += 1
+    raise NoTranscriptError(
+        f"thread {session_id!r} {where} has no session transcript: its {events} event(s) "
+        f"hold no transcript event (a conversation's messages are not a transcript; "
+        f"'threadlog show {session_id}' shows them)"
+    )

@@ -48,7 +48,7 @@ from projections import (
 from ._audit import Auditor, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
-from ._jsonl import export_jsonl, import_jsonl
+from ._jsonl import export_jsonl, import_jsonl, transcript_to_export
 from ._sessions import SessionStore
 
 try:
@@ -337,18 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--since",
         type=parse_time,
         metavar="TIME",
-        help="skip events older than this: ISO-8601, or a duration ago (15m, 2h)",
+        help="start a new directory at this time (ISO-8601, or a duration ago: 15m, 2h): "
+        "older events are never exported into it; refused on a directory with positions",
     )
     p.add_argument(
-        "--name", default="export", help="export name: its feed checkpoints (default 'export')"
+        "--name",
+        default="export",
+        help="export name: its feed consumer group, one per directory (default 'export')",
     )
     p.add_argument(
         "--workers",
         type=parse_workers,
         default="auto",
         metavar="N|auto",
-        help="processes sharing the partitions (default auto: one per CPU, at most 3 and one "
-        "per partition, when at least 200,000 events wait; 1 exports in this process only)",
+        help="processes sharing the partitions, at most one per partition with changes "
+        "waiting (default auto: one per CPU, at most 3, when at least 200,000 events wait; "
+        "1 exports in this process only)",
     )
     p.add_argument(
         "--compression",
@@ -1333,8 +1337,26 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
     if args.json:
         ctx.json(result)
         return
+    asked = args.workers
+    if isinstance(asked, int) and result.workers < asked:
+        # Say why fewer processes ran than were asked for (stderr: stdout is the report).
+        busy = result.busy_partitions
+        partitions = plural(ctx.store.partitions, "partition")
+        why = (
+            f"{plural(busy, 'partition')} had changes waiting"
+            if busy is not None
+            else f"namespace {ctx.store.namespace!r} has {partitions}"
+        )
+        used = "1 process" if result.workers == 1 else f"{result.workers} processes"
+        ctx.err.print(
+            Text(f"--workers {asked}: exported with {used} ({why}; one per partition at most)")
+        )
     if not result.files:
-        ctx.out.print(f"Nothing new to export to {escape(str(args.out))} since the last run.")
+        if args.since is not None:
+            text = f"No event since {args.since.isoformat()} to export; {args.out} stays new."
+        else:
+            text = f"Nothing new to export to {args.out} since the last run."
+        ctx.out.print(Text(text))
         return
     names = ", ".join(Path(f).name for f in result.files)
     ctx.out.print(
@@ -1465,7 +1487,7 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     await _require_thread(ctx, session)
     sessions = SessionStore(ctx.store)
     if args.file == "-":
-        transcript = await sessions.load(session)
+        transcript = await transcript_to_export(sessions, session)
         sys.stdout.buffer.write(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
         sys.stdout.flush()
         return

@@ -402,6 +402,16 @@ class EventStore(abc.ABC):
         """The stored checkpoint of async projection ``name`` in a partition ("0-0": none)."""
 
     @abc.abstractmethod
+    async def namespace_id(self) -> str:
+        """The id of this namespace's data set: a ULID made the first time any store asks and
+        kept with the namespace's settings, the same for every client from then on.
+
+        Another namespace, another server, or the same server after its data was flushed has
+        another id: a consumer that keeps its positions outside the store (an export
+        directory) records it to notice when it is pointed at other data.
+        """
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release connections; further calls raise `StoreClosedError`."""
 

@@ -50,7 +50,13 @@ from ._feed import (
     parse_stream_id,
     safe_trim_point,
 )
-from ._ids import validate_limit, validate_namespace, validate_thread_id, validate_view_name
+from ._ids import (
+    new_ulid,
+    validate_limit,
+    validate_namespace,
+    validate_thread_id,
+    validate_view_name,
+)
 from ._keys import DEFAULT_PARTITIONS, partition_of
 from ._views import (
     HashDelete,
@@ -150,6 +156,7 @@ class _Namespace:
     checkpoints: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
     aux: dict[tuple[int, str, str], dict[str, int]] = field(default_factory=dict)
     index: dict[str, int] = field(default_factory=dict)
+    id: str = field(default_factory=new_ulid)  # `namespace_id`
 
 
 class MemoryServer:
@@ -703,6 +710,10 @@ class MemoryEventStore(EventStore):
         self._feed(partition)
         found = self._ns.checkpoints.get((partition, name))
         return format_stream_id(found) if found else "0-0"
+
+    async def namespace_id(self) -> str:
+        self._check_open()
+        return self._ns.id
 
     async def close(self) -> None:
         self._closed = True

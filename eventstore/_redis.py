@@ -55,7 +55,7 @@ from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
 from ._gc import paused_collector
-from ._ids import validate_limit, validate_thread_id, validate_view_name
+from ._ids import new_ulid, validate_limit, validate_thread_id, validate_view_name
 from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
 from ._scripts import (
     APPEND,
@@ -1208,6 +1208,15 @@ class RedisEventStore(EventStore):
         self._feed_key(partition)
         raw = await _call(self.client.hget(self.keys.checkpoints(partition), name))
         return raw.decode("ascii") if raw else "0-0"
+
+    async def namespace_id(self) -> str:
+        key = KeyLayout.config_key(self.namespace)
+        recorded = await _call(self.client.hget(key, "id"))
+        if recorded is None:
+            # HSETNX: of two clients asking at once, the first one's id is everybody's.
+            await _call(self.client.hsetnx(key, "id", new_ulid()))
+            recorded = await _call(self.client.hget(key, "id"))
+        return str(recorded.decode("ascii"))
 
     async def close(self) -> None:
         if self._closed:

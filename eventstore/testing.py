@@ -789,6 +789,18 @@ class EventStoreConformance:
         with pytest.raises(InvalidInputError):
             await apply(0, "stats", expected="5-1", checkpoint="5-1")
 
+    async def test_namespace_id_is_one_per_data_set(self, store: EventStore) -> None:
+        first = await store.namespace_id()
+        assert len(first) == 26 and await store.namespace_id() == first
+        again = await self.make_store(store.namespace)
+        other = await self.make_store("c" + uuid.uuid4().hex[:12])
+        try:
+            assert await again.namespace_id() == first  # kept, for every client
+            assert await other.namespace_id() not in ("", first)
+        finally:
+            await again.close()
+            await other.close()
+
     # -- bad input -----------------------------------------------------------------------------
 
     @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from adapters import (
     AccessDenied,
     CallbackPolicy,
     JsonlImportError,
+    NoTranscriptError,
     Principal,
     SessionStore,
     StateUpdate,
@@ -460,6 +461,51 @@ async def test_jsonl_malformed_lines(store: es.EventStore, tmp_path: Path) -> No
     )
     assert (await import_jsonl(sessions, bom, "s-bom")).imported == 2
     assert [m.text for m in (await sessions.load("s-bom")).messages] == ["first", "b"]
+
+
+async def test_jsonl_blank_lines_at_the_end_and_files_with_no_message(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    path = tmp_path / "s.jsonl"
+    # Blank lines after the last message are no lines of the file (a hand-edited file's).
+    path.write_bytes(b'{"role":"user","content":"a"}\r\n{"role":"user","content":"b"}\n\n \r\n')
+    report = await import_jsonl(sessions, path, "s")
+    assert (report.lines, report.imported, report.skipped) == (2, 2, [])
+    out = tmp_path / "out.jsonl"
+    assert await export_jsonl(sessions, "s", out) == 2
+    # Each message byte for byte; line ends LF, one final newline.
+    assert out.read_bytes() == b'{"role":"user","content":"a"}\n{"role":"user","content":"b"}\n'
+    # A file with no message writes nothing and says so: an import never reports success
+    # for a session that export would then not find.
+    for data, skip_bad in ((b"", False), (b"\n\n", False), (b"nope\n", True)):
+        path.write_bytes(data)
+        with pytest.raises(JsonlImportError, match="no message to import") as info:
+            await import_jsonl(sessions, path, "empty", skip_bad=skip_bad)
+        assert info.value.empty
+    assert await store.version("empty") == 0
+
+
+async def test_export_jsonl_needs_a_session_transcript(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(NoTranscriptError, match="nothing was ever written"):
+        await export_jsonl(sessions, "never", out)
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("chat", request_message={"role": "user", "content": "hi"})
+    await threads.settle_turn(
+        "chat", turn, outcome="completed", assistant_message={"role": "assistant", "content": "yo"}
+    )
+    with pytest.raises(NoTranscriptError, match="has no session transcript"):
+        await export_jsonl(sessions, "chat", out)
+    assert not out.exists()
+    # A transcript compacted to nothing is a transcript: an empty file.
+    await sessions.append("s", [es.Message(role="user", content="x")])
+    await sessions.replace("s", [])
+    assert await export_jsonl(sessions, "s", out) == 0
+    assert out.read_bytes() == b""
 
 
 async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> None:

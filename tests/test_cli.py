@@ -785,6 +785,87 @@ def test_export_with_worker_processes_writes_the_same_rows(redis_url: str, tmp_p
     assert runs["1"] == runs["3"]
 
 
+def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path) -> None:
+    first, second = fresh_namespace(), fresh_namespace()
+
+    def record(threads: int) -> Callable[[es.EventStore], Awaitable[None]]:
+        async def job(store: es.EventStore) -> None:
+            for i in range(threads):
+                await store.append(f"t{i}", [msg("q"), msg("a", role="assistant")])
+
+        return job
+
+    # The second namespace's events are older than the first's last position.
+    with_store(redis_url, second, record(3))
+    with_store(redis_url, first, record(4))
+    out = tmp_path / "ex"
+    run = cli("export", "--out", str(out), "--format", "ndjson", url=redis_url, namespace=first)
+    assert "Exported 8 events" in run.out, run
+    refused = cli(
+        "export", "--out", str(out), "--format", "ndjson", url=redis_url, namespace=second
+    )
+    line = assert_one_line_error(refused)
+    assert repr(first) in line and repr(second) in line and "another directory" in line
+    alone = cli(
+        "export", "--out", str(tmp_path / "ex2"), "--format", "ndjson", "--workers", "100",
+        url=redis_url, namespace=second,
+    )  # fmt: skip
+    assert alone.code == 0 and "Exported 6 events" in alone.out, alone
+    assert "--workers 100: exported with" in alone.err  # fewer processes, and why
+
+    # --since: a run finding nothing leaves the directory new; then a full export.
+    fresh = tmp_path / "fresh"
+    future = cli(
+        "export", "--out", str(fresh), "--format", "ndjson", "--since", "2099-01-01",
+        url=redis_url, namespace=first,
+    )  # fmt: skip
+    assert future.code == 0 and "stays new" in future.out, future
+    assert not list(fresh.glob("part-*"))
+    full = cli("export", "--out", str(fresh), "--format", "ndjson", url=redis_url, namespace=first)
+    assert "Exported 8 events" in full.out, full
+    since = cli(
+        "export", "--out", str(fresh), "--format", "ndjson", "--since", "1h",
+        url=redis_url, namespace=first,
+    )  # fmt: skip
+    assert "only starts a new export directory" in assert_one_line_error(since)
+
+
+def test_jsonl_blank_lines_empty_files_and_threads_without_a_transcript(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    nothing = cli("import-jsonl", str(empty), "s2", url=redis_url, namespace=namespace)
+    assert "no message to import" in assert_one_line_error(nothing)
+    never = cli("export-jsonl", "s2", "-", url=redis_url, namespace=namespace)
+    assert "no thread 's2'" in assert_one_line_error(never)
+
+    # CRLF line ends and blank lines after the last message: messages byte for byte, LF ends.
+    edited = tmp_path / "edited.jsonl"
+    edited.write_bytes(b'{"role":"user","content":"a"}\r\n{"role":"user", "content":"b"}\r\n\r\n\n')
+    run = cli("import-jsonl", str(edited), "s3", url=redis_url, namespace=namespace)
+    assert run.code == 0 and "imported 2 of 2 lines" in run.out, run
+    out = cli("export-jsonl", "s3", "-", url=redis_url, namespace=namespace)
+    assert out.out == '{"role":"user","content":"a"}\n{"role":"user", "content":"b"}\n'
+    middle = tmp_path / "middle.jsonl"
+    middle.write_bytes(b'{"role":"user","content":"a"}\n\n{"role":"user","content":"b"}\n')
+    refused = cli("import-jsonl", str(middle), "s4", url=redis_url, namespace=namespace)
+    assert "line 2: empty line" in assert_one_line_error(refused)
+
+    async def converse(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn("chat", request_message={"role": "user", "content": "hi"})
+        await threads.settle_turn("chat", turn, outcome="completed")
+
+    with_store(redis_url, namespace, converse)
+    target = tmp_path / "chat.jsonl"
+    for where in (str(target), "-"):
+        no_transcript = cli("export-jsonl", "chat", where, url=redis_url, namespace=namespace)
+        assert "has no session transcript" in assert_one_line_error(no_transcript)
+    assert not target.exists()
+
+
 def test_jsonl_import_and_export_round_trip(redis_url: str, tmp_path: Path) -> None:
     namespace = fresh_namespace()
     source = tmp_path / "session.jsonl"

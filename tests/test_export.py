@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,14 @@ from adapters import (
     COLUMNS,
     ExportBusyError,
     Exporter,
+    ExportSourceError,
     ExportWorkerError,
     ThreadStore,
     committed_positions,
     read_parquet_dir,
 )
-from adapters._export import PAGE, _fence_earlier_workers, _ulid_array, _ulid_text
+from adapters._export import PAGE, SOURCE_FILE, _fence_earlier_workers, _ulid_array, _ulid_text
+from eventstore._keys import KeyLayout
 from eventstore.servers import free_port
 from eventstore.testing import msg, read_all
 
@@ -570,3 +573,128 @@ async def test_parquet_compression_is_chosen_and_checked(tmp_path: Path) -> None
         assert column.compression == expected
     with pytest.raises(es.InvalidInputError, match="unknown Parquet compression"):
         Exporter(store, tmp_path / "bad", compression="gzip")  # type: ignore[arg-type]
+
+
+# -- one source per directory -------------------------------------------------------------------
+
+
+async def test_a_directory_holds_one_namespace_of_one_data_set(
+    redis_url: str, tmp_path: Path
+) -> None:
+    first, second = ("x" + uuid.uuid4().hex[:12] for _ in range(2))
+    a = await es.connect(redis_url, namespace=first, partitions=4)
+    b = await es.connect(redis_url, namespace=second, partitions=4)
+    try:
+        await conversation(a, "t", 3)
+        # b's events are older than a's last position: resumed from a's positions, they were
+        # skipped ("nothing new").
+        await conversation(b, "u", 1)
+        await conversation(a, "t", 1)
+        assert (await Exporter(a, tmp_path, fmt="ndjson").run()).events == 12
+        source = json.loads((tmp_path / SOURCE_FILE).read_text())
+        assert source["namespace"] == first and source["store"] == await a.namespace_id()
+        with pytest.raises(ExportSourceError) as refused:
+            await Exporter(b, tmp_path, fmt="ndjson").run()
+        assert repr(first) in str(refused.value) and repr(second) in str(refused.value)
+        assert (await Exporter(b, tmp_path / "b", fmt="ndjson").run()).events == 3
+        assert (await Exporter(a, tmp_path, fmt="ndjson").run()).files == []  # still a's
+        # The data set's id gone (as after FLUSHALL, or on another server): a new one is made,
+        # and the directory's positions no longer apply.
+        await a.client.hdel(KeyLayout.config_key(first), "id")  # type: ignore[attr-defined]
+        with pytest.raises(ExportSourceError, match="flushed or replaced"):
+            await Exporter(a, tmp_path, fmt="ndjson").run()
+        assert len(ndjson_rows(tmp_path)) == 12  # nothing written by the refused runs
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_directory_keeps_its_export_name(store: es.EventStore, tmp_path: Path) -> None:
+    await conversation(store, "t", 1)
+    await Exporter(store, tmp_path, fmt="ndjson", name="daily").run()
+    with pytest.raises(ExportSourceError, match="--name daily"):
+        await Exporter(store, tmp_path, fmt="ndjson").run()
+
+
+async def test_two_directories_under_one_export_name_are_refused(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(store, "t", 1)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert (await Exporter(store, one, fmt="ndjson").run()).events == 3
+    await conversation(store, "u", 1)
+    # A new directory takes the group over (an abandoned directory's would hold it back)...
+    assert (await Exporter(store, two, fmt="ndjson").run()).events == 6
+    await conversation(store, "t", 1)
+    # ... and the first one finds the group ahead of its positions: the two share it.
+    with pytest.raises(ExportSourceError, match="another export directory uses"):
+        await Exporter(store, one, fmt="ndjson").run()
+    assert (await Exporter(store, two, fmt="ndjson").run()).events == 3
+
+
+async def test_an_older_directory_without_a_source_record(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    other = es.MemoryEventStore(namespace="someone-else", partitions=store.partitions)
+    await conversation(store, "t", 2)
+    await Exporter(store, tmp_path, fmt="ndjson").run()
+    (tmp_path / SOURCE_FILE).unlink()  # as a directory exported before sources were recorded
+    await conversation(store, "t", 1)
+    assert (await Exporter(store, tmp_path, fmt="ndjson").run()).events == 3  # adopted
+    assert json.loads((tmp_path / SOURCE_FILE).read_text())["namespace"] == store.namespace
+    (tmp_path / SOURCE_FILE).unlink()
+    await conversation(other, "t", 1)
+    with pytest.raises(ExportSourceError, match="holds an export of namespace"):
+        await Exporter(other, tmp_path, fmt="ndjson").run()  # its rows name their namespace
+
+    # Positions the feed contradicts (entries before them, none at them): another feed's.
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    feeds = [await store.read_feed(p) for p in range(store.partitions)]
+    entry = next(feed[-1] for feed in feeds if feed)
+    ms, n = entry.id.split("-")  # just past the partition's last entry
+    (legacy / "part-00000001.ndjson").write_text("")
+    (legacy / "part-00000001.positions.json").write_text(
+        json.dumps({str(entry.partition): f"{ms}-{int(n) + 1}"})
+    )
+    with pytest.raises(ExportSourceError, match="does not hold"):
+        await Exporter(store, legacy, fmt="ndjson").run()
+
+
+async def test_since_starts_a_new_directory_only(store: es.EventStore, tmp_path: Path) -> None:
+    await conversation(store, "t", 2)
+    future = datetime(2099, 1, 1, tzinfo=UTC)
+    # Nothing since then: no part, no position; the directory stays new...
+    nothing = await Exporter(store, tmp_path, fmt="ndjson").run(since=future)
+    assert (nothing.files, nothing.events, nothing.positions) == ([], 0, {})
+    assert committed_positions(tmp_path) == (0, {})
+    for p in range(store.partitions):  # and trimming is not let past what it has not exported
+        groups = {g.name: g.last_delivered for g in await store.feed_groups(p)}
+        assert groups.get("export-export", "0-0") == "0-0"
+    # ... so a later run without since exports everything before.
+    assert (await Exporter(store, tmp_path, fmt="ndjson").run()).events == 6
+    # On a directory with positions, since would skip events for good: refused.
+    await conversation(store, "t", 1)
+    with pytest.raises(es.InvalidInputError, match="only starts a new export directory"):
+        await Exporter(store, tmp_path, fmt="ndjson").run(since=datetime(2000, 1, 1, tzinfo=UTC))
+    assert (await Exporter(store, tmp_path, fmt="ndjson").run()).events == 3
+    # A since run that finds events keeps them (and from then on continues without since).
+    recent = await Exporter(store, tmp_path / "recent", fmt="ndjson").run(
+        since=datetime(2000, 1, 1, tzinfo=UTC)
+    )
+    assert recent.events == 9
+
+
+async def test_explicit_workers_start_no_more_processes_than_partitions_with_changes(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path
+) -> None:
+    store = redis_store
+    await conversation(store, "t", 2)  # one thread: one partition with changes
+    settings = settings_of(store, redis_url)
+    result = await Exporter(store, tmp_path, workers=100, settings=settings).run()
+    assert (result.workers, result.busy_partitions, result.events) == (1, 1, 6)
+    assert worker_pids() == []
+    await fill_partitions(store, 8, 1)
+    again = await Exporter(store, tmp_path, workers=100, settings=settings).run()
+    assert again.busy_partitions == again.workers > 1
+    assert again.events == 24
