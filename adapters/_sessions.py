@@ -15,7 +15,10 @@ import msgspec
 
 from eventstore import (
     ANY,
+    EXISTS,
+    NO_THREAD,
     AppendResult,
+    ConcurrencyError,
     EventStore,
     EventTooLargeError,
     ExpectedVersion,
@@ -24,12 +27,25 @@ from eventstore import (
     NewEvent,
     TranscriptAppended,
     TranscriptReplaced,
+    validate_count,
     validate_thread_id,
 )
 from projections import Projector, TranscriptMessage
 
 from ._access import AccessPolicy, AllowAll, Principal, authorize
 from ._threads import as_message
+
+
+def _satisfied(expected: ExpectedVersion, version: int) -> bool:
+    """Whether a thread at ``version`` meets ``expected`` (as an append would check it)."""
+    if expected is ANY:
+        return True
+    if expected is NO_THREAD:
+        return version == 0
+    if expected is EXISTS:
+        return version > 0
+    validate_count(expected, "expected_version")
+    return expected == version
 
 
 class Transcript(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,10 +186,16 @@ class SessionStore:
         if update.mode == "append":
             if not update.messages:
                 # Nothing to write; the version is still the transcript's, whether or not this
-                # store has loaded it.
+                # store has loaded it. An explicit expected version is still checked: a caller
+                # who asked for one must hear that it is stale.
                 await self._allow(principal, "write", session_id)
-                seen = self._seen.get(session_id)
-                return seen if seen is not None else await self.store.version(session_id)
+                if expected_version is None:
+                    seen = self._seen.get(session_id)
+                    return seen if seen is not None else await self.store.version(session_id)
+                current = await self.store.version(session_id)
+                if not _satisfied(expected_version, current):
+                    raise ConcurrencyError(session_id, expected_version, current)
+                return current
             return await self.append(
                 session_id, update.messages, expected_version=expected_version, principal=principal
             )

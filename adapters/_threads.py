@@ -7,9 +7,11 @@ appends are atomic and idempotent) and auditable.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import msgspec
 
 from eventstore import (
@@ -48,6 +50,7 @@ from projections import (
 from ._access import AccessPolicy, AllowAll, Principal, authorize
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
+RECORDS_READ_AHEAD = 32  # threads whose records are read at once by a cross-thread page
 
 
 class TurnNotFoundError(InvalidInputError):
@@ -234,6 +237,10 @@ class ThreadStore:
         A root turn opened with a request adds the user message to the conversation in the
         same atomic append, before context assembly. A child turn's parent must be a turn of
         this thread. Re-opening the same ``turn_id`` is idempotent.
+
+        To retry after an unknown outcome (a timeout: the turn may have been opened), pass the
+        same ``turn_id``: mint it first (``turn_id = threads.new_turn_id()``) and reuse it. A
+        retry without it opens a second turn, with a second copy of the request message.
         """
         await self._allow(principal, "write", thread_id)
         if turn_id is not None and (not isinstance(turn_id, str) or not turn_id):
@@ -369,7 +376,9 @@ class ThreadStore:
     ) -> RecordsPage:
         """Settled turn records, newest first: of one thread, or of every thread (None).
 
-        ``after`` is the ``next_cursor`` of the previous page.
+        ``after`` is the ``next_cursor`` of the previous page. A page across threads reads
+        the records of every thread active since shortly (`CLOCK_SKEW_MS`) before the page's
+        oldest record, `RECORDS_READ_AHEAD` threads at a time.
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be an int >= 1, not {limit!r}")
@@ -392,17 +401,33 @@ class ThreadStore:
         # its last activity (record times come from client ULIDs, activity from the server
         # clock: CLOCK_SKEW_MS absorbs the difference). Once `limit + 1` records are newer
         # than that, older threads cannot change the page.
-        collected: list[TurnRecord] = []
-        for info in await self.store.threads():
-            if len(collected) > limit:
-                kept = sorted(collected, key=_newest_first)[: limit + 1]
-                if kept[-1].recorded_ms > info.last_activity_ms + CLOCK_SKEW_MS:
-                    break
-            records = await self.projector.records(info.thread_id)
-            if cursor is not None:
-                records = [r for r in records if _newest_first(r) > cursor]
-            collected += records
-        return sorted(collected, key=_newest_first)
+        keep = limit + 1
+        best: list[tuple[SortKey, TurnRecord]] = []  # the page so far, sorted, at most `keep`
+        threads = await self.store.threads()
+        for start in range(0, len(threads), RECORDS_READ_AHEAD):
+            batch = threads[start : start + RECORDS_READ_AHEAD]
+            if len(best) == keep and best[-1][1].recorded_ms > (
+                batch[0].last_activity_ms + CLOCK_SKEW_MS
+            ):
+                break
+            # A batch of threads read at once: one round trip's wait for many threads.
+            found: list[list[TurnRecord]] = [[] for _ in batch]
+            async with anyio.create_task_group() as tg:
+                for i, info in enumerate(batch):
+                    tg.start_soon(self._read_records, info.thread_id, found, i)
+            for records in found:
+                for r in records:
+                    key = _newest_first(r)
+                    if cursor is not None and key <= cursor:
+                        continue
+                    if len(best) == keep and key >= best[-1][0]:
+                        continue
+                    bisect.insort(best, (key, r), key=_first)
+                    del best[keep:]
+        return [r for _, r in best]
+
+    async def _read_records(self, thread_id: str, into: list[list[TurnRecord]], i: int) -> None:
+        into[i] = await self.projector.records(thread_id)
 
     async def context(
         self,
@@ -422,6 +447,10 @@ class ThreadStore:
 
 # Newest first: by record time (ms), then thread id, then seq descending within a thread.
 SortKey = tuple[int, str, int]
+
+
+def _first(pair: tuple[SortKey, TurnRecord]) -> SortKey:
+    return pair[0]
 
 
 def _newest_first(r: TurnRecord) -> SortKey:

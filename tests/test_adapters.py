@@ -19,6 +19,7 @@ from adapters import (
     NoTranscriptError,
     Principal,
     SessionStore,
+    SessionUpdate,
     StateUpdate,
     TenantPolicy,
     ThreadStore,
@@ -28,6 +29,7 @@ from adapters import (
     import_jsonl,
     session_update,
 )
+from adapters._threads import RECORDS_READ_AHEAD
 from eventstore.testing import read_all
 from projections import Projector, ReaderView, StateProjection
 
@@ -312,6 +314,26 @@ async def test_settle_retried_after_a_timeout_writes_once(redis_url: str) -> Non
         await admin.close()
 
 
+async def test_saving_nothing_still_checks_an_explicit_expected_version(
+    store: es.EventStore,
+) -> None:
+    sessions = SessionStore(store)
+    await sessions.append("s", [{"role": "user", "content": "a"}])
+    await sessions.append("s", [{"role": "user", "content": "b"}])
+    nothing = SessionUpdate(mode="append", messages=[])
+    assert await sessions.save("s", nothing) == 2
+    assert await sessions.save("s", nothing, expected_version=2) == 2
+    assert await sessions.save("s", nothing, expected_version=es.EXISTS) == 2
+    with pytest.raises(es.ConcurrencyError) as stale:
+        await sessions.save("s", nothing, expected_version=1)
+    assert (stale.value.expected, stale.value.actual) == (1, 2)
+    with pytest.raises(es.ConcurrencyError):
+        await sessions.save("s", nothing, expected_version=es.NO_THREAD)
+    with pytest.raises(es.InvalidInputError, match="expected_version"):
+        await sessions.save("s", nothing, expected_version=-1)
+    assert await store.version("s") == 2
+
+
 async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     before = [user("a"), assistant("b")]
     extended = session_update(before, [*before, user("c")])
@@ -575,6 +597,32 @@ async def test_records_across_threads_newest_first_paginated(store: es.EventStor
     assert one.next_cursor is not None
     rest = await threads.records("t0", limit=2, after=one.next_cursor)
     assert [r.turn_id for r in rest.records] == [settled[0]] and rest.next_cursor is None
+
+
+async def test_records_pages_across_more_threads_than_one_read_batch(
+    store: es.EventStore,
+) -> None:
+    """More threads than are read at once, settled in an order unrelated to their names: every
+    record comes once, newest first, whatever the page size."""
+    threads = ThreadStore(store)
+    n_threads = RECORDS_READ_AHEAD + 9
+    settled: list[str] = []
+    for i in range(2 * n_threads):
+        thread = f"t{(i * 7) % n_threads}"
+        turn = await threads.open_turn(thread)
+        await threads.settle_turn(thread, turn, outcome="completed")
+        settled.append(turn)
+        await anyio.sleep(0.002)  # record times are ms: one turn per ms keeps the order exact
+    for size in (1, 5, 40, 200):
+        seen: list[str] = []
+        cursor = None
+        while True:
+            page = await threads.records(limit=size, after=cursor)
+            seen += [r.turn_id for r in page.records]
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        assert seen == list(reversed(settled)), size
 
 
 async def test_deleting_a_thread_and_a_session(store: es.EventStore) -> None:
