@@ -9,8 +9,12 @@ items; the log keeps every popped and cleared item for audit.
 
 * ``add_items`` is one atomic append, so items added concurrently by several processes are
   never lost, split or reordered.
-* ``pop_item`` reads the tail and appends the pop expecting that exact thread version, retrying
-  if another writer got in between: it always removes the item it returns.
+* ``pop_item`` reads the tail and appends the pop expecting that exact thread version, so it
+  always removes the item it returns. Pops in one process take turns; a pop that finds another
+  process's write in between reads the new tail and tries again after a jittered backoff, for
+  up to `POP_TIMEOUT` seconds. Concurrent pops each pop a distinct item.
+* ``add_items`` retries a lost reply itself without adding twice; a caller that calls it again
+  after it raised may add the items twice (see `ThreadlogSession.add_items`).
 * ``ttl`` is a retention period: a session idle (no write) for longer is deleted when it is next
   touched, and `sweep_idle_sessions` deletes the idle sessions nobody touches. Nothing uses
   Redis ``EXPIRE``, so events never vanish from under the thread index and the change feed.
@@ -25,12 +29,15 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
+import random
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import msgspec
@@ -88,7 +95,11 @@ __all__ = [
 
 ITEMS_VIEW = "agents.items"
 DEFAULT_THREAD_PREFIX = "agents:"
-POP_ATTEMPTS = 32
+# How long a pop keeps retrying while other processes' writes change the tail under it, and
+# the bounds of the jittered pause between tries.
+POP_TIMEOUT = 30.0
+POP_BACKOFF_MIN = 0.001
+POP_BACKOFF_MAX = 0.05
 TRANSIENT_ATTEMPTS = 3
 
 _encoder = msgspec.msgpack.Encoder()
@@ -186,6 +197,49 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _session_settings(value: object) -> SessionSettings | None:
+    # What SQLiteSession accepts: a SessionSettings or a dict of its fields, coerced by the SDK's
+    # own class so the runner can ``resolve`` it. Any mapping is taken as a dict.
+    if value is None:
+        return None
+    try:
+        from agents.memory.session_settings import SessionSettings
+    except ImportError:  # an SDK without session settings has no use for them
+        raise InvalidInputError(
+            "session_settings needs an openai-agents release with SessionSettings"
+        ) from None
+    if isinstance(value, SessionSettings):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"session_settings must be a SessionSettings or a mapping, not {type(value).__name__}"
+        )
+    # The SDK's constructor ignores unknown names; its coerce_session_settings refuses them.
+    known = {f.name for f in dataclasses.fields(SessionSettings) if f.init}
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise InvalidInputError(f"session_settings has unknown settings {unknown!r}")
+    try:
+        return SessionSettings(**value)
+    except ValueError as exc:  # pydantic's ValidationError: a value of the wrong type
+        raise InvalidInputError(f"session_settings {dict(value)!r}: {exc}") from None
+
+
+# Pops of one session in this process share a lock (sessions are often built per request, so
+# not per object): taking turns costs one round trip each, where racing would cost each loser a
+# retry. The lock lives as long as a session holding it.
+_PopKey = tuple[int, str]  # (id of the store, thread id)
+_pop_locks: weakref.WeakValueDictionary[_PopKey, anyio.Lock] = weakref.WeakValueDictionary()
+
+
+def _pop_lock(store: EventStore, thread_id: str) -> anyio.Lock:
+    key = (id(store), thread_id)  # the session holds the store, so the id is not reused
+    lock = _pop_locks.get(key)
+    if lock is None:
+        lock = _pop_locks[key] = anyio.Lock()
+    return lock
+
+
 async def _last_event_ms(store: EventStore, thread_id: str) -> int | None:
     async for event in store.read(thread_id, backwards=True, limit=1):
         return event.time_ms
@@ -199,10 +253,11 @@ class ThreadlogSession:
     """A conversation session of the OpenAI Agents SDK, stored as events in one thread.
 
     Implements the SDK's ``Session`` protocol: pass it as ``Runner.run(..., session=...)``.
-    ``session_settings.limit``, if given, is the default ``limit`` of `get_items`. ``ttl``
-    (seconds or a `timedelta`) deletes the session, log included, when it is next touched after
-    being idle (no write) for longer than that; see `sweep_idle_sessions` for sessions nobody
-    touches.
+    ``session_settings`` (a ``SessionSettings`` or a dict of its fields, as for the SDK's
+    ``SQLiteSession``; anything else raises `InvalidInputError`) gives the default ``limit``
+    of `get_items`. ``ttl`` (seconds or a `timedelta`) deletes the session, log included, when
+    it is next touched after being idle (no write) for longer than that; see
+    `sweep_idle_sessions` for sessions nobody touches.
     Idleness compares this machine's clock with the server time of the last event.
     """
 
@@ -214,16 +269,17 @@ class ThreadlogSession:
         store: EventStore,
         *,
         ttl: float | timedelta | None = None,
-        session_settings: SessionSettings | None = None,
+        session_settings: SessionSettings | Mapping[str, Any] | None = None,
         thread_prefix: str = DEFAULT_THREAD_PREFIX,
     ) -> None:
         self.session_id = session_id
         self.store = store
         self.thread_id = session_thread_id(session_id, prefix=thread_prefix)
         self.ttl_ms = _ttl_ms(ttl)
-        self.session_settings = session_settings
+        self.session_settings = _session_settings(session_settings)
         self.projection = SessionItemsProjection()
         self.projector = Projector(store, [self.projection])
+        self._pop_lock = _pop_lock(store, self.thread_id)
         register_session_events(store.registry)
         # The latest time (ms) this object knows the session was written; while it is younger
         # than the ttl, no read is needed to know the session has not expired.
@@ -252,7 +308,14 @@ class ThreadlogSession:
         return [self._decode(e) for e in entries]
 
     async def add_items(self, items: list[TResponseInputItem]) -> None:
-        """Append ``items`` in one atomic step (nothing to do for an empty list)."""
+        """Append ``items`` in one atomic step (nothing to do for an empty list).
+
+        A reply lost to a connection error is retried here without adding twice. If this
+        raises `StoreConnectionError` or `StoreTimeoutError`, the items may have been added
+        all the same, and calling again may add them twice: a key derived from the items
+        cannot tell that retry from a second, legitimate add of equal items (a user saying
+        "yes" twice), so none is used. Read the items back to decide.
+        """
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
         for i, item in enumerate(items):
@@ -268,25 +331,38 @@ class ThreadlogSession:
         await self._append([ItemsAdded(items=list(items))], expected_version=ANY)
 
     async def pop_item(self) -> TResponseInputItem | None:
-        """Remove and return the most recent item (None when the session is empty)."""
+        """Remove and return the most recent item (None when the session is empty).
+
+        Raises `ConcurrencyError` only if other processes' writes kept changing the tail for
+        `POP_TIMEOUT` seconds.
+        """
         await self._expire_if_idle()
-        conflict: ConcurrencyError | None = None
-        for _ in range(POP_ATTEMPTS):
-            snap = await self.store.read_views(self.thread_id, [ListRange(ITEMS_VIEW, -1, -1)])
-            tail = snap.results[0]
-            assert isinstance(tail, list)
-            if not tail:
-                return None
-            entry = tail[0]
-            event = ItemPopped(added_seq=entry.seq, digest=item_digest(entry.value))
-            try:
-                await self._append([event], expected_version=snap.version)
-            except ConcurrencyError as exc:
-                conflict = exc  # another writer got in between: read the new tail
-                continue
-            return self._decode(entry)
-        assert conflict is not None
-        raise conflict
+        async with self._pop_lock:
+            deadline = time.monotonic() + POP_TIMEOUT
+            attempt = 0
+            while True:
+                snap = await self.store.read_views(self.thread_id, [ListRange(ITEMS_VIEW, -1, -1)])
+                tail = snap.results[0]
+                assert isinstance(tail, list)
+                if not tail:
+                    return None
+                entry = tail[0]
+                event = ItemPopped(added_seq=entry.seq, digest=item_digest(entry.value))
+                # The thread version is the guard: every event of a session moves the tail, so
+                # it is stricter than "this entry is still the tail" only after an add and a pop
+                # that cancel out, and the view has no finer guard to offer.
+                try:
+                    await self._append([event], expected_version=snap.version)
+                except ConcurrencyError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    # An add, or another process's pop, got in between. Full jitter keeps
+                    # pops of several processes from colliding again in lockstep.
+                    pause = min(POP_BACKOFF_MAX, POP_BACKOFF_MIN * 2 ** min(attempt, 16))
+                    await anyio.sleep(random.uniform(0, pause))
+                    attempt += 1
+                    continue
+                return self._decode(entry)
 
     async def clear_session(self) -> None:
         """Remove every item from the session; the log keeps them."""

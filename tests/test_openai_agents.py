@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, cast
 
@@ -505,3 +505,105 @@ async def test_private_registry_and_views(redis_url: str, namespace: str) -> Non
         assert await store.version(session.thread_id) == 0
     finally:
         await store.close()
+
+
+# -- pops under contention --------------------------------------------------------------------
+
+
+def contents(items: list[Any]) -> list[str]:
+    return [cast(dict[str, str], i)["content"] for i in items]
+
+
+async def gather(*calls: Awaitable[Any]) -> list[Any]:
+    """Run ``calls`` concurrently; their results in order (the first failure cancels the rest)."""
+    results: list[Any] = [None] * len(calls)
+
+    async def run(i: int, call: Awaitable[Any]) -> None:
+        results[i] = await call
+
+    async with anyio.create_task_group() as tg:
+        for i, call in enumerate(calls):
+            tg.start_soon(run, i, call)
+    return results
+
+
+async def test_concurrent_pops_each_pop_a_distinct_item(store: es.EventStore) -> None:
+    session = ThreadlogSession("contended", store)
+    added = [user(f"item-{i}") for i in range(200)]
+    await session.add_items(added)
+    # Half the pops through one object, half through an object per pop (as per request).
+    pops = [session.pop_item() for _ in range(100)]
+    pops += [ThreadlogSession("contended", store).pop_item() for _ in range(100)]
+    popped = await gather(*pops)
+    assert sorted(contents(popped)) == sorted(contents(added))
+    assert await session.get_items() == []
+    assert await session.pop_item() is None
+    events = [e async for e in store.read(session.thread_id)]
+    assert sum(isinstance(e.payload, ItemPopped) for e in events) == 200
+    report = await Projector(store, [session.projection]).check(session.thread_id)
+    assert report.ok, report.differences
+
+
+async def test_pops_racing_adds_never_fail(store: es.EventStore) -> None:
+    session = ThreadlogSession("racing", store)
+    seeds = [user(f"seed-{i}") for i in range(100)]
+    await session.add_items(seeds)
+    extra = [user(f"extra-{i}") for i in range(100)]
+    adds = [ThreadlogSession("racing", store).add_items([item]) for item in extra]
+    pops = [session.pop_item() for _ in range(100)]
+    results = await gather(*(c for pair in zip(adds, pops, strict=True) for c in pair))
+    popped = [r for r in results if r is not None]
+    assert len(popped) == 100  # never empty: each pop found an item
+    remaining = await session.get_items()
+    # Every item is either still there or was popped exactly once.
+    assert sorted(contents(popped + remaining)) == sorted(contents(seeds + extra))
+    report = await Projector(store, [session.projection]).check(session.thread_id)
+    assert report.ok, report.differences
+
+
+async def test_pops_from_two_connections(redis_url: str, namespace: str) -> None:
+    # Two stores are two clients: their pops contend through the server alone, as two
+    # processes' pops would.
+    stores = [await es.connect(redis_url, namespace=namespace) for _ in range(2)]
+    try:
+        sessions = [ThreadlogSession("shared", s) for s in stores]
+        added = [user(f"item-{i}") for i in range(120)]
+        await sessions[0].add_items(added)
+        pops = [s.pop_item() for _ in range(60) for s in sessions]
+        adds = [sessions[i % 2].add_items([user(f"late-{i}")]) for i in range(20)]
+        results = await gather(*pops, *adds)
+        popped = [r for r in results[:120] if r is not None]
+        assert len(popped) == 120
+        remaining = await sessions[1].get_items()
+        late = [user(f"late-{i}") for i in range(20)]
+        assert sorted(contents(popped + remaining)) == sorted(contents(added + late))
+    finally:
+        for s in stores:
+            await s.close()
+
+
+# -- session settings -------------------------------------------------------------------------
+
+
+async def test_session_settings_as_the_sdk_accepts_them(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    items = [user(str(i)) for i in range(3)]
+    for given in ({"limit": 1}, SessionSettings(limit=1), {"limit": None}, {}, None):
+        ours = ThreadlogSession(f"s{uuid.uuid4().hex}", store, session_settings=given)
+        sdk = SQLiteSession("s", tmp_path / f"{uuid.uuid4().hex}.db", session_settings=given)
+        try:
+            # None stays None (the protocol's default); SQLiteSession makes it SessionSettings().
+            assert (ours.session_settings or SessionSettings()) == sdk.session_settings
+            await ours.add_items(items)
+            await sdk.add_items(items)
+            assert await ours.get_items() == await sdk.get_items()
+        finally:
+            sdk.close()
+    session = ThreadlogSession("typed", store, session_settings={"limit": 2})
+    assert isinstance(session.session_settings, SessionSettings)
+    # What the runner does with a run's own settings.
+    assert session.session_settings.resolve({"limit": 5}).limit == 5
+    for bad in ({"limit": 1, "bogus": 2}, {"limit": "many"}, {1: 2}, "limit=1", 1, [("limit", 1)]):
+        with pytest.raises(es.InvalidInputError, match="session_settings"):
+            ThreadlogSession("bad", store, session_settings=bad)  # type: ignore[arg-type]
