@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,12 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio import BlockingConnectionPool
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._aof import AofRepairError, repair_aof
@@ -309,14 +311,55 @@ def _strip_url(message: str, url: str) -> str:
 
 
 class _ClusterClient(RedisCluster):
-    """redis-py's cluster client, able to follow an ASK to a primary that serves no slot yet.
+    """redis-py's cluster client, able to follow an ASK to a primary that serves no slot yet,
+    and waiting for a free connection instead of failing when all are busy.
 
     While a reshard moves a slot onto a newly added node, the slot's owner answers ASK with that
     node's address. redis-py (8.1) looks the address up among the nodes ``CLUSTER SLOTS`` listed,
     which a slotless node is not, and fails with AttributeError (redis/redis-py#4015). This adds
     the node as its MOVED handling does for a new owner. (The other callers that look a node up
     by name, ``set_default_node`` and sharded pub/sub, are not used by threadlog.)
+
+    Its connection pools do not block: a command that finds ``max_connections`` busy on its
+    node fails with MaxConnectionsError, so 200 concurrent reads failed where the standalone
+    store (a blocking pool) makes them wait. Here at most ``max_connections`` commands and
+    pipelines are in flight at once (each holds at most one connection per node); the others
+    wait for a turn, up to the socket timeout, as the standalone pool's callers do.
     """
+
+    def __init__(self, *, max_connections: int, wait_s: float | None, **kwargs: Any) -> None:
+        super().__init__(max_connections=max_connections, **kwargs)
+        self._turns = asyncio.Semaphore(max_connections)
+        self._wait_s = wait_s
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self._wait_s):
+                await self._turns.acquire()
+        except TimeoutError:
+            raise MaxConnectionsError(
+                f"no free connection within {self._wait_s} s (max_connections per node)"
+            ) from None
+        try:
+            yield
+        finally:
+            self._turns.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._turn():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        pipe = super().pipeline(transaction, shard_hint)
+        run = pipe.execute
+
+        async def execute(raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+            async with self._turn():
+                return await run(raise_on_error, allow_redirections)
+
+        pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
 
     def get_node(
         self, host: str | None = None, port: int | None = None, node_name: str | None = None
@@ -358,6 +401,8 @@ def _redis_client(settings: StoreSettings) -> Any:
             # those other tasks are using mid-command; during a reshard under load that surfaces
             # as AttributeError from inside redis-py (8.1), not as a redis error.
             reinitialize_steps=0,
+            max_connections=settings.max_connections,
+            wait_s=settings.socket_timeout,
             **common,
             **(extra if parts.scheme.startswith("rediss") else {}),
         )

@@ -29,13 +29,14 @@ from eventstore import (
     NewEvent,
     OperationalError,
     RedisEventStore,
+    connect,
     open_store,
 )
 from eventstore._connect import StoreSettings
 from eventstore._scripts import APPEND
 from eventstore.servers import RedisCluster as RedisClusterServers
 from eventstore.servers import redis_cluster
-from eventstore.testing import EventStoreConformance, read_all
+from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
 from projections.testing import ProjectionConformance
 
@@ -179,6 +180,30 @@ def _redirections(cluster: RedisClusterServers) -> Counter[str]:
                 if kind in ("MOVED", "ASK", "TRYAGAIN", "NOSCRIPT"):
                     total[kind] += int(value["count"])
     return total
+
+
+@pytest.mark.anyio
+async def test_more_concurrent_calls_than_connections_wait_their_turn(cluster_url: str) -> None:
+    """The cluster client's pools do not block: past its connection limit a command used to
+    fail with MaxConnectionsError. Calls beyond it now wait, as on a standalone server."""
+    store = await connect(cluster_url, namespace="mc" + uuid.uuid4().hex[:8])
+    try:
+        await store.append("t", [msg("x")])
+
+        async def read() -> None:  # one thread: every read goes to the same node
+            assert await store.version("t") == 1
+            assert len(await read_all(store, "t")) == 1
+
+        async def write(i: int) -> None:
+            await store.append(f"w{i % 16}", [msg(str(i))])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(400):
+                tg.start_soon(read)
+                tg.start_soon(write, i)
+        assert sum([await store.version(f"w{i}") for i in range(16)]) == 400
+    finally:
+        await store.close()
 
 
 @pytest.mark.slow
