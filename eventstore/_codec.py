@@ -540,8 +540,10 @@ def idempotency_key_for(given: str | None, first_event_id: bytes) -> bytes:
 
 
 def idempotency_key_text(given: str | None, first_event_id: str) -> str:
-    """The idempotency key as errors name it: ``k:<the caller's key>`` or ``e:<first event id>``."""
-    return "e:" + first_event_id if given is None else "k:" + given
+    """The idempotency key as errors name it: the caller's key as given, or ``e:<first event
+    id>`` for the key derived when none was given (not the ledger field, whose ``k:`` prefix
+    is internal)."""
+    return "e:" + first_event_id if given is None else given
 
 
 LEDGER_DIGEST_BYTES = 6

@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
-from ._feed import FeedEntry, GroupInfo
+from ._feed import FeedEntry, GroupInfo, validate_feed_count
 from ._gc import paused_collector
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
@@ -134,9 +134,12 @@ class EventStore(abc.ABC):
         """Iterate the thread's events with ``start <= seq <= stop``, in batches.
 
         Backwards reads start at ``stop`` (default: the last event) and go down to ``start``.
-        A missing thread yields nothing.
+        A missing thread yields nothing. ``start`` 0 reads from the first event; ``limit`` 0
+        reads nothing.
 
         Raises:
+            InvalidInputError: ``start`` or ``stop`` negative (seqs are not counted from the
+                end; None is "the last"), ``limit`` not an int >= 0.
             CorruptEventError: a stored entry does not decode (names thread and seq).
         """
 
@@ -200,6 +203,9 @@ class EventStore(abc.ABC):
         With ``incarnation`` (a `FeedEntry.incarnation`), entries come only if the thread is
         still in that life: nothing when it was deleted and created again since, as one atomic
         read (a feed entry's seqs then name events that no longer exist).
+
+        Raises:
+            InvalidInputError: ``start`` or ``stop`` negative, ``count`` not an int >= 1.
         """
 
     async def read_change(self, entry: FeedEntry) -> list[RecordedEvent]:
@@ -236,7 +242,12 @@ class EventStore(abc.ABC):
         (`decode_rows` takes either). A range with an incarnation is checked and read in one
         atomic step, and comes empty when the thread is no longer in that life. The Redis
         backend reads all the ranges in one round trip.
+
+        Raises:
+            InvalidInputError: a range's ``start`` or ``stop`` negative, ``count`` not an
+                int >= 1.
         """
+        validate_feed_count(count)  # also when there are no ranges, as every backend does
         return [
             await self.read_raw(
                 r.thread_id, start=r.start, stop=r.stop, count=count, incarnation=r.incarnation
@@ -250,7 +261,11 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
-        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none."""
+        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none.
+
+        Raises:
+            InvalidInputError: ``time_ms`` is not an int (epoch ms).
+        """
 
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:
         """The fingerprint of the chain key the thread was written with (``"-"``: written
@@ -302,7 +317,12 @@ class EventStore(abc.ABC):
     async def threads(
         self, *, limit: int | None = None, before_ms: int | None = None
     ) -> list[ThreadInfo]:
-        """Threads of the namespace, most recent activity first (optionally older than a time)."""
+        """Threads of the namespace, most recent activity first (optionally older than a time).
+
+        Raises:
+            InvalidInputError: ``limit`` neither None nor an int >= 0, ``before_ms`` neither
+                None nor an int.
+        """
 
     @abc.abstractmethod
     async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
@@ -319,13 +339,22 @@ class EventStore(abc.ABC):
     async def read_feed(
         self, partition: int, *, after: str = "0-0", count: int = 512
     ) -> list[FeedEntry]:
-        """Feed entries of a partition with ids above ``after``, oldest first."""
+        """Up to ``count`` feed entries of a partition with ids above ``after``, oldest first.
+
+        Raises:
+            InvalidInputError: a partition out of range, ``after`` not a stream id, ``count``
+                not an int >= 1. Nothing is sent.
+        """
 
     @abc.abstractmethod
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
         """Register a consumer group on a partition's feed (False if it exists already).
 
         Entries after ``start`` will be delivered to it. Registered groups hold back trimming.
+
+        Raises:
+            InvalidInputError: a group name outside 1-64 characters of ``A-Za-z0-9_.-``,
+                ``start`` not a stream id, a partition out of range.
         """
 
     @abc.abstractmethod
@@ -340,7 +369,17 @@ class EventStore(abc.ABC):
         pending: bool = False,
     ) -> list[FeedEntry]:
         """Deliver up to ``count`` new entries to ``consumer`` (or, with ``pending``, re-read the
-        ones delivered to it and not yet acknowledged). ``block_ms`` waits for new entries."""
+        ones delivered to it and not yet acknowledged).
+
+        ``block_ms`` None answers at once; a positive ``block_ms`` waits up to that many ms for
+        a new entry when there is none. There is no "wait forever" (Redis's BLOCK 0): 0 is
+        refused, as a consumer that waits forever cannot stop cleanly; wait in a loop.
+
+        Raises:
+            InvalidInputError: ``count`` not an int >= 1, ``block_ms`` neither None nor an
+                int > 0, a bad group name or partition. Nothing is sent.
+            FeedGroupNotFoundError: the group is not registered on the partition.
+        """
 
     @abc.abstractmethod
     async def claim_feed(
@@ -352,11 +391,23 @@ class EventStore(abc.ABC):
         min_idle_ms: int,
         count: int = 512,
     ) -> list[FeedEntry]:
-        """Take over entries pending longer than ``min_idle_ms`` (from crashed consumers)."""
+        """Take over entries pending longer than ``min_idle_ms`` (from crashed consumers).
+
+        Raises:
+            InvalidInputError: ``min_idle_ms`` not an int >= 0, ``count`` not an int >= 1, a
+                bad group name or partition. Nothing is sent.
+            FeedGroupNotFoundError: the group is not registered on the partition.
+        """
 
     @abc.abstractmethod
     async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
-        """Acknowledge delivered entries; returns how many were pending."""
+        """Acknowledge delivered entries; returns how many were pending.
+
+        Raises:
+            InvalidInputError: an id that is not a stream id (``<ms>-<n>``), a bad group name
+                or partition. Nothing is sent.
+            FeedGroupNotFoundError: the group is not registered on the partition.
+        """
 
     @abc.abstractmethod
     async def advance_feed_group(self, partition: int, group: str, to: str) -> None:
@@ -364,6 +415,10 @@ class EventStore(abc.ABC):
 
         For readers that track their own position (exports): they read with `read_feed` and
         advance their group only after their output is committed, holding back trimming.
+
+        Raises:
+            InvalidInputError: ``to`` not a stream id, a bad group name or partition.
+            FeedGroupNotFoundError: the group is not registered on the partition.
         """
 
     @abc.abstractmethod
@@ -373,7 +428,11 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
         """Drop feed entries every registered group has acknowledged, or older than
-        ``max_age_ms`` (whichever reaches further). Returns the number of entries removed."""
+        ``max_age_ms`` (whichever reaches further). Returns the number of entries removed.
+
+        Raises:
+            InvalidInputError: ``max_age_ms`` neither None nor an int >= 0.
+        """
 
     @abc.abstractmethod
     async def apply_checkpointed(

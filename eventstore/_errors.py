@@ -13,7 +13,8 @@ class EventStoreError(Exception):
 
 
 class ConflictError(EventStoreError):
-    """Raised when an append is refused because the stored state disagrees with the caller."""
+    """Raised when a request is refused because the stored state disagrees with the caller (an
+    append's expectations, a feed consumer group that is not there)."""
 
 
 # A symbolic expected version (a `StreamState`, not imported here: the contract imports this
@@ -45,12 +46,30 @@ class IdempotencyKeyReusedError(ConflictError):
     def __init__(self, thread_id: str, key: str) -> None:
         self.thread_id = thread_id
         self.key = key
+        """The caller's ``idempotency_key`` as given; ``e:<first event id>`` when the append
+        gave none and the key was derived from its first event's id."""
         super().__init__(
             f"thread {thread_id!r}: idempotency key {key!r} was already used for different events"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.thread_id, self.key))
+
+
+class FeedGroupNotFoundError(ConflictError, LookupError):
+    """Raised when a consumer group is not registered on a feed partition (never created, or
+    the partition's feed was deleted): `EventStore.create_feed_group` registers it.
+
+    Not retryable as it is: nothing will create the group but a `create_feed_group`.
+    """
+
+    def __init__(self, partition: int, group: str) -> None:
+        self.partition = partition
+        self.group = group
+        super().__init__(f"no consumer group {group!r} on feed partition {partition}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.partition, self.group))
 
 
 class ViewConflictError(ConflictError):

@@ -7,9 +7,16 @@ first seq, last seq); a thread deletion writes a tombstone. Feed entry ids are R
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import msgspec
 
 from ._errors import InvalidInputError
+from ._ids import validate_count, validate_name
+
+_STREAM_ID_RE = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
+_MAX_ID_PART = 2**64 - 1
 
 
 class FeedEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,15 +49,50 @@ class GroupInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def parse_stream_id(value: str) -> tuple[int, int]:
-    """``"<ms>-<n>"`` (or ``"<ms>"``) as a pair of ints; raises `InvalidInputError` otherwise."""
-    head, _, tail = value.partition("-")
-    try:
-        ms, n = int(head), int(tail or 0)
-    except ValueError:
-        raise InvalidInputError(f"not a stream id: {value!r}") from None
-    if ms < 0 or n < 0:
+    """``"<ms>-<n>"`` (or ``"<ms>"``) as a pair of ints; raises `InvalidInputError` otherwise.
+
+    Only what Redis takes as an id (ASCII digits, parts below 2**64): anything else would be
+    refused by the server as an error that reads as retryable.
+    """
+    found = _STREAM_ID_RE.fullmatch(value) if isinstance(value, str) else None
+    if found is None:
+        raise InvalidInputError(f"not a stream id: {value!r}")
+    ms, n = int(found.group(1)), int(found.group(2) or 0)
+    if ms > _MAX_ID_PART or n > _MAX_ID_PART:
         raise InvalidInputError(f"not a stream id: {value!r}")
     return ms, n
+
+
+def validate_stream_ids(ids: Sequence[str]) -> list[str]:
+    """``ids`` as a list, each checked by `parse_stream_id`."""
+    if isinstance(ids, str | bytes):  # a lone id would be taken for its characters
+        raise InvalidInputError(f"ids must be a sequence of stream ids, not {ids!r}")
+    out = list(ids)
+    for value in out:
+        parse_stream_id(value)
+    return out
+
+
+def validate_group(group: object) -> str:
+    """Return ``group`` if it is a usable consumer group name, else raise `InvalidInputError`."""
+    return validate_name(group, "group name")
+
+
+def validate_feed_count(count: object) -> None:
+    """A feed read's ``count``: at least one entry (redis-py refuses COUNT 0 for some commands,
+    and XREADGROUP reads everything with it)."""
+    validate_count(count, "count", minimum=1)
+
+
+def validate_block_ms(block_ms: object) -> None:
+    """``block_ms`` is None (do not wait) or a positive wait: Redis's BLOCK 0 waits forever,
+    and a consumer that waits forever cannot stop cleanly."""
+    if block_ms is not None and (
+        isinstance(block_ms, bool) or not isinstance(block_ms, int) or block_ms <= 0
+    ):
+        raise InvalidInputError(
+            f"block_ms must be > 0 (ms to wait) or None (do not wait), not {block_ms!r}"
+        )
 
 
 def format_stream_id(parts: tuple[int, int]) -> str:

@@ -87,16 +87,33 @@ def mint_ulid() -> bytes:
     return raw
 
 
-def validate_count(value: object, name: str) -> None:
-    """Refuse a count that is not an int >= 0: `InvalidInputError` naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInputError(f"{name} must be an int >= 0, not {value!r}")
+def validate_count(value: object, name: str, *, minimum: int = 0) -> None:
+    """Refuse a count that is not an int >= ``minimum`` (0 unless told): `InvalidInputError`
+    naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be an int >= {minimum}, not {value!r}")
 
 
 def validate_limit(limit: object, name: str = "limit") -> None:
     """`validate_count` for a limit that may also be None (no limit)."""
     if limit is not None:
         validate_count(limit, name)
+
+
+def validate_int(value: object, name: str) -> None:
+    """Refuse a value that is not an int (a time in ms, a list index): `InvalidInputError`
+    naming the argument. Any sign: what a negative one means is the caller's business."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, not {value!r}")
+
+
+def validate_seq_range(start: object, stop: object) -> None:
+    """Refuse a seq range whose ``start`` is not an int >= 0 or whose ``stop`` is neither an
+    int >= 0 nor None (the last event): negative seqs name no event, and read as nothing
+    rather than as "from the end"."""
+    validate_count(start, "start")
+    if stop is not None and (isinstance(stop, bool) or not isinstance(stop, int) or stop < 0):
+        raise InvalidInputError(f"stop must be an int >= 0 or None (the last event), not {stop!r}")
 
 
 def validate_thread_id(thread_id: object) -> str:
@@ -136,6 +153,12 @@ def validate_namespace(namespace: object) -> str:
 
 def validate_view_name(view: object) -> str:
     """Return ``view`` if it is a usable view name, else raise `InvalidInputError`."""
-    if not isinstance(view, str) or _NAME_RE.fullmatch(view) is None or len(view) > 64:
-        raise InvalidInputError(f"view name {view!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
-    return view
+    return validate_name(view, "view name")
+
+
+def validate_name(value: object, what: str) -> str:
+    """Return ``value`` if it is a usable key-part name (a view, a feed group), else raise
+    `InvalidInputError` calling it ``what``."""
+    if not isinstance(value, str) or _NAME_RE.fullmatch(value) is None or len(value) > 64:
+        raise InvalidInputError(f"{what} {value!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+    return value

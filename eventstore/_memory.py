@@ -34,9 +34,9 @@ from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInf
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
+    FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
     InvalidInputError,
-    OperationalError,
     StoreClosedError,
     ViewConflictError,
 )
@@ -49,11 +49,18 @@ from ._feed import (
     format_stream_id,
     parse_stream_id,
     safe_trim_point,
+    validate_block_ms,
+    validate_feed_count,
+    validate_group,
+    validate_stream_ids,
 )
 from ._ids import (
     new_ulid,
+    validate_count,
+    validate_int,
     validate_limit,
     validate_namespace,
+    validate_seq_range,
     validate_thread_id,
     validate_view_name,
 )
@@ -390,6 +397,8 @@ class MemoryEventStore(EventStore):
         count: int = READ_BATCH,
         incarnation: int | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        validate_seq_range(start, stop)
+        validate_feed_count(count)
         thread = self._thread(thread_id)
         if thread is None or (incarnation is not None and thread.incarnation != incarnation):
             return []
@@ -406,6 +415,7 @@ class MemoryEventStore(EventStore):
         limit: int | None = None,
     ) -> AsyncIterator[RecordedEvent]:
         validate_limit(limit)
+        validate_seq_range(start, stop)
         thread = self._thread(thread_id)
         if thread is None:
             return
@@ -422,6 +432,7 @@ class MemoryEventStore(EventStore):
             )
 
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
+        validate_int(time_ms, "time_ms")
         thread = self._thread(thread_id)
         if thread is None:
             return 0
@@ -432,6 +443,8 @@ class MemoryEventStore(EventStore):
     async def read_list(
         self, thread_id: str, view: str, start: int = 0, stop: int = -1
     ) -> list[ViewEntry]:
+        validate_int(start, "start")
+        validate_int(stop, "stop")
         snap = await self.read_views(thread_id, [ListRange(view, start, stop)])
         result = snap.results[0]
         assert isinstance(result, list)
@@ -495,6 +508,8 @@ class MemoryEventStore(EventStore):
     ) -> list[ThreadInfo]:
         self._check_open()
         validate_limit(limit)
+        if before_ms is not None:
+            validate_int(before_ms, "before_ms")
         rows = (
             ThreadInfo(t, ms, partition_of(t, self.partitions))
             for t, ms in self._ns.index.items()
@@ -542,11 +557,11 @@ class MemoryEventStore(EventStore):
         return feed
 
     def _group(self, partition: int, group: str) -> tuple[_Feed, _Group]:
+        validate_group(group)
         feed = self._feed(partition)
         grp = feed.groups.get(group) if feed is not None else None
         if feed is None or grp is None:
-            # Redis answers NOGROUP; the Redis backend translates that to OperationalError.
-            raise OperationalError(f"NOGROUP no consumer group {group!r} on partition {partition}")
+            raise FeedGroupNotFoundError(partition, group)
         return feed, grp
 
     @staticmethod
@@ -561,6 +576,7 @@ class MemoryEventStore(EventStore):
         self, partition: int, *, after: str = "0-0", count: int = READ_BATCH
     ) -> list[FeedEntry]:
         after_id = parse_stream_id(after)
+        validate_feed_count(count)
         feed = self._feed(partition)
         await anyio.lowlevel.checkpoint()
         if feed is None:
@@ -568,7 +584,7 @@ class MemoryEventStore(EventStore):
         return self._out(partition, feed, feed.after(after_id, count))
 
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
-        validate_view_name(group)
+        validate_group(group)
         start_id = parse_stream_id(start)
         feed = self._feed(partition, create=True)
         assert feed is not None
@@ -587,6 +603,8 @@ class MemoryEventStore(EventStore):
         block_ms: int | None = None,
         pending: bool = False,
     ) -> list[FeedEntry]:
+        validate_feed_count(count)
+        validate_block_ms(block_ms)
         feed, grp = self._group(partition, group)
         if pending:
             mine = sorted(i for i, (c, _) in grp.pending.items() if c == consumer)[:count]
@@ -615,6 +633,8 @@ class MemoryEventStore(EventStore):
         min_idle_ms: int,
         count: int = READ_BATCH,
     ) -> list[FeedEntry]:
+        validate_count(min_idle_ms, "min_idle_ms")
+        validate_feed_count(count)
         feed, grp = self._group(partition, group)
         now = time.monotonic() * 1000
         claimed: list[tuple[int, int]] = []
@@ -632,10 +652,11 @@ class MemoryEventStore(EventStore):
         return self._out(partition, feed, claimed)
 
     async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
+        parsed = [parse_stream_id(raw) for raw in validate_stream_ids(ids)]
         _, grp = self._group(partition, group)
         done = 0
-        for raw in ids:
-            if grp.pending.pop(parse_stream_id(raw), None) is not None:
+        for entry_id in parsed:
+            if grp.pending.pop(entry_id, None) is not None:
                 done += 1
         return done
 
@@ -661,6 +682,7 @@ class MemoryEventStore(EventStore):
         ]
 
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
+        validate_limit(max_age_ms, "max_age_ms")
         feed = self._feed(partition)
         if feed is None:
             return 0

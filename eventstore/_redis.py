@@ -42,6 +42,7 @@ from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
     EventStoreError,
+    FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
     InvalidInputError,
     OperationalError,
@@ -53,9 +54,27 @@ from ._errors import (
 )
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._events import registry as default_registry
-from ._feed import FeedEntry, GroupInfo, entry_from_fields, parse_stream_id, safe_trim_point
+from ._feed import (
+    FeedEntry,
+    GroupInfo,
+    entry_from_fields,
+    parse_stream_id,
+    safe_trim_point,
+    validate_block_ms,
+    validate_feed_count,
+    validate_group,
+    validate_stream_ids,
+)
 from ._gc import paused_collector
-from ._ids import new_ulid, validate_limit, validate_thread_id, validate_view_name
+from ._ids import (
+    new_ulid,
+    validate_count,
+    validate_int,
+    validate_limit,
+    validate_seq_range,
+    validate_thread_id,
+    validate_view_name,
+)
 from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
 from ._scripts import (
     APPEND,
@@ -124,6 +143,21 @@ async def _call(op: Awaitable[T]) -> T:
     try:
         return await op
     # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
+    except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+        raise translate_redis_error(exc) from exc
+
+
+async def _group_call(op: Awaitable[T], partition: int, group: str) -> T:
+    """`_call` for a command naming a consumer group: a missing group (or feed) is
+    `FeedGroupNotFoundError`, named by partition and group rather than by Redis key."""
+    try:
+        return await op
+    except rex.ResponseError as exc:
+        text = str(exc)
+        # XGROUP SETID on a feed that does not exist answers ERR, not NOGROUP.
+        if text.startswith("NOGROUP") or "requires the key to exist" in text:
+            raise FeedGroupNotFoundError(partition, group) from exc
+        raise translate_redis_error(exc) from exc
     except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
         raise translate_redis_error(exc) from exc
 
@@ -524,6 +558,8 @@ class RedisEventStore(EventStore):
         incarnation: int | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
         validate_thread_id(thread_id)
+        validate_seq_range(start, stop)
+        validate_feed_count(count)
         hi = _upper(stop)
         log, lo = self.keys.log(thread_id), _lower(start)
         if incarnation is None:
@@ -542,6 +578,7 @@ class RedisEventStore(EventStore):
     async def read_raw_ranges(
         self, ranges: Sequence[RawRange], *, count: int = READ_BATCH
     ) -> list[list[tuple[bytes, Any]]]:
+        validate_feed_count(count)
         if self._is_cluster or not ranges:
             # A cluster's ranges live on several nodes: one read_raw each, as before.
             return await super().read_raw_ranges(ranges, count=count)
@@ -549,6 +586,7 @@ class RedisEventStore(EventStore):
         commands: list[tuple[Any, ...]] = []
         for r in ranges:
             validate_thread_id(r.thread_id)
+            validate_seq_range(r.start, r.stop)
             hi = _upper(r.stop)
             xrange = (
                 b"XRANGE",
@@ -614,6 +652,7 @@ class RedisEventStore(EventStore):
     ) -> AsyncIterator[RecordedEvent]:
         validate_thread_id(thread_id)
         validate_limit(limit)
+        validate_seq_range(start, stop)
         log = self.keys.log(thread_id)
         remaining = limit
         lo = max(start, 1)
@@ -650,6 +689,7 @@ class RedisEventStore(EventStore):
         self, thread_id: str, *, start: int = 1, stop: int | None = None
     ) -> AsyncIterator[list[RecordedEvent]]:
         validate_thread_id(thread_id)
+        validate_seq_range(start, stop)
         log = self.keys.log(thread_id)
         hi = _upper(stop)
         pending: asyncio.Task[list[Any]] | None
@@ -678,6 +718,7 @@ class RedisEventStore(EventStore):
         stop: int | None = None,
     ) -> None:
         validate_thread_id(thread_id)
+        validate_seq_range(start, stop)
         log = self.keys.log(thread_id)
         hi = _upper(stop)
         pending: asyncio.Task[list[Any]] | None
@@ -722,6 +763,7 @@ class RedisEventStore(EventStore):
 
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
         validate_thread_id(thread_id)
+        validate_int(time_ms, "time_ms")
         keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
         return int(await _call(SEQ_AT(self.client, keys, [int(time_ms)])))
 
@@ -731,6 +773,8 @@ class RedisEventStore(EventStore):
         self, thread_id: str, view: str, start: int = 0, stop: int = -1
     ) -> list[ViewEntry]:
         validate_thread_id(thread_id)
+        validate_int(start, "start")
+        validate_int(stop, "stop")
         try:
             raw = await self._command("LRANGE", self.keys.view(thread_id, view), start, stop)
         except OperationalError as exc:
@@ -1033,6 +1077,8 @@ class RedisEventStore(EventStore):
         self, *, limit: int | None = None, before_ms: int | None = None
     ) -> list[ThreadInfo]:
         validate_limit(limit)
+        if before_ms is not None:
+            validate_int(before_ms, "before_ms")
         hi: Any = "+inf" if before_ms is None else f"({before_ms}"
         per_partition: list[list[ThreadInfo]] = []
         for p in range(self.partitions):
@@ -1073,11 +1119,12 @@ class RedisEventStore(EventStore):
         self, partition: int, *, after: str = "0-0", count: int = READ_BATCH
     ) -> list[FeedEntry]:
         parse_stream_id(after)
+        validate_feed_count(count)
         rows = await _call(self.client.xrange(self._feed_key(partition), f"({after}", "+", count))
         return self._entries(partition, rows)
 
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
-        validate_view_name(group)
+        validate_group(group)
         parse_stream_id(start)
         try:
             await self.client.xgroup_create(self._feed_key(partition), group, start, mkstream=True)
@@ -1099,11 +1146,16 @@ class RedisEventStore(EventStore):
         block_ms: int | None = None,
         pending: bool = False,
     ) -> list[FeedEntry]:
+        validate_group(group)
+        validate_feed_count(count)
+        validate_block_ms(block_ms)
         key = self._feed_key(partition)
-        reply = await _call(
+        reply = await _group_call(
             self.client.xreadgroup(
                 group, consumer, {key: "0" if pending else ">"}, count=count, block=block_ms
-            )
+            ),
+            partition,
+            group,
         )
         rows = reply[0][1] if reply else []
         return self._entries(partition, rows)
@@ -1117,15 +1169,20 @@ class RedisEventStore(EventStore):
         min_idle_ms: int,
         count: int = READ_BATCH,
     ) -> list[FeedEntry]:
+        validate_group(group)
+        validate_count(min_idle_ms, "min_idle_ms")
+        validate_feed_count(count)
         key = self._feed_key(partition)
         out: list[FeedEntry] = []
         start = "0-0"
         # XAUTOCLAIM scans a bounded window per call; a few calls cover any backlog.
         for _ in range(64):
-            reply = await _call(
+            reply = await _group_call(
                 self.client.xautoclaim(
                     key, group, consumer, min_idle_ms, start_id=start, count=count - len(out)
-                )
+                ),
+                partition,
+                group,
             )
             out += self._entries(partition, reply[1])
             start = reply[0].decode("ascii") if isinstance(reply[0], bytes) else str(reply[0])
@@ -1134,14 +1191,25 @@ class RedisEventStore(EventStore):
         return out
 
     async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
-        if not ids:
-            return 0
-        return int(await _call(self.client.xack(self._feed_key(partition), group, *ids)))
+        ids = validate_stream_ids(ids)
+        validate_group(group)
+        key = self._feed_key(partition)
+        done = (
+            int(await _group_call(self.client.xack(key, group, *ids), partition, group))
+            if ids
+            else 0
+        )
+        if not done:
+            # XACK answers 0 for a group that does not exist; ask (XPENDING answers NOGROUP),
+            # only when nothing was acknowledged, so the usual ack costs no extra round trip.
+            await _group_call(self.client.xpending(key, group), partition, group)
+        return done
 
     async def advance_feed_group(self, partition: int, group: str, to: str) -> None:
         parse_stream_id(to)
+        validate_group(group)
         key = self._feed_key(partition)
-        await _call(self.client.xgroup_setid(key, group, to))
+        await _group_call(self.client.xgroup_setid(key, group, to), partition, group)
         # SETID leaves older pending entries in place; acknowledge them so trimming can pass.
         while True:
             rows = await _call(self.client.xpending_range(key, group, "-", to, 512))
@@ -1170,6 +1238,7 @@ class RedisEventStore(EventStore):
         return out
 
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
+        validate_limit(max_age_ms, "max_age_ms")
         key = self._feed_key(partition)
         point = safe_trim_point(await self.feed_groups(partition))
         if max_age_ms is not None:

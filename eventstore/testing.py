@@ -26,9 +26,11 @@ from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion, RawR
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
+    ConflictError,
     CorruptEventError,
     EventTooLargeError,
     EventValidationError,
+    FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
     InvalidInputError,
     InvalidThreadIdError,
@@ -66,6 +68,11 @@ def msg(text: str, role: str = "user") -> MessageAppended:
 async def read_all(store: EventStore, thread_id: str, **kwargs: Any) -> list[RecordedEvent]:
     """Every event ``store.read`` yields, as a list."""
     return [e async for e in store.read(thread_id, **kwargs)]
+
+
+async def _drain(batches: AsyncIterator[Any]) -> None:
+    async for _ in batches:
+        pass
 
 
 def _texts(events: list[RecordedEvent]) -> list[str]:
@@ -349,6 +356,9 @@ class EventStoreConformance:
         with pytest.raises(IdempotencyKeyReusedError) as info:
             await store.append("t", [msg("something else")], idempotency_key="k")
         assert info.value.thread_id == "t"
+        # The caller's key, not the ledger field it is recorded under ("k:k").
+        assert info.value.key == "k"
+        assert "idempotency key 'k' " in str(info.value)
         assert await store.version("t") == 1
 
     async def test_idempotency_keys_are_per_thread(self, store: EventStore) -> None:
@@ -562,6 +572,41 @@ class EventStoreConformance:
         assert await store.threads(limit=0) == []
         assert await read_all(store, "one", limit=0) == []
 
+    @pytest.mark.parametrize(("start", "stop"), [(-1, None), (1, -1), (-3, -1), ("1", None)])
+    async def test_negative_seqs_are_refused(
+        self, store: EventStore, start: Any, stop: Any
+    ) -> None:
+        await store.append("t", [msg("a"), msg("b")])
+        reads: dict[str, Any] = {
+            "read": lambda: read_all(store, "t", start=start, stop=stop),
+            "read backwards": lambda: read_all(store, "t", start=start, stop=stop, backwards=True),
+            "read_raw": lambda: store.read_raw("t", start=start, stop=stop),
+            "read_raw_ranges": lambda: store.read_raw_ranges([RawRange("t", start, stop)]),
+            "read_batches": lambda: _drain(store.read_batches("t", start=start, stop=stop)),
+            "fold_payloads": lambda: store.fold_payloads(
+                "t", lambda rows: None, start=start, stop=stop
+            ),
+        }
+        for name, read in reads.items():
+            with pytest.raises(InvalidInputError, match=r"start|stop"):
+                await read()
+                pytest.fail(f"{name} took start={start!r} stop={stop!r}")
+        # 0 is no event, not "from the end": from the first, and up to nothing.
+        assert [e.seq for e in await read_all(store, "t", start=0)] == [1, 2]
+        assert await read_all(store, "t", stop=0) == []
+        assert await store.read_raw("t", stop=0) == []
+
+    @pytest.mark.parametrize("bad", ["5", 1.5, None, True])
+    async def test_times_that_are_not_ints_are_refused(self, store: EventStore, bad: Any) -> None:
+        await store.append("t", [msg("a")])
+        with pytest.raises(InvalidInputError, match="time_ms"):
+            await store.seq_at("t", bad)
+        if bad is not None:
+            with pytest.raises(InvalidInputError, match="before_ms"):
+                await store.threads(before_ms=bad)
+        with pytest.raises(InvalidInputError, match="start"):
+            await store.read_list("t", "l", start=bad)
+
     # -- deletion -------------------------------------------------------------------------------
 
     async def test_delete_thread(self, store: EventStore) -> None:
@@ -772,6 +817,130 @@ class EventStoreConformance:
             tg.start_soon(later)
             got = await store.read_feed_group(p, "g", "c", block_ms=2000)
         assert [e.thread_id for e in got] == [a]
+
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, None])
+    async def test_feed_and_raw_counts_below_one_are_refused(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("x")])
+        await store.create_feed_group(p, "g")
+        reads: dict[str, Any] = {
+            "read_feed": lambda: store.read_feed(p, count=bad),
+            "read_feed_group": lambda: store.read_feed_group(p, "g", "c", count=bad),
+            "pending": lambda: store.read_feed_group(p, "g", "c", count=bad, pending=True),
+            "claim_feed": lambda: store.claim_feed(p, "g", "c", min_idle_ms=0, count=bad),
+            "read_raw": lambda: store.read_raw(a, count=bad),
+            "read_raw_ranges": lambda: store.read_raw_ranges([RawRange(a)], count=bad),
+            "no ranges": lambda: store.read_raw_ranges([], count=bad),
+        }
+        for name, read in reads.items():
+            with pytest.raises(InvalidInputError, match="count"):
+                await read()
+                pytest.fail(f"{name} took count={bad!r}")
+        (info,) = await store.feed_groups(p)
+        assert (info.pending, info.last_delivered) == (0, "0-0")  # nothing was delivered
+
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, "10", True])
+    async def test_feed_waits_are_positive_or_none(self, store: EventStore, bad: Any) -> None:
+        p, _, _ = await self._partition_with_two_threads(store)
+        await store.create_feed_group(p, "g")
+        # Redis's BLOCK 0 waits forever: refused at once, never sent.
+        with anyio.fail_after(5):
+            with pytest.raises(InvalidInputError, match="block_ms must be > 0") as info:
+                await store.read_feed_group(p, "g", "c", block_ms=bad)
+        assert "None (do not wait)" in str(info.value)
+        assert await store.read_feed_group(p, "g", "c", block_ms=None) == []
+        assert await store.read_feed_group(p, "g", "c", block_ms=1) == []
+
+    @pytest.mark.parametrize("bad", [-1, 1.5, "0", True, None])
+    async def test_claim_idle_time_is_an_int_of_zero_or_more(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.create_feed_group(p, "g")
+        await store.append(a, [msg("x")])
+        assert len(await store.read_feed_group(p, "g", "c1")) == 1
+        with pytest.raises(InvalidInputError, match="min_idle_ms"):
+            await store.claim_feed(p, "g", "c2", min_idle_ms=bad)
+        assert [e.thread_id for e in await store.claim_feed(p, "g", "c2", min_idle_ms=0)] == [a]
+
+    @pytest.mark.parametrize("bad", [-1, 1.5, "60000"])
+    async def test_trim_age_is_an_int_of_zero_or_more(self, store: EventStore, bad: Any) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("x")])
+        with pytest.raises(InvalidInputError, match="max_age_ms"):
+            await store.trim_feed(p, max_age_ms=bad)
+        assert len(await store.read_feed(p)) == 1  # a negative age would have trimmed it
+
+    @pytest.mark.parametrize(
+        "bad",
+        ["garbage", "1-x", " 1-0", "1_0-0", "-1-0", "1-0-0", "\u0661-0", f"{2**64}-0", "", 5, None],
+    )
+    async def test_feed_ids_are_checked_before_anything_is_sent(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.create_feed_group(p, "g")
+        await store.append(a, [msg("x")])
+        (entry,) = await store.read_feed_group(p, "g", "c")
+        # Bad input is InvalidInputError on every backend, never a retryable OperationalError.
+        with pytest.raises(InvalidInputError, match="stream id"):
+            await store.ack_feed(p, "g", [entry.id, bad])
+        with pytest.raises(InvalidInputError):
+            await store.ack_feed(p, "g", entry.id)  # one id, not a list of them
+        with pytest.raises(InvalidInputError, match="stream id"):
+            await store.advance_feed_group(p, "g", bad)
+        with pytest.raises(InvalidInputError, match="stream id"):
+            await store.read_feed(p, after=bad)
+        with pytest.raises(InvalidInputError, match="stream id"):
+            await store.create_feed_group(p, "h", start=bad)
+        (info,) = await store.feed_groups(p)
+        assert info.pending == 1  # the good id in the refused batch was not acknowledged
+        assert await store.ack_feed(p, "g", [entry.id]) == 1
+
+    @pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "{g}", 7, None])
+    async def test_group_names_are_checked(self, store: EventStore, bad: Any) -> None:
+        p, _, _ = await self._partition_with_two_threads(store)
+        with pytest.raises(InvalidInputError, match="group name") as info:
+            await store.create_feed_group(p, bad)
+        assert "view" not in str(info.value)
+        with pytest.raises(InvalidInputError, match="group name"):
+            await store.read_feed_group(p, bad, "c")
+        with pytest.raises(InvalidInputError, match="group name"):
+            await store.ack_feed(p, bad, ["1-0"])
+
+    async def test_a_missing_feed_group_is_a_typed_error_on_every_group_method(
+        self, store: EventStore
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("x")])
+        await store.create_feed_group(p, "g")
+        # A partition whose feed has entries but not this group, and one with no feed at all.
+        empty = (p + 1) % store.partitions
+        assert await store.read_feed(empty) == [] or store.partitions == 1
+        for partition in dict.fromkeys([p, empty]):
+            calls: list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]] = [
+                ("read_feed_group", store.read_feed_group, ("c",), {}),
+                ("pending", store.read_feed_group, ("c",), {"pending": True}),
+                ("blocking", store.read_feed_group, ("c",), {"block_ms": 10}),
+                ("claim_feed", store.claim_feed, ("c",), {"min_idle_ms": 0}),
+                ("ack_feed", store.ack_feed, (["1-0"],), {}),
+                ("ack_feed of nothing", store.ack_feed, ([],), {}),
+                ("advance_feed_group", store.advance_feed_group, ("1-0",), {}),
+            ]
+            for name, method, args, kwargs in calls:
+                with pytest.raises(FeedGroupNotFoundError) as info:
+                    await method(partition, "nope", *args, **kwargs)
+                    pytest.fail(f"{name} on partition {partition} found a group")
+                exc = info.value
+                assert isinstance(exc, ConflictError) and isinstance(exc, LookupError)
+                assert (exc.partition, exc.group) == (partition, "nope"), name
+                text = str(exc)
+                assert text == f"no consumer group 'nope' on feed partition {partition}", name
+                assert store.namespace not in text  # no Redis key names
+        # The group that exists is untouched, and works.
+        assert [e.thread_id for e in await store.read_feed_group(p, "g", "c")] == [a]
 
     async def test_checkpointed_writes_apply_once(self, store: EventStore) -> None:
         incr = [("usage", "2026-01-01|small", 10), ("usage", "turns", 1)]

@@ -58,6 +58,7 @@ PUBLIC_NAMES = [
     "ExpectedVersion",
     "Fallback",
     "FeedEntry",
+    "FeedGroupNotFoundError",
     "FilePart",
     "Grant",
     "GroupCommit",
@@ -223,7 +224,8 @@ def _sample(cls: type[BaseException]) -> BaseException:
     """An instance of ``cls`` with every attribute its constructor takes."""
     samples: dict[type[BaseException], Callable[[], BaseException]] = {
         ConcurrencyError: lambda: ConcurrencyError("t:1", NO_THREAD, 3),
-        IdempotencyKeyReusedError: lambda: IdempotencyKeyReusedError("t", "k:req-1"),
+        IdempotencyKeyReusedError: lambda: IdempotencyKeyReusedError("t", "req-1"),
+        eventstore.FeedGroupNotFoundError: lambda: eventstore.FeedGroupNotFoundError(3, "g"),
         eventstore.ChainKeyMismatchError: lambda: eventstore.ChainKeyMismatchError(
             "t", True, False
         ),
