@@ -7,8 +7,8 @@ order mark is dropped, and so are blank lines at the end of the file. Import val
 whole file before writing anything; malformed lines (a blank line before the last message is
 one) are reported with their line numbers and either refuse the import or, with ``skip_bad``,
 are skipped and reported one by one. A file with no message to import is refused, so that an
-import never reports success for a session it did not write. Importing the same file twice
-writes it once. Export refuses a session with no transcript: one never written, or a thread
+import never reports success for a session it did not write. Importing the same messages
+twice writes them once, even from a copy that differs only in what import drops. Export refuses a session with no transcript: one never written, or a thread
 that holds other events (a conversation's messages) but no transcript event.
 """
 
@@ -153,7 +153,7 @@ async def import_jsonl(
     """Append the messages of a JSONL file to a session's transcript.
 
     Raises `JsonlImportError` (nothing written) when lines are malformed and ``skip_bad`` is
-    off. Idempotent: the appends are keyed by the file's content hash.
+    off. Idempotent: the appends are keyed by a hash of the messages imported.
     """
     try:
         data = await anyio.Path(path).read_bytes()
@@ -165,7 +165,12 @@ async def import_jsonl(
         raise JsonlImportError(str(path), errors)
     if not messages:
         raise JsonlImportError(str(path), errors, empty=True)
-    digest = hashlib.sha256(data).hexdigest()[:32]
+    # The key names the messages, not the file's bytes: a copy that differs only in what an
+    # import drops (CRLF line ends, a byte order mark, trailing blank lines, skipped lines) is
+    # the same import. For a file with none of those the two are the same bytes, so files
+    # imported before keep their keys.
+    digest = hashlib.sha256(b"".join(m.to_json_bytes() + b"\n" for m in messages)).hexdigest()
+    digest = digest[:32]
     events = _batches(messages)
     duplicate = True
     version = 0

@@ -65,6 +65,15 @@ class EncodedEvent(msgspec.Struct, frozen=True):
         return _ulid_str(self.id_bytes)
 
 
+def chain_key(secret: bytes) -> bytes:
+    """The BLAKE2b key a chain secret stands for: the secret itself up to 64 bytes (BLAKE2b's
+    longest key), else its 64-byte BLAKE2b hash, as HMAC does with a key longer than a block.
+    A passphrase of any length works; a secret that fits is used as it always was."""
+    if len(secret) <= 64:
+        return secret
+    return hashlib.blake2b(secret, digest_size=64).digest()
+
+
 def content_digest(
     thread_id: str, id_bytes: bytes, version: int, data: bytes, meta: bytes, secret: bytes | None
 ) -> str:
@@ -76,7 +85,8 @@ def content_digest(
     framed = b"%d:%s%d:%s%d:%s%d:%s%d:%s" % (
         len(thread), thread, len(id_bytes), id_bytes, len(v), v, len(data), data, len(meta), meta
     )  # fmt: skip
-    return hashlib.blake2b(framed, digest_size=16, key=secret or b"").hexdigest()
+    key = chain_key(secret) if secret else b""
+    return hashlib.blake2b(framed, digest_size=16, key=key).hexdigest()
 
 
 def chain_link(prev: str, seq: int, time_ms: int, digest: str) -> str:
@@ -149,7 +159,7 @@ def key_fingerprint(secret: bytes | None) -> str:
     if not secret:
         return UNKEYED_FINGERPRINT
     return hashlib.blake2b(
-        b"threadlog chain key fingerprint v1", digest_size=8, key=secret
+        b"threadlog chain key fingerprint v1", digest_size=8, key=chain_key(secret)
     ).hexdigest()
 
 
@@ -245,7 +255,7 @@ def _encode(
         v = b"%d" % version
         content = b"%d:%s%d:%s%d:%s" % (len(v), v, len(data), data, len(meta), meta)
         if secret:
-            h = hashlib.blake2b(digest_size=16, key=secret)
+            h = hashlib.blake2b(digest_size=16, key=chain_key(secret))
         else:
             h = _UNKEYED_CONTENT_DIGEST.copy()
         h.update(b"%b%d:%b" % (thread_part, len(id_bytes), id_bytes))

@@ -446,8 +446,10 @@ def embedded_url(directory: Path, *, on_start: Callable[[Path], None] | None = N
     try:
         created = not directory.exists()
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if created:
-            directory.chmod(0o700)  # mkdir's mode passes through the umask
+        # mkdir's mode passes through the umask; and a directory an earlier release made (its
+        # lock file says so) was made 0755, with files other users could read.
+        if created or (directory / "lock").exists():
+            directory.chmod(0o700)
     except (FileExistsError, NotADirectoryError):
         raise StoreConnectionError(
             f"cannot keep the embedded redis-server in {directory}: it is not a directory "

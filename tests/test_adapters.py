@@ -27,6 +27,7 @@ from adapters import (
     TurnNotFoundError,
     export_jsonl,
     import_jsonl,
+    parse_jsonl,
     session_update,
 )
 from adapters._threads import RECORDS_READ_AHEAD
@@ -483,6 +484,34 @@ async def test_jsonl_malformed_lines(store: es.EventStore, tmp_path: Path) -> No
     )
     assert (await import_jsonl(sessions, bom, "s-bom")).imported == 2
     assert [m.text for m in (await sessions.load("s-bom")).messages] == ["first", "b"]
+
+
+async def test_jsonl_copies_that_differ_only_in_what_an_import_drops_import_once(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    lines = [b'{"role":"user","content":"a"}', b'{"role":"assistant","content":"b \\u00e9"}']
+    clean = b"".join(line + b"\n" for line in lines)
+    variants = [
+        clean,
+        clean + b"\n\n",  # re-saved by an editor
+        b"\xef\xbb\xbf" + b"".join(line + b"\r\n" for line in lines),  # BOM and CRLF
+    ]
+    reports = []
+    for i, data in enumerate(variants):
+        path = tmp_path / f"copy{i}.jsonl"
+        path.write_bytes(data)
+        reports.append(await import_jsonl(sessions, path, "s"))
+    assert [(r.imported, r.duplicate, r.version) for r in reports] == [
+        (2, False, 1),
+        (2, True, 1),
+        (2, True, 1),
+    ]
+    assert len((await sessions.load("s")).messages) == 2
+    # A clean file's key is the hash of its bytes, as before: files imported by earlier
+    # releases are still recognised.
+    messages, _ = parse_jsonl(clean, max_message_bytes=1 << 20)
+    assert b"".join(m.to_json_bytes() + b"\n" for m in messages) == clean
 
 
 async def test_jsonl_blank_lines_at_the_end_and_files_with_no_message(

@@ -7,6 +7,7 @@ on the memory backend the same edits are made to its stream twin.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -16,6 +17,7 @@ import pytest
 
 import eventstore as es
 from adapters import Auditor, Verdict, _audit
+from eventstore import _codec
 from eventstore._connect import StoreSettings
 from eventstore._memory import _Thread
 from projections import Projector
@@ -358,6 +360,30 @@ async def test_without_a_key_a_recomputed_chain_goes_unnoticed(store: es.EventSt
     await populate(store)
     await forge_chain(Raw(store), 4, "forged")
     assert (await Auditor(store).verify(T)).ok
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_chain_secret_longer_than_blake2b_keys_works(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """BLAKE2b keys stop at 64 bytes; a longer secret (a passphrase) stands for its hash."""
+    namespace = "l" + uuid.uuid4().hex[:12]
+    url = "memory://" + namespace if backend == "memory" else request.getfixturevalue("redis_url")
+    long_secret = b"correct horse battery staple " * 4  # 116 bytes
+    async with await es.connect(url, namespace=namespace, secret=long_secret) as store:
+        await store.append(T, [es.MessageAppended(message=user("kept"))])
+        assert (await Auditor(store).verify(T)).ok
+        assert not (await Auditor(store, secret=long_secret + b"!").verify(T)).ok
+    async with await es.connect(url, namespace=namespace, secret=long_secret + b"!") as other:
+        with pytest.raises(es.ChainKeyMismatchError):
+            await other.append(T, [es.MessageAppended(message=user("refused"))])
+    # A secret that fits is the key itself, as it always was.
+    assert (
+        _codec.key_fingerprint(b"s3cret")
+        == hashlib.blake2b(
+            b"threadlog chain key fingerprint v1", digest_size=8, key=b"s3cret"
+        ).hexdigest()
+    )
 
 
 async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> None:

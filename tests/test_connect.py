@@ -454,6 +454,10 @@ async def test_embedded_server_files_are_private_to_their_owner(short_dir: Path)
         async with await connect(url, namespace=_ns()) as store:
             await store.append("t", [msg("secret")])
         assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        assert stop_embedded(home) is True
+        home.chmod(0o755)  # as an earlier release left it
+        embedded_url(home)
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
         files = [p for p in home.rglob("*") if p.is_file() and p.name != "lock"]
         assert any(p.name.startswith("appendonly") for p in files), files
         for path in files:
