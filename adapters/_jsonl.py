@@ -8,8 +8,9 @@ whole file before writing anything; malformed lines (a blank line before the las
 one) are reported with their line numbers and either refuse the import or, with ``skip_bad``,
 are skipped and reported one by one. A file with no message to import is refused, so that an
 import never reports success for a session it did not write. Importing the same messages
-twice writes them once, even from a copy that differs only in what import drops. Export refuses a session with no transcript: one never written, or a thread
-that holds other events (a conversation's messages) but no transcript event.
+twice writes them once, even from a copy that differs only in what import drops. Export
+refuses a session with no transcript: one never written, or a thread that holds other events
+(a conversation's messages) but no transcript event.
 """
 
 from __future__ import annotations
