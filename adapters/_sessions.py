@@ -15,8 +15,6 @@ import msgspec
 
 from eventstore import (
     ANY,
-    EXISTS,
-    NO_THREAD,
     AppendResult,
     ConcurrencyError,
     EventStore,
@@ -27,25 +25,13 @@ from eventstore import (
     NewEvent,
     TranscriptAppended,
     TranscriptReplaced,
-    validate_count,
     validate_thread_id,
+    version_satisfies,
 )
 from projections import Projector, TranscriptMessage
 
 from ._access import AccessPolicy, AllowAll, Principal, authorize
 from ._threads import as_message
-
-
-def _satisfied(expected: ExpectedVersion, version: int) -> bool:
-    """Whether a thread at ``version`` meets ``expected`` (as an append would check it)."""
-    if expected is ANY:
-        return True
-    if expected is NO_THREAD:
-        return version == 0
-    if expected is EXISTS:
-        return version > 0
-    validate_count(expected, "expected_version")
-    return expected == version
 
 
 class Transcript(msgspec.Struct, frozen=True, kw_only=True):
@@ -193,7 +179,7 @@ class SessionStore:
                     seen = self._seen.get(session_id)
                     return seen if seen is not None else await self.store.version(session_id)
                 current = await self.store.version(session_id)
-                if not _satisfied(expected_version, current):
+                if not version_satisfies(expected_version, current):
                     raise ConcurrencyError(session_id, expected_version, current)
                 return current
             return await self.append(

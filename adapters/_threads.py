@@ -215,8 +215,7 @@ class ThreadStore:
         runtime's to allow)."""
         if turn_id is None:
             return
-        if not isinstance(turn_id, str) or not turn_id:
-            raise InvalidInputError(f"turn_id must be a non-empty string, not {turn_id!r}")
+        _check_turn_id(turn_id)
         if await self.projector.record(thread_id, turn_id) is None:
             raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
 
@@ -243,8 +242,8 @@ class ThreadStore:
         retry without it opens a second turn, with a second copy of the request message.
         """
         await self._allow(principal, "write", thread_id)
-        if turn_id is not None and (not isinstance(turn_id, str) or not turn_id):
-            raise InvalidInputError(f"turn_id must be a non-empty string, not {turn_id!r}")
+        if turn_id is not None:
+            _check_turn_id(turn_id)
         if (
             parent_turn_id is not None
             and await self.projector.record(thread_id, parent_turn_id) is None
@@ -447,6 +446,11 @@ class ThreadStore:
 
 # Newest first: by record time (ms), then thread id, then seq descending within a thread.
 SortKey = tuple[int, str, int]
+
+
+def _check_turn_id(turn_id: object) -> None:
+    if not isinstance(turn_id, str) or not turn_id:
+        raise InvalidInputError(f"turn_id must be a non-empty string, not {turn_id!r}")
 
 
 def _first(pair: tuple[SortKey, TurnRecord]) -> SortKey:

@@ -30,7 +30,13 @@ from ._catalog import (
     TurnSettled,
     Usage,
 )
-from ._codec import chain_link, content_digest, entry_digest, event_id_text
+from ._codec import (
+    chain_link,
+    content_digest,
+    entry_digest,
+    event_id_text,
+    version_satisfies,
+)
 from ._connect import StoreSettings, connect, embedded_url, open_store, redact, stop_embedded
 from ._contract import (
     ANY,
@@ -228,4 +234,5 @@ __all__ = [
     "validate_thread_id",
     "translate_redis_error",
     "validate_view_name",
+    "version_satisfies",
 ]

@@ -538,6 +538,19 @@ def expected_version_arg(expected: ExpectedVersion) -> str:
     return str(expected)
 
 
+def version_satisfies(expected: ExpectedVersion, version: int) -> bool:
+    """Whether a thread at ``version`` meets ``expected``, as an append checks it (the script
+    compares the same way); raises `InvalidInputError` for a malformed expected version."""
+    arg = expected_version_arg(expected)
+    if arg == "any":
+        return True
+    if arg == "no_thread":
+        return version == 0
+    if arg == "exists":
+        return version > 0
+    return version == int(arg)
+
+
 def idempotency_key_for(given: str | None, first_event_id: bytes) -> bytes:
     """The ledger field an append is recorded under: ``k:`` + the caller's key, or ``e`` + the
     first event's id as 16 raw bytes (a retry that reuses the events reuses their ids).

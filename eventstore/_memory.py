@@ -29,6 +29,7 @@ from ._codec import (
     idempotency_key_text,
     key_fingerprint,
     request_digest,
+    version_satisfies,
 )
 from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo
 from ._errors import (
@@ -261,7 +262,7 @@ class MemoryEventStore(EventStore):
             max_event_bytes=self.max_event_bytes,
             secret=self._secret,
         )
-        expected = expected_version_arg(expected_version)
+        expected_version_arg(expected_version)  # a malformed one is refused before the yield
         ops = list(view_ops)
         check_ops(ops, len(encoded), in_append=True)
         for op in ops:
@@ -290,11 +291,7 @@ class MemoryEventStore(EventStore):
                 thread_id, thread.fingerprint != UNKEYED_FINGERPRINT, bool(self._secret)
             )
         version = thread.version
-        if (
-            (expected == "no_thread" and version != 0)
-            or (expected == "exists" and version == 0)
-            or (expected not in ("any", "no_thread", "exists") and version != int(expected))
-        ):
+        if not version_satisfies(expected_version, version):
             raise ConcurrencyError(thread_id, expected_version, version)
         # Guards see the ops before them in this append, as if its events came one by one (as
         # the script does): a field's version after the earlier sets, deletes and clears.

@@ -148,6 +148,7 @@ PUBLIC_NAMES = [
     "validate_namespace",
     "validate_thread_id",
     "validate_view_name",
+    "version_satisfies",
 ]
 
 
