@@ -82,7 +82,7 @@ from ._events import (
     register_event,
     registry,
 )
-from ._feed import FeedEntry, GroupInfo
+from ._feed import FeedEntry, GroupInfo, validate_consumer
 from ._ids import (
     new_ulid,
     validate_count,
@@ -228,6 +228,7 @@ __all__ = [
     "register_event",
     "registry",
     "stop_embedded",
+    "validate_consumer",
     "validate_count",
     "validate_limit",
     "validate_namespace",

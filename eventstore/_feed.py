@@ -65,17 +65,48 @@ def parse_stream_id(value: str) -> tuple[int, int]:
 
 def validate_stream_ids(ids: Sequence[str]) -> list[str]:
     """``ids`` as a list, each checked by `parse_stream_id`."""
-    if isinstance(ids, str | bytes):  # a lone id would be taken for its characters
-        raise InvalidInputError(f"ids must be a sequence of stream ids, not {ids!r}")
-    out = list(ids)
+    out = _id_list(ids)
     for value in out:
         parse_stream_id(value)
     return out
 
 
+def parse_stream_ids(ids: Sequence[str]) -> list[tuple[int, int]]:
+    """Each of ``ids`` parsed by `parse_stream_id` (as `validate_stream_ids` checks them)."""
+    return [parse_stream_id(value) for value in _id_list(ids)]
+
+
+def _id_list(ids: Sequence[str]) -> list[str]:
+    if isinstance(ids, str | bytes):  # a lone id would be taken for its characters
+        raise InvalidInputError(f"ids must be a sequence of stream ids, not {ids!r}")
+    return list(ids)
+
+
 def validate_group(group: object) -> str:
     """Return ``group`` if it is a usable consumer group name, else raise `InvalidInputError`."""
     return validate_name(group, "group name")
+
+
+MAX_CONSUMER_CHARS = 256
+
+
+def validate_consumer(consumer: object) -> str:
+    """Return ``consumer`` if it is a usable consumer name, else raise `InvalidInputError`.
+
+    Redis takes any bytes, but a consumer is named in `XPENDING` and `XINFO` output that
+    operators read, and an empty name or a non-str (bytes, None) is a caller's mistake: a
+    printable str, such as ``"host-1:4242"``, of 1-256 characters.
+    """
+    if (
+        not isinstance(consumer, str)
+        or not 0 < len(consumer) <= MAX_CONSUMER_CHARS
+        or not consumer.isprintable()
+    ):
+        raise InvalidInputError(
+            f"consumer name {consumer!r} must be a str of 1-{MAX_CONSUMER_CHARS} printable "
+            "characters"
+        )
+    return consumer
 
 
 def validate_feed_count(count: object) -> None:

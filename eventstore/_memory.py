@@ -49,11 +49,12 @@ from ._feed import (
     entry_from_fields,
     format_stream_id,
     parse_stream_id,
+    parse_stream_ids,
     safe_trim_point,
     validate_block_ms,
+    validate_consumer,
     validate_feed_count,
     validate_group,
-    validate_stream_ids,
 )
 from ._ids import (
     new_ulid,
@@ -600,6 +601,7 @@ class MemoryEventStore(EventStore):
         block_ms: int | None = None,
         pending: bool = False,
     ) -> list[FeedEntry]:
+        validate_consumer(consumer)
         validate_feed_count(count)
         validate_block_ms(block_ms)
         feed, grp = self._group(partition, group)
@@ -630,6 +632,7 @@ class MemoryEventStore(EventStore):
         min_idle_ms: int,
         count: int = READ_BATCH,
     ) -> list[FeedEntry]:
+        validate_consumer(consumer)
         validate_count(min_idle_ms, "min_idle_ms")
         validate_feed_count(count)
         feed, grp = self._group(partition, group)
@@ -649,7 +652,7 @@ class MemoryEventStore(EventStore):
         return self._out(partition, feed, claimed)
 
     async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
-        parsed = [parse_stream_id(raw) for raw in validate_stream_ids(ids)]
+        parsed = parse_stream_ids(ids)
         _, grp = self._group(partition, group)
         done = 0
         for entry_id in parsed:

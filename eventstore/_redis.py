@@ -61,6 +61,7 @@ from ._feed import (
     parse_stream_id,
     safe_trim_point,
     validate_block_ms,
+    validate_consumer,
     validate_feed_count,
     validate_group,
     validate_stream_ids,
@@ -1147,6 +1148,7 @@ class RedisEventStore(EventStore):
         pending: bool = False,
     ) -> list[FeedEntry]:
         validate_group(group)
+        validate_consumer(consumer)
         validate_feed_count(count)
         validate_block_ms(block_ms)
         key = self._feed_key(partition)
@@ -1170,6 +1172,7 @@ class RedisEventStore(EventStore):
         count: int = READ_BATCH,
     ) -> list[FeedEntry]:
         validate_group(group)
+        validate_consumer(consumer)
         validate_count(min_idle_ms, "min_idle_ms")
         validate_feed_count(count)
         key = self._feed_key(partition)

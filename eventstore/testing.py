@@ -853,6 +853,22 @@ class EventStoreConformance:
         assert await store.read_feed_group(p, "g", "c", block_ms=None) == []
         assert await store.read_feed_group(p, "g", "c", block_ms=1) == []
 
+    @pytest.mark.parametrize("bad", ["", b"c", None, 7, "a\nb", "x" * 257])
+    async def test_consumer_names_are_checked_before_anything_is_delivered(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.create_feed_group(p, "g")
+        await store.append(a, [msg("x")])
+        with pytest.raises(InvalidInputError, match="consumer name"):
+            await store.read_feed_group(p, "g", bad)
+        with pytest.raises(InvalidInputError, match="consumer name"):
+            await store.claim_feed(p, "g", bad, min_idle_ms=0)
+        (info,) = await store.feed_groups(p)
+        assert (info.pending, info.last_delivered) == (0, "0-0")  # nothing was delivered
+        # A name as operators write them (host and pid) is taken.
+        assert [e.thread_id for e in await store.read_feed_group(p, "g", "host-1:4242")] == [a]
+
     @pytest.mark.parametrize("bad", [-1, 1.5, "0", True, None])
     async def test_claim_idle_time_is_an_int_of_zero_or_more(
         self, store: EventStore, bad: Any

@@ -28,6 +28,7 @@ from eventstore import (
     InvalidInputError,
     RecordedEvent,
     TurnSettled,
+    validate_consumer,
     validate_view_name,
 )
 
@@ -70,6 +71,7 @@ class ProjectionRunner:
         poll_interval: float = 0.2,
     ) -> None:
         validate_view_name(projection.name)
+        validate_consumer(consumer)
         if batch_size < 1:
             raise InvalidInputError("batch_size must be >= 1")
         self.store = store

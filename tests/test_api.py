@@ -143,6 +143,7 @@ PUBLIC_NAMES = [
     "registry",
     "stop_embedded",
     "translate_redis_error",
+    "validate_consumer",
     "validate_count",
     "validate_limit",
     "validate_namespace",

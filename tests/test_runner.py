@@ -78,6 +78,15 @@ async def test_usage_projection_counts_every_turn_once(store: es.EventStore) -> 
     assert totals(await usage.report(store))["small"] == (t + 1, a + 1000, b + 500)
 
 
+@pytest.mark.parametrize("bad", ["", None, "tab\there"])
+async def test_a_runner_with_an_unusable_consumer_name_is_refused_at_once(
+    store: es.EventStore, bad: object
+) -> None:
+    with pytest.raises(es.InvalidInputError, match="consumer name"):
+        ProjectionRunner(store, UsageProjection(), consumer=bad)  # type: ignore[arg-type]
+    assert await store.feed_groups(0) == []  # no group was registered
+
+
 async def test_a_thread_deleted_and_created_again_is_counted_in_each_life_once(
     store: es.EventStore,
 ) -> None:
