@@ -8,8 +8,9 @@ appends are atomic and idempotent) and auditable.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -111,10 +112,95 @@ def _check_counts(steps: int, usage: Usage | None) -> None:
             "usage.cached_tokens": usage.cached_tokens,
         }
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidInputError(f"{name} must be a whole number >= 0, not {value!r}")
-    if usage is not None and usage.cost_usd is not None and not usage.cost_usd >= 0:
-        raise InvalidInputError(f"usage.cost_usd must be >= 0, not {usage.cost_usd!r}")
+        _check_whole(value, name)
+    if usage is not None:
+        _check_amount(usage.cost_usd, "usage.cost_usd")
+
+
+def _check_whole(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{name} must be a whole number >= 0, not {value!r}")
+
+
+def _check_amount(value: float | None, name: str) -> None:
+    """A money amount: None or a finite number >= 0 (NaN and infinity sum to nonsense)."""
+    if value is not None and not (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value >= 0
+    ):
+        raise InvalidInputError(f"{name} must be a finite number >= 0, not {value!r}")
+
+
+def _check_grant(grant: Grant | None) -> None:
+    """A budget is counts and an amount >= 0: a negative one admits nothing, and audits read it."""
+    if grant is None:
+        return
+    for name in ("max_steps", "max_tokens", "deadline_ms"):
+        value = getattr(grant, name)
+        if value is not None:
+            _check_whole(value, f"grant.{name}")
+    _check_amount(grant.max_cost_usd, "grant.max_cost_usd")
+
+
+def _check_timing(timing: Timing | None) -> None:
+    """Epoch milliseconds (0: not recorded); a turn does not settle before it starts."""
+    if timing is None:
+        return
+    _check_whole(timing.started_ms, "timing.started_ms")
+    _check_whole(timing.settled_ms, "timing.settled_ms")
+    if timing.started_ms and timing.settled_ms and timing.settled_ms < timing.started_ms:
+        raise InvalidInputError(
+            f"timing.settled_ms ({timing.settled_ms}) is before timing.started_ms "
+            f"({timing.started_ms})"
+        )
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _as_struct(value: object, type_: type[S], name: str) -> S:
+    """Accept a ``type_`` or its JSON object form (as messages are accepted), else refuse
+    with `InvalidInputError` naming the argument."""
+    if isinstance(value, type_):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return msgspec.convert(dict(value), type_)
+        except msgspec.ValidationError as exc:
+            raise InvalidInputError(f"{name}: {exc}") from None
+    raise InvalidInputError(
+        f"{name} must be a {type_.__name__} or a mapping of its fields, not "
+        f"{type(value).__name__}: {value!r:.80}"
+    )
+
+
+def _as_optional(value: object, type_: type[S], name: str) -> S | None:
+    return None if value is None else _as_struct(value, type_, name)
+
+
+def _as_structs(values: object, type_: type[S], name: str) -> list[S]:
+    if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
+        raise InvalidInputError(
+            f"{name} must be a sequence of {type_.__name__}, not {values!r:.80}"
+        )
+    return [_as_struct(v, type_, f"{name}[{i}]") for i, v in enumerate(values)]
+
+
+RESERVED_KEY_PREFIXES = ("open:", "settle:")
+"""Idempotency keys ThreadStore gives its own appends (``open:<turn id>``, ``settle:<turn
+id>``); a caller's key may not begin with them, or it could stand in for a turn's opening or
+settlement."""
+
+
+def _check_caller_key(idempotency_key: str | None) -> None:
+    if isinstance(idempotency_key, str) and idempotency_key.startswith(RESERVED_KEY_PREFIXES):
+        raise InvalidInputError(
+            f"idempotency_key {idempotency_key!r}: keys beginning "
+            f"{' or '.join(map(repr, RESERVED_KEY_PREFIXES))} are ThreadStore's own (a turn's "
+            "opening and settlement)"
+        )
 
 
 class ThreadStore:
@@ -164,7 +250,9 @@ class ThreadStore:
         """Add a message to the conversation directly (outside the turn lifecycle).
 
         A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
+        An ``idempotency_key`` may not begin with ``open:`` or ``settle:`` (ThreadStore's own).
         """
+        _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
         await self._require_turn(thread_id, turn_id)
         event = NewEvent(payload=MessageAppended(message=as_message(message), turn_id=turn_id))
@@ -199,6 +287,7 @@ class ThreadStore:
         """
         if expected_block_version is not None:
             validate_count(expected_block_version, "expected_block_version")
+        _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
         await self._require_turn(thread_id, turn_id)
         event = StateUpdated(
@@ -226,7 +315,7 @@ class ThreadStore:
         thread_id: str,
         *,
         parent_turn_id: str | None = None,
-        grant: Grant | None = None,
+        grant: Grant | Mapping[str, Any] | None = None,
         request_message: Message | Mapping[str, Any] | None = None,
         turn_id: str | None = None,
         principal: Principal | None = None,
@@ -244,6 +333,10 @@ class ThreadStore:
         await self._allow(principal, "write", thread_id)
         if turn_id is not None:
             _check_turn_id(turn_id)
+        if parent_turn_id is not None:
+            _check_turn_id(parent_turn_id, "parent_turn_id")
+        grant = _as_optional(grant, Grant, "grant")
+        _check_grant(grant)
         if (
             parent_turn_id is not None
             and await self.projector.record(thread_id, parent_turn_id) is None
@@ -274,32 +367,39 @@ class ThreadStore:
         turn_id: str,
         *,
         outcome: Outcome,
-        usage: Usage | None = None,
+        usage: Usage | Mapping[str, Any] | None = None,
         steps: int = 0,
         model_tier: str | None = None,
-        fallbacks: Sequence[Fallback] = (),
-        timing: Timing | None = None,
-        error: TurnError | None = None,
+        fallbacks: Sequence[Fallback | Mapping[str, Any]] = (),
+        timing: Timing | Mapping[str, Any] | None = None,
+        error: TurnError | Mapping[str, Any] | None = None,
         assistant_message: Message | Mapping[str, Any] | None = None,
-        state_updates: Iterable[StateUpdate] = (),
+        state_updates: Iterable[StateUpdate | Mapping[str, Any]] = (),
         principal: Principal | None = None,
     ) -> Settlement:
         """Settle a turn: its record, its assistant message and final state updates, atomically.
 
         The assistant message joins the conversation only when a root turn completes; for any
         other outcome it is kept in the log for audit. Settling is idempotent per turn: a
-        second settlement returns the first one and writes nothing. A turn that was not opened
-        in this thread is refused with `TurnNotFoundError`.
+        second settlement returns the first one (with the seqs its append wrote) and writes
+        nothing. A turn that was not opened in this thread is refused with `TurnNotFoundError`.
+        ``usage``, ``timing``, ``error``, ``fallbacks`` and ``state_updates`` take their structs
+        or the same as mappings of fields.
         """
         await self._allow(principal, "write", thread_id)
+        _check_turn_id(turn_id)
+        usage = _as_optional(usage, Usage, "usage")
+        timing = _as_optional(timing, Timing, "timing")
+        error = _as_optional(error, TurnError, "error")
+        fallbacks = _as_structs(fallbacks, Fallback, "fallbacks")
+        updates = _as_structs(state_updates, StateUpdate, "state_updates")
         _check_counts(steps, usage)
+        _check_timing(timing)
         current = await self.projector.record(thread_id, turn_id)
         if current is None:
             raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
         if not current.is_open:
-            return Settlement(
-                record=current, first_seq=current.seq, last_seq=current.seq, duplicate=True
-            )
+            return await self._first_settlement(thread_id, turn_id, current)
         message = as_message(assistant_message) if assistant_message is not None else None
         events: list[NewEvent] = [
             NewEvent(
@@ -311,7 +411,7 @@ class ThreadStore:
                 ),
                 turn_id=turn_id,
             )
-            for u in state_updates
+            for u in updates
         ]
         settled = TurnSettled(
             turn_id=turn_id,
@@ -320,7 +420,7 @@ class ThreadStore:
             grant=current.grant,
             steps=steps,
             model_tier=model_tier,
-            fallbacks=list(fallbacks),
+            fallbacks=fallbacks,
             usage=usage or Usage(),
             timing=timing or Timing(),
             error=error,
@@ -331,18 +431,41 @@ class ThreadStore:
             result = await self.projector.append(
                 thread_id, events, idempotency_key=f"settle:{turn_id}"
             )
-        except ConflictError as exc:
-            # Another instance settled it first (same key, other content): the first wins.
-            if not isinstance(exc, IdempotencyKeyReusedError):
-                raise
-            result = None
+        except IdempotencyKeyReusedError:
+            # The key recorded another append: another instance settled the turn first, with
+            # other details (the first wins), or, if the turn is still open, an append outside
+            # ThreadStore took the key, and this settlement cannot be recorded under it.
+            record = await self.projector.record(thread_id, turn_id)
+            if record is None or record.is_open:
+                raise TurnConflictError(
+                    f"turn {turn_id!r} of thread {thread_id!r} is open, but its settlement's "
+                    f"idempotency key 'settle:{turn_id}' was used by another append; keys "
+                    "beginning 'open:' or 'settle:' are ThreadStore's own"
+                ) from None
+            return await self._first_settlement(thread_id, turn_id, record)
         record = await self.projector.record(thread_id, turn_id)
         assert record is not None
-        if result is None or result.duplicate:
+        return Settlement(
+            record=record,
+            first_seq=result.first_seq,
+            last_seq=result.last_seq,
+            duplicate=result.duplicate,
+        )
+
+    async def _first_settlement(
+        self, thread_id: str, turn_id: str, record: TurnRecord
+    ) -> Settlement:
+        """A settled turn's `Settlement` as its first settlement returned it: the seqs its
+        append wrote, from the idempotency ledger (the record's own seq for a turn settled by
+        an append outside ThreadStore)."""
+        first = await self.store.recorded_append(thread_id, f"settle:{turn_id}")
+        if first is None:
             return Settlement(
                 record=record, first_seq=record.seq, last_seq=record.seq, duplicate=True
             )
-        return Settlement(record=record, first_seq=result.first_seq, last_seq=result.last_seq)
+        return Settlement(
+            record=record, first_seq=first.first_seq, last_seq=first.last_seq, duplicate=True
+        )
 
     async def delete_thread(self, thread_id: str, *, principal: Principal | None = None) -> int:
         """Delete a thread, its events and its views (a tombstone reaches the change feed)."""
@@ -355,6 +478,7 @@ class ThreadStore:
         self, thread_id: str, turn_id: str, *, principal: Principal | None = None
     ) -> TurnRecord | None:
         """One turn's record (open or settled), or None."""
+        _check_turn_id(turn_id)
         await self._allow(principal, "read", thread_id)
         return await self.projector.record(thread_id, turn_id)
 
@@ -448,9 +572,9 @@ class ThreadStore:
 SortKey = tuple[int, str, int]
 
 
-def _check_turn_id(turn_id: object) -> None:
+def _check_turn_id(turn_id: object, name: str = "turn_id") -> None:
     if not isinstance(turn_id, str) or not turn_id:
-        raise InvalidInputError(f"turn_id must be a non-empty string, not {turn_id!r}")
+        raise InvalidInputError(f"{name} must be a non-empty string, not {turn_id!r}")
 
 
 def _first(pair: tuple[SortKey, TurnRecord]) -> SortKey:
@@ -468,6 +592,8 @@ def _cursor_of(r: TurnRecord) -> str:
 def _parse_cursor(after: str | None) -> SortKey | None:
     if after is None:
         return None
+    if not isinstance(after, str):
+        raise InvalidInputError(f"after must be a records cursor (a str) or None, not {after!r}")
     try:
         ms, seq, thread_id = after.split(":", 2)
         return (-int(ms), thread_id, -int(seq))

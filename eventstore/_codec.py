@@ -27,6 +27,7 @@ from ._errors import (
     EventTooLargeError,
     EventValidationError,
     InvalidInputError,
+    OperationalError,
     UnknownEventTypeError,
 )
 from ._events import (
@@ -557,6 +558,11 @@ def idempotency_key_for(given: str | None, first_event_id: bytes) -> bytes:
     """
     if given is None:
         return b"e" + first_event_id
+    return caller_key_field(given)
+
+
+def caller_key_field(given: object) -> bytes:
+    """The ledger field of a caller's idempotency key: ``k:`` + the key."""
     if not isinstance(given, str) or not given or len(given) > 512:
         raise InvalidInputError("idempotency_key must be a non-empty str of at most 512 chars")
     return b"k:" + given.encode("utf-8")
@@ -572,3 +578,12 @@ def idempotency_key_text(given: str | None, first_event_id: str) -> str:
 LEDGER_DIGEST_BYTES = 6
 """How much of the request digest a ledger entry keeps (a false "duplicate" for a reused key
 with other content takes a 48-bit collision)."""
+
+
+def parse_ledger_entry(thread_id: str, raw: bytes) -> tuple[int, int]:
+    """The first and last seq of a Redis ledger entry, ``<first>[ <last>]`` followed by
+    `LEDGER_DIGEST_BYTES` of the request digest (the append script writes it)."""
+    span = raw[:-LEDGER_DIGEST_BYTES].split(b" ")
+    if len(raw) <= LEDGER_DIGEST_BYTES or len(span) > 2 or not all(p.isdigit() for p in span):
+        raise OperationalError(f"thread {thread_id!r}: unreadable idempotency ledger entry {raw!r}")
+    return int(span[0]), int(span[-1])

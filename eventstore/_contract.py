@@ -274,6 +274,16 @@ class EventStore(abc.ABC):
         """
         return None
 
+    async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
+        """What the append made with ``idempotency_key`` wrote (its first and last seq, marked
+        ``duplicate``), or None: no append of the thread's current life used the key.
+
+        Answers "did my append land?" without sending it again, and gives a retry's caller
+        the original seqs. Raises `InvalidInputError` for a key `append` would refuse.
+        (A backend that keeps no ledger it can answer from returns None.)
+        """
+        return None
+
     async def read_between(
         self,
         thread_id: str,

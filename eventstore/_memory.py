@@ -20,6 +20,7 @@ from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
     LEDGER_DIGEST_BYTES,
     UNKEYED_FINGERPRINT,
+    caller_key_field,
     chain_link,
     decode_entry,
     encode_events,
@@ -86,6 +87,7 @@ from ._views import (
     ViewResult,
     ViewSnapshot,
     check_ops,
+    check_reads,
     decode_view_result,
     stamp_hash_value,
     stamp_list_value,
@@ -386,6 +388,15 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         return thread.fingerprint if thread else None
 
+    async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
+        ikey = caller_key_field(idempotency_key)
+        thread = self._thread(thread_id)
+        await anyio.lowlevel.checkpoint()
+        prior = thread.ledger.get(ikey) if thread else None
+        return (
+            None if prior is None else AppendResult(thread_id, prior[0], prior[1], duplicate=True)
+        )
+
     async def read_raw(
         self,
         thread_id: str,
@@ -449,6 +460,7 @@ class MemoryEventStore(EventStore):
         return result
 
     async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
+        reads = check_reads(reads)
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
         views = thread.views if thread else {}

@@ -21,6 +21,7 @@ from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
     UNKEYED_FINGERPRINT,
     EncodedEvent,
+    caller_key_field,
     decode_entry,
     decode_payload_rows,
     decode_rows,
@@ -29,6 +30,7 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    parse_ledger_entry,
 )
 from ._contract import (
     ANY,
@@ -106,7 +108,9 @@ from ._views import (
     ViewResult,
     ViewSnapshot,
     check_ops,
+    check_reads,
     decode_view_result,
+    redis_index,
     stamp_hash_value,
     stamp_list_value,
 )
@@ -537,6 +541,15 @@ class RedisEventStore(EventStore):
         raw = await self._command("HGET", self.keys.meta(thread_id), "f")
         return raw.decode("ascii", "replace") if raw is not None else None
 
+    async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
+        validate_thread_id(thread_id)
+        ikey = caller_key_field(idempotency_key)
+        raw = await self._command("HGET", self.keys.meta(thread_id), ikey)
+        if raw is None:
+            return None
+        first, last = parse_ledger_entry(thread_id, raw)
+        return AppendResult(thread_id, first, last, duplicate=True)
+
     async def _command(self, *parts: Any) -> Any:
         """One command whose reply redis-py would not reshape (no reply callback), on the held
         connections when there are some. Error replies raise translated."""
@@ -777,7 +790,9 @@ class RedisEventStore(EventStore):
         validate_int(start, "start")
         validate_int(stop, "stop")
         try:
-            raw = await self._command("LRANGE", self.keys.view(thread_id, view), start, stop)
+            raw = await self._command(
+                "LRANGE", self.keys.view(thread_id, view), redis_index(start), redis_index(stop)
+            )
         except OperationalError as exc:
             if "WRONGTYPE" in str(exc):
                 return []  # a view of the other kind reads as empty, as in read_views
@@ -788,6 +803,7 @@ class RedisEventStore(EventStore):
 
     async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
         validate_thread_id(thread_id)
+        reads = check_reads(reads)
         if not self._is_cluster and all(isinstance(r, _PLAIN_READS) for r in reads):
             return await self._read_views_multi(thread_id, reads)
         index = _KeyIndex([self.keys.meta(thread_id)])
@@ -795,13 +811,14 @@ class RedisEventStore(EventStore):
         for r in reads:
             k = index(self.keys.view(thread_id, r.view))
             if isinstance(r, ListRange):
-                args += ("lr", k, r.start, r.stop)
+                args += ("lr", k, redis_index(r.start), redis_index(r.stop))
             elif isinstance(r, HashGetAll):
                 args += ("ha", k)
             elif isinstance(r, HashGet):
                 args += ("hg", k, len(r.fields), *r.fields)
             elif isinstance(r, HashGetListed):
-                args += ("hl", k, index(self.keys.view(thread_id, r.list_view)), r.start, r.stop)
+                lk = index(self.keys.view(thread_id, r.list_view))
+                args += ("hl", k, lk, redis_index(r.start), redis_index(r.stop))
             else:
                 raise InvalidInputError(f"not a view read: {r!r}")
         reply = await _call(READ_VIEWS(self.client, index.keys, args))
@@ -817,7 +834,7 @@ class RedisEventStore(EventStore):
         for r in reads:
             key = self.keys.view(thread_id, r.view)
             if isinstance(r, ListRange):
-                commands.append(("LRANGE", key, r.start, r.stop))
+                commands.append(("LRANGE", key, redis_index(r.start), redis_index(r.stop)))
             elif isinstance(r, HashGetAll):
                 commands.append(("HGETALL", key))
             elif isinstance(r, HashGet):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from ._errors import InvalidInputError, UnstampedViewError
+from ._ids import validate_int, validate_view_name
 
 
 class ViewEntry(msgspec.Struct, frozen=True):
@@ -179,6 +180,39 @@ class HashGetListed(msgspec.Struct, frozen=True):
 
 ViewRead = ListRange | HashGetAll | HashGet | HashGetListed
 ViewResult = list[ViewEntry] | dict[str, ViewEntry]
+
+
+# Redis parses list indexes as signed 64-bit integers and refuses any other; no list is longer
+# than the positive bound, so an index beyond either bound means what the bound means.
+_INDEX_MIN, _INDEX_MAX = -(2**63), 2**63 - 1
+
+
+def redis_index(index: int) -> int:
+    """A list index as Redis takes it: clamped to 64 bits (the same entries either way)."""
+    return _INDEX_MIN if index < _INDEX_MIN else _INDEX_MAX if index > _INDEX_MAX else index
+
+
+def check_reads(reads: object) -> list[ViewRead]:
+    """Refuse malformed view reads before anything is sent (both backends): each read a
+    `ViewRead` with usable view names, int list indexes and str hash field names."""
+    if isinstance(reads, str | bytes) or not isinstance(reads, list | tuple):
+        raise InvalidInputError(f"reads must be a list of view reads, not {reads!r:.80}")
+    for r in reads:
+        if not isinstance(r, ListRange | HashGetAll | HashGet | HashGetListed):
+            raise InvalidInputError(f"not a view read: {r!r:.80}")
+        validate_view_name(r.view)
+        if isinstance(r, ListRange | HashGetListed):
+            validate_int(r.start, "start")
+            validate_int(r.stop, "stop")
+        if isinstance(r, HashGetListed):
+            validate_view_name(r.list_view)
+        if isinstance(r, HashGet):
+            if not isinstance(r.fields, tuple | list):
+                raise InvalidInputError(f"HashGet.fields must be a tuple of str, not {r.fields!r}")
+            for f in r.fields:
+                if not isinstance(f, str):
+                    raise InvalidInputError(f"a hash field name must be a str, not {f!r:.80}")
+    return list(reads)
 
 
 class ViewSnapshot(msgspec.Struct, frozen=True):

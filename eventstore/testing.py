@@ -361,6 +361,25 @@ class EventStoreConformance:
         assert "idempotency key 'k' " in str(info.value)
         assert await store.version("t") == 1
 
+    async def test_recorded_append_answers_what_a_key_wrote(self, store: EventStore) -> None:
+        assert await store.recorded_append("t", "k") is None  # no thread
+        await store.append("t", [msg("a")], idempotency_key="one")
+        many = await store.append("t", [msg("b"), msg("c"), msg("d")], idempotency_key="many")
+        await store.append("t", [msg("e")])
+        found = await store.recorded_append("t", "many")
+        assert found is not None and found.duplicate
+        assert (found.thread_id, found.first_seq, found.last_seq) == ("t", 2, 4)
+        assert found == many
+        one = await store.recorded_append("t", "one")
+        assert one is not None and (one.first_seq, one.last_seq) == (1, 1)
+        assert await store.recorded_append("t", "never") is None
+        assert await store.recorded_append("other", "many") is None  # keys are per thread
+        for bad in ["", None, 5, "x" * 513]:
+            with pytest.raises(InvalidInputError, match="idempotency_key"):
+                await store.recorded_append("t", bad)  # type: ignore[arg-type]
+        await store.delete_thread("t")
+        assert await store.recorded_append("t", "many") is None  # the ledger went with the thread
+
     async def test_idempotency_keys_are_per_thread(self, store: EventStore) -> None:
         a = await store.append("a", [msg("x")], idempotency_key="k")
         b = await store.append("b", [msg("x")], idempotency_key="k")
@@ -525,6 +544,34 @@ class EventStoreConformance:
     async def test_view_reads_of_missing_thread_are_empty(self, store: EventStore) -> None:
         snap = await store.read_views("nope", [ListRange("l"), HashGetAll("h")])
         assert snap.version == 0 and snap.results == [[], {}]
+
+    async def test_malformed_view_reads_are_refused_and_huge_indexes_mean_the_ends(
+        self, store: EventStore
+    ) -> None:
+        await store.append(
+            "t", [msg("x")], view_ops=[ListPush("l", (b"a", b"b")), HashSet("h", "f", b"v")]
+        )
+        bad_reads: list[Any] = [
+            HashGet("h", (None,)),  # type: ignore[arg-type]
+            HashGet("h", (b"f",)),  # type: ignore[arg-type]
+            ListRange("l", 0.5),  # type: ignore[arg-type]
+            ListRange("l", 0, "1"),  # type: ignore[arg-type]
+            HashGetListed("h", "bad view!"),
+            ListRange("bad view!"),
+            "l",
+        ]
+        for read in bad_reads:
+            with pytest.raises(InvalidInputError):
+                await store.read_views("t", [read])
+                pytest.fail(f"{read!r} was read")
+        with pytest.raises(InvalidInputError):
+            await store.read_list("t", "l", 0, None)  # type: ignore[arg-type]
+        # An index beyond any 64-bit one means the end of the list, on every backend.
+        ends = (-(2**64), 2**64)
+        snap = await store.read_views("t", [ListRange("l", *ends), HashGetListed("h", "l", *ends)])
+        assert [e.value for e in snap.results[0]] == [b"a", b"b"]  # type: ignore[union-attr]
+        assert [e.value for e in await store.read_list("t", "l", *ends)] == [b"a", b"b"]
+        assert await store.read_list("t", "l", -(2**70), -(2**70)) == []
 
     async def test_load_views_only_at_the_expected_version(self, store: EventStore) -> None:
         await store.append("t", [msg("a")], view_ops=[ListPush("l", (b"stale",))])

@@ -167,6 +167,105 @@ async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventSt
     assert await store.version("b") == 0
 
 
+async def test_a_retried_settlement_answers_the_first_ones_seqs(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t")
+    updates = [StateUpdate("b", 1), {"block": "c", "value": 2}]
+    first = await threads.settle_turn("t", turn, outcome="completed", state_updates=updates)
+    assert (first.first_seq, first.last_seq, first.duplicate) == (2, 4, False)
+    again = await threads.settle_turn("t", turn, outcome="completed", state_updates=updates)
+    other = await threads.settle_turn("t", turn, outcome="failed")  # other details: first wins
+    for retry in (again, other):
+        assert (retry.first_seq, retry.last_seq, retry.duplicate) == (2, 4, True)
+        assert retry.record == first.record
+    assert await store.version("t") == 4
+
+
+async def test_a_settlement_key_taken_by_another_append_is_a_conflict(
+    store: es.EventStore,
+) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t", request_message=user("q"))
+    for reserved in (f"settle:{turn}", f"open:{turn}", "settle:", "open:x"):
+        with pytest.raises(es.InvalidInputError, match="ThreadStore's own"):
+            await threads.append_message("t", user("r"), turn_id=turn, idempotency_key=reserved)
+        with pytest.raises(es.InvalidInputError, match="ThreadStore's own"):
+            await threads.update_state("t", "b", 1, turn_id=turn, idempotency_key=reserved)
+    # Below ThreadStore nothing reserves the key: the settlement must not pass for a duplicate.
+    await threads.projector.append(
+        "t",
+        [es.NewEvent(payload=es.MessageAppended(message=user("r")), turn_id=turn)],
+        idempotency_key=f"settle:{turn}",
+    )
+    with pytest.raises(TurnConflictError, match=f"settle:{turn}"):
+        await threads.settle_turn(
+            "t", turn, outcome="completed", assistant_message=assistant("answer")
+        )
+    record = await threads.turn("t", turn)
+    assert record is not None and record.is_open
+    assert [m.message.text for m in await threads.list_messages("t")] == ["q", "r"]
+
+
+async def test_turn_arguments_are_checked_and_take_their_json_forms(
+    store: es.EventStore,
+) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t")
+    for bad_id in (None, 1.5, b"x", ""):
+        with pytest.raises(es.InvalidInputError, match="turn_id"):
+            await threads.turn("t", bad_id)  # type: ignore[arg-type]
+        with pytest.raises(es.InvalidInputError, match="turn_id"):
+            await threads.settle_turn("t", bad_id, outcome="completed")  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidInputError, match="parent_turn_id"):
+        await threads.open_turn("t", parent_turn_id=5)  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidInputError, match="records cursor"):
+        await threads.records("t", after=123)  # type: ignore[arg-type]
+    bad_settlements: list[dict[str, Any]] = [
+        {"usage": {"input_tokens": "many"}},
+        {"usage": 7},
+        {"usage": es.Usage(cost_usd=float("inf"))},
+        {"usage": {"cost_usd": float("nan")}},
+        {"timing": {"started_ms": -1}},
+        {"timing": es.Timing(started_ms=20, settled_ms=10)},
+        {"fallbacks": [{"to_tier": "big"}]},
+        {"fallbacks": "big"},
+        {"state_updates": [{"value": 1}]},
+        {"state_updates": [3]},
+        {"error": {"message": "no kind"}},
+    ]
+    for bad in bad_settlements:
+        with pytest.raises(es.InvalidInputError):
+            await threads.settle_turn("t", turn, outcome="failed", **bad)
+            pytest.fail(f"settled with {bad}")
+    for bad_grant in (
+        {"max_steps": -5},
+        es.Grant(max_tokens=-1),
+        es.Grant(max_cost_usd=float("nan")),
+        {"deadline_ms": 1.5},
+    ):
+        with pytest.raises(es.InvalidInputError, match="grant"):
+            await threads.open_turn("t", grant=bad_grant)
+    assert await store.version("t") == 1
+    # The JSON forms of the structs are taken, as messages are.
+    child = await threads.open_turn("t", parent_turn_id=turn, grant={"max_steps": 3})
+    done = await threads.settle_turn(
+        "t",
+        child,
+        outcome="failed",
+        usage={"input_tokens": 5, "output_tokens": 2},
+        timing={"started_ms": 10, "settled_ms": 20},
+        fallbacks=[{"from_tier": "small", "to_tier": "big"}],
+        error={"kind": "timeout", "retryable": True},
+        state_updates=[{"block": "plan", "value": {"step": 2}}],
+    )
+    record = done.record
+    assert record.grant == es.Grant(max_steps=3)
+    assert (record.usage.input_tokens, record.timing.duration_ms) == (5, 10)
+    assert record.fallbacks == [es.Fallback(from_tier="small", to_tier="big")]
+    assert record.error == es.TurnError(kind="timeout", retryable=True)
+    assert (await threads.state("t"))["plan"].value == {"step": 2}
+
+
 async def test_turn_ids_are_injectable(store: es.EventStore) -> None:
     ids = iter(["turn-1", "turn-2"])
     threads = ThreadStore(store, new_turn_id=lambda: next(ids))
