@@ -170,7 +170,7 @@ async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventSt
 async def test_a_retried_settlement_answers_the_first_ones_seqs(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("t")
-    updates = [StateUpdate("b", 1), {"block": "c", "value": 2}]
+    updates: list[StateUpdate | dict[str, Any]] = [StateUpdate("b", 1), {"block": "c", "value": 2}]
     first = await threads.settle_turn("t", turn, outcome="completed", state_updates=updates)
     assert (first.first_seq, first.last_seq, first.duplicate) == (2, 4, False)
     again = await threads.settle_turn("t", turn, outcome="completed", state_updates=updates)
