@@ -358,7 +358,7 @@ def _decode_page(
     """
     n = len(entries)
     if not n:
-        return  # no longer in the page's incarnation: the thread was deleted (a tombstone follows)
+        return  # the thread left the page's life: its deletion is on the feed (`_require_deletion`)
     try:
         ids_, *fields = zip(*entries, strict=True)
         if n != hi - lo + 1 or ids_ != _entry_ids(lo, n):
@@ -1272,6 +1272,8 @@ class _Pipeline:
         self.claim = claim
         self.progress = progress
         self.guard = guard
+        # (thread, life) -> the id of its tombstone: lives whose deletion was found on the feed
+        self._deletions: dict[tuple[str, int], str] = {}
 
     async def run(self) -> None:
         read_send, read_receive = anyio.create_memory_object_stream[_Piece](1)
@@ -1307,12 +1309,17 @@ class _Pipeline:
                         for i, pages in enumerate(reads, 1):
                             # The decoder works on the previous piece meanwhile (the stream
                             # holds one), so the server answers this read during that work.
-                            await send.send(
-                                _Piece(chunk, await self._read_log(pages), i == len(reads))
-                            )
+                            read: list[_ReadPage] = []
+                            for thread, lo, hi, life, page in await self._read_log(pages):
+                                if not page and life is not None:
+                                    await self._require_deletion(p, after, thread, life, lo)
+                                read.append((thread, lo, hi, page))
+                            await send.send(_Piece(chunk, read, i == len(reads)))
                     after = entries[-1].id
 
-    async def _read_log(self, pages: list[_Page]) -> list[_ReadPage]:
+    async def _read_log(
+        self, pages: list[_Page]
+    ) -> list[tuple[str, int, int, int | None, list[Any]]]:
         """The entries of each page: none when the thread is no longer in the page's
         incarnation (deleted, or deleted and created again: its seqs now name other events)."""
         # Every range is a set of dense ``<seq>-0`` ids, so a page holds at most PAGE entries;
@@ -1320,9 +1327,32 @@ class _Pipeline:
         ranges = [RawRange(thread, lo, hi, life) for thread, lo, hi, life in pages]
         found = await self.store.read_raw_ranges(ranges, count=PAGE + 1)
         return [
-            (thread, lo, hi, entries)
-            for (thread, lo, hi, _), entries in zip(pages, found, strict=True)
+            (thread, lo, hi, life, entries)
+            for (thread, lo, hi, life), entries in zip(pages, found, strict=True)
         ]
+
+    async def _require_deletion(
+        self, partition: int, after: str, thread: str, life: int, seq: int
+    ) -> None:
+        """A page that reads as nothing because its thread left the page's life is skipped
+        only if the feed records that life's deletion (after the change that named the page;
+        the store writes the tombstone with the deletion). Without one, the thread's meta no
+        longer names the life its own changes name: damage, which is never exported as a
+        deletion that did not happen."""
+        if (thread, life) in self._deletions:
+            return
+        cursor = after
+        while entries := await self.store.read_feed(partition, after=cursor, count=self.batch):
+            for e in entries:
+                if e.deleted and e.thread_id == thread and e.incarnation in (life, None):
+                    self._deletions[thread, life] = e.id
+                    return
+            cursor = entries[-1].id
+        raise CorruptEventError(
+            thread, seq, f"cannot export: the change feed names this seq in the thread's life "
+            f"{life}, its meta hash names another, and no deletion of that life was recorded: "
+            "damaged (run 'verify')"
+        )  # fmt: skip
 
     async def _decode(
         self,

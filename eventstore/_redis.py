@@ -43,6 +43,7 @@ from ._contract import (
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
+    CorruptEventError,
     EventStoreError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
@@ -187,6 +188,44 @@ def _upper(stop: int | None) -> bytes:
 def _lower(start: int) -> bytes:
     """The id a read from seq ``start`` begins at (seqs begin at 1)."""
     return b"%d-0" % min(max(start, 1), _MAX_ID_MS)
+
+
+def _in_life(
+    thread_id: str, life: Any, incarnation: int, start: int, stop: int | None, rows: list[Any]
+) -> bool:
+    """Whether a range read in one atomic step with the thread's meta ``n`` and ``v`` (``life``)
+    belongs to the thread's life ``incarnation``: False when the thread was deleted (no meta) or
+    deleted and created again (another ``n``).
+
+    A change names its life and its seqs, so a life that still holds the thread must hold
+    them: a meta without ``n`` (every write records it), or a range of the life's seqs that
+    reads as nothing (entries deleted from the log), is damage, reported as such, never a
+    range to skip as though the thread had gone.
+    """
+    n, v = life
+    if n is None:
+        if v is None:
+            return False
+        raise CorruptEventError(
+            thread_id, None, "its meta hash has a version but no incarnation (field 'n'), which "
+            "every append records: damaged (run 'verify')"
+        )  # fmt: skip
+    try:
+        if int(n) != incarnation:
+            return False
+        version = int(v) if v is not None else 0
+    except ValueError:
+        raise CorruptEventError(
+            thread_id, None, f"its meta hash holds an unreadable incarnation or version ({n!r}, "
+            f"{v!r}): damaged (run 'verify')"
+        ) from None  # fmt: skip
+    first = max(start, 1)
+    if not rows and first <= version and (stop is None or first <= stop):
+        raise CorruptEventError(
+            thread_id, first, "missing from the log, though the thread's life holds it (run "
+            "'verify')"
+        )  # fmt: skip
+    return True
 
 
 def _as_dict(fields: Any) -> dict[bytes, bytes]:
@@ -579,13 +618,16 @@ class RedisEventStore(EventStore):
         if incarnation is None:
             rows = await _call(self.client.xrange(log, lo, hi, count=count))
         else:
-            alive, rows = await self._transaction(
-                [("HGET", self.keys.meta(thread_id), "n"), ("XRANGE", log, lo, hi, "COUNT", count)]
+            life, rows = await self._transaction(
+                [
+                    ("HMGET", self.keys.meta(thread_id), "n", "v"),
+                    ("XRANGE", log, lo, hi, "COUNT", count),
+                ]
             )
-            for reply in (alive, rows):
+            for reply in (life, rows):
                 if isinstance(reply, Exception):
                     raise translate_redis_error(reply)
-            if alive is None or int(alive) != incarnation:
+            if not _in_life(thread_id, life, incarnation, start, stop, rows):
                 return []
         return [(entry_id, _as_dict(fields)) for entry_id, fields in rows]
 
@@ -617,7 +659,7 @@ class RedisEventStore(EventStore):
                 # the server for all the ranges.
                 commands += [
                     (b"MULTI",),
-                    (b"HGET", keys.meta(r.thread_id), b"n"),
+                    (b"HMGET", keys.meta(r.thread_id), b"n", b"v"),
                     xrange,
                     (b"EXEC",),
                 ]
@@ -631,10 +673,12 @@ class RedisEventStore(EventStore):
                 for reply in (*queued, executed):
                     if isinstance(reply, Exception):  # refused when queued: EXECABORT
                         raise translate_redis_error(reply) from reply
-                alive, rows = executed
-                if isinstance(alive, Exception):
-                    raise translate_redis_error(alive) from alive
-                if alive is None or int(alive) != r.incarnation:
+                life, rows = executed
+                if isinstance(life, Exception):
+                    raise translate_redis_error(life) from life
+                if not isinstance(rows, Exception) and not _in_life(
+                    r.thread_id, life, r.incarnation, r.start, r.stop, rows
+                ):
                     rows = []
             if isinstance(rows, Exception):
                 raise translate_redis_error(rows) from rows

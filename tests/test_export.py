@@ -559,6 +559,73 @@ async def test_an_entry_removed_from_the_log_stops_the_export(
     assert "missing from the log" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "damage", ["xdel-new-events", "del-log", "hdel-incarnation", "other-incarnation"]
+)
+async def test_a_change_whose_events_left_the_log_without_a_deletion_stops_the_export(
+    redis_store: es.EventStore, tmp_path: Path, damage: str
+) -> None:
+    """A page of a change that reads as nothing is skipped only for a recorded deletion: a
+    log or meta damaged so that the thread seems to have left the change's life is named,
+    the positions stay where they were, and a second run says the same (never "nothing new")."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    client, keys = store.client, store.keys
+    await store.append("t", [msg(f"m{i}") for i in range(3)])
+    await store.append("other", [msg("fine")])
+    assert (await Exporter(store, tmp_path, fmt="ndjson").run()).events == 4
+    await store.append("t", [msg(f"n{i}") for i in range(3)])  # seqs 4-6: not exported yet
+    log, meta = keys.log("t"), keys.meta("t")
+    if damage == "xdel-new-events":
+        assert await client.xdel(log, "4-0", "5-0", "6-0") == 3
+    elif damage == "del-log":
+        assert await client.delete(log) == 1
+    elif damage == "hdel-incarnation":
+        assert await client.hdel(meta, "n") == 1
+    else:
+        await client.hset(meta, "n", 12345)
+    for _ in range(2):
+        with pytest.raises(es.CorruptEventError) as info:
+            await Exporter(store, tmp_path, fmt="ndjson").run()
+        assert info.value.thread_id == "t"
+        assert "run 'verify'" in str(info.value)
+    assert len(ndjson_rows(tmp_path)) == 4  # nothing of the damaged change was committed
+
+
+async def test_read_change_names_a_change_whose_events_left_the_log(
+    redis_store: es.EventStore,
+) -> None:
+    """What async projections read (`ProjectionRunner`): the same damage, the same error."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    await store.append("t", [msg("a"), msg("b")])
+    (entry,) = await store.read_feed(store.keys.partition("t"))
+    assert [e.seq for e in await store.read_change(entry)] == [1, 2]
+    await store.client.xdel(store.keys.log("t"), "1-0", "2-0")
+    with pytest.raises(es.CorruptEventError, match="missing from the log") as info:
+        await store.read_change(entry)
+    assert (info.value.thread_id, info.value.seq) == ("t", 1)
+    await store.delete_thread("t")  # a deletion: the change is history, read as nothing
+    assert await store.read_change(entry) == []
+
+
+async def test_a_thread_deleted_and_created_again_exports_both_lives(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    """The legitimate case the check above must keep: a change of a life since deleted."""
+    store = redis_store
+    await store.append("t", [msg("first life")])
+    await store.delete_thread("t")
+    await store.append("t", [msg("second life")])
+    result = await Exporter(store, tmp_path, fmt="ndjson").run()
+    rows = ndjson_rows(tmp_path)
+    assert [(r["type"], r["seq"]) for r in rows] == [
+        ("thread.deleted", 1),
+        ("message.appended", 1),
+    ]
+    assert result.events == 1 and result.tombstones == 1
+
+
 async def test_parquet_compression_is_chosen_and_checked(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 

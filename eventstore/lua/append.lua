@@ -211,9 +211,10 @@ local entry = span .. string.sub(rdigest, 1, 6)
 if version == 0 then
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'c', now_s,
     'n', incarnation, 'f', fingerprint)
-elseif state[6] then  -- recorded with "f": "n" was recorded before it
+elseif state[5] and state[6] then
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry)
 else  -- a thread from before incarnations or key fingerprints were recorded gets them now
+  -- (and a meta that lost its "n" gets one: every feed entry must name the life it is in)
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'n', incarnation,
     'f', fingerprint)
 end
