@@ -471,6 +471,11 @@ class _Verifier:
         self._problem(1, "undecodable", f"the thread's keys cannot be read as a log: {error}")
         return self.verdict()
 
+    def damaged_meta(self, error: CorruptEventError) -> Verdict:
+        """The verdict for a thread whose meta hash cannot say how long its log is."""
+        self._problem(1, "undecodable", f"the thread's meta hash is damaged: {error.reason}")
+        return self.verdict()
+
     def _key_mismatch(self) -> str | None:
         """Why the thread's recorded chain key is not the verifier's (None if it is, or if
         the thread records none)."""
@@ -676,7 +681,10 @@ class Auditor:
         verifier = _Verifier(self, thread_id, 0)
         wrong_type: WrongKeyTypeError | None = None
         try:
-            verifier.version = await store.version(thread_id)
+            try:
+                verifier.version = await store.version(thread_id)
+            except CorruptEventError as exc:
+                return verifier.damaged_meta(exc)
             verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:

@@ -9,6 +9,7 @@ stderr, ``threadlog: <message>``, with the exit codes of `EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -894,13 +895,22 @@ def _hidden_fields(full: dict[str, Block], view: dict[str, Block]) -> list[str]:
     return hidden
 
 
+async def _version_or_none(store: es.EventStore, thread_id: str) -> int | None:
+    """A listed thread's version; None when its meta is damaged (a listing names the thread
+    and goes on: `verify` says what is wrong)."""
+    try:
+        return await store.version(thread_id)
+    except es.CorruptEventError:
+        return None
+
+
 async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     limit = args.limit or None
     infos = await store.threads(limit=None if limit is None else limit + 1)
     more = limit is not None and len(infos) > limit
     infos = infos[:limit] if limit is not None else infos
-    rows = [(info, await store.version(info.thread_id)) for info in infos]
+    rows = [(info, await _version_or_none(store, info.thread_id)) for info in infos]
     if args.json:
         ctx.json(
             {
@@ -933,7 +943,10 @@ async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     table.add_column("partition", justify="right", no_wrap=True)
     for info, version in rows:
         table.add_row(
-            Text(info.thread_id), str(version), fmt_time(info.last_activity_ms), str(info.partition)
+            Text(info.thread_id),
+            "damaged" if version is None else str(version),
+            fmt_time(info.last_activity_ms),
+            str(info.partition),
         )
     ctx.out.print(table)
     if more:
@@ -1264,7 +1277,8 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
     auditor = Auditor(ctx.store)
     if thread is not None:
-        await _require_thread(ctx, thread)
+        with contextlib.suppress(es.CorruptEventError):  # a damaged meta: the verdict says so
+            await _require_thread(ctx, thread)
         verdict = await auditor.verify(thread)
         if args.json:
             ctx.json(verdict)
@@ -1593,8 +1607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, UsageError):
             return _fail(str(exc), EXIT_USAGE)
         if isinstance(exc, es.CorruptEventError):
-            hint = f" (run 'threadlog verify {exc.thread_id}')"
-            return _fail(str(exc) + hint, EXIT_FAILED)
+            # The store's own pointer to verify, made exact (said once, not twice).
+            hint = f"run 'threadlog verify {exc.thread_id}'"
+            text = str(exc)
+            text = (
+                text.replace("run 'verify'", hint) if "run 'verify'" in text else f"{text} ({hint})"
+            )
+            return _fail(text, EXIT_FAILED)
         if isinstance(exc, es.EventStoreError | OSError):
             return _fail(_describe(exc), EXIT_USAGE)
         if not isinstance(exc, Exception):

@@ -213,12 +213,12 @@ def _in_life(
     try:
         if int(n) != incarnation:
             return False
-        version = int(v) if v is not None else 0
     except ValueError:
         raise CorruptEventError(
-            thread_id, None, f"its meta hash holds an unreadable incarnation or version ({n!r}, "
-            f"{v!r}): damaged (run 'verify')"
+            thread_id, None, f"its meta hash holds an unreadable incarnation (field 'n': {n!r}): "
+            "damaged (run 'verify')"
         ) from None  # fmt: skip
+    version = _meta_version(thread_id, v)
     first = max(start, 1)
     if not rows and first <= version and (stop is None or first <= stop):
         raise CorruptEventError(
@@ -303,9 +303,25 @@ def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: list[b
     )
 
 
+def _meta_version(thread_id: str, raw: Any) -> int:
+    """A thread's version as its meta hash stores it (``v``; absent: 0). Anything but digits
+    there is damage, reported for that thread as `CorruptEventError` (an audit of many threads
+    reports it and goes on), not a bare ``ValueError``."""
+    if raw is None:
+        return 0
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, bytes) and raw.isdigit() and len(raw) <= 20:
+        return int(raw)
+    raise CorruptEventError(
+        thread_id, None, f"its meta hash's version (field 'v') is {raw!r}, not a number: damaged "
+        "(run 'verify')"
+    )  # fmt: skip
+
+
 def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
     """Raise `ConcurrencyError` unless a chunk's read of the thread's version matches."""
-    actual = int(version) if version is not None else 0
+    actual = _meta_version(thread_id, version)
     if actual != expected_version:
         raise ConcurrencyError(thread_id, expected_version, actual)
 
@@ -521,6 +537,11 @@ class RedisEventStore(EventStore):
             raise ChainKeyMismatchError(
                 thread_id, reply[1] != UNKEYED_FINGERPRINT.encode(), bool(self._secret)
             )
+        if status == b"meta":
+            raise CorruptEventError(
+                thread_id, None, f"its meta hash's version (field 'v') is {reply[1]!r}, not a "
+                "number: damaged (run 'verify'); nothing was appended"
+            )  # fmt: skip
         if status == b"view":
             key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
@@ -573,7 +594,7 @@ class RedisEventStore(EventStore):
     async def version(self, thread_id: str) -> int:
         validate_thread_id(thread_id)
         raw = await self._command("HGET", self.keys.meta(thread_id), "v")
-        return int(raw) if raw is not None else 0
+        return _meta_version(thread_id, raw)
 
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:
         validate_thread_id(thread_id)
@@ -869,7 +890,7 @@ class RedisEventStore(EventStore):
         results: list[ViewResult] = []
         for r, raw in zip(reads, reply[1:], strict=True):
             results.append(decode_view_result(thread_id, r, raw))
-        return ViewSnapshot(int(reply[0]), results)
+        return ViewSnapshot(_meta_version(thread_id, reply[0]), results)
 
     async def _read_views_multi(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
         # Plain reads in MULTI/EXEC: the same atomic snapshot as the script, without Lua
@@ -905,7 +926,7 @@ class RedisEventStore(EventStore):
             elif isinstance(r, HashGetAll) and isinstance(raw, dict):
                 raw = [x for kv in raw.items() for x in kv]
             results.append(decode_view_result(thread_id, r, raw))
-        return ViewSnapshot(int(version) if version is not None else 0, results)
+        return ViewSnapshot(_meta_version(thread_id, version), results)
 
     async def _transaction(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """The commands in one MULTI/EXEC; their replies, an error reply in its command's place."""

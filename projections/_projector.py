@@ -556,7 +556,7 @@ class RebuildError(EventStoreError):
 async def _version_or_zero(store: EventStore, thread_id: str) -> int:
     try:
         return await store.version(thread_id)
-    except WrongKeyTypeError:
+    except (WrongKeyTypeError, CorruptEventError):  # a damaged meta hash: the report says so
         return 0
 
 

@@ -559,3 +559,29 @@ async def test_tiny_read_batches_see_every_entry_once(
     verdict = await Auditor(store).verify(T)
     assert verdict.checked == version + 7
     assert [(p.seq, p.kind) for p in verdict.problems] == [(5, "inserted")] * 7
+
+
+async def test_a_meta_version_that_is_not_a_number_is_damage_to_that_thread(
+    redis_url: str,
+) -> None:
+    """Every reader of the version reports it for the thread (`CorruptEventError`); an append
+    writes nothing; the thread can still be deleted, tombstone and all."""
+    async with await es.connect(redis_url, namespace="v" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append(T, [es.MessageAppended(message=user("hi"))])
+        await store.client.hset(store.keys.meta(T), "v", "abc")
+        for read in (
+            lambda: store.version(T),
+            lambda: store.read_views(T, [es.ListRange("messages")]),
+            lambda: store.read_views(T, [es.HashGetListed("turns", "settled")]),
+            lambda: store.append(T, [es.MessageAppended(message=user("more"))]),
+        ):
+            with pytest.raises(es.CorruptEventError, match="field 'v'"):
+                await read()
+        assert len(await store.read_raw(T)) == 1  # the append wrote nothing
+        verdict = await Auditor(store).verify(T)
+        assert not verdict.ok and "meta hash is damaged" in verdict.detail
+        assert await store.delete_thread(T) == 0  # the version it had is unknown: 0
+        assert await store.read_raw(T) == []
+        (tombstone,) = [e for e in await store.read_feed(store.keys.partition(T)) if e.deleted]
+        assert tombstone.thread_id == T

@@ -538,7 +538,7 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
 
     async def setup(store: es.EventStore) -> None:
         threads = ThreadStore(store)
-        for thread in ("intact", "tampered", "garbled", "clobbered", "metaless"):
+        for thread in ("intact", "tampered", "garbled", "clobbered", "metaless", "miscounted"):
             turn = await threads.open_turn(
                 thread, request_message={"role": "user", "content": "hi"}
             )
@@ -558,6 +558,7 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
         await store.client.delete(store.keys.log("clobbered"))
         await store.client.set(store.keys.log("clobbered"), "hello")
         assert await store.client.delete(store.keys.meta("metaless")) == 1
+        await store.client.hset(store.keys.meta("miscounted"), "v", "abc")
 
     with_store(redis_url, namespace, setup)
     ok = cli("verify", "intact", url=redis_url, namespace=namespace)
@@ -596,12 +597,21 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     # Without its meta hash the thread still has a log: not "no thread", but damage.
     metaless = cli("verify", "metaless", url=redis_url, namespace=namespace)
     assert metaless.code == 1 and "inserted" in metaless.out, metaless
+    # A version that is not a number: damage to that thread, never an internal error.
+    miscounted = cli("verify", "miscounted", url=redis_url, namespace=namespace)
+    assert miscounted.code == 1 and "meta hash is damaged" in miscounted.out, miscounted
+    assert "b'abc'" in miscounted.out
+    listed = cli("threads", url=redis_url, namespace=namespace)
+    assert listed.code == 0 and "damaged" in listed.out, listed
+    for command in ("check", "rebuild"):
+        run = cli(command, "--all", url=redis_url, namespace=namespace)
+        assert run.code == 1 and "miscounted" in run.out and "Traceback" not in run.err, run
 
     # One thread's damage does not stop the audit of the others.
     everything = cli("verify", "--all", url=redis_url, namespace=namespace)
     assert everything.code == 1, everything
-    assert "verified 5 threads" in everything.out and "4 FAILED" in everything.out
-    for thread in ("tampered", "garbled", "clobbered", "metaless"):
+    assert "verified 6 threads" in everything.out and "5 FAILED" in everything.out
+    for thread in ("tampered", "garbled", "clobbered", "metaless", "miscounted"):
         assert thread in everything.out
     report = cli("verify", "--all", "--json", url=redis_url, namespace=namespace).json()
     assert report["ok"] is False and report["threads"]["intact"]["ok"] is True

@@ -18,6 +18,7 @@ then per op: opcode, view key index (into KEYS), operands:
 
 Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
       | {"reused"} | {"view", key index, field, expected, actual} | {"key", recorded fingerprint}
+      | {"meta", the stored version that is not a number}
 Every check runs before the first write: Redis does not roll a script back.
 
 Meta fields: "v" version, "h" chain head, "s" last time (ms), "c" creation time (ms), "n" the
@@ -51,6 +52,7 @@ if state[6] and state[6] ~= fingerprint then return {'key', state[6]} end
 
 -- 3. expected version
 local version = tonumber(state[1] or '0')
+if not version then return {'meta', state[1]} end  -- damaged: reported, nothing written
 if expected == 'no_thread' then
   if version ~= 0 then return {'conflict', version} end
 elseif expected == 'exists' then

@@ -8,7 +8,8 @@ Returns the version the thread had (0 when it did not exist; nothing is written 
 ]]
 
 local state = redis.call('HMGET', KEYS[2], 'v', 'n')
-local version = tonumber(state[1] or '0')
+-- A damaged version (not a number) must not stop a deletion halfway: the tombstone says 0.
+local version = tonumber(state[1] or '0') or 0
 if version == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 1, #KEYS do
   if i ~= 3 and i ~= 4 then redis.call('DEL', KEYS[i]) end

@@ -34,7 +34,8 @@ local function pick(key, fields)
   end
   return flat
 end
-local out = {tonumber(redis.call('HGET', KEYS[1], 'v') or '0')}
+-- The version as stored: the client parses it (a damaged one is reported, not nil here).
+local out = {redis.call('HGET', KEYS[1], 'v') or '0'}
 local pos = 2
 for r = 1, tonumber(ARGV[1]) do
   local kind, key = ARGV[pos], KEYS[tonumber(ARGV[pos + 1])]
