@@ -3,14 +3,18 @@
 ``append`` adds messages; ``replace`` swaps the transcript after compaction, and the log keeps
 the earlier messages for audit. `session_update` decides which of the two a runtime's new
 transcript needs. A writer whose view of the transcript is stale gets a `ConcurrencyError`,
-never a silent overwrite.
+never a silent overwrite: "a writer" is a task (each request's task of a server sharing one
+`SessionStore` is a writer of its own), and a `Transcript` handed to `session_update` carries
+the version it was loaded at.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, Literal
 
+import anyio
 import msgspec
 
 from eventstore import (
@@ -43,21 +47,33 @@ class Transcript(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SessionUpdate(msgspec.Struct, frozen=True, kw_only=True):
-    """What to write after a turn: ``append`` the new tail, or ``replace`` the transcript."""
+    """What to write after a turn: ``append`` the new tail, or ``replace`` the transcript.
+
+    ``expected_version`` is the version of the `Transcript` it was computed from (None when
+    it was computed from bare messages): `SessionStore.save` writes only if the session is
+    still at that version.
+    """
 
     mode: Literal["append", "replace"]
     messages: list[Message]
+    expected_version: int | None = None
 
 
 def session_update(
-    before: Sequence[Message | Mapping[str, Any]], result: Sequence[Message | Mapping[str, Any]]
+    before: Transcript | Sequence[Message | Mapping[str, Any]],
+    result: Sequence[Message | Mapping[str, Any]],
 ) -> SessionUpdate:
-    """Append when ``result`` extends ``before`` (only the new tail), replace otherwise."""
-    old = [as_message(m) for m in before]
+    """Append when ``result`` extends ``before`` (only the new tail), replace otherwise.
+
+    Given the `Transcript` that `SessionStore.load` returned as ``before``, the update carries
+    its version, and saving it fails with `ConcurrencyError` if the session changed since.
+    """
+    version = before.version if isinstance(before, Transcript) else None
+    old = [as_message(m) for m in (before.messages if isinstance(before, Transcript) else before)]
     new = [as_message(m) for m in result]
     if len(new) >= len(old) and all(_same(a, b) for a, b in zip(old, new, strict=False)):
-        return SessionUpdate(mode="append", messages=new[len(old) :])
-    return SessionUpdate(mode="replace", messages=new)
+        return SessionUpdate(mode="append", messages=new[len(old) :], expected_version=version)
+    return SessionUpdate(mode="replace", messages=new, expected_version=version)
 
 
 _EVENT_SLACK = 4096  # what an event adds to its messages: type tag, reason, array headers
@@ -98,18 +114,53 @@ def _content(m: Message) -> Message:
 class SessionStore:
     """Load, append and replace session transcripts (one thread per session).
 
-    The store remembers the version of each session it last loaded or wrote and uses it as
-    the expected version of its next write, so a writer that did not see another writer's
-    change gets `ConcurrencyError`. Pass ``expected_version`` to choose explicitly (``ANY``
-    disables the check). Write a session's thread only through a `SessionStore`: any other
-    append to it also counts as a change.
+    The store remembers, per task, the version of each session the task last loaded or wrote,
+    and uses it as the expected version of the task's next write: a writer that did not see
+    another writer's change gets `ConcurrencyError`, also when concurrent requests share one
+    `SessionStore`. A task started after a load inherits what its parent remembered then (its
+    own writes are not seen by the parent, whose next write then conflicts: the safe side). A
+    write before any load is not checked. Pass ``expected_version`` to choose explicitly
+    (``ANY`` disables the check), or save a `session_update` of the loaded `Transcript`.
+    Write a session's thread only through a `SessionStore`: any other append to it also
+    counts as a change.
+
+    Not detected: a session deleted and written again up to the same version between a load
+    and a write (versions start again at 1 in a new life).
     """
 
     def __init__(self, store: EventStore, *, policy: AccessPolicy | None = None) -> None:
         self.store = store
         self.projector = Projector(store)
         self.policy: AccessPolicy = policy or AllowAll()
-        self._seen: dict[str, int] = {}
+        # (the task that owns the dict, session id -> version): each task writes its own dict
+        # (copied on its first write), and a task started later reads its parent's as it was.
+        self._versions: ContextVar[tuple[object, dict[str, int]] | None] = ContextVar(
+            f"threadlog.SessionStore.versions.{id(self)}", default=None
+        )
+
+    def _seen(self, session_id: str) -> int | None:
+        """The version this task last loaded or wrote of the session (None: none)."""
+        remembered = self._versions.get()
+        return None if remembered is None else remembered[1].get(session_id)
+
+    def _remember(self, session_id: str, version: int | None) -> None:
+        """Record (or, with None, forget) this task's version of the session."""
+        # The task's coroutine stands for the task: unique while it runs (the tuple keeps it
+        # alive, so no later task can take its identity), on asyncio and trio alike.
+        try:
+            owner: object = anyio.get_current_task().coro
+        except Exception:  # no event loop (`forget` called from synchronous code)
+            owner = object()  # owns nothing yet: the dict is copied
+        remembered = self._versions.get()
+        if remembered is None or remembered[0] is not owner:
+            versions = dict(remembered[1]) if remembered is not None else {}
+            self._versions.set((owner, versions))
+        else:
+            versions = remembered[1]
+        if version is None:
+            versions.pop(session_id, None)
+        else:
+            versions[session_id] = version
 
     async def _allow(
         self, principal: Principal | None, action: Literal["read", "write"], session_id: str
@@ -123,7 +174,7 @@ class SessionStore:
         tp = self.projector.transcript_projection
         snap = await self.store.read_views(session_id, tp.full_reads())
         messages = tp.messages(snap.results[0])
-        self._seen[session_id] = snap.version
+        self._remember(session_id, snap.version)
         return Transcript(session_id=session_id, messages=messages, version=snap.version)
 
     async def history(
@@ -168,7 +219,13 @@ class SessionStore:
         expected_version: ExpectedVersion | None = None,
         principal: Principal | None = None,
     ) -> int:
-        """Apply a `SessionUpdate` (see `session_update`); returns the new version."""
+        """Apply a `SessionUpdate` (see `session_update`); returns the new version.
+
+        The expected version is ``expected_version`` if given, else the update's own (that of
+        the `Transcript` it was computed from), else this task's remembered one.
+        """
+        if expected_version is None:
+            expected_version = update.expected_version
         if update.mode == "append":
             if not update.messages:
                 # Nothing to write; the version is still the transcript's, whether or not this
@@ -176,7 +233,7 @@ class SessionStore:
                 # who asked for one must hear that it is stale.
                 await self._allow(principal, "write", session_id)
                 if expected_version is None:
-                    seen = self._seen.get(session_id)
+                    seen = self._seen(session_id)
                     return seen if seen is not None else await self.store.version(session_id)
                 current = await self.store.version(session_id)
                 if not version_satisfies(expected_version, current):
@@ -200,8 +257,11 @@ class SessionStore:
         await self._allow(principal, "write", session_id)
         if isinstance(event, TranscriptAppended) and not event.messages:
             raise InvalidInputError("append needs at least one message")
+        seen = self._seen(session_id)
         expected = (
-            expected_version if expected_version is not None else self._seen.get(session_id, ANY)
+            expected_version
+            if expected_version is not None
+            else (seen if seen is not None else ANY)
         )
         try:
             result = await self.projector.append(
@@ -220,11 +280,10 @@ class SessionStore:
             result = await self.projector.append(
                 session_id, events, expected_version=expected, idempotency_key=idempotency_key
             )
-        if result.duplicate:
-            # A retry answered from the ledger: the original version is history, not now.
-            self._seen.pop(session_id, None)
-        else:
-            self._seen[session_id] = result.last_seq
+        # A retry answered from the ledger gives the original append's version: what this
+        # writer last saw. Other writes since then make its next write conflict (the safe
+        # side); forgetting it instead would let that write through unchecked.
+        self._remember(session_id, result.last_seq)
         return result.last_seq
 
     async def append_batches(
@@ -244,15 +303,15 @@ class SessionStore:
         result = await self.projector.append(
             session_id, events, expected_version=ANY, idempotency_key=idempotency_key
         )
-        self._seen.pop(session_id, None)
+        self._remember(session_id, None)
         return result
 
     async def delete(self, session_id: str, *, principal: Principal | None = None) -> int:
         """Delete a session's thread (events and views); returns its last version."""
         await self._allow(principal, "write", session_id)
-        self._seen.pop(session_id, None)
+        self._remember(session_id, None)
         return await self.projector.delete_thread(session_id)
 
     def forget(self, session_id: str) -> None:
-        """Drop the remembered version (the next write will not check staleness)."""
-        self._seen.pop(session_id, None)
+        """Drop this task's remembered version (its next write will not check staleness)."""
+        self._remember(session_id, None)

@@ -469,6 +469,74 @@ async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     assert [m.text for m in (await writer_a.load("s")).messages] == ["fresh summary"]
 
 
+async def test_a_writer_is_stale_after_its_retry_was_answered_from_the_ledger(
+    store: es.EventStore,
+) -> None:
+    a, b = SessionStore(store), SessionStore(store)
+    await a.load("s")
+    await b.load("s")
+    await a.append("s", [user("a1")], idempotency_key="k1")
+    assert await a.append("s", [user("a1")], idempotency_key="k1") == 1  # the retry: a duplicate
+    await b.load("s")
+    await b.append("s", [user("b1")])
+    with pytest.raises(es.ConcurrencyError):  # a never saw b1
+        await a.replace("s", [assistant("summary of a1")])
+    assert [m.text for m in (await b.load("s")).messages] == ["a1", "b1"]
+
+
+async def test_requests_sharing_one_session_store_are_writers_of_their_own(
+    store: es.EventStore,
+) -> None:
+    """A server with one SessionStore and a task per request: what one request loaded is
+    its own expected version, whatever the other requests wrote meanwhile."""
+    sessions = SessionStore(store)
+    await sessions.append("s", [user("hello")])
+    loaded = anyio.Event()
+    a_wrote = anyio.Event()
+    outcome: dict[str, object] = {}
+
+    async def request_a() -> None:
+        await sessions.load("s")
+        await loaded.wait()
+        await sessions.append("s", [user("A's message")])
+        a_wrote.set()
+
+    async def request_b() -> None:
+        before = await sessions.load("s")
+        loaded.set()
+        await a_wrote.wait()
+        try:
+            await sessions.save("s", session_update(before.messages, [assistant("summary")]))
+            outcome["b"] = "saved"
+        except es.ConcurrencyError as exc:
+            outcome["b"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request_a)
+        tg.start_soon(request_b)
+    assert isinstance(outcome["b"], es.ConcurrencyError)
+    assert [m.text for m in (await sessions.load("s")).messages] == ["hello", "A's message"]
+
+
+async def test_an_update_of_a_loaded_transcript_carries_its_version(
+    store: es.EventStore,
+) -> None:
+    sessions = SessionStore(store)
+    await sessions.append("s", [user("a")])
+    loaded = await sessions.load("s")
+    update = session_update(loaded, [*loaded.messages, user("b")])
+    assert (update.mode, update.expected_version) == ("append", 1)
+    assert session_update(loaded.messages, [user("x")]).expected_version is None
+    await SessionStore(store).append("s", [user("elsewhere")])
+    # The same store, this very task: still refused, by the version the update carries.
+    sessions.forget("s")
+    with pytest.raises(es.ConcurrencyError) as info:
+        await sessions.save("s", update)
+    assert (info.value.expected, info.value.actual) == (1, 2)
+    fresh = await sessions.load("s")
+    assert await sessions.save("s", session_update(fresh, [*fresh.messages, user("b")])) == 3
+
+
 async def test_a_transcript_bigger_than_one_event_is_written_whole(store: es.EventStore) -> None:
     """A compacted transcript over the event size limit (1 MiB) goes as several events of one
     atomic append; only a single message over the limit is refused, writing nothing."""
