@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -79,19 +79,34 @@ def session_update(
 _EVENT_SLACK = 4096  # what an event adds to its messages: type tag, reason, array headers
 _size_encoder = msgspec.msgpack.Encoder()
 
+T = TypeVar("T")
+
+
+def chunk_by_size(values: Sequence[T], budget: int) -> list[list[T]]:
+    """``values`` in order, in runs of at most ``budget`` encoded bytes each (a value larger
+    than the budget alone in its run): the events of one atomic append that says what an
+    event over the size limit would have said."""
+    chunks: list[list[T]] = [[]]
+    size = 0
+    for value in values:
+        n = len(_size_encoder.encode(value))
+        if chunks[-1] and size + n > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(value)
+        size += n
+    return chunks
+
+
+def event_budget(store: EventStore) -> int:
+    """How many bytes of values one event of ``store`` can carry (`chunk_by_size`)."""
+    return store.max_event_bytes - _EVENT_SLACK
+
 
 def _split(event: TranscriptAppended | TranscriptReplaced, budget: int) -> list[NewEvent]:
     """The same change as events of at most ``budget`` bytes of messages each: the messages
     in order, a replace first (then appends), so the fold gives the same transcript."""
-    chunks: list[list[Message]] = [[]]
-    size = 0
-    for message in event.messages:
-        n = len(_size_encoder.encode(message))
-        if chunks[-1] and size + n > budget:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(message)
-        size += n
+    chunks = chunk_by_size(event.messages, budget)
     first: TranscriptAppended | TranscriptReplaced = (
         TranscriptReplaced(messages=chunks[0], reason=event.reason)
         if isinstance(event, TranscriptReplaced)
@@ -274,7 +289,7 @@ class SessionStore:
             # Nothing was written (sizes are checked before anything is sent). A transcript
             # bigger than one event goes as several in one atomic append instead; only a
             # single message over the limit is still refused.
-            events = _split(event, self.store.max_event_bytes - _EVENT_SLACK)
+            events = _split(event, event_budget(self.store))
             if len(events) == 1:
                 raise
             result = await self.projector.append(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import math
 import random
 import time
@@ -50,6 +51,7 @@ from eventstore import (
     ConcurrencyError,
     Event,
     EventStore,
+    EventTooLargeError,
     ExpectedVersion,
     InvalidInputError,
     InvalidThreadIdError,
@@ -76,6 +78,7 @@ from ._framework_events import (
     SessionCleared,
     register_session_events,
 )
+from ._sessions import chunk_by_size, event_budget
 
 if TYPE_CHECKING:  # only recent openai-agents releases have it; only type checking needs it
     from agents.memory.session_settings import SessionSettings
@@ -187,10 +190,29 @@ def session_thread_id(session_id: str, *, prefix: str = DEFAULT_THREAD_PREFIX) -
 def _ttl_ms(ttl: float | timedelta | None) -> int | None:
     if ttl is None:
         return None
+    if not isinstance(ttl, timedelta | int | float) or isinstance(ttl, bool):
+        raise InvalidInputError(
+            f"ttl must be a number of seconds or a timedelta, not {type(ttl).__name__}: {ttl!r}"
+        )
     seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
     if not (seconds > 0 and math.isfinite(seconds)):
         raise InvalidInputError(f"ttl must be a positive number of seconds, not {ttl!r}")
     return max(1, round(seconds * 1000))
+
+
+def _json_item(index: int, item: object) -> dict[str, Any]:
+    """An input item as a JSON store keeps it (what the SDK's `SQLiteSession` hands back):
+    a JSON object of JSON values. Anything else (a non-dict, bytes, a set, NaN or an infinite
+    number) would be stored and handed back to the SDK, which fails on it later, far from
+    the bad call; tuples come back as lists and non-str keys as str, as from JSON."""
+    if not isinstance(item, Mapping):
+        raise InvalidInputError(
+            f"items[{index}] must be an input item (a dict), not {type(item).__name__}"
+        )
+    try:
+        return cast(dict[str, Any], json.loads(json.dumps(item, allow_nan=False)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"items[{index}] is not a JSON object: {exc}") from None
 
 
 def _now_ms() -> int:
@@ -296,6 +318,8 @@ class ThreadlogSession:
         ``limit`` defaults to ``session_settings.limit``; 0 returns nothing and a negative
         limit returns everything (as the SDK's SQLiteSession does).
         """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise InvalidInputError(f"limit must be an int or None, not {limit!r}")
         await self._expire_if_idle()
         n = limit
         if n is None and self.session_settings is not None:
@@ -318,17 +342,20 @@ class ThreadlogSession:
         """
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
-        for i, item in enumerate(items):
-            # An input item is a JSON object (a TypedDict); anything else would be stored and
-            # handed back to the SDK, which fails on it later, far from the bad call.
-            if not isinstance(item, Mapping):
-                raise InvalidInputError(
-                    f"items[{i}] must be an input item (a dict), not {type(item).__name__}"
-                )
+        stored = [_json_item(i, item) for i, item in enumerate(items)]
         if not items:
             return
         await self._expire_if_idle()
-        await self._append([ItemsAdded(items=list(items))], expected_version=ANY)
+        try:
+            await self._append([ItemsAdded(items=stored)], expected_version=ANY)
+        except EventTooLargeError:
+            # Nothing was written (sizes are checked before anything is sent). Items bigger
+            # together than one event go as several events of one atomic append, as
+            # `SessionStore` writes a long transcript; only one item over the limit is refused.
+            chunks = chunk_by_size(stored, event_budget(self.store))
+            if len(chunks) == 1:
+                raise
+            await self._append([ItemsAdded(items=c) for c in chunks], expected_version=ANY)
 
     async def pop_item(self) -> TResponseInputItem | None:
         """Remove and return the most recent item (None when the session is empty).

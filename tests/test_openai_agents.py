@@ -330,6 +330,51 @@ async def test_items_round_trip_losslessly(store: es.EventStore) -> None:
     assert await session.get_items() == items  # the refused adds wrote nothing
 
 
+async def test_items_are_stored_as_a_json_store_keeps_them(store: es.EventStore) -> None:
+    """What `SQLiteSession` (json.dumps) refuses is refused here, and what JSON turns into
+    something else comes back as JSON gives it back."""
+    session = ThreadlogSession("json", store)
+    refused: list[Any] = [
+        {"role": "user", "content": {1, 2}},
+        {"role": "user", "raw": b"\x00"},
+        {"role": "user", "score": float("inf")},
+        {"role": "user", "score": float("nan")},
+    ]
+    for item in refused:
+        with pytest.raises(es.InvalidInputError, match=r"items\[0\] is not a JSON object"):
+            await session.add_items([item])
+    await session.add_items([cast(TResponseInputItem, {"role": "user", "t": (1, 2), 7: "k"})])
+    assert await session.get_items() == [{"role": "user", "t": [1, 2], "7": "k"}]
+
+
+async def test_limits_are_ints_and_any_int_works(store: es.EventStore) -> None:
+    session = ThreadlogSession("limits", store)
+    await session.add_items([user(str(i)) for i in range(3)])
+    for huge in (2**64, 10**30):
+        assert len(await session.get_items(limit=huge)) == 3
+    assert len(await session.get_items(limit=-(2**64))) == 3  # negative: everything
+    for bad in ("2", 1.5, True):
+        with pytest.raises(es.InvalidInputError, match="limit"):
+            await session.get_items(limit=bad)  # type: ignore[arg-type]
+    for bad_ttl in ("5", True, [1]):
+        with pytest.raises(es.InvalidInputError, match="ttl"):
+            ThreadlogSession("s", store, ttl=bad_ttl)  # type: ignore[arg-type]
+
+
+async def test_a_batch_bigger_than_one_event_is_added_whole(store: es.EventStore) -> None:
+    """A turn's items over the event size limit (1 MiB) together: several events of one
+    atomic append, as SessionStore writes a long transcript; one item over it is refused."""
+    session = ThreadlogSession("big", store)
+    items = [user(f"{i}" + "y" * 100_000) for i in range(20)]
+    await session.add_items(items)
+    assert await session.get_items() == items
+    assert await store.version(session.thread_id) > 1  # several events, one append
+    assert (await Projector(store, [session.projection]).check(session.thread_id)).ok
+    with pytest.raises(es.EventTooLargeError):
+        await session.add_items([user("z" * 1_100_000)])
+    assert await session.get_items() == items
+
+
 async def test_session_settings_limit_and_ids(store: es.EventStore) -> None:
     session = ThreadlogSession("a{b}\n%c", store, session_settings=SessionSettings(limit=2))
     assert session.thread_id == "agents:a%7Bb%7D%0A%25c"
