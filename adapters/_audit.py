@@ -39,7 +39,12 @@ from eventstore import (
     content_digest,
     validate_thread_id,
 )
-from eventstore._codec import UNKEYED_FINGERPRINT, decode_entry, key_fingerprint
+from eventstore._codec import (
+    UNKEYED_FINGERPRINT,
+    decode_entry,
+    key_fingerprint,
+    namespace_chain_key,
+)
 from eventstore._events import EventMeta
 from projections import (
     AsOf,
@@ -53,8 +58,10 @@ from projections import (
     TurnRecord,
 )
 
-DamageKind = Literal["modified", "inserted", "deleted", "reordered", "undecodable"]
-"""What `verify` found wrong at a seq."""
+DamageKind = Literal["modified", "inserted", "deleted", "reordered", "undecodable", "meta"]
+"""What `verify` found wrong at a seq (``meta``: the thread's meta hash contradicts its log:
+a version that is not a number, a chain head that is not the last event's link, a key
+fingerprint other than the key every link verifies under)."""
 
 VERIFY_BATCH = 2048
 """Stream entries read per round trip while verifying."""
@@ -254,6 +261,7 @@ class _Verifier:
         self.history: deque[_Entry] = deque(maxlen=WINDOW)
         self.ahead: deque[_Entry] = deque()
         self.recorded_key: str | None = None  # the thread's chain key fingerprint, if any
+        self.fingerprint_edited = False  # set by `check_head`
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -473,8 +481,36 @@ class _Verifier:
 
     def damaged_meta(self, error: CorruptEventError) -> Verdict:
         """The verdict for a thread whose meta hash cannot say how long its log is."""
-        self._problem(1, "undecodable", f"the thread's meta hash is damaged: {error.reason}")
+        self._problem(0, "meta", f"the thread's meta hash is damaged: {error.reason}")
         return self.verdict()
+
+    def check_head(self, recorded: tuple[int, str] | None) -> None:
+        """Hold a log whose every link verified to what its meta records: the head, read
+        with the version (skipped when appends landed since the log was read), and the key
+        fingerprint (every link verifies under this check's key, so a fingerprint naming
+        another is an edit, which would turn the thread's own writers away)."""
+        if recorded is not None and recorded[0] == self.version == self.checked:
+            version, head = recorded
+            if head != self.head:
+                self._problem(
+                    version,
+                    "meta",
+                    f"the chain head the thread's meta records is not the link of its last "
+                    f"event (seq {version}): events after it were removed and the version "
+                    "lowered, or the meta hash was edited",
+                )
+        if self.checked and self._key_mismatch() is not None:
+            assert self.recorded_key is not None
+            names = "no key" if self.recorded_key == UNKEYED_FINGERPRINT else "another key"
+            self.fingerprint_edited = True
+            self._problem(
+                0,
+                "meta",
+                f"the thread's meta says it was written with {names} (field 'f': "
+                f"{self.recorded_key!r}), but every link verifies under this check's key: the "
+                f"meta hash was edited; its writers are refused until 'f' is "
+                f"{key_fingerprint(self.secret)!r} again",
+            )
 
     def _key_mismatch(self) -> str | None:
         """Why the thread's recorded chain key is not the verifier's (None if it is, or if
@@ -493,13 +529,14 @@ class _Verifier:
                 "with THREADLOG_SECRET set to its writers' key"
             )
         return (
-            "the thread was written with another chain key than this check's: verify it with "
-            "its writers' key"
+            "the thread was written with another chain key than this check's (another "
+            "secret, or another namespace's: keys are per namespace, so a thread copied "
+            "across fails here): verify it with its writers' key"
         )
 
     def verdict(self) -> Verdict:
         first = self.first
-        mismatch = self._key_mismatch()
+        mismatch = None if self.fingerprint_edited else self._key_mismatch()
         if first is None:
             detail = f"{self.checked} events verified, chain intact"
             detail += " (keyed)" if self.secret is not None else " (unkeyed)"
@@ -517,8 +554,16 @@ class _Verifier:
                 and all(p.kind == "modified" for p in self.problems)
             ):
                 # Every link fails but every entry decodes: the likeliest cause is a reader
-                # with another chain key than the writer's, not an attacker rewriting it all.
-                detail += "; every entry fails: was the thread written with another key?"
+                # with another chain key than the writer's, not an attacker rewriting it all,
+                # unless the thread records that its key is the reader's: then its entries
+                # were linked for another thread or namespace (copied or renamed).
+                if self.recorded_key is not None:
+                    detail += (
+                        "; every entry fails under the key the thread records: were these "
+                        "entries written for another thread or namespace (copied or renamed)?"
+                    )
+                else:
+                    detail += "; every entry fails: was the thread written with another key?"
         return Verdict(
             thread_id=self.thread_id,
             ok=first is None,
@@ -656,7 +701,13 @@ class Auditor:
         self.projector = projector or Projector(store)
         if self.projector.store is not store:
             raise InvalidInputError("the projector must be bound to the auditor's store")
-        self.secret: bytes | None = secret if secret is not None else _store_secret(store)
+        # The store keeps the key its namespace links with; a secret given here is turned
+        # into the same (`namespace_chain_key`).
+        self.secret: bytes | None = (
+            namespace_chain_key(secret, store.namespace)
+            if secret is not None
+            else _store_secret(store)
+        )
         self.messages_projection = self.projector.messages
         self.state_projection = self.projector.state_projection
         self.records_projection = self.projector.records_projection
@@ -706,6 +757,8 @@ class Auditor:
         if wrong_type is not None:
             return verifier.unreadable(wrong_type)
         verifier.finish()
+        if verifier.first is None:
+            verifier.check_head(await store.chain_head(thread_id))
         return verifier.verdict()
 
     async def _read_log(self, thread_id: str, send: MemoryObjectSendStream[_Rows]) -> None:

@@ -35,6 +35,7 @@ from ._codec import (
     content_digest,
     entry_digest,
     event_id_text,
+    namespace_chain_key,
     version_satisfies,
 )
 from ._connect import StoreSettings, connect, embedded_url, open_store, redact, stop_embedded
@@ -221,6 +222,7 @@ __all__ = [
     "embedded_url",
     "entry_digest",
     "event_id_text",
+    "namespace_chain_key",
     "new_ulid",
     "open_store",
     "partition_of",

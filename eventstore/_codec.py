@@ -5,9 +5,10 @@ listpack node): ``i`` event id (16 raw ULID bytes), ``v`` schema version, ``s`` 
 ms, ``d`` the msgpack payload, ``m`` msgpack envelope meta (empty when there is none), ``h`` the
 chain link. The entry id is ``<seq>-0``, so seq ranges are plain XRANGEs.
 
-Chain: ``c = blake2b-128(thread, id, version, data, meta)``, keyed with the store's secret when one
-is configured; ``h(n) = sha1(h(n-1) | seq | time | c)[:32]``. ``c`` is never stored: with a secret,
-nobody without it can recompute a link after changing, inserting, removing or moving an event.
+Chain: ``c = blake2b-128(thread, id, version, data, meta)``, keyed when the store has a secret
+(with `namespace_chain_key`: the secret's key for the store's namespace);
+``h(n) = sha1(h(n-1) | seq | time | c)[:32]``. ``c`` is never stored: with a secret, nobody
+without it can recompute a link after changing, inserting, removing or moving an event.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def chain_key(secret: bytes) -> bytes:
     if len(secret) <= 64:
         return secret
     return hashlib.blake2b(secret, digest_size=64).digest()
+
+
+def namespace_chain_key(secret: bytes, namespace: str) -> bytes:
+    """The key a namespace's chains are linked with: a BLAKE2b MAC of the namespace's name
+    under the secret (`chain_key`). A thread copied into another namespace, which its writers
+    may share the secret with, then verifies there as written with another key instead of
+    passing for one of its own. Stores derive it once; the secret itself never links."""
+    label = b"threadlog chain key v2 for namespace " + namespace.encode("utf-8")
+    return hashlib.blake2b(label, digest_size=64, key=chain_key(secret)).digest()
 
 
 def content_digest(

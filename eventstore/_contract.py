@@ -274,6 +274,12 @@ class EventStore(abc.ABC):
         """
         return None
 
+    async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
+        """The thread's version and the chain link its meta records as the head (the link of
+        its last event), read together; None when it records none (no such thread, or a
+        backend that keeps none). `Auditor.verify` holds the log's last link to it."""
+        return None
+
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         """What the append made with ``idempotency_key`` wrote (its first and last seq, marked
         ``duplicate``), or None: no append of the thread's current life used the key.

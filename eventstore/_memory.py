@@ -29,6 +29,7 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    namespace_chain_key,
     request_digest,
     version_satisfies,
 )
@@ -234,8 +235,9 @@ class MemoryEventStore(EventStore):
         self.partitions = self._ns.partitions
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
-        self._secret = secret
-        self._fingerprint = key_fingerprint(secret)
+        # The key the chain is linked with: derived for this namespace (`namespace_chain_key`).
+        self._secret = namespace_chain_key(secret, self.namespace) if secret else None
+        self._fingerprint = key_fingerprint(self._secret)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -387,6 +389,11 @@ class MemoryEventStore(EventStore):
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:
         thread = self._thread(thread_id)
         return thread.fingerprint if thread else None
+
+    async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
+        thread = self._thread(thread_id)
+        await anyio.lowlevel.checkpoint()
+        return None if thread is None or not thread.version else (thread.version, thread.head)
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         ikey = caller_key_field(idempotency_key)

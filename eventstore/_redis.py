@@ -30,6 +30,7 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    namespace_chain_key,
     parse_ledger_entry,
 )
 from ._contract import (
@@ -367,10 +368,11 @@ class RedisEventStore(EventStore):
         self.partitions = partitions
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
-        self._secret = secret
+        # The key the chain is linked with: derived for this namespace (`namespace_chain_key`).
+        self._secret = namespace_chain_key(secret, self.namespace) if secret else None
         # Sent with every append (in the memoized part of the command): the script refuses a
         # thread created with another key.
-        self._fingerprint = key_fingerprint(secret).encode("ascii")
+        self._fingerprint = key_fingerprint(self._secret).encode("ascii")
         self._client: Any = client
         self._is_cluster = isinstance(client, RedisCluster)
         self._owns_client = owns_client
@@ -600,6 +602,13 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         raw = await self._command("HGET", self.keys.meta(thread_id), "f")
         return raw.decode("ascii", "replace") if raw is not None else None
+
+    async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
+        validate_thread_id(thread_id)
+        v, h = await self._command("HMGET", self.keys.meta(thread_id), "v", "h")
+        if v is None or h is None:
+            return None
+        return _meta_version(thread_id, v), h.decode("ascii", "replace")
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         validate_thread_id(thread_id)

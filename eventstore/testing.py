@@ -21,7 +21,13 @@ import msgspec
 import pytest
 
 from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
-from ._codec import UNKEYED_FINGERPRINT, decode_rows, event_id_text, key_fingerprint
+from ._codec import (
+    UNKEYED_FINGERPRINT,
+    decode_rows,
+    event_id_text,
+    key_fingerprint,
+    namespace_chain_key,
+)
 from ._contract import ANY, EXISTS, NO_THREAD, EventStore, ExpectedVersion, RawRange
 from ._errors import (
     ChainKeyMismatchError,
@@ -1266,13 +1272,16 @@ class EventStoreConformance:
                 await stores[i % 2].append("keyed", [msg(str(i))])
                 await plain[i % 2].append("plain", [msg(str(i))])
             assert await stores[0].version("keyed") == await plain[0].version("plain") == 4
-            assert await plain[0].chain_key_fingerprint("keyed") == key_fingerprint(b"s3cret")
+            linked = namespace_chain_key(b"s3cret", namespace)  # the key the namespace links with
+            assert await plain[0].chain_key_fingerprint("keyed") == key_fingerprint(linked)
             assert await stores[0].chain_key_fingerprint("plain") == UNKEYED_FINGERPRINT
             assert await stores[0].chain_key_fingerprint("nothing here") is None
             # A fingerprint names the key without giving it away, and tells keys apart.
             fp = key_fingerprint(b"s3cret")
             assert len(fp) == 16 and b"s3cret".hex() not in fp
             assert fp != key_fingerprint(b"s3cres") and key_fingerprint(None) == "-"
+            # One secret, two namespaces: two keys (a thread copied across does not verify).
+            assert linked != namespace_chain_key(b"s3cret", namespace + "x")
         finally:
             for store in (*stores, *plain):
                 await store.close()
@@ -1322,7 +1331,9 @@ class EventStoreConformance:
             with pytest.raises(ChainKeyMismatchError):
                 await keyed.append("old", [msg("c")])
             await keyed.append("old-keyed", [msg("b")])
-            assert await plain.chain_key_fingerprint("old-keyed") == key_fingerprint(b"s3cret")
+            assert await plain.chain_key_fingerprint("old-keyed") == key_fingerprint(
+                namespace_chain_key(b"s3cret", namespace)
+            )
             with pytest.raises(ChainKeyMismatchError):
                 await plain.append("old-keyed", [msg("c")])
             assert await plain.version("old") == await plain.version("old-keyed") == 2

@@ -135,6 +135,7 @@ PUBLIC_NAMES = [
     "embedded_url",
     "entry_digest",
     "event_id_text",
+    "namespace_chain_key",
     "new_ulid",
     "open_store",
     "partition_of",

@@ -90,6 +90,13 @@ class Raw:
             for entry_id, fields in entries:
                 await self.xadd(entry_id, fields)
 
+    async def set_head(self, head: str) -> None:
+        """Write the chain head the thread's meta records."""
+        if isinstance(self.store, es.RedisEventStore):
+            await self.store.client.hset(self.store.keys.meta(self.thread_id), "h", head)
+        else:
+            self._memory_thread().head = head
+
     def _memory_thread(self) -> _Thread:
         assert isinstance(self.store, es.MemoryEventStore)
         return self.store.server.namespaces[self.store.namespace].threads[self.thread_id]
@@ -343,6 +350,7 @@ async def forge_chain(raw: Raw, at: int, text: str) -> None:
         prev = es.chain_link(prev, index + 1, int(fields[b"s"]), digest)
         entries[index] = (entry_id, {**fields, b"h": prev.encode()})
     await raw.rewrite(entries)
+    await raw.set_head(prev)  # as a forger would: verify holds the meta's head to the log
 
 
 async def test_forger_without_the_key_is_detected(keyed: es.EventStore) -> None:
@@ -585,3 +593,75 @@ async def test_a_meta_version_that_is_not_a_number_is_damage_to_that_thread(
         assert await store.read_raw(T) == []
         (tombstone,) = [e for e in await store.read_feed(store.keys.partition(T)) if e.deleted]
         assert tombstone.thread_id == T
+
+
+async def test_a_keyed_thread_copied_into_another_namespace_does_not_verify_there(
+    redis_url: str,
+) -> None:
+    """Namespaces that share a secret link with keys of their own: a copy (DUMP/RESTORE of
+    another tenant's thread) fails every link, and the verdict says it was copied."""
+    a_ns, b_ns = ("n" + uuid.uuid4().hex[:12] for _ in range(2))
+    a = await es.connect(redis_url, namespace=a_ns, secret=SECRET)
+    b = await es.connect(redis_url, namespace=b_ns, secret=SECRET)
+    try:
+        assert isinstance(a, es.RedisEventStore) and isinstance(b, es.RedisEventStore)
+        for store, n in ((a, 2), (b, 3)):
+            for i in range(n):
+                await store.append(T, [es.MessageAppended(message=user(f"{i}"))])
+        assert (await Auditor(b).verify(T)).ok
+        for key_of in (a.keys.log, a.keys.meta):
+            dumped = await a.client.dump(key_of(T))
+            target = (b.keys.log if key_of == a.keys.log else b.keys.meta)(T)
+            await b.client.restore(target, 0, dumped, replace=True)
+        verdict = await Auditor(b).verify(T)
+        assert_damage(verdict, 1, "modified")
+        assert [p.seq for p in verdict.problems] == [1, 2]
+        assert "another namespace's" in verdict.detail and verdict.key_matches is False
+        # With b's fingerprint forged into the copy's meta, the links still fail, and say how.
+        await b.append("other", [es.MessageAppended(message=user("x"))])
+        await b.client.hset(b.keys.meta(T), "f", await b.chain_key_fingerprint("other") or "")
+        verdict = await Auditor(b).verify(T)
+        assert_damage(verdict, 1, "modified")
+        assert "another thread or namespace (copied or renamed)" in verdict.detail
+        assert (await Auditor(a).verify(T)).ok
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_chain_head_that_is_not_the_last_link_is_meta_damage(
+    store: es.EventStore,
+) -> None:
+    version = await populate(store)
+    raw = Raw(store)
+    await raw.set_head("0" * 32)
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, version, "meta")
+    assert "chain head" in verdict.detail
+
+
+async def test_a_tail_cut_with_its_version_lowered_is_meta_damage(redis_url: str) -> None:
+    """The cut the version alone cannot show: the head the meta kept names the old tail."""
+    async with await es.connect(redis_url, namespace="h" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        version = await populate(store)
+        await store.client.xtrim(store.keys.log(T), minid=0)  # no-op: keeps every entry
+        for seq in (version, version - 1):
+            await store.client.xdel(store.keys.log(T), f"{seq}-0")
+        await store.client.hset(store.keys.meta(T), "v", version - 2)
+        verdict = await Auditor(store).verify(T)
+        assert_damage(verdict, version - 2, "meta")
+
+
+async def test_a_key_fingerprint_edited_to_turn_writers_away_is_meta_damage(
+    keyed: es.EventStore,
+) -> None:
+    await populate(keyed)
+    if isinstance(keyed, es.RedisEventStore):
+        await keyed.client.hset(keyed.keys.meta(T), "f", "-")
+    else:
+        Raw(keyed)._memory_thread().fingerprint = "-"
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, 0, "meta")
+    assert "every link verifies under this check's key" in verdict.detail
+    assert "THREADLOG_SECRET" not in verdict.detail  # no advice to verify without the key

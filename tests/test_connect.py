@@ -35,6 +35,7 @@ from eventstore import (
     redact,
     stop_embedded,
 )
+from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
 from eventstore.servers import free_port
 from eventstore.testing import msg, read_all
@@ -311,7 +312,8 @@ async def test_threadlog_secret_keys_the_chain(monkeypatch: pytest.MonkeyPatch) 
     async with await connect("memory://") as store:
         await store.append("t", [msg("a")])
         ((_, fields),) = await store.read_raw("t")
-    keyed = entry_digest("t", fields, b"chain-key")
+    # The chain is keyed with the secret's key for the store's namespace.
+    keyed = entry_digest("t", fields, namespace_chain_key(b"chain-key", store.namespace))
     unkeyed = entry_digest("t", fields, None)
     assert keyed is not None and unkeyed is not None
     link = fields[b"h"].decode()
