@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 import anyio
@@ -111,6 +112,9 @@ def parse_jsonl(
         except MessageFormatError as exc:
             errors.append(JsonlLineError(number, str(exc)))
             continue
+        except RecursionError:
+            errors.append(JsonlLineError(number, "JSON nested too deeply to store"))
+            continue
         try:
             stored = len(_encoder.encode(message))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:
@@ -198,10 +202,25 @@ def _write_atomically(path: Path, chunks: list[bytes]) -> None:
     if path.is_dir():
         raise InvalidInputError(f"cannot write {path}: it is a directory; give a file name")
     try:
+        existing = path.lstat()
+    except FileNotFoundError:
+        existing = None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        # The file is written beside and renamed into place (atomic): that would replace a
+        # symlink, a FIFO or a device node with a regular file, not write through it.
+        raise InvalidInputError(
+            f"cannot write {path}: it is not a regular file (a symlink, FIFO or device); "
+            "give a file name, or '-' for standard output"
+        )
+    try:
         fd, tmp = temp_beside(path)
     except OSError as exc:
         raise InvalidInputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
+        if existing is not None:  # a file written again keeps its permissions (0600 stays)
+            os.fchmod(fd, stat.S_IMODE(existing.st_mode))
         with os.fdopen(fd, "wb") as out:
             out.writelines(chunks)
         os.replace(tmp, path)

@@ -1502,8 +1502,12 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     sessions = SessionStore(ctx.store)
     if args.file == "-":
         transcript = await transcript_to_export(sessions, session)
-        sys.stdout.buffer.write(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
+        data = memoryview(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
         sys.stdout.flush()
+        # Every byte, or BrokenPipeError (exit 141): a buffered write of a large block can
+        # stop short when the reader goes away, and report nothing.
+        while data:
+            data = data[os.write(sys.stdout.fileno(), data) :]
         return
     lines = await export_jsonl(sessions, session, args.file)
     ctx.err.print(Text(f"wrote {lines} messages of session {session} to {args.file}"))

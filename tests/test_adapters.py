@@ -835,3 +835,44 @@ async def test_deleting_a_thread_and_a_session(store: es.EventStore) -> None:
     assert (await sessions.load("s")).messages == []
     await sessions.append("s", [user("fresh start")])
     assert [m.text for m in (await sessions.load("s")).messages] == ["fresh start"]
+
+
+async def test_jsonl_export_writes_only_regular_files_and_keeps_their_mode(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    await sessions.append("s", [user("hi")])
+    kept = tmp_path / "kept.jsonl"
+    kept.write_bytes(b"old\n")
+    kept.chmod(0o600)
+    assert await export_jsonl(sessions, "s", kept) == 1
+    assert kept.stat().st_mode & 0o777 == 0o600 and kept.read_bytes().startswith(b"{")
+    target = tmp_path / "target"
+    target.write_bytes(b"untouched")
+    link, fifo = tmp_path / "link", tmp_path / "fifo"
+    link.symlink_to(target)
+    os.mkfifo(fifo)
+    for path in (link, fifo):
+        with pytest.raises(es.InvalidInputError, match="not a regular file"):
+            await export_jsonl(sessions, "s", path)
+    assert link.is_symlink() and target.read_bytes() == b"untouched"
+    assert fifo.is_fifo()
+
+
+async def test_jsonl_nested_too_deeply_is_a_malformed_line(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    deep = tmp_path / "deep.jsonl"
+    nested = "[" * 5000 + "]" * 5000
+    deep.write_text(
+        '{"role":"user","content":"x","n":'
+        + nested
+        + "}\n"
+        + json.dumps({"role": "user", "content": "fine"})
+        + "\n"
+    )
+    with pytest.raises(JsonlImportError) as info:
+        await import_jsonl(SessionStore(store), deep, "s")
+    assert "line 1" in str(info.value) and "nested too deeply" in str(info.value)
+    report = await import_jsonl(SessionStore(store), deep, "s", skip_bad=True)
+    assert report.imported == 1 and [e.line for e in report.skipped] == [1]
