@@ -1272,8 +1272,8 @@ class _Pipeline:
         self.claim = claim
         self.progress = progress
         self.guard = guard
-        # (thread, life) -> the id of its tombstone: lives whose deletion was found on the feed
-        self._deletions: dict[tuple[str, int], str] = {}
+        # (thread, life): lives whose deletion was found on the feed
+        self._deletions: set[tuple[str, int]] = set()
 
     async def run(self) -> None:
         read_send, read_receive = anyio.create_memory_object_stream[_Piece](1)
@@ -1345,7 +1345,7 @@ class _Pipeline:
         while entries := await self.store.read_feed(partition, after=cursor, count=self.batch):
             for e in entries:
                 if e.deleted and e.thread_id == thread and e.incarnation in (life, None):
-                    self._deletions[thread, life] = e.id
+                    self._deletions.add((thread, life))
                     return
             cursor = entries[-1].id
         raise CorruptEventError(

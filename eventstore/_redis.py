@@ -95,7 +95,6 @@ from ._views import (
     HashDelete,
     HashGet,
     HashGetAll,
-    HashGetListed,
     HashLoad,
     HashSet,
     ListLoad,
@@ -314,9 +313,13 @@ def _meta_version(thread_id: str, raw: Any) -> int:
         return raw
     if isinstance(raw, bytes) and raw.isdigit() and len(raw) <= 20:
         return int(raw)
-    raise CorruptEventError(
+    raise _damaged_version(thread_id, raw)
+
+
+def _damaged_version(thread_id: str, raw: Any, also: str = "") -> CorruptEventError:
+    return CorruptEventError(
         thread_id, None, f"its meta hash's version (field 'v') is {raw!r}, not a number: damaged "
-        "(run 'verify')"
+        f"(run 'verify'){also}"
     )  # fmt: skip
 
 
@@ -540,10 +543,7 @@ class RedisEventStore(EventStore):
                 thread_id, reply[1] != UNKEYED_FINGERPRINT.encode(), bool(self._secret)
             )
         if status == b"meta":
-            raise CorruptEventError(
-                thread_id, None, f"its meta hash's version (field 'v') is {reply[1]!r}, not a "
-                "number: damaged (run 'verify'); nothing was appended"
-            )  # fmt: skip
+            raise _damaged_version(thread_id, reply[1], "; nothing was appended")
         if status == b"view":
             key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
@@ -890,11 +890,9 @@ class RedisEventStore(EventStore):
                 args += ("ha", k)
             elif isinstance(r, HashGet):
                 args += ("hg", k, len(r.fields), *r.fields)
-            elif isinstance(r, HashGetListed):
+            else:  # HashGetListed (`check_reads` refused anything else)
                 lk = index(self.keys.view(thread_id, r.list_view))
                 args += ("hl", k, lk, redis_index(r.start), redis_index(r.stop))
-            else:
-                raise InvalidInputError(f"not a view read: {r!r}")
         reply = await _call(READ_VIEWS(self.client, index.keys, args))
         results: list[ViewResult] = []
         for r, raw in zip(reads, reply[1:], strict=True):
