@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 import traceback
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -94,9 +95,11 @@ READ_ONLY_COMMANDS = frozenset(
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
+TAIL_FEED_PAGE = 256  # feed entries per read and partition
 MAX_NUMBER = 2**63 - 1  # the largest seq, count or window the command accepts
 """Output width when stdout is not a terminal (and COLUMNS is unset): wide enough for ids."""
 _MAX_STREAM_ID_SEQ = 2**64 - 1
+_RUN_VERIFY = re.compile(r"\s*\(run 'verify'\)")  # the store's pointer; the CLI names the command
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
 
 
@@ -180,6 +183,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seq(text: str) -> int:
+    with contextlib.suppress(ValueError):
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a seq (seqs start at 1)")
+    return _positive(text)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -229,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         *,
         parents: Sequence[_Parser] = (),
         description: str | None = None,
+        store_options: bool = True,
     ) -> argparse.ArgumentParser:
-        inherited = [common, *parents]
+        inherited = [common, *parents] if store_options else list(parents)
         p = sub.add_parser(
             name,
             help=summary,
@@ -259,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"./{EMBEDDED_DIR}/ (any command run here without --url or ${URL_ENV} starts it, and "
         "it keeps running between commands). Its data stays; the next command starts it "
         "again.",
+        store_options=False,
     )
     p = add(
         "threads", "list threads, most recent activity first", cmd_threads, parents=[json_parent]
@@ -300,8 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[json_parent],
     )
     p.add_argument("thread", metavar="THREAD")
-    p.add_argument("--from", dest="start", type=_positive, default=1, metavar="SEQ")
-    p.add_argument("--to", dest="stop", type=_positive, metavar="SEQ")
+    p.add_argument(
+        "--from", dest="start", type=_seq, default=1, metavar="SEQ", help="first seq (default 1)"
+    )
+    p.add_argument("--to", dest="stop", type=_seq, metavar="SEQ", help="last seq (default: end)")
     p.add_argument("--as-of", type=parse_as_of, metavar="SEQ|TIME", help="stop at this point")
     p = add(
         "tail",
@@ -646,7 +660,7 @@ def event_summary(event: es.RecordedEvent) -> str:
     if isinstance(p, es.TranscriptAppended):
         return f"+{len(p.messages)} transcript message{'s' if len(p.messages) != 1 else ''}"
     if isinstance(p, es.TranscriptReplaced):
-        return f"transcript replaced ({p.reason}) by {len(p.messages)} messages"
+        return f"transcript replaced ({p.reason}) by {plural(len(p.messages), 'message')}"
     return compact_json(p, 100)
 
 
@@ -1050,7 +1064,8 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     out.print()
     n = args.window
     if n:
-        out.print(messages_table(f"History window: the last {n} messages", shown.messages))
+        title = f"History window: the last {plural(n, 'message')}"
+        out.print(messages_table(title, shown.messages))
     out.print(state_table(f"State: {plural(len(shown.state), 'block')}", shown.state))
     title = f"Turn tree: {plural(len(shown.turns), 'turn')}"
     if len(tree) < len(whole_tree):
@@ -1075,8 +1090,6 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
     await _require_thread(ctx, thread)
-    if args.start < 1:
-        raise UsageError("--from must be a seq >= 1")
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
@@ -1146,6 +1159,11 @@ async def _feed_positions(
     return positions
 
 
+def _feed_order(feed_id: str) -> tuple[int, int]:
+    ms, _, seq = feed_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 async def _stop_on_signal(
     scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
@@ -1178,19 +1196,35 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
         return limit is not None and shown >= limit
 
     async def follow(positions: dict[int, str]) -> None:
+        # Changes are shown in feed-id (time) order across partitions, not partition by
+        # partition: a partition's next change is shown only once every other partition has
+        # one pending or has none waiting, so a catch-up from --since reads as one timeline.
+        pending: dict[int, deque[es.FeedEntry]] = {p: deque() for p in partitions}
+        more: set[int] = set()  # partitions whose last read filled a page: more may follow
         while True:
-            found = False
             for p in partitions:
-                while entries := await store.read_feed(p, after=positions[p], count=256):
-                    found = True
-                    for entry in entries:
-                        positions[p] = entry.id
-                        if thread is not None and entry.thread_id != thread:
-                            continue
-                        if await _show_change(store, entry, emit, json=args.json):
-                            return
-            if not found:
+                if not pending[p]:
+                    page = await store.read_feed(p, after=positions[p], count=TAIL_FEED_PAGE)
+                    pending[p].extend(page)
+                    if page:
+                        positions[p] = page[-1].id
+                    if len(page) == TAIL_FEED_PAGE:
+                        more.add(p)
+                    else:
+                        more.discard(p)
+            if not any(pending.values()):
                 await anyio.sleep(args.interval)
+                continue
+            while True:
+                heads = [p for p in partitions if pending[p]]
+                if not heads or any(not pending[q] for q in more):
+                    break  # a partition to read on before anything later is shown
+                p = min(heads, key=lambda q: _feed_order(pending[q][0].id))
+                entry = pending[p].popleft()
+                if thread is not None and entry.thread_id != thread:
+                    continue
+                if await _show_change(store, entry, emit, json=args.json):
+                    return
 
     async with anyio.create_task_group() as tg:
         await tg.start(_stop_on_signal, tg.cancel_scope)
@@ -1218,17 +1252,39 @@ async def _show_change(
             row = {"thread": entry.thread_id, "type": "thread.deleted", "version": entry.last_seq}
             return emit({**row, "time_ms": entry.time_ms})
         line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
-        line.append(f"thread deleted (it had {entry.last_seq} events)", style="red")
+        line.append(f"thread deleted (it had {plural(entry.last_seq, 'event')})", style="red")
         return emit(line)
     # Read in the feed entry's own incarnation: if the thread was deleted (and perhaps created
     # again) since, its seqs name other events now, or none, and those must not be shown as
     # these. Each page checks the incarnation and reads in one atomic step.
     seq, last = entry.first_seq, entry.last_seq
+
+    def damaged(first: int, upto: int, why: str) -> bool:
+        # Never skipped in silence: events the feed names that the thread's own life no
+        # longer holds are damage to the log, shown where they would have been.
+        if json:
+            row = {"thread": entry.thread_id, "type": "events.missing", "first": first}
+            return emit({**row, "last": upto, "time_ms": entry.time_ms, "detail": why})
+        span = f"events #{first}..{upto}" if first < upto else f"event #{first}"
+        line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
+        line.append(f"{span}: {why} (run 'threadlog verify {entry.thread_id}')", style="red")
+        return emit(line)
+
     while seq <= last:
         stop = min(last, seq + TAIL_PAGE - 1)
-        rows = await store.read_raw(
-            entry.thread_id, start=seq, stop=stop, count=TAIL_PAGE, incarnation=entry.incarnation
-        )
+        try:
+            rows = await store.read_raw(
+                entry.thread_id,
+                start=seq,
+                stop=stop,
+                count=TAIL_PAGE,
+                incarnation=entry.incarnation,
+            )
+        except es.CorruptEventError as exc:
+            if damaged(seq, stop, _RUN_VERIFY.sub("", exc.reason)):
+                return True
+            seq = stop + 1
+            continue
         if not rows:
             gone = f"events #{seq}..{last}" if seq < last else f"event #{seq}"
             note = f"{gone}: not in the log any more (the thread was deleted since)"
@@ -1239,7 +1295,16 @@ async def _show_change(
             line.append(note, style="yellow")
             return emit(line)
         for raw_id, fields in rows:
-            event = decode_entry(entry.thread_id, raw_id, fields, store.registry)
+            at = int(raw_id.split(b"-", 1)[0])
+            if at > seq and damaged(seq, at - 1, "missing from the log"):
+                return True
+            try:
+                event = decode_entry(entry.thread_id, raw_id, fields, store.registry)
+            except es.CorruptEventError as exc:
+                if damaged(at, at, _RUN_VERIFY.sub("", exc.reason)):
+                    return True
+                seq = at + 1
+                continue
             if json:
                 done = emit(event_json(event))
             else:
@@ -1250,6 +1315,10 @@ async def _show_change(
             if done:
                 return True
             seq = event.seq + 1
+        if seq <= stop:
+            if damaged(seq, stop, "missing from the log"):
+                return True
+            seq = stop + 1
     return False
 
 
@@ -1510,7 +1579,7 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
             data = data[os.write(sys.stdout.fileno(), data) :]
         return
     lines = await export_jsonl(sessions, session, args.file)
-    ctx.err.print(Text(f"wrote {lines} messages of session {session} to {args.file}"))
+    ctx.err.print(Text(f"wrote {plural(lines, 'message')} of session {session} to {args.file}"))
 
 
 # -- the entry point ----------------------------------------------------------------------------
@@ -1533,6 +1602,12 @@ def _consoles() -> tuple[Console, Console]:
 
 async def _run(args: argparse.Namespace, where: Where) -> None:
     out, err = _consoles()
+    if where.url.startswith("memory:") and args.command == "tail":
+        raise UsageError(
+            "tail on memory:// would wait forever: the in-memory store lives and dies with "
+            "this one command, so nothing else can append to it (follow a Redis store: "
+            "--url redis://..., or run without --url for the embedded one)"
+        )
     namespace: str | None = getattr(args, "namespace", None)
     # Commands that only read leave a namespace that was never written without any key (a
     # misspelt --namespace must not create one).
@@ -1549,6 +1624,13 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
             progress_ok=err.is_terminal and not getattr(args, "json", False),
         )
         await args.func(ctx, args)
+    if where.url.startswith("memory:") and args.command not in {*READ_ONLY_COMMANDS, "demo"}:
+        # Said once the command has done its work (the demo says it itself): what it wrote
+        # was real, but only for as long as this process lived.
+        sys.stderr.write(
+            "threadlog: memory:// keeps nothing: what this command wrote is gone now that it "
+            "has exited\n"
+        )
 
 
 def _one_line(text: str) -> str:
@@ -1588,6 +1670,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"choose a command: {names} (see 'threadlog --help')")
         if command == "stop":  # before resolve_where, which would start the server
             return _stop_embedded(args)
+        namespace = getattr(args, "namespace", None)
+        if namespace is not None:  # refused before an embedded server is started for nothing
+            es.validate_namespace(namespace)
         where = resolve_where(getattr(args, "url", None))
         anyio.run(_run, args, where)
     except KeyboardInterrupt:

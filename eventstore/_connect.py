@@ -456,7 +456,8 @@ def embedded_url(directory: Path, *, on_start: Callable[[Path], None] | None = N
             f"(move it away, or set {URL_ENV})"
         ) from None
     sock = _socket_path(directory)
-    with open(directory / "lock", "w") as lock:
+    # 0600 like everything else in the directory (the directory's 0700 already guards it).
+    with os.fdopen(os.open(directory / "lock", os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # A server still loading a long AOF answers LOADING: it is there, and a second one on
         # the same files would ruin them.

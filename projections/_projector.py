@@ -550,7 +550,8 @@ class RebuildError(EventStoreError):
         first, error = next(iter(failed.items()))
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
         hint = "rebuild again later" if isinstance(error, RebuildBusyError) else "run 'verify'"
-        super().__init__(f"rebuilt {len(rebuilt)} threads; not {first!r}{more}: {error} ({hint})")
+        done = f"{len(rebuilt)} thread" + ("" if len(rebuilt) == 1 else "s")
+        super().__init__(f"rebuilt {done}; not {first!r}{more}: {error} ({hint})")
 
 
 async def _version_or_zero(store: EventStore, thread_id: str) -> int:

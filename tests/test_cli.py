@@ -15,6 +15,7 @@ import re
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -191,6 +192,11 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["replay", "t1", "--to", "99999999999999999999999"], "is too large"),
     (["show", "t1", "--window", "100000000000000000000"], "is too large"),
     (["threads", "--url", "unix:///tmp/x.sock?ssl_cert_reqs=none"], "needs a rediss:// URL"),
+    (["replay", "t1", "--from", "0"], "'0' is not a seq (seqs start at 1)"),
+    (["replay", "t1", "--from", "-1"], "'-1' is not a seq (seqs start at 1)"),
+    (["replay", "t1", "--to", "0"], "'0' is not a seq (seqs start at 1)"),
+    (["tail"], "tail on memory:// would wait forever"),
+    (["stop", "--url", "redis://localhost:1"], "unrecognized arguments: --url"),
 ]
 
 
@@ -335,6 +341,7 @@ def test_the_embedded_server_is_announced_when_started_and_stopped_by_threadlog_
     finally:
         es.stop_embedded(home)
     assert first.code == 0, first
+    assert stat.S_IMODE((home / "lock").stat().st_mode) == 0o600
     assert f"started an embedded redis-server in {home}/" in first.err
     assert "'threadlog stop' stops it" in first.err
     assert second.code == 0 and "started" not in second.err, second
@@ -342,6 +349,29 @@ def test_the_embedded_server_is_announced_when_started_and_stopped_by_threadlog_
     assert stopped.code == 0 and f"stopped the embedded redis-server in {home}/" in stopped.out
     assert not pid_file_left  # redis-server removes it on a clean shutdown
     assert again.code == 0 and "no embedded redis-server is running" in again.out, again
+
+
+def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_path: Path) -> None:
+    env = child_env(THREADLOG_URL=None)
+    run = cli("threads", "--namespace", "no spaces", cwd=tmp_path, env=env)
+    assert "namespace 'no spaces'" in assert_one_line_error(run)
+    assert not (tmp_path / ".threadlog").exists()
+
+
+def test_stop_help_lists_no_store_options() -> None:
+    run = cli("stop", "--help")
+    assert run.code == 0, run
+    options = run.out.split("options:", 1)[1]
+    assert "--url" not in options and "--namespace" not in options, run.out
+
+
+def test_a_write_on_the_memory_backend_says_nothing_was_kept(tmp_path: Path) -> None:
+    source = tmp_path / "s.jsonl"
+    source.write_text('{"role": "user", "content": "hi"}\n')
+    run = cli("import-jsonl", str(source), "s1")
+    assert run.code == 0, run
+    assert "memory:// keeps nothing" in run.err, run
+    assert "memory://" not in cli("threads").err  # reads say nothing: there was nothing
 
 
 # -- threads, show, replay ------------------------------------------------------------------------
@@ -976,6 +1006,64 @@ def test_tail_never_shows_a_recreated_threads_events_as_the_deleted_ones(redis_u
     )
     gone = json.loads(as_json.lines()[0])
     assert gone == {**gone, "type": "events.gone", "thread": "tt-1", "first": 1, "last": 3}
+
+
+def _threads_in_two_partitions(partitions: int) -> tuple[str, str]:
+    first = "to-a"
+    other = next(
+        f"to-b{i}"
+        for i in range(1000)
+        if es.partition_of(f"to-b{i}", partitions) != es.partition_of(first, partitions)
+    )
+    return first, other
+
+
+def test_tail_shows_changes_in_time_order_across_partitions(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> list[tuple[str, int]]:
+        a, b = _threads_in_two_partitions(store.partitions)
+        order = []
+        for i in range(4):
+            for thread in (a, b):
+                result = await store.append(thread, [msg(f"{thread}-{i}")])
+                order.append((thread, result.first_seq))
+                await anyio.sleep(0.003)  # feed ids are per-millisecond
+        return order
+
+    order = with_store(redis_url, namespace, setup)
+    run = cli("tail", "--since", "1h", "--limit", "8", "--json", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    rows = [json.loads(line) for line in run.lines()]
+    assert [(r["thread"], r["seq"]) for r in rows] == order
+
+
+def test_tail_shows_events_missing_from_the_log_as_damage_and_goes_on(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("th-1", [msg(f"m{i}") for i in range(5)])  # one change: #1..5
+        await store.append("th-1", [msg("m5"), msg("m6")])  # #6..7
+        await store.append("th-1", [msg("m7")])  # #8
+        assert isinstance(store, es.RedisEventStore)
+        log = KeyLayout(namespace, store.partitions).log("th-1")
+        await store.client.execute_command("XDEL", log, "3-0", "6-0", "7-0")
+
+    with_store(redis_url, namespace, setup)
+    run = cli("tail", "th-1", "--since", "1h", "--limit", "7", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    lines = run.lines()
+    assert "th-1 #2 " in lines[1] and "event #3: missing from the log" in lines[2], lines
+    assert "run 'threadlog verify th-1'" in lines[2], lines
+    assert "th-1 #4 " in lines[3] and "th-1 #5 " in lines[4], lines
+    assert "events #6..7: missing from the log" in lines[5], lines
+    assert "th-1 #8 " in lines[6], lines
+    as_json = cli(
+        "tail", "th-1", "--since", "1h", "--limit", "3", "--json", url=redis_url,
+        namespace=namespace,
+    )  # fmt: skip
+    missing = json.loads(as_json.lines()[2])
+    assert missing == {**missing, "type": "events.missing", "first": 3, "last": 3}
 
 
 def _read_line(stream: IO[str], timeout: float) -> str:
