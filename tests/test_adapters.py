@@ -876,3 +876,20 @@ async def test_jsonl_nested_too_deeply_is_a_malformed_line(
     assert "line 1" in str(info.value) and "nested too deeply" in str(info.value)
     report = await import_jsonl(SessionStore(store), deep, "s", skip_bad=True)
     assert report.imported == 1 and [e.line for e in report.skipped] == [1]
+
+
+async def test_the_demo_conversation_settles_no_later_than_it_is_recorded(
+    store: es.EventStore,
+) -> None:
+    from adapters._demo import SCRIPT_SPAN_MS, record_demo
+
+    thread = f"demo-{uuid.uuid4().hex[:8]}"
+    await record_demo(store, thread)
+    events = await read_all(store, thread)
+    settled = [(e.time_ms, e.payload) for e in events if isinstance(e.payload, es.TurnSettled)]
+    for time_ms, turn in settled:
+        assert turn.timing.settled_ms <= time_ms, turn
+    roots = [turn for _, turn in settled if turn.parent_turn_id is None]
+    first = min(turn.timing.started_ms for turn in roots)
+    last = max(turn.timing.settled_ms for turn in roots)
+    assert last - first == SCRIPT_SPAN_MS
