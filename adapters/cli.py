@@ -90,8 +90,10 @@ exit codes:
 """
 URL_ENV = "THREADLOG_URL"
 READ_ONLY_COMMANDS = frozenset(
-    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl"}
+    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl", "feed"}
 )
+FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
+"""Commands that change only the feed: like reads, they never create a namespace."""
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
@@ -147,6 +149,17 @@ def parse_time(text: str) -> datetime:
     except (OverflowError, OSError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is out of the range of times") from None
     return moment
+
+
+def parse_age(text: str) -> int:
+    """A duration (``90s``, ``15m``, ``2h``, ``7d``) in milliseconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (90s, 15m, 2h, 7d)")
+    ms = float(match.group(1)) * _UNITS[match.group(2).lower()] * 1000
+    if ms > MAX_NUMBER:
+        raise argparse.ArgumentTypeError(f"{text!r} is too long")
+    return int(ms)
 
 
 def parse_workers(text: str) -> int | str:
@@ -334,6 +347,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--interval", type=_seconds, default=0.25, metavar="SEC", help="poll interval (0.25)"
     )
+    add(
+        "feed",
+        "show the change feed: entries per partition, how far it was trimmed, consumer groups",
+        cmd_feed,
+        parents=[json_parent],
+        description="Show the namespace's change feed (one stream per partition; exports and "
+        "projection runners read it through consumer groups): how many entries each partition "
+        "holds, from when to when, how far it was trimmed, and each consumer group's position "
+        "and pending entries. A group whose position the feed was trimmed past has lost "
+        "changes, and is flagged.",
+    )
+    p = add(
+        "trim-feed",
+        "remove feed entries every consumer group has read (the logs keep every event)",
+        cmd_trim_feed,
+        parents=[json_parent],
+        description="Remove, from every partition's change feed, the entries every consumer "
+        "group has read (without groups: none), and with --max-age also every entry older "
+        "than that, read or not. Only the feed shrinks: every event stays in its thread's log. "
+        "A group that had not read what --max-age removes loses those changes (an export "
+        "stops with an error rather than skip them); 'threadlog feed' shows the groups.",
+    )
+    p.add_argument(
+        "--max-age",
+        type=parse_age,
+        metavar="AGE",
+        help="also remove entries older than this (90s, 15m, 2h, 7d), read or not",
+    )
+    p = add(
+        "drop-group",
+        "forget a feed consumer group (an old export name), so trimming stops waiting for it",
+        cmd_drop_group,
+        description="Forget a consumer group on every partition's feed: its position and its "
+        "pending entries. Trimming waits for every group, so a group nobody reads any more "
+        "(an export directory thrown away, a retired projection runner) holds the feed back "
+        "for ever. An export directory under that name takes the group up again on its next "
+        "run, from its own position, unless the feed was trimmed past it meanwhile.",
+    )
+    p.add_argument("name", metavar="NAME", help="the group (an export's --name, a runner's name)")
     add(
         "verify",
         "verify integrity chains: nothing altered, removed, inserted or reordered",
@@ -1322,6 +1374,125 @@ async def _show_change(
     return False
 
 
+def _entries(n: int) -> str:
+    return f"{n:,} entry" if n == 1 else f"{n:,} entries"
+
+
+def _id_time(feed_id: str | None) -> str:
+    return "-" if feed_id is None or feed_id == "0-0" else fmt_time(_feed_order(feed_id)[0])
+
+
+async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
+    store = ctx.store
+    infos: list[es.FeedInfo] = []
+    groups: dict[str, list[tuple[es.FeedInfo, es.GroupInfo]]] = {}
+    for p in range(store.partitions):
+        info = await store.feed_info(p)
+        infos.append(info)
+        for group in await store.feed_groups(p):
+            groups.setdefault(group.name, []).append((info, group))
+
+    def lost(info: es.FeedInfo, group: es.GroupInfo) -> bool:
+        return _feed_order(info.trimmed_to) > _feed_order(group.last_delivered)
+
+    if args.json:
+        ctx.json(
+            {
+                "namespace": store.namespace,
+                "partitions": [msgspec.to_builtins(i) for i in infos],
+                "groups": [
+                    {
+                        **msgspec.to_builtins(g),
+                        "partition": i.partition,
+                        "lost_changes": lost(i, g),
+                    }
+                    for members in groups.values()
+                    for i, g in members
+                ],
+            }
+        )
+        return
+    out = ctx.out
+    used = [i for i in infos if i.last_id != "0-0"]
+    total = sum(i.length for i in infos)
+    out.print(
+        f"Change feed of namespace {store.namespace!r}: {_entries(total)} in "
+        f"{plural(len(used), 'partition')} of {store.partitions}"
+    )
+    if used:
+        table = Table(box=box.SIMPLE_HEAD)
+        for name in ("partition", "entries", "oldest", "newest", "trimmed up to"):
+            table.add_column(name, justify="right" if name in {"partition", "entries"} else "left")
+        for i in used:
+            table.add_row(
+                str(i.partition),
+                f"{i.length:,}",
+                _id_time(i.first_id),
+                _id_time(i.last_id),
+                _id_time(i.trimmed_to) if i.trimmed_to != "0-0" else "never trimmed",
+            )
+        out.print(table)
+    if not groups:
+        out.print("No consumer groups: trimming removes entries only by age (--max-age).")
+        return
+    table = Table(title="Consumer groups", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("group", "reader", "partitions", "unread from", "pending", "note"):
+        table.add_column(name, justify="right" if name in {"partitions", "pending"} else "left")
+    for name, members in sorted(groups.items()):
+        unread = []  # each partition's oldest entry the group has not read
+        for info, group in members:
+            if page := await store.read_feed(info.partition, after=group.last_delivered, count=1):
+                unread.append(page[0].id)
+        damaged = [i.partition for i, g in members if lost(i, g)]
+        note = Text()
+        if damaged:
+            where = ", ".join(str(p) for p in damaged)
+            note.append(f"lost changes: the feed was trimmed past it (partition {where})", "red")
+        table.add_row(
+            name,
+            f"export --name {name[7:]}" if name.startswith("export-") else "projection runner",
+            str(len(members)),
+            _id_time(min(unread, key=_feed_order)) if unread else "nothing unread",
+            f"{sum(g.pending for _, g in members):,}",
+            note,
+        )
+    out.print(table)
+
+
+async def cmd_trim_feed(ctx: Ctx, args: argparse.Namespace) -> None:
+    store = ctx.store
+    removed = 0
+    for p in range(store.partitions):
+        removed += await store.trim_feed(p, max_age_ms=args.max_age)
+    left = sum([(await store.feed_info(p)).length for p in range(store.partitions)])
+    if args.json:
+        ctx.json({"namespace": store.namespace, "removed": removed, "left": left})
+        return
+    ctx.out.print(
+        f"Removed {_entries(removed)} from the change feed of namespace {store.namespace!r}; "
+        f"it holds {_entries(left)} (every event stays in its thread's log)"
+    )
+
+
+async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
+    store = ctx.store
+    name = es.validate_group(args.name)
+    dropped = [p for p in range(store.partitions) if await store.delete_feed_group(p, name)]
+    if not dropped:
+        known = sorted(
+            {g.name for p in range(store.partitions) for g in await store.feed_groups(p)}
+        )
+        has = f"its groups: {', '.join(known)}" if known else "it has none"
+        raise UsageError(
+            f"no consumer group {name!r} in namespace {store.namespace!r} ({has}; an export's "
+            "group is export-<its --name>)"
+        )
+    ctx.out.print(
+        f"Dropped consumer group {name!r} from {plural(len(dropped), 'partition')}; trimming "
+        "no longer waits for it"
+    )
+
+
 def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
     line = Text(f"verify {verdict.thread_id}: ")
     if verdict.ok:
@@ -1612,7 +1783,9 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
     # Commands that only read leave a namespace that was never written without any key (a
     # misspelt --namespace must not create one).
     store = await es.connect(
-        where.url, namespace=namespace, create_namespace=args.command not in READ_ONLY_COMMANDS
+        where.url,
+        namespace=namespace,
+        create_namespace=args.command not in READ_ONLY_COMMANDS | FEED_COMMANDS,
     )
     async with store:
         ctx = Ctx(

@@ -83,7 +83,7 @@ from ._events import (
     register_event,
     registry,
 )
-from ._feed import FeedEntry, GroupInfo, validate_consumer
+from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_consumer, validate_group
 from ._ids import (
     new_ulid,
     validate_count,
@@ -152,6 +152,7 @@ __all__ = [
     "FilePart",
     "Grant",
     "GroupCommit",
+    "FeedInfo",
     "GroupInfo",
     "HashDelete",
     "HashGet",
@@ -232,6 +233,7 @@ __all__ = [
     "stop_embedded",
     "validate_consumer",
     "validate_count",
+    "validate_group",
     "validate_limit",
     "validate_namespace",
     "validate_thread_id",

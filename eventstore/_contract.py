@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
-from ._feed import FeedEntry, GroupInfo, validate_feed_count
+from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_feed_count
 from ._gc import paused_collector
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
@@ -440,6 +440,23 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         """The consumer groups registered on a partition's feed."""
+
+    @abc.abstractmethod
+    async def feed_info(self, partition: int) -> FeedInfo:
+        """How much a partition's feed holds, and the newest id ever trimmed from it.
+
+        Raises:
+            InvalidInputError: a bad partition.
+        """
+
+    @abc.abstractmethod
+    async def delete_feed_group(self, partition: int, group: str) -> bool:
+        """Forget a consumer group of a partition's feed (its position and pending entries),
+        so trimming no longer waits for it. False when it was not registered there.
+
+        Raises:
+            InvalidInputError: a bad group name or partition.
+        """
 
     @abc.abstractmethod
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:

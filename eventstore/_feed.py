@@ -48,6 +48,21 @@ class GroupInfo(msgspec.Struct, frozen=True, kw_only=True):
     oldest_pending: str | None
 
 
+class FeedInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A partition's feed as it stands: what it holds, and how far it has been trimmed."""
+
+    partition: int
+    length: int
+    """Entries it holds."""
+    first_id: str | None
+    """Its oldest entry (None: empty)."""
+    last_id: str
+    """The newest id it ever gave an entry ("0-0": none yet), trimmed or not."""
+    trimmed_to: str
+    """The newest id ever removed from it ("0-0": nothing ever was). A reader whose position
+    is before this id has lost changes: they left the feed before it read them."""
+
+
 def parse_stream_id(value: str) -> tuple[int, int]:
     """``"<ms>-<n>"`` (or ``"<ms>"``) as a pair of ints; raises `InvalidInputError` otherwise.
 

@@ -47,6 +47,7 @@ from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import (
     FeedEntry,
+    FeedInfo,
     GroupInfo,
     entry_from_fields,
     format_stream_id,
@@ -146,6 +147,7 @@ class _Feed:
     entries: dict[tuple[int, int], dict[bytes, bytes]] = field(default_factory=dict)
     last_id: tuple[int, int] = (0, 0)
     groups: dict[str, _Group] = field(default_factory=dict)
+    trimmed_to: tuple[int, int] = (0, 0)  # Redis's max-deleted-entry-id
 
     def add(self, fields: dict[bytes, bytes]) -> None:
         ms = int(time.time() * 1000)
@@ -710,8 +712,25 @@ class MemoryEventStore(EventStore):
         cut = bisect.bisect_left(feed.ids, parse_stream_id(point))
         for i in feed.ids[:cut]:
             del feed.entries[i]
+        if cut:
+            feed.trimmed_to = max(feed.trimmed_to, feed.ids[cut - 1])
         del feed.ids[:cut]
         return cut
+
+    async def feed_info(self, partition: int) -> FeedInfo:
+        feed = self._feed(partition) or _Feed()
+        return FeedInfo(
+            partition=partition,
+            length=len(feed.ids),
+            first_id=format_stream_id(feed.ids[0]) if feed.ids else None,
+            last_id=format_stream_id(feed.last_id),
+            trimmed_to=format_stream_id(feed.trimmed_to),
+        )
+
+    async def delete_feed_group(self, partition: int, group: str) -> bool:
+        validate_group(group)
+        feed = self._feed(partition)
+        return feed is not None and feed.groups.pop(group, None) is not None
 
     async def apply_checkpointed(
         self,

@@ -60,6 +60,7 @@ from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import (
     FeedEntry,
+    FeedInfo,
     GroupInfo,
     entry_from_fields,
     parse_stream_id,
@@ -89,6 +90,7 @@ from ._scripts import (
     READ_VIEWS,
     SEQ_AT,
     SWAP_VIEWS,
+    TRIM_FEED,
     GroupCommit,
 )
 from ._views import (
@@ -226,6 +228,10 @@ def _in_life(
             "'verify')"
         )  # fmt: skip
     return True
+
+
+def _text(value: Any) -> str:
+    return value.decode("ascii") if isinstance(value, bytes) else str(value)
 
 
 def _as_dict(fields: Any) -> dict[bytes, bytes]:
@@ -1329,6 +1335,33 @@ class RedisEventStore(EventStore):
             )
         return out
 
+    async def feed_info(self, partition: int) -> FeedInfo:
+        key = self._feed_key(partition)
+        try:
+            info = await self.client.xinfo_stream(key)
+        except rex.ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise translate_redis_error(exc) from exc
+            info = {}  # no feed yet: the empty one
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            raise translate_redis_error(exc) from exc
+        first = info.get("first-entry")
+        return FeedInfo(
+            partition=partition,
+            length=int(info.get("length", 0)),
+            first_id=_text(first[0]) if first else None,
+            last_id=_text(info.get("last-generated-id", b"0-0")),
+            # Redis 7.0 and Valkey keep it; the contract needs 7.0 (see docs/scaling.md).
+            trimmed_to=_text(info.get("max-deleted-entry-id", b"0-0")),
+        )
+
+    async def delete_feed_group(self, partition: int, group: str) -> bool:
+        validate_group(group)
+        key = self._feed_key(partition)
+        if not await _call(self.client.exists(key)):
+            return False
+        return bool(await _call(self.client.xgroup_destroy(key, group)))
+
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
         validate_limit(max_age_ms, "max_age_ms")
         key = self._feed_key(partition)
@@ -1339,7 +1372,7 @@ class RedisEventStore(EventStore):
             point = aged if point is None else max(point, aged, key=parse_stream_id)
         if point is None:
             return 0
-        return int(await _call(self.client.xtrim(key, minid=point, approximate=False)))
+        return int(await _call(TRIM_FEED(self.client, [key], [point])))
 
     async def apply_checkpointed(
         self,

@@ -858,6 +858,49 @@ class EventStoreConformance:
         assert await store.trim_feed(p, max_age_ms=30) == 1
         assert [e.last_seq for e in await store.read_feed(p)] == [2]
 
+    async def test_feed_info_says_how_far_the_feed_was_trimmed(self, store: EventStore) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        empty = await store.feed_info(p)
+        assert (empty.partition, empty.length, empty.first_id) == (p, 0, None)
+        assert (empty.last_id, empty.trimmed_to) == ("0-0", "0-0")
+        for i in range(3):
+            await store.append(a, [msg(str(i))])
+        ids = [e.id for e in await store.read_feed(p)]
+        whole = await store.feed_info(p)
+        assert (whole.length, whole.first_id, whole.last_id) == (3, ids[0], ids[2])
+        assert whole.trimmed_to == "0-0"
+        await store.create_feed_group(p, "g")
+        await store.advance_feed_group(p, "g", ids[1])
+        assert await store.trim_feed(p) == 2
+        cut = await store.feed_info(p)
+        assert (cut.length, cut.first_id, cut.last_id, cut.trimmed_to) == (
+            1,
+            ids[2],
+            ids[2],
+            ids[1],
+        )
+        with pytest.raises(InvalidInputError, match="partition"):
+            await store.feed_info(store.partitions)
+
+    async def test_a_deleted_feed_group_no_longer_holds_trimming_back(
+        self, store: EventStore
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        assert await store.delete_feed_group(p, "g") is False  # no feed yet
+        await store.append(a, [msg("x")])
+        await store.create_feed_group(p, "g")
+        await store.create_feed_group(p, "other")
+        assert await store.delete_feed_group(p, "nobody") is False
+        await store.advance_feed_group(p, "other", (await store.read_feed(p))[0].id)
+        assert await store.trim_feed(p) == 0  # "g" has read nothing
+        assert await store.delete_feed_group(p, "g") is True
+        assert [g.name for g in await store.feed_groups(p)] == ["other"]
+        assert await store.trim_feed(p) == 1
+        with pytest.raises(FeedGroupNotFoundError):
+            await store.read_feed_group(p, "g", "c")
+        with pytest.raises(InvalidInputError, match="group name"):
+            await store.delete_feed_group(p, "")
+
     async def test_feed_blocking_read_waits_for_new_entries(self, store: EventStore) -> None:
         p, a, _ = await self._partition_with_two_threads(store)
         await store.create_feed_group(p, "g", start="0-0")

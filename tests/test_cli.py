@@ -1207,3 +1207,55 @@ def test_ctrl_c_while_the_command_line_is_still_loading_prints_no_traceback(
             return
         assert proc.returncode == 0, (proc.returncode, err)  # tail's own quiet stop
     pytest.fail("never caught the process while it was loading")
+
+
+# -- the change feed ------------------------------------------------------------------------------
+
+
+def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> int:
+        result = await store.append("fd-1", [msg("a")])
+        await store.append("fd-1", [msg("b")])
+        p = es.partition_of("fd-1", store.partitions)
+        await store.create_feed_group(p, "reader")
+        first = (await store.read_feed(p))[0]
+        await store.advance_feed_group(p, "reader", first.id)
+        assert result.first_seq == 1
+        return p
+
+    p = with_store(redis_url, namespace, setup)
+    shown = cli("feed", "--json", url=redis_url, namespace=namespace)
+    assert shown.code == 0, shown
+    feed = shown.json()
+    assert feed["partitions"][p]["length"] == 2 and feed["partitions"][p]["trimmed_to"] == "0-0"
+    (group,) = feed["groups"]
+    assert (group["name"], group["partition"], group["lost_changes"]) == ("reader", p, False)
+    # Only what every group has read goes; the logs keep every event.
+    trimmed = cli("trim-feed", "--json", url=redis_url, namespace=namespace)
+    assert trimmed.code == 0 and trimmed.json() == {"namespace": namespace, "removed": 1, "left": 1}
+    # By age, what the group has not read goes too, and the group is flagged as having lost it.
+    time.sleep(0.01)
+    aged = cli("trim-feed", "--max-age", "0s", url=redis_url, namespace=namespace)
+    assert aged.code == 0 and "Removed 1 entry" in aged.out, aged
+    table = cli("feed", url=redis_url, namespace=namespace)
+    assert f"lost changes: the feed was trimmed past it (partition {p})" in table.out, table.out
+    assert with_store(redis_url, namespace, lambda s: s.version("fd-1")) == 2
+    missing = cli("drop-group", "readr", url=redis_url, namespace=namespace)
+    assert "its groups: reader" in assert_one_line_error(missing)
+    dropped = cli("drop-group", "reader", url=redis_url, namespace=namespace)
+    assert dropped.code == 0 and "from 1 partition;" in dropped.out, dropped
+    assert cli("feed", "--json", url=redis_url, namespace=namespace).json()["groups"] == []
+    assert "--max-age" in cli("trim-feed", "--help").out
+
+
+def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    for argv in (["feed"], ["trim-feed"], ["trim-feed", "--max-age", "1d"]):
+        assert cli(*argv, url=redis_url, namespace=namespace).code == 0
+    assert "no consumer group" in assert_one_line_error(
+        cli("drop-group", "x", url=redis_url, namespace=namespace)
+    )
+    keys = with_store(redis_url, "default", lambda s: s.client.keys(f"tl:{{{namespace}*"))  # type: ignore[attr-defined]
+    assert keys == []
