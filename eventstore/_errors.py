@@ -56,6 +56,30 @@ class IdempotencyKeyReusedError(ConflictError):
         return (type(self), (self.thread_id, self.key))
 
 
+class FeedTrimmedError(ConflictError):
+    """Raised when a feed was trimmed past a reader's position: changes the reader had not
+    read are gone from the feed (never from the threads' logs), so it cannot go on exactly.
+
+    Not retryable: the entries will not come back. `EventStore.feed_info` tells how far the
+    feed was trimmed.
+    """
+
+    def __init__(self, partition: int, reader: str, position: str, trimmed_to: str) -> None:
+        self.partition = partition
+        self.reader = reader
+        self.position = position
+        self.trimmed_to = trimmed_to
+        super().__init__(
+            f"the change feed of partition {partition} was trimmed past {reader}'s position "
+            f"({position}; entries up to {trimmed_to} removed): changes it had not read are "
+            "gone from the feed, so it cannot go on exactly (every event is still in its "
+            "thread's log)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.partition, self.reader, self.position, self.trimmed_to))
+
+
 class FeedGroupNotFoundError(ConflictError, LookupError):
     """Raised when a consumer group is not registered on a feed partition (never created, or
     the partition's feed was deleted): `EventStore.create_feed_group` registers it.

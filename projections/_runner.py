@@ -25,6 +25,7 @@ import msgspec
 from eventstore import (
     EventStore,
     FeedEntry,
+    FeedTrimmedError,
     InvalidInputError,
     RecordedEvent,
     TurnSettled,
@@ -57,7 +58,13 @@ def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int
 
 
 class ProjectionRunner:
-    """Feeds an `AsyncProjection` from the change feed of some (default: all) partitions."""
+    """Feeds an `AsyncProjection` from the change feed of some (default: all) partitions.
+
+    When the feed was trimmed past the projection's checkpoint (by age, or before the
+    projection first ran), its changes up to there are gone from the feed: the runner raises
+    `FeedTrimmedError` rather than count without them, unless ``accept_trimmed_feed`` says
+    to go on from what the feed still holds (logged once per partition).
+    """
 
     def __init__(
         self,
@@ -69,6 +76,7 @@ class ProjectionRunner:
         batch_size: int = 256,
         claim_idle_ms: int = 30_000,
         poll_interval: float = 0.2,
+        accept_trimmed_feed: bool = False,
     ) -> None:
         validate_view_name(projection.name)
         validate_consumer(consumer)
@@ -81,7 +89,9 @@ class ProjectionRunner:
         self.batch_size = batch_size
         self.claim_idle_ms = claim_idle_ms
         self.poll_interval = poll_interval
+        self.accept_trimmed_feed = accept_trimmed_feed
         self._registered: set[int] = set()
+        self._warned: set[int] = set()
 
     async def _register(self, partition: int) -> None:
         if partition not in self._registered:
@@ -110,8 +120,31 @@ class ProjectionRunner:
                     await stop.wait()
         return done
 
+    async def _check_not_trimmed(self, partition: int) -> None:
+        """Refuse to go on past changes that left the feed before they were applied.
+
+        Trimming waits for every group, so this happens only when the feed was trimmed by age
+        (or by hand) past the projection's checkpoint, or before the projection first ran:
+        its totals would silently lack those changes.
+        """
+        name = self.projection.name
+        trimmed_to = (await self.store.feed_info(partition)).trimmed_to
+        checkpoint = await self.store.checkpoint_of(partition, name)
+        if _id_key(trimmed_to) <= _id_key(checkpoint):
+            return
+        if not self.accept_trimmed_feed:
+            raise FeedTrimmedError(partition, f"projection {name!r}", checkpoint, trimmed_to)
+        if partition not in self._warned:
+            self._warned.add(partition)
+            log.warning(
+                "projection %s goes on without the changes trimmed from partition %d's feed "
+                "(up to %s; its checkpoint is %s): accept_trimmed_feed=True",
+                name, partition, trimmed_to, checkpoint,
+            )  # fmt: skip
+
     async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
         await self._register(partition)
+        await self._check_not_trimmed(partition)
         group = self.projection.name
         done = 0
         # 1. what was delivered to this consumer before (it restarted) and 2. what crashed

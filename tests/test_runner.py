@@ -253,3 +253,26 @@ async def test_runner_process_killed_with_sigkill(redis_url: str) -> None:
         assert totals(await UsageProjection().report(store)) == expected
     finally:
         await store.close()
+
+
+async def test_a_feed_trimmed_past_the_checkpoint_stops_the_runner(store: es.EventStore) -> None:
+    expected = await fill(store, 6)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c")
+    await runner.run_once()
+    assert totals(await UsageProjection().report(store)) == expected
+    # Trimming that waits for the group leaves the runner exact ...
+    assert sum([await store.trim_feed(p) for p in range(store.partitions)]) > 0
+    await fill(store, 2)
+    await anyio.sleep(0.01)
+    # ... but by age it takes changes the projection had not applied yet.
+    assert sum([await store.trim_feed(p, max_age_ms=0) for p in range(store.partitions)]) > 0
+    with pytest.raises(es.FeedTrimmedError, match="trimmed past projection 'usage'"):
+        await runner.run_once()
+    assert totals(await UsageProjection().report(store)) == expected  # nothing half-counted
+    # A projection started after trimming is told too, and may choose to go on.
+    late = ProjectionRunner(store, UsageProjection(), consumer="c", accept_trimmed_feed=True)
+    assert await late.run_once() == 0
+    await settle(store, "thread-after", "small", 1000)  # counted from the feed it still holds
+    assert await late.run_once() == 1
+    small = totals(await UsageProjection().report(store))["small"]
+    assert small == (expected["small"][0] + 1, expected["small"][1] + 1000, small[2])
