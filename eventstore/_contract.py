@@ -352,6 +352,10 @@ class EventStore(abc.ABC):
         For audits: one edited index key (a thread removed from it) must not hide a thread
         from them. It walks the whole namespace (on Redis a ``SCAN`` of every primary), so it
         belongs on cold paths only, never on a request path.
+
+        Raises:
+            OperationalError: the Redis user may not ``SCAN``. `acl_rules` does not grant it:
+                Redis does not confine ``SCAN`` to a user's key pattern.
         """
 
     @abc.abstractmethod

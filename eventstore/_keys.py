@@ -33,8 +33,9 @@ ACL_COMMANDS: tuple[str, ...] = (
     "+ping", "+hsetnx", "+hget",
     # reads (plain, and MULTI/EXEC snapshots of several views), the change feed and its groups
     "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists", "+multi", "+exec",
-    # audits: is a thread in the index, and which threads do the keys themselves hold
-    "+zscore", "+scan",
+    # audits: is a thread in the thread index. (Not +scan, which `stored_threads` sends: Redis
+    # does not confine SCAN to the user's key pattern, so it would list every tenant's keys.)
+    "+zscore",
     "+xgroup|create", "+xgroup|setid", "+xreadgroup", "+xautoclaim", "+xack", "+xpending",
     "+xinfo|groups", "+xtrim",
     # the scripts (called by SHA, re-sent with EVAL after NOSCRIPT) and what they call
@@ -50,7 +51,7 @@ ACL_COMMANDS: tuple[str, ...] = (
 ACL_READ_COMMANDS: tuple[str, ...] = (
     # connect() (it records nothing when it may not), plain reads and MULTI/EXEC snapshots
     "+ping", "+hget", "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists",
-    "+multi", "+exec", "+lrange", "+llen", "+hlen", "+hmget", "+type", "+zscore", "+scan",
+    "+multi", "+exec", "+lrange", "+llen", "+hlen", "+hmget", "+type", "+zscore",
     # the read scripts (read_views, seq_at), by SHA and re-sent with EVAL; the commands they
     # call are all above
     "+evalsha", "+eval",

@@ -1222,6 +1222,13 @@ class RedisEventStore(EventStore):
                     thread_id = keys.thread_of(key)
                     if thread_id is not None:
                         found.add(thread_id)
+        except rex.NoPermissionError as exc:
+            raise OperationalError(
+                f"redis denied SCAN (ACL): {exc}; finding the threads the keys hold needs "
+                "+scan, which `acl_rules` leaves out because Redis does not confine SCAN to a "
+                "key pattern (the user would see every namespace's key names): grant it to "
+                "an auditing user that may see them, or audit threads one by one"
+            ) from exc
         except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
             raise translate_redis_error(exc) from exc
         return sorted(found)

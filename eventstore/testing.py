@@ -40,6 +40,7 @@ from ._errors import (
     IdempotencyKeyReusedError,
     InvalidInputError,
     InvalidThreadIdError,
+    OperationalError,
     StoreClosedError,
     UnknownEventTypeError,
     ViewConflictError,
@@ -108,6 +109,8 @@ class EventStoreConformance:
 
     pytestmark: ClassVar[Any] = pytest.mark.anyio
     supports_raw_writes: ClassVar[bool] = True
+    may_scan: ClassVar[bool] = True
+    """False for a store whose server refuses ``SCAN`` (an ACL user made by `acl_rules`)."""
 
     async def make_store(self, namespace: str, **options: Any) -> EventStore:
         """Open a store of this backend on ``namespace``; ``options`` go to the constructor."""
@@ -622,6 +625,11 @@ class EventStoreConformance:
         names = ["one", "two", *odd]
         for name in names:
             await store.append(name, [msg(name)])
+        if not self.may_scan:
+            with pytest.raises(OperationalError, match=r"denied SCAN \(ACL\).*needs \+scan"):
+                await store.stored_threads()
+            assert await store.indexed("one") and not await store.indexed("never")
+            return
         await store.append("gone", [msg("x")], view_ops=[ListPush("l", (b"a",))])
         await store.delete_thread("gone")  # its view is left behind: not a thread
         # A namespace whose name starts with this one's holds none of its threads.
