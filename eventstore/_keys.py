@@ -67,6 +67,12 @@ def acl_rules(namespace: str, *, read_only: bool = False) -> list[str]:
     return [acl_key_pattern(namespace), "resetchannels", "-@all", *commands]
 
 
+def key_pattern(namespace: str) -> str:
+    """A glob (``SCAN MATCH``) covering exactly one namespace's keys (its charset holds no
+    glob character)."""
+    return f"{PREFIX}:{{{validate_namespace(namespace)}:*"
+
+
 def acl_key_pattern(namespace: str) -> str:
     """The Redis ACL key pattern that covers exactly one namespace's keys."""
     return f"~{PREFIX}:{{{validate_namespace(namespace)}:*"
@@ -131,11 +137,6 @@ class KeyLayout:
         validate_view_name(name)
         validate_view_name(hash_name)
         return f"{self._tags[partition]}:aux:{name}:{hash_name}"
-
-    def scan_pattern(self) -> str:
-        """A ``SCAN MATCH`` pattern covering every key of the namespace (the namespace's
-        charset holds no glob character)."""
-        return f"{PREFIX}:{{{self.namespace}:*"
 
     def thread_of(self, key: bytes | str) -> str | None:
         """The thread whose log or meta hash ``key`` is (None for any other key, or for one no

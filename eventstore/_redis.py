@@ -80,7 +80,7 @@ from ._ids import (
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
+from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -1199,7 +1199,7 @@ class RedisEventStore(EventStore):
 
     async def stored_threads(self) -> list[str]:
         found: set[str] = set()
-        pattern, keys = self.keys.scan_pattern(), self.keys
+        pattern, keys = key_pattern(self.namespace), self.keys
         client = self.client
         try:
             if isinstance(client, RedisCluster):
