@@ -10,7 +10,16 @@ from ._access import (
     TenantPolicy,
     authorize,
 )
-from ._audit import Auditor, DamageKind, Diff, Problem, ReplayStep, Verdict
+from ._audit import (
+    Auditor,
+    DamageKind,
+    Diff,
+    Problem,
+    ReplayStep,
+    UnverifiedLogError,
+    Verdict,
+    log_verified,
+)
 from ._export import (
     COLUMNS,
     ExportBusyError,
@@ -80,11 +89,13 @@ __all__ = [
     "Transcript",
     "TurnConflictError",
     "TurnNotFoundError",
+    "UnverifiedLogError",
     "Verdict",
     "as_message",
     "authorize",
     "export_jsonl",
     "import_jsonl",
+    "log_verified",
     "parse_jsonl",
     "session_update",
 ]

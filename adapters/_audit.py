@@ -17,6 +17,7 @@ import bisect
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar, overload
 
@@ -27,6 +28,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from eventstore import (
     CorruptEventError,
     EventStore,
+    EventStoreError,
+    FeedEntry,
     InvalidInputError,
     RecordedEvent,
     StateUpdated,
@@ -37,6 +40,7 @@ from eventstore import (
     WrongKeyTypeError,
     chain_link,
     content_digest,
+    partition_of,
     validate_thread_id,
 )
 from eventstore._codec import (
@@ -51,6 +55,8 @@ from projections import (
     Block,
     Progress,
     Projector,
+    RebuildBusyError,
+    RebuildError,
     RecordsProjection,
     RecordsState,
     StoredMessage,
@@ -58,10 +64,24 @@ from projections import (
     TurnRecord,
 )
 
-DamageKind = Literal["modified", "inserted", "deleted", "reordered", "undecodable", "meta"]
-"""What `verify` found wrong at a seq (``meta``: the thread's meta hash contradicts its log:
-a version that is not a number, a chain head that is not the last event's link, a key
-fingerprint other than the key every link verifies under)."""
+DamageKind = Literal[
+    "modified",
+    "inserted",
+    "deleted",
+    "reordered",
+    "undecodable",
+    "meta",
+    "unindexed",
+    "wrong_key",
+    "missing",
+]
+"""What `verify` found wrong at a seq. ``meta``: the thread's meta hash contradicts its log (a
+version that is not a number, a chain head that is not the last event's link, a key
+fingerprint other than the key every link verifies under). ``unindexed``: the thread exists
+but its partition's thread index does not list it (seq 0). ``wrong_key``: the thread records
+that it was written with another chain key than the check's, so its links cannot be judged
+with this key (seq 0; one problem, not one per entry). ``missing``: there is no such thread
+(seq 0; the detail says whether the change feed records its deletion)."""
 
 VERIFY_BATCH = 2048
 """Stream entries read per round trip while verifying."""
@@ -69,6 +89,8 @@ WINDOW = 8
 """How far (in entries) `verify` looks around a broken link for the event's true position."""
 MAX_PROBLEMS = 100
 """Problems listed in a `Verdict`; further ones are only counted."""
+FEED_PAGE = 1024
+"""Change-feed entries read per round trip while looking for a missing thread's deletion."""
 MAX_CLASSIFIED = 1000
 """Broken links examined for their kind; beyond this (a forged log) they count as modified."""
 
@@ -94,7 +116,8 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     rest. ``head`` is the last stored link: record it elsewhere to detect later truncation.
     ``keyed`` says whether the chain was checked with a secret key. ``key_matches`` says
     whether that key is the one the thread records it was written with (None: it records
-    none, as a thread from before key fingerprints were recorded).
+    none, as a thread from before key fingerprints were recorded). A thread that does not
+    exist is not ok: kind ``missing``.
     """
 
     thread_id: str
@@ -262,6 +285,11 @@ class _Verifier:
         self.ahead: deque[_Entry] = deque()
         self.recorded_key: str | None = None  # the thread's chain key fingerprint, if any
         self.fingerprint_edited = False  # set by `check_head`
+        # Problems found by links that do not hold (indexes into `problems`, and how many in
+        # all): under another key than the writers' they say nothing about the log.
+        self.link_indexes: set[int] = set()
+        self.link_failures = 0
+        self.link_omitted = 0
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -338,14 +366,19 @@ class _Verifier:
 
     # -- judgement ---------------------------------------------------------------------------
 
-    def _problem(self, seq: int, kind: DamageKind, detail: str) -> None:
+    def _problem(self, seq: int, kind: DamageKind, detail: str, *, link: bool = False) -> None:
         problem = Problem(seq=seq, kind=kind, detail=detail)
         if self.first is None:
             self.first = problem
+        if link:
+            self.link_failures += 1
         if len(self.problems) < MAX_PROBLEMS:
+            if link:
+                self.link_indexes.add(len(self.problems))
             self.problems.append(problem)
         else:
             self.omitted += 1
+            self.link_omitted += link
 
     def _judge(self, e: _Entry) -> None:
         self.checked += 1
@@ -402,7 +435,7 @@ class _Verifier:
         target = seq + self.offset
         hint = "" if self.secret is None else " (or was forged without the key)"
         if self.classified >= MAX_CLASSIFIED:
-            self._problem(seq, "modified", f"seq {seq}: its link does not verify{hint}")
+            self._problem(seq, "modified", f"seq {seq}: its link does not verify{hint}", link=True)
             return
         self.classified += 1
         seqs = range(max(1, target - WINDOW), target + WINDOW + 1)
@@ -425,7 +458,9 @@ class _Verifier:
                 self._shifted(seq, target, k)  # the chain runs on with shifted seqs
                 return
             if not copy:
-                self._problem(seq, "reordered", f"seq {seq} holds the event written as seq {k}")
+                self._problem(
+                    seq, "reordered", f"seq {seq} holds the event written as seq {k}", link=True
+                )
                 return
         # 2. Does a later entry continue the chain from this entry's predecessor (this one is
         # an addition), or from this entry itself (this one is genuine but altered)?
@@ -440,6 +475,7 @@ class _Verifier:
                     seq,
                     "inserted",
                     f"seq {seq} is {what}; entry {x.raw_id.decode()} continues the chain",
+                    link=True,
                 )
                 return
         if following and not copy:
@@ -455,7 +491,7 @@ class _Verifier:
             detail = f"seq {seq} was overwritten with a copy of the event at seq {found[1]}"
         else:
             detail = f"seq {seq}: its content or link was changed after the append{hint}"
-        self._problem(seq, "modified", detail)
+        self._problem(seq, "modified", detail, link=True)
 
     def _shifted(self, seq: int, target: int, original: int) -> None:
         """Entry ``seq`` is the event written as ``original`` where ``target`` was expected."""
@@ -465,6 +501,7 @@ class _Verifier:
                 seq,
                 "deleted",
                 f"{_span(target, original - 1)} gone and the later entries renumbered",
+                link=True,
             )
         else:
             self._problem(
@@ -472,6 +509,7 @@ class _Verifier:
                 "inserted",
                 f"{target - original} entries were added before seq {seq} and the later "
                 "entries renumbered",
+                link=True,
             )
 
     def unreadable(self, error: WrongKeyTypeError) -> Verdict:
@@ -534,9 +572,38 @@ class _Verifier:
             "across fails here): verify it with its writers' key"
         )
 
+    def missing(self, detail: str) -> Verdict:
+        """The verdict for a thread that does not exist."""
+        self._problem(0, "missing", detail)
+        return self.verdict()
+
+    def unindexed(self) -> None:
+        """The thread exists but its partition's thread index does not list it."""
+        self._problem(
+            0,
+            "unindexed",
+            "the thread is not in its partition's thread index (its entry was removed): "
+            "listings, retention sweeps and index-based jobs do not see it",
+        )
+
     def verdict(self) -> Verdict:
         first = self.first
         mismatch = None if self.fingerprint_edited else self._key_mismatch()
+        key_matches = None if self.recorded_key is None else mismatch is None
+        problems, omitted = self.problems, self.omitted
+        if mismatch is not None and self.link_failures:
+            # The thread records another key than this check's: its links fail because of
+            # the key, not because of N edits. One problem says so; what a key cannot explain
+            # (holes, undecodable entries, ...) is still listed.
+            first = Problem(
+                seq=0,
+                kind="wrong_key",
+                detail=f"{mismatch} ({self.link_failures} of {self.checked} links fail under "
+                "this check's key, so they say nothing about the log)",
+            )
+            problems = [first] + [p for i, p in enumerate(problems) if i not in self.link_indexes]
+            omitted -= self.link_omitted
+            mismatch = None  # said by the problem itself
         if first is None:
             detail = f"{self.checked} events verified, chain intact"
             detail += " (keyed)" if self.secret is not None else " (unkeyed)"
@@ -572,11 +639,11 @@ class _Verifier:
             first_bad_seq=None if first is None else first.seq,
             kind=None if first is None else first.kind,
             detail=detail,
-            problems=sorted(self.problems, key=lambda p: p.seq),
-            problems_omitted=self.omitted,
+            problems=sorted(problems, key=lambda p: p.seq),
+            problems_omitted=omitted,
             head=self.head,
             keyed=self.secret is not None,
-            key_matches=None if self.recorded_key is None else mismatch is None,
+            key_matches=key_matches,
         )
 
 
@@ -725,7 +792,11 @@ class Auditor:
         shifted the seqs), ``deleted`` (missing seqs, a log shorter than its version, or a
         removal that shifted the seqs), ``reordered`` (an event that verifies at another
         seq) and ``undecodable``. An inserted entry with a foreign id is reported at the seq
-        whose place it takes. See the module docstring for what a key adds.
+        whose place it takes. Thread-level problems carry seq 0: ``meta``, ``unindexed`` (the
+        thread exists but the thread index does not list it), ``wrong_key`` (the thread
+        records another chain key than this check's: its links cannot be judged) and
+        ``missing`` (no such thread: the verdict is not ok, and says whether the change feed
+        records a deletion). See the module docstring for what a key adds.
         """
         validate_thread_id(thread_id)
         store = self.store
@@ -736,6 +807,17 @@ class Auditor:
                 verifier.version = await store.version(thread_id)
             except CorruptEventError as exc:
                 return verifier.damaged_meta(exc)
+            if verifier.version == 0 and not await store.read_raw(thread_id, count=1):
+                # No log and no version: nothing was verified, which must not read as "intact".
+                if await store.indexed(thread_id):
+                    verifier._problem(
+                        1,
+                        "deleted",
+                        "the thread index lists the thread but it has no log and no meta hash: "
+                        "its keys were deleted (delete_thread would have unlisted it)",
+                    )
+                    return verifier.verdict()
+                return verifier.missing(await self._why_missing(thread_id))
             verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:
@@ -759,7 +841,43 @@ class Auditor:
         verifier.finish()
         if verifier.first is None:
             verifier.check_head(await store.chain_head(thread_id))
+        if not await store.indexed(thread_id):
+            verifier.unindexed()
         return verifier.verdict()
+
+    async def _why_missing(self, thread_id: str) -> str:
+        """Say whether a thread that does not exist was deleted (its partition's change feed
+        records the deletion) or has no trace there. Reads the partition's whole feed: a cold
+        path, taken only for a thread that is not there."""
+        store = self.store
+        partition = partition_of(thread_id, store.partitions)
+        last: FeedEntry | None = None
+        after = "0-0"
+        while True:
+            entries = await store.read_feed(partition, after=after, count=FEED_PAGE)
+            for entry in entries:
+                if entry.thread_id == thread_id:
+                    last = entry
+            if len(entries) < FEED_PAGE:
+                break
+            after = entries[-1].id
+        where = f"no thread {thread_id!r} in namespace {store.namespace!r}"
+        if last is not None and last.deleted:
+            when = datetime.fromtimestamp(last.time_ms / 1000, UTC).isoformat(
+                timespec="milliseconds"
+            )
+            return f"{where}: it was deleted (the change feed records its deletion at {when})"
+        if last is not None:
+            # The feed saw it written and never deleted, yet nothing is left of it.
+            return (
+                f"{where}: the change feed records appends to it (the last up to seq "
+                f"{last.last_seq}) and no deletion, yet it has no log, meta hash or index entry: "
+                "its keys were removed"
+            )
+        return (
+            f"{where}: never written (its partition's change feed has no trace of it; a "
+            "deletion older than the feed's trimming would not show either)"
+        )
 
     async def _read_log(self, thread_id: str, send: MemoryObjectSendStream[_Rows]) -> None:
         """Send the thread's stream entries in batches, each entry once, in order."""
@@ -782,15 +900,74 @@ class Auditor:
                 if skip == len(rows):
                     count *= 2  # a full batch of entries that share one seq: read wider
 
+    async def threads(self) -> list[str]:
+        """Every thread an audit of the namespace covers: those of the thread index (most
+        recent activity first), then those only the stored keys hold (by id).
+
+        The keys are scanned too (`EventStore.stored_threads`) so that a thread removed from
+        the index is not hidden from the audit; `verify` reports it (kind ``unindexed``).
+        """
+        listed = [info.thread_id for info in await self.store.threads()]
+        known = set(listed)
+        return listed + [t for t in await self.store.stored_threads() if t not in known]
+
     async def verify_all(self, *, progress: Progress | None = None) -> dict[str, Verdict]:
-        """Verify every thread of the namespace; returns thread -> verdict."""
-        threads = await self.store.threads()
+        """Verify every thread of the namespace (`threads`: the index's and the keys');
+        returns thread -> verdict."""
+        threads = await self.threads()
         out: dict[str, Verdict] = {}
-        for done, info in enumerate(threads, start=1):
-            out[info.thread_id] = await self.verify(info.thread_id)
+        for done, thread_id in enumerate(threads, start=1):
+            out[thread_id] = await self.verify(thread_id)
             if progress is not None:
                 progress(done, len(threads))
         return out
+
+    # -- rebuild, verified first --------------------------------------------------------------
+
+    async def rebuild(self, thread_id: str, *, trust_log: bool = False) -> int:
+        """Verify the thread's log, then rebuild its views from it (`Projector.rebuild`);
+        returns the version rebuilt at.
+
+        `Projector.rebuild` copies whatever the log holds into the views, a forged entry
+        included. This refuses a log that fails `verify` with `UnverifiedLogError` (nothing
+        is written); a thread missing from the thread index only is rebuilt (its log is
+        intact). ``trust_log=True`` skips the check: the log is taken as it is.
+        Not covered: an edit made between the check and the rebuild's read of the log.
+        """
+        validate_thread_id(thread_id)
+        if not trust_log:
+            verdict = await self.verify(thread_id)
+            if not log_verified(verdict):
+                raise UnverifiedLogError(verdict)
+        return await self.projector.rebuild(thread_id)
+
+    async def rebuild_all(
+        self, *, progress: Progress | None = None, trust_log: bool = False
+    ) -> dict[str, int]:
+        """`rebuild` every thread of the namespace (`threads`: the index's and the keys');
+        returns thread -> version.
+
+        Threads whose log fails verification (unless ``trust_log``), cannot be folded or kept
+        changing are left as they were, and after all the others were rebuilt `RebuildError`
+        names them (``failed`` maps each to its `UnverifiedLogError`, `CorruptEventError`,
+        `WrongKeyTypeError` or `RebuildBusyError`).
+        """
+        threads = await self.threads()
+        rebuilt: dict[str, int] = {}
+        failed: dict[str, EventStoreError] = {}
+        for done, thread_id in enumerate(threads, start=1):
+            try:
+                rebuilt[thread_id] = await self.rebuild(thread_id, trust_log=trust_log)
+            except UnverifiedLogError as exc:
+                if exc.verdict.kind != "missing":  # else deleted since it was listed
+                    failed[thread_id] = exc
+            except (CorruptEventError, WrongKeyTypeError, RebuildBusyError) as exc:
+                failed[thread_id] = exc
+            if progress is not None:
+                progress(done, len(threads))
+        if failed:
+            raise RebuildError(rebuilt, failed)
+        return rebuilt
 
     # -- replay and diff ------------------------------------------------------------------------
 
@@ -869,6 +1046,29 @@ class Auditor:
             ),
             transcript_replaced=replaced,
         )
+
+
+def log_verified(verdict: Verdict) -> bool:
+    """Whether a verdict lets the views be rebuilt from the log: it verified, or its only
+    problem is that the thread index does not list the thread (the log itself is intact)."""
+    return all(p.kind == "unindexed" for p in verdict.problems) and not verdict.problems_omitted
+
+
+class UnverifiedLogError(EventStoreError):
+    """Raised by `Auditor.rebuild` for a thread whose log fails verification: rebuilding
+    would copy its damage (an edited or forged entry, a hole, ...) into the views. Nothing was
+    written. ``verdict`` is what `Auditor.verify` found."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+        self.thread_id = verdict.thread_id
+        super().__init__(
+            f"thread {verdict.thread_id!r}: its log fails verification ({verdict.kind}: "
+            f"{verdict.detail}); its views were not rebuilt from it"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.verdict,))
 
 
 def _changes(

@@ -47,7 +47,7 @@ from projections import (
     TurnRecord,
 )
 
-from ._audit import Auditor, Verdict, _span
+from ._audit import Auditor, UnverifiedLogError, Verdict, _span, log_verified
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
 from ._jsonl import export_jsonl, import_jsonl, transcript_to_export
@@ -428,12 +428,31 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Parquet compression codec (default {DEFAULT_COMPRESSION}; snappy writes faster, "
         "zstd smaller files)",
     )
-    add("rebuild", "recompute materialized views from the log", cmd_rebuild, parents=[target])
+    p = add(
+        "rebuild",
+        "recompute materialized views from the log, once the log verifies",
+        cmd_rebuild,
+        parents=[target],
+        description="Recompute the materialized views of a thread (or of every thread) from its "
+        "log. Each log is verified first, as 'threadlog verify' does (with THREADLOG_SECRET for "
+        "keyed chains): a thread whose log fails is not rebuilt (exit 1, nothing written), "
+        "since its views would copy the damage - an edited or forged entry - from the log.",
+    )
+    p.add_argument(
+        "--trust-log",
+        action="store_true",
+        help="rebuild from the log as it is, without verifying its integrity chain first: "
+        "whatever the log holds, an edited or forged entry included, becomes the views",
+    )
     add(
         "check",
-        "prove materialized views equal the fold of the log",
+        "prove materialized views equal the fold of the log (a log that verifies)",
         cmd_check,
         parents=[target, json_parent],
+        description="Verify each thread's log (as 'threadlog verify' does), then compare its "
+        "materialized views with the fold of the log. A log that fails verification is "
+        "reported as damaged (exit 1) and its views are not compared: a fold of it proves "
+        "nothing, and rebuilding from it would copy the damage.",
     )
     p = add(
         "import-jsonl",
@@ -1141,7 +1160,10 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
 
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
-    await _require_thread(ctx, thread)
+    version = await _require_thread(ctx, thread)
+    if isinstance(args.as_of, int) and args.as_of > version:
+        # A point the thread has not reached: replaying "up to" it would pass for the past.
+        raise UsageError(f"--as-of {args.as_of}: thread {thread!r} ends at seq {version}")
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
@@ -1517,9 +1539,11 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
     auditor = Auditor(ctx.store)
     if thread is not None:
-        with contextlib.suppress(es.CorruptEventError):  # a damaged meta: the verdict says so
-            await _require_thread(ctx, thread)
         verdict = await auditor.verify(thread)
+        if verdict.kind == "missing":
+            # Nothing to verify: a usage error (a misspelt name), worded by the verdict, which
+            # says whether the thread was deleted or never written.
+            raise UsageError(verdict.detail)
         if args.json:
             ctx.json(verdict)
         else:
@@ -1624,39 +1648,62 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
 
 async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
-    projector = ctx.projector
+    auditor = Auditor(ctx.store)
     if thread is not None:
         await _require_thread(ctx, thread)
-        version = await projector.rebuild(thread)
+        try:
+            version = await auditor.rebuild(thread, trust_log=args.trust_log)
+        except UnverifiedLogError as exc:
+            ctx.err.print(Text(f"threadlog: {_refused(exc)}"))
+            raise Failed from exc
         ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
         return
     failed: dict[str, es.EventStoreError] = {}
-    with ctx.progress("rebuilding") as bar:
+    with ctx.progress("verifying and rebuilding") as bar:
         try:
-            done = await projector.rebuild_all(progress=bar.update)
+            done = await auditor.rebuild_all(progress=bar.update, trust_log=args.trust_log)
         except RebuildError as exc:
             done, failed = exc.rebuilt, exc.failed
     line = Text(
         f"rebuilt the views of {plural(len(done), 'thread')} in namespace {ctx.store.namespace!r}"
     )
     busy = {t for t, e in failed.items() if isinstance(e, RebuildBusyError)}
+    unverified = {t for t, e in failed.items() if isinstance(e, UnverifiedLogError)}
     if failed:
         why = []
-        if len(failed) > len(busy):
-            why.append(f"{len(failed) - len(busy)} with damaged logs: run verify")
+        if unverified:
+            why.append(f"{len(unverified)} whose logs fail verification: run verify")
+        if damaged := len(failed) - len(busy) - len(unverified):
+            why.append(f"{damaged} with damaged logs: run verify")
         if busy:
             why.append(f"{len(busy)} kept changing: run rebuild again when writers pause")
         line.append(f"; {len(failed)} NOT REBUILT ({'; '.join(why)})", style="bold red")
     ctx.out.print(line)
     for thread, error in failed.items():
-        ctx.out.print(Text(f"  {thread}: {error}", style="red"))
+        text = _refused(error) if isinstance(error, UnverifiedLogError) else str(error)
+        ctx.out.print(Text(f"  {thread}: {text}", style="red"))
     if failed:
         raise Failed
 
 
-def _print_report(ctx: Ctx, report: CheckReport) -> None:
+def _refused(error: UnverifiedLogError) -> str:
+    """Why a thread was not rebuilt, and what to do about it."""
+    return (
+        f"{error}: rebuilding would copy that into the views; run 'threadlog verify "
+        f"{error.thread_id}' (or rebuild with --trust-log to take the log as it is)"
+    )
+
+
+def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None) -> None:
     line = Text(f"check {report.thread_id}: ")
-    if report.ok:
+    unindexed = verdict is not None and not verdict.ok
+    if report.ok and unindexed:
+        line.append("NOT IN THE THREAD INDEX", style="bold red")
+        line.append(
+            f" - its log verifies and every view equals the fold of the log at version "
+            f"{report.version}"
+        )
+    elif report.ok:
         line.append("OK", style="bold green")
         line.append(f" - every view equals the fold of the log at version {report.version}")
     else:
@@ -1666,6 +1713,14 @@ def _print_report(ctx: Ctx, report: CheckReport) -> None:
             f"'threadlog rebuild {report.thread_id}' restores the views"
         )
     ctx.out.print(line)
+    if verdict is not None and not verdict.ok:
+        # Only index damage lets a log through to the comparison (the log itself verified).
+        ctx.out.print(
+            Text(
+                f"  damaged: {verdict.detail} (run 'threadlog verify {report.thread_id}')",
+                style="red",
+            )
+        )
     if report.differences:
         table = Table(box=box.SIMPLE_HEAD)
         for name in ("view", "key", "from the log", "materialized"):
@@ -1681,41 +1736,77 @@ def _print_report(ctx: Ctx, report: CheckReport) -> None:
         )
 
 
+def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
+    """A check whose log failed verification: no comparison, and no advice to rebuild."""
+    line = Text(f"check {verdict.thread_id}: ")
+    line.append("LOG DAMAGED", style="bold red")
+    line.append(
+        f" - the log itself fails verification ({verdict.kind}: {verdict.detail}); "
+        f"its views were not compared with it and must not be rebuilt from it: run "
+        f"'threadlog verify {verdict.thread_id}'"
+    )
+    ctx.out.print(line)
+
+
+def _check_row(verdict: Verdict, report: CheckReport | None) -> dict[str, Any]:
+    """One thread's check as JSON: the verdict of its log, and the comparison if it ran."""
+    ok = verdict.ok and report is not None and report.ok
+    row: dict[str, Any] = {"ok": ok, "thread_id": verdict.thread_id, "log_verified": False}
+    if report is not None:
+        row.update(msgspec.to_builtins(report), log_verified=True)
+    row["verdict"] = verdict
+    return row
+
+
 async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
-    projector = ctx.projector
+    auditor = Auditor(ctx.store)
+    projector = auditor.projector
     if thread is not None:
         await _require_thread(ctx, thread)
-        report = await projector.check(thread)
+        verdict = await auditor.verify(thread)
+        report = await projector.check(thread) if log_verified(verdict) else None
         if args.json:
-            ctx.json({"ok": report.ok, **msgspec.to_builtins(report)})
+            ctx.json(_check_row(verdict, report))
+        elif report is None:
+            _print_damaged_log(ctx, verdict)
         else:
-            _print_report(ctx, report)
-        if not report.ok:
+            _print_report(ctx, report, verdict)
+        if report is None or not report.ok or not verdict.ok:
             raise Failed
         return
+    with ctx.progress("verifying") as bar:
+        verdicts = await auditor.verify_all(progress=bar.update)
+    good = [t for t, v in verdicts.items() if log_verified(v)]
     with ctx.progress("checking") as bar:
-        reports = await projector.check_all(progress=bar.update)
-    bad = [r for r in reports.values() if not r.ok]
+        reports = await projector.check_all(progress=bar.update, threads=good)
+    rows = {t: _check_row(v, reports.get(t)) for t, v in verdicts.items()}
+    bad = [t for t, row in rows.items() if not row["ok"]]
     if args.json:
-        ctx.json(
-            {
-                "namespace": ctx.store.namespace,
-                "ok": not bad,
-                "threads": {t: {"ok": r.ok, **msgspec.to_builtins(r)} for t, r in reports.items()},
-            }
-        )
+        ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": rows})
     else:
         line = Text(
-            f"checked {plural(len(reports), 'thread')} in namespace {ctx.store.namespace!r}: "
+            f"checked {plural(len(verdicts), 'thread')} in namespace {ctx.store.namespace!r}: "
         )
+        damaged = [t for t in bad if t not in reports]
+        different = [t for t in bad if t in reports and not reports[t].ok]
         if bad:
-            line.append(f"{len(bad)} DIFFERENT", style="bold red")
+            parts = []
+            if different:
+                parts.append(f"{len(different)} DIFFERENT")
+            if damaged:
+                parts.append(f"{len(damaged)} LOG DAMAGED")
+            if unlisted := len(bad) - len(different) - len(damaged):
+                parts.append(f"{unlisted} NOT IN THE THREAD INDEX")
+            line.append(", ".join(parts), style="bold red")
         else:
             line.append("all OK", style="bold green")
         ctx.out.print(line)
-        for report in bad:
-            _print_report(ctx, report)
+        for t in bad:
+            if t in reports:
+                _print_report(ctx, reports[t], verdicts[t])
+            else:
+                _print_damaged_log(ctx, verdicts[t])
     if bad:
         raise Failed
 

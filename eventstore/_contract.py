@@ -341,6 +341,24 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def indexed(self, thread_id: str) -> bool:
+        """Whether the thread index lists the thread (`threads` lists exactly these)."""
+
+    @abc.abstractmethod
+    async def stored_threads(self) -> list[str]:
+        """Every thread of the namespace that has a log or a meta hash, found from the stored
+        keys themselves rather than the thread index (sorted by id).
+
+        For audits: one edited index key (a thread removed from it) must not hide a thread
+        from them. It walks the whole namespace (on Redis a ``SCAN`` of every primary), so it
+        belongs on cold paths only, never on a request path.
+
+        Raises:
+            OperationalError: the Redis user may not ``SCAN``. `acl_rules` does not grant it:
+                Redis does not confine ``SCAN`` to a user's key pattern.
+        """
+
+    @abc.abstractmethod
     async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
         """Delete the thread: its log, meta, idempotency ledger and the named views.
 

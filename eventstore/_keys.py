@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 
-from ._ids import validate_namespace, validate_view_name
+from ._ids import validate_namespace, validate_thread_id, validate_view_name
 
 PREFIX = "tl"
 DEFAULT_PARTITIONS = 16
@@ -33,8 +33,11 @@ ACL_COMMANDS: tuple[str, ...] = (
     "+ping", "+hsetnx", "+hget",
     # reads (plain, and MULTI/EXEC snapshots of several views), the change feed and its groups
     "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists", "+multi", "+exec",
-    "+xgroup|create", "+xgroup|setid", "+xreadgroup", "+xautoclaim", "+xack", "+xpending",
-    "+xinfo|groups", "+xtrim",
+    # audits: is a thread in the thread index. (Not +scan, which `stored_threads` sends: Redis
+    # does not confine SCAN to the user's key pattern, so it would list every tenant's keys.)
+    "+zscore",
+    "+xgroup|create", "+xgroup|setid", "+xgroup|destroy", "+xreadgroup", "+xautoclaim",
+    "+xack", "+xpending", "+xinfo|groups", "+xinfo|stream", "+xtrim", "+xsetid",
     # the scripts (called by SHA, re-sent with EVAL after NOSCRIPT) and what they call
     "+evalsha", "+eval",
     "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
@@ -48,7 +51,9 @@ ACL_COMMANDS: tuple[str, ...] = (
 ACL_READ_COMMANDS: tuple[str, ...] = (
     # connect() (it records nothing when it may not), plain reads and MULTI/EXEC snapshots
     "+ping", "+hget", "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists",
-    "+multi", "+exec", "+lrange", "+llen", "+hlen", "+hmget", "+type",
+    "+multi", "+exec", "+lrange", "+llen", "+hlen", "+hmget", "+type", "+zscore",
+    # the change feed as it stands (`feed_info`, `feed_groups`): no group is written
+    "+xinfo|stream", "+xinfo|groups", "+xpending",
     # the read scripts (read_views, seq_at), by SHA and re-sent with EVAL; the commands they
     # call are all above
     "+evalsha", "+eval",
@@ -62,6 +67,12 @@ def acl_rules(namespace: str, *, read_only: bool = False) -> list[str]:
     with ``read_only``, to reading it (`ACL_READ_COMMANDS`)."""
     commands = ACL_READ_COMMANDS if read_only else ACL_COMMANDS
     return [acl_key_pattern(namespace), "resetchannels", "-@all", *commands]
+
+
+def key_pattern(namespace: str) -> str:
+    """A glob (``SCAN MATCH``) covering exactly one namespace's keys (its charset holds no
+    glob character)."""
+    return f"{PREFIX}:{{{validate_namespace(namespace)}:*"
 
 
 def acl_key_pattern(namespace: str) -> str:
@@ -128,6 +139,31 @@ class KeyLayout:
         validate_view_name(name)
         validate_view_name(hash_name)
         return f"{self._tags[partition]}:aux:{name}:{hash_name}"
+
+    def thread_of(self, key: bytes | str) -> str | None:
+        """The thread whose log or meta hash ``key`` is (None for any other key, or for one no
+        store of this layout writes: a thread id in another partition's tag, an invalid id)."""
+        try:
+            text = key.decode("utf-8") if isinstance(key, bytes) else key
+        except UnicodeDecodeError:
+            return None
+        head = f"{PREFIX}:{{{self.namespace}:"
+        if not text.startswith(head):
+            return None
+        partition, sep, rest = text[len(head) :].partition("}:")
+        if not sep or not partition.isdigit():
+            return None
+        for kind in ("log:", "meta:"):
+            if rest.startswith(kind):
+                thread_id = rest[len(kind) :]
+                try:
+                    validate_thread_id(thread_id)
+                except ValueError:
+                    return None
+                if partition_of(thread_id, self.partitions) != int(partition):
+                    return None
+                return thread_id
+        return None
 
     def thread_keys(self, thread_id: str) -> tuple[str, str, str, str]:
         """Log, meta, feed and index keys of the thread, in the append script's order."""

@@ -534,6 +534,19 @@ class MemoryEventStore(EventStore):
         out = heapq.nsmallest(limit, rows, key=key) if limit is not None else sorted(rows, key=key)
         return out
 
+    async def indexed(self, thread_id: str) -> bool:
+        validate_thread_id(thread_id)
+        self._check_open()
+        await anyio.lowlevel.checkpoint()
+        return thread_id in self._ns.index
+
+    async def stored_threads(self) -> list[str]:
+        self._check_open()
+        await anyio.lowlevel.checkpoint()
+        # A thread with entries or a version has a log or a meta hash in Redis terms; one left
+        # with views only (deleted without naming them) has neither.
+        return sorted(t for t, th in self._ns.threads.items() if th.ids or th.version)
+
     async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
         thread = self._thread(thread_id)
         for view in views:

@@ -81,7 +81,7 @@ from ._ids import (
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout
+from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -307,6 +307,10 @@ def _pack_stage(encode: Any, meta: str, stage: str, command: str, values: list[b
             b"*3\r\n$7\r\nPEXPIRE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(ttl), ttl),
         )
     )
+
+
+SCAN_COUNT = 1000
+"""Keys asked for per ``SCAN`` step while listing the threads the keys hold (audits only)."""
 
 
 def _meta_version(thread_id: str, raw: Any) -> int:
@@ -859,7 +863,10 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         validate_int(time_ms, "time_ms")
         keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
-        return int(await _call(SEQ_AT(self.client, keys, [int(time_ms)])))
+        reply = await _call(SEQ_AT(self.client, keys, [int(time_ms)]))
+        if isinstance(reply, list):  # {'meta', v}: the version is not a number
+            raise _damaged_version(thread_id, reply[1])
+        return int(reply)
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -1190,6 +1197,47 @@ class RedisEventStore(EventStore):
         merged = heapq.merge(*per_partition, key=lambda t: (-t.last_activity_ms, t.thread_id))
         out = list(merged)
         return out if limit is None else out[:limit]
+
+    async def indexed(self, thread_id: str) -> bool:
+        validate_thread_id(thread_id)
+        p = self.keys.partition(thread_id)
+        return await self._command("ZSCORE", self.keys.index(p), thread_id) is not None
+
+    async def stored_threads(self) -> list[str]:
+        found: set[str] = set()
+        pattern, keys = key_pattern(self.namespace), self.keys
+        client = self.client
+        try:
+            if isinstance(client, RedisCluster):
+                # Each primary holds its own slots' keys: every one is scanned, replicas not
+                # (they hold copies).
+                for node in client.get_primaries():
+                    cursor = 0
+                    while True:
+                        # The cluster client answers SCAN per node: ({node: cursor}, keys).
+                        cursors, batch = await client.execute_command(
+                            "SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT,
+                            target_nodes=node,
+                        )  # fmt: skip
+                        cursor = int(cursors[node.name])
+                        found.update(t for k in batch if (t := keys.thread_of(k)) is not None)
+                        if cursor == 0:
+                            break
+            else:
+                async for key in client.scan_iter(match=pattern, count=SCAN_COUNT):
+                    thread_id = keys.thread_of(key)
+                    if thread_id is not None:
+                        found.add(thread_id)
+        except rex.NoPermissionError as exc:
+            raise OperationalError(
+                f"redis denied SCAN (ACL): {exc}; finding the threads the keys hold needs "
+                "+scan, which `acl_rules` leaves out because Redis does not confine SCAN to a "
+                "key pattern (the user would see every namespace's key names): grant it to "
+                "an auditing user that may see them, or audit threads one by one"
+            ) from exc
+        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            raise translate_redis_error(exc) from exc
+        return sorted(found)
 
     async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
         validate_thread_id(thread_id)

@@ -40,6 +40,7 @@ from ._errors import (
     IdempotencyKeyReusedError,
     InvalidInputError,
     InvalidThreadIdError,
+    OperationalError,
     StoreClosedError,
     UnknownEventTypeError,
     ViewConflictError,
@@ -108,6 +109,8 @@ class EventStoreConformance:
 
     pytestmark: ClassVar[Any] = pytest.mark.anyio
     supports_raw_writes: ClassVar[bool] = True
+    may_scan: ClassVar[bool] = True
+    """False for a store whose server refuses ``SCAN`` (an ACL user made by `acl_rules`)."""
 
     async def make_store(self, namespace: str, **options: Any) -> EventStore:
         """Open a store of this backend on ``namespace``; ``options`` go to the constructor."""
@@ -125,6 +128,11 @@ class EventStoreConformance:
     async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
         """Remove the thread's recorded chain key fingerprint, as in a thread written before
         fingerprints were recorded (Redis: ``HDEL`` of its meta field ``f``)."""
+        raise NotImplementedError
+
+    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
+        """Remove the thread from its partition's thread index and nothing else, as an edit
+        of that one key would (Redis: ``ZREM``)."""
         raise NotImplementedError
 
     @pytest.fixture
@@ -611,6 +619,36 @@ class EventStoreConformance:
         assert [t.thread_id for t in await store.threads(limit=2)] == ["one", "three"]
         older = await store.threads(before_ms=listed[0].last_activity_ms)
         assert [t.thread_id for t in older] == ["three", "two"]
+
+    async def test_stored_threads_come_from_the_keys_not_the_index(self, store: EventStore) -> None:
+        odd = ["a:b", "log:x", "meta:y", "*", "100%", "ünï cödé", "view:messages:t"]
+        names = ["one", "two", *odd]
+        for name in names:
+            await store.append(name, [msg(name)])
+        if not self.may_scan:
+            with pytest.raises(OperationalError, match=r"denied SCAN \(ACL\).*needs \+scan"):
+                await store.stored_threads()
+            assert await store.indexed("one") and not await store.indexed("never")
+            return
+        await store.append("gone", [msg("x")], view_ops=[ListPush("l", (b"a",))])
+        await store.delete_thread("gone")  # its view is left behind: not a thread
+        # A namespace whose name starts with this one's holds none of its threads.
+        other = await self.make_store(store.namespace + "x")
+        try:
+            await other.append("elsewhere", [msg("x")])
+            assert await other.stored_threads() == ["elsewhere"]
+        finally:
+            await other.close()
+        assert await store.stored_threads() == sorted(names)
+        assert all([await store.indexed(n) for n in names])
+        assert not await store.indexed("gone") and not await store.indexed("never")
+        await self.unindex_thread(store, "two")
+        assert not await store.indexed("two")
+        assert "two" not in [t.thread_id for t in await store.threads()]
+        # The edited index hides nothing from the keys.
+        assert await store.stored_threads() == sorted(names)
+        with pytest.raises(InvalidThreadIdError):
+            await store.indexed("bad{id}")
 
     @pytest.mark.parametrize("bad", [-1, -3, 1.5, "2", True])
     async def test_a_limit_that_is_not_a_count_is_refused(

@@ -15,6 +15,7 @@ from ._projector import (
     Projector,
     RebuildBusyError,
     RebuildError,
+    SeqBeyondVersionError,
 )
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
 from ._runner import (
@@ -36,6 +37,7 @@ __all__ = [
     "Block",
     "CheckReport",
     "RebuildBusyError",
+    "SeqBeyondVersionError",
     "RebuildError",
     "Context",
     "Difference",

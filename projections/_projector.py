@@ -190,11 +190,21 @@ class Projector:
     # -- folds ----------------------------------------------------------------------------------
 
     async def seq_of(self, thread_id: str, as_of: AsOf) -> int:
-        """The seq a past point stands for."""
+        """The seq a past point stands for.
+
+        Raises:
+            SeqBeyondVersionError: ``as_of`` is a seq the thread has not reached. A fold up to
+                it would answer with the thread as it is now, as if that were the past point
+                asked about; a time after the last event is fine (it means "now").
+        """
         if isinstance(as_of, datetime):
             return await self.store.seq_at(thread_id, int(as_of.timestamp() * 1000))
         if isinstance(as_of, bool) or not isinstance(as_of, int) or as_of < 0:
             raise InvalidInputError(f"as_of must be a seq >= 0 or a datetime, not {as_of!r}")
+        if as_of > 0:
+            version = await self.store.version(thread_id)
+            if as_of > version:
+                raise SeqBeyondVersionError(thread_id, as_of, version)
         return as_of
 
     async def fold(self, thread_id: str, *, as_of: AsOf | None = None) -> Folded:
@@ -376,6 +386,11 @@ class Projector:
     async def rebuild(self, thread_id: str) -> int:
         """Recompute every view of the thread from its log; returns the version rebuilt at.
 
+        The log is trusted as it is: whatever it holds, an edited or forged entry included,
+        becomes what the views say (a hole or an undecodable entry stops it, but content that
+        decodes is not checked against the integrity chain). To rebuild only a log that
+        verifies, use `adapters.Auditor.rebuild`, which verifies the chain first.
+
         If appends land meanwhile, the fold is repeated (a bounded number of times), then
         `RebuildBusyError` is raised and the views are left as they were.
         """
@@ -441,8 +456,11 @@ class Projector:
             thread_id=thread_id, version=version, differences=differences, anomalies=anomalies
         )
 
-    async def rebuild_all(self, *, progress: Progress | None = None) -> dict[str, int]:
-        """Rebuild every thread of the namespace; returns thread -> version.
+    async def rebuild_all(
+        self, *, progress: Progress | None = None, threads: Sequence[str] | None = None
+    ) -> dict[str, int]:
+        """Rebuild every thread of the namespace (those of the thread index, or ``threads``);
+        returns thread -> version. Trusts every log as `rebuild` does.
 
         A thread whose log cannot be folded (damaged: `CorruptEventError`, `WrongKeyTypeError`)
         or that kept changing while it was rebuilt (`RebuildBusyError`) does not stop the
@@ -458,14 +476,17 @@ class Projector:
                 failed[thread_id] = exc
                 return None
 
-        done = await self._each_thread(rebuild, progress)
+        done = await self._each_thread(rebuild, progress, threads)
         rebuilt = {t: v for t, v in done.items() if v is not None}
         if failed:
             raise RebuildError(rebuilt, failed)
         return rebuilt
 
-    async def check_all(self, *, progress: Progress | None = None) -> dict[str, CheckReport]:
-        """Check every thread of the namespace. A thread whose log cannot be folded is
+    async def check_all(
+        self, *, progress: Progress | None = None, threads: Sequence[str] | None = None
+    ) -> dict[str, CheckReport]:
+        """Check every thread of the namespace (those of the thread index, or ``threads``). A
+        thread whose log cannot be folded is
         reported as a difference (view ``(log)``), and the others are still checked."""
 
         async def check(thread_id: str) -> CheckReport:
@@ -487,15 +508,21 @@ class Projector:
                     anomalies=[],
                 )
 
-        return await self._each_thread(check, progress)
+        return await self._each_thread(check, progress, threads)
 
     async def _each_thread(
-        self, job: Callable[[str], Awaitable[Any]], progress: Progress | None
+        self,
+        job: Callable[[str], Awaitable[Any]],
+        progress: Progress | None,
+        threads: Sequence[str] | None,
     ) -> dict[str, Any]:
-        threads = await self.store.threads()
+        if threads is None:
+            threads = [info.thread_id for info in await self.store.threads()]
+        else:
+            threads = [validate_thread_id(t) for t in threads]
         out: dict[str, Any] = {}
-        for done, info in enumerate(threads, start=1):
-            out[info.thread_id] = await job(info.thread_id)
+        for done, thread_id in enumerate(threads, start=1):
+            out[thread_id] = await job(thread_id)
             if progress is not None:
                 progress(done, len(threads))
         return out
@@ -519,6 +546,23 @@ def _contiguous(
             break
         expected += 1
     raise CorruptEventError(thread_id, expected, "missing from the log (run 'verify')")
+
+
+class SeqBeyondVersionError(InvalidInputError):
+    """Raised when a past point is a seq the thread has not reached (time travel past the
+    end): ``seq`` was asked for, ``version`` is the thread's last seq (0: no events)."""
+
+    def __init__(self, thread_id: str, seq: int, version: int) -> None:
+        self.thread_id = thread_id
+        self.seq = seq
+        self.version = version
+        super().__init__(
+            f"thread {thread_id!r} ends at seq {version}: seq {seq} lies beyond it, so there "
+            "is no such point to go back to"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id, self.seq, self.version))
 
 
 class RebuildBusyError(ConcurrencyError):

@@ -54,7 +54,7 @@ from eventstore import (
 
 from ._base import UnknownBlockError, UnknownReaderViewError
 from ._messages import StoredMessage
-from ._projector import AsOf, Projector, RebuildBusyError, RebuildError
+from ._projector import AsOf, Projector, RebuildBusyError, RebuildError, SeqBeyondVersionError
 from ._records import Anomaly, TurnNode, TurnRecord
 from ._state import Block, ReaderView, StateProjection
 from ._transcript import TranscriptMessage
@@ -560,7 +560,19 @@ class ProjectionConformance:
         first_time = points[0][1]
         before = datetime.fromtimestamp(first_time.timestamp() - 1, tz=first_time.tzinfo)
         assert await snapshot(projector, "t", as_of=before) == empty
-        assert await snapshot(projector, "t", as_of=10_000) == points[-1][2]
+        # A seq the thread has not reached is no past point, on every backend (a time after
+        # the last event is: it means "now").
+        last_seq, last_time, last_live = points[-1]
+        for beyond in (last_seq + 1, 10_000):
+            with pytest.raises(SeqBeyondVersionError) as info:
+                await snapshot(projector, "t", as_of=beyond)
+            assert (info.value.seq, info.value.version) == (beyond, last_seq)
+            assert f"ends at seq {last_seq}" in str(info.value)
+        with pytest.raises(SeqBeyondVersionError):
+            await projector.seq_of("missing", 1)
+        assert await projector.seq_of("t", last_seq) == last_seq
+        later = datetime.fromtimestamp(last_time.timestamp() + 3600, tz=last_time.tzinfo)
+        assert await snapshot(projector, "t", as_of=later) == last_live
         with pytest.raises(InvalidInputError):
             await projector.last("t", as_of=-1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import inspect
 import pickle
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from eventstore import (
     translate_redis_error,
     validate_thread_id,
 )
+from eventstore._keys import key_pattern
 
 # Adding or removing a public name is a decision: make it here too.
 PUBLIC_NAMES = [
@@ -385,6 +387,25 @@ def test_thread_keys_share_the_partition_tag_and_slot(partitions: int) -> None:
             assert _hash_tag(key) == f"ns:{p}"
         slots = {key_slot(k.encode("utf-8")) for k in mine}
         assert len(slots) == 1, (t, slots)
+
+
+@pytest.mark.parametrize("partitions", [1, 3, 16])
+def test_thread_of_names_the_thread_of_its_log_and_meta_keys_only(partitions: int) -> None:
+    layout = KeyLayout("ns", partitions)
+    keys = _keys_by_owner(layout, THREADS, VIEWS)
+    for key, owner in keys.items():
+        expected = owner[1] if owner[0] == "thread" and owner[2] in ("log", "meta") else None
+        assert layout.thread_of(key) == expected, key
+        assert layout.thread_of(key.encode("utf-8")) == expected
+        assert fnmatch.fnmatchcase(key, key_pattern("ns"))
+        assert not fnmatch.fnmatchcase(key, key_pattern("n"))
+    # Keys no store of this layout writes name no thread.
+    other = KeyLayout("other", partitions)
+    assert other.thread_of(layout.log(THREADS[0])) is None
+    wrong = next(p for p in range(partitions + 1) if p != layout.partition(THREADS[0]))
+    assert layout.thread_of(f"tl:{{ns:{wrong}}}:log:{THREADS[0]}") is None
+    assert layout.thread_of(b"tl:{ns:0}:log:\xff") is None
+    assert layout.thread_of("tl:{ns:cfg}") is None
 
 
 def test_thread_keys_tuple_matches_the_key_functions() -> None:

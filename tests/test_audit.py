@@ -16,11 +16,11 @@ import msgspec
 import pytest
 
 import eventstore as es
-from adapters import Auditor, Verdict, _audit
+from adapters import Auditor, UnverifiedLogError, Verdict, _audit
 from eventstore import _codec
 from eventstore._connect import StoreSettings
 from eventstore._memory import _Thread
-from projections import Projector
+from projections import Projector, RebuildError
 
 pytestmark = pytest.mark.anyio
 
@@ -89,6 +89,25 @@ class Raw:
             thread.entries.clear()
             for entry_id, fields in entries:
                 await self.xadd(entry_id, fields)
+
+    async def unindex(self) -> None:
+        """Remove the thread from its partition's thread index (a ZREM), nothing else."""
+        if isinstance(self.store, es.RedisEventStore):
+            index = self.store.keys.index(self.store.keys.partition(self.thread_id))
+            assert await self.store.client.zrem(index, self.thread_id) == 1
+        else:
+            assert isinstance(self.store, es.MemoryEventStore)
+            del self.store.server.namespaces[self.store.namespace].index[self.thread_id]
+
+    async def drop_keys(self) -> None:
+        """Delete the thread's log and meta hash, leaving its thread index entry."""
+        if isinstance(self.store, es.RedisEventStore):
+            keys = self.store.keys
+            assert await self.store.client.delete(keys.log(self.thread_id)) == 1
+            assert await self.store.client.delete(keys.meta(self.thread_id)) == 1
+        else:
+            assert isinstance(self.store, es.MemoryEventStore)
+            del self.store.server.namespaces[self.store.namespace].threads[self.thread_id]
 
     async def set_head(self, head: str) -> None:
         """Write the chain head the thread's meta records."""
@@ -182,9 +201,52 @@ async def test_long_thread_spanning_read_batches_verifies_clean(store: es.EventS
     assert verdict.ok and verdict.checked == 5000
 
 
-async def test_missing_thread_verifies_as_empty(store: es.EventStore) -> None:
-    verdict = await Auditor(store).verify("nobody")
-    assert verdict.ok and verdict.checked == 0 and verdict.version == 0
+async def test_a_thread_that_does_not_exist_is_not_verified(store: es.EventStore) -> None:
+    # Nothing was verified, so the verdict must not read as "intact"; it says whether the
+    # thread was never written or deleted (the change feed's tombstone).
+    never = await Auditor(store).verify("nobody")
+    assert not never.ok and never.checked == 0 and never.version == 0
+    assert_damage(never, 0, "missing")
+    assert "no thread 'nobody'" in never.detail and "never written" in never.detail
+    await store.append("gone", [es.MessageAppended(message=user("hi"))])
+    assert (await Auditor(store).verify("gone")).ok
+    await store.delete_thread("gone")
+    gone = await Auditor(store).verify("gone")
+    assert_damage(gone, 0, "missing")
+    assert "it was deleted (the change feed records its deletion at" in gone.detail
+    assert "gone" not in await Auditor(store).verify_all()
+
+
+async def test_a_thread_whose_keys_were_deleted_behind_the_index_is_deleted(
+    store: es.EventStore,
+) -> None:
+    # The thread index still lists it: that is damage (delete_thread unlists a thread), not
+    # a thread that was never there.
+    await populate(store)
+    await Raw(store).drop_keys()
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 1, "deleted")
+    assert "lists the thread but it has no log and no meta hash" in verdict.detail
+    assert_damage((await Auditor(store).verify_all())[T], 1, "deleted")
+
+
+async def test_a_thread_removed_from_the_index_is_still_audited(store: es.EventStore) -> None:
+    version = await populate(store)
+    await store.append("listed", [es.MessageAppended(message=user("hi"))])
+    await Raw(store).unindex()
+    assert [t.thread_id for t in await store.threads()] == ["listed"]
+    auditor = Auditor(store)
+    assert await auditor.threads() == ["listed", T]
+    verdicts = await auditor.verify_all()
+    assert set(verdicts) == {T, "listed"} and verdicts["listed"].ok
+    unlisted = verdicts[T]
+    assert_damage(unlisted, 0, "unindexed")
+    assert "not in its partition's thread index" in unlisted.detail
+    assert unlisted.checked == version and len(unlisted.problems) == 1
+    # Its log is intact: it may still be rebuilt from (the index is not the log).
+    assert await auditor.rebuild_all() == {"listed": 1, T: version}
+    report = await Projector(store).check_all(threads=await auditor.threads())
+    assert set(report) == {T, "listed"} and all(r.ok for r in report.values())
 
 
 # -- verify: tampering -------------------------------------------------------------------------
@@ -399,11 +461,21 @@ async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> 
     good = await Auditor(keyed, secret=SECRET).verify(T)
     assert good.ok and good.key_matches is True
     verdict = await Auditor(keyed, secret=b"another key").verify(T)
-    assert_damage(verdict, 1, "modified")
-    assert len(verdict.problems) == version
-    # The thread records which key wrote it: the verdict says so rather than guessing.
-    assert verdict.key_matches is False
+    # The thread records which key wrote it: one problem says the key does not match, not
+    # one "modified" per entry.
+    assert_damage(verdict, 0, "wrong_key")
+    assert len(verdict.problems) == 1 and verdict.problems_omitted == 0
+    assert verdict.key_matches is False and verdict.checked == version
     assert "written with another chain key than this check's" in verdict.detail
+    assert f"{version} of {version} links fail under this check's key" in verdict.detail
+    # What no key explains is still reported beside it.
+    raw = Raw(keyed)
+    entries = await raw.entries()
+    entries[2] = (entries[2][0], {**entries[2][1], b"d": b"\xc1 not msgpack"})
+    await raw.rewrite(entries)
+    verdict = await Auditor(keyed, secret=b"another key").verify(T)
+    assert_damage(verdict, 0, "wrong_key")
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "wrong_key"), (3, "undecodable")]
 
 
 async def twin(store: es.EventStore, secret: bytes | None) -> es.EventStore:
@@ -426,13 +498,13 @@ async def test_verify_says_when_the_thread_was_written_with_or_without_a_key(
     await populate(keyed)
     plain = await twin(keyed, None)
     verdict = await Auditor(plain).verify(T)
-    assert_damage(verdict, 1, "modified")
+    assert_damage(verdict, 0, "wrong_key")
     assert verdict.key_matches is False and not verdict.keyed
     assert "written with a chain key and this check used none" in verdict.detail
     assert "THREADLOG_SECRET" in verdict.detail
     await plain.append("plain", [es.MessageAppended(message=user("hi"))] * 2)
     verdict = await Auditor(keyed).verify("plain")
-    assert_damage(verdict, 1, "modified")
+    assert_damage(verdict, 0, "wrong_key")
     assert verdict.key_matches is False
     assert "written without a chain key and this check used one" in verdict.detail
     assert (await Auditor(plain).verify("plain")).key_matches is True
@@ -480,6 +552,54 @@ async def test_verify_all_names_the_damaged_thread(store: es.EventStore) -> None
     assert verdicts["clean-1"].ok and verdicts["clean-2"].ok
     assert_damage(verdicts[T], 2, "deleted")
     assert calls == [(1, 3), (2, 3), (3, 3)]
+
+
+# -- rebuild, verified first --------------------------------------------------------------------
+
+
+async def forged_thread(store: es.EventStore) -> Projector:
+    """Thread T with three messages (views current), whose second entry was then edited."""
+    projector = Projector(store)
+    for text in ("one", "two", "three"):
+        await projector.append(T, [es.MessageAppended(message=user(text))])
+    raw = Raw(store)
+    entries = await raw.entries()
+    entries[1] = (entries[1][0], edited(entries[1][1], "I never said that"))
+    await raw.rewrite(entries)
+    return projector
+
+
+async def texts(projector: Projector) -> list[str]:
+    return [str(m.message.content) for m in await projector.last(T, 10)]
+
+
+async def test_rebuild_refuses_a_log_that_fails_verification(store: es.EventStore) -> None:
+    projector = await forged_thread(store)
+    await store.append("clean", [es.MessageAppended(message=user("hi"))])
+    auditor = Auditor(store)
+    with pytest.raises(UnverifiedLogError) as info:
+        await auditor.rebuild(T)
+    assert info.value.thread_id == T and info.value.verdict.kind == "modified"
+    assert "its log fails verification (modified" in str(info.value)
+    assert await texts(projector) == ["one", "two", "three"]  # nothing written
+    with pytest.raises(RebuildError) as failed:
+        await auditor.rebuild_all()
+    assert failed.value.rebuilt == {"clean": 1}
+    assert isinstance(failed.value.failed[T], UnverifiedLogError)
+    assert await texts(projector) == ["one", "two", "three"]
+    # Projector.rebuild (and the explicit override) take the log as it is: the forgery
+    # becomes what the views say. This is what the check above is for.
+    assert await auditor.rebuild(T, trust_log=True) == 3
+    assert await texts(projector) == ["one", "I never said that", "three"]
+
+
+async def test_rebuild_with_another_key_than_the_writers_is_refused(keyed: es.EventStore) -> None:
+    projector = Projector(keyed)
+    await projector.append(T, [es.MessageAppended(message=user("hi"))])
+    with pytest.raises(UnverifiedLogError) as info:
+        await Auditor(keyed, secret=b"another key").rebuild(T)
+    assert info.value.verdict.kind == "wrong_key"
+    assert await Auditor(keyed, secret=SECRET).rebuild(T) == 1
 
 
 # -- replay and diff -----------------------------------------------------------------------------
@@ -583,6 +703,9 @@ async def test_a_meta_version_that_is_not_a_number_is_damage_to_that_thread(
             lambda: store.read_views(T, [es.ListRange("messages")]),
             lambda: store.read_views(T, [es.HashGetListed("turns", "settled")]),
             lambda: store.append(T, [es.MessageAppended(message=user("more"))]),
+            # time travel: the seq at a time (a script that compared the version as a number)
+            lambda: store.seq_at(T, 2**40),
+            lambda: Projector(store).fold(T, as_of=datetime.now(UTC)),
         ):
             with pytest.raises(es.CorruptEventError, match="field 'v'"):
                 await read()
@@ -614,8 +737,8 @@ async def test_a_keyed_thread_copied_into_another_namespace_does_not_verify_ther
             target = (b.keys.log if key_of == a.keys.log else b.keys.meta)(T)
             await b.client.restore(target, 0, dumped, replace=True)
         verdict = await Auditor(b).verify(T)
-        assert_damage(verdict, 1, "modified")
-        assert [p.seq for p in verdict.problems] == [1, 2]
+        assert_damage(verdict, 0, "wrong_key")
+        assert [p.seq for p in verdict.problems] == [0]
         assert "another namespace's" in verdict.detail and verdict.key_matches is False
         # With b's fingerprint forged into the copy's meta, the links still fail, and say how.
         await b.append("other", [es.MessageAppended(message=user("x"))])

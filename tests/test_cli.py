@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import anyio
+import msgspec
 import pytest
 
 import eventstore as es
@@ -533,6 +534,17 @@ def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
         namespace=demo.namespace,
     )
     assert before.code == 0 and "Nothing had been recorded" in before.out
+    # Replaying "up to" a point the thread has not reached is refused, not the whole thread.
+    replay = cli(
+        "replay",
+        demo.thread,
+        "--as-of",
+        str(demo.version + 1),
+        url=demo.url,
+        namespace=demo.namespace,
+    )
+    line = assert_one_line_error(replay)
+    assert f"--as-of {demo.version + 1}: thread {demo.thread!r} ends at seq {demo.version}" in line
     beyond = cli(
         "show",
         demo.thread,
@@ -725,11 +737,12 @@ def test_check_finds_differences_and_rebuild_repairs_them(redis_url: str) -> Non
     assert unstamped.code == 1 and "an unstamped value" in unstamped.out, unstamped
     every = cli("check", "--all", url=redis_url, namespace=namespace)
     assert every.code == 1 and "checked 3 threads" in every.out, every
-    assert "2 DIFFERENT" in every.out and "beta" in every.out and "gamma" in every.out
+    assert "1 DIFFERENT, 1 LOG DAMAGED" in every.out and "beta" in every.out
+    assert "check gamma: LOG DAMAGED" in every.out
     partly = cli("rebuild", "--all", url=redis_url, namespace=namespace)
     assert partly.code == 1, partly
     assert "rebuilt the views of 2 threads" in partly.out and "1 NOT REBUILT" in partly.out
-    assert "gamma" in partly.out
+    assert "1 whose logs fail verification" in partly.out and "gamma" in partly.out
     assert cli("check", "beta", url=redis_url, namespace=namespace).code == 0
 
 
@@ -744,12 +757,154 @@ def test_check_and_rebuild_never_fold_over_a_hole_in_the_log(redis_url: str) -> 
         assert await store.client.xdel(store.keys.log("holed"), "2-0") == 1
 
     with_store(redis_url, namespace, setup)
-    for command in ("check", "rebuild"):
-        run = cli(command, "holed", url=redis_url, namespace=namespace)
-        line = assert_one_line_error(run, code=1)
-        assert "seq 2" in line and "missing from the log" in line, line
+    check = cli("check", "holed", url=redis_url, namespace=namespace)
+    assert check.code == 1 and "check holed: LOG DAMAGED" in check.out, check
+    assert "seq 2 is missing from the log" in check.out
+    rebuild = cli("rebuild", "holed", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(rebuild, code=1)
+    assert "seq 2 is missing from the log" in line, line
     every = cli("rebuild", "--all", url=redis_url, namespace=namespace)
     assert every.code == 1 and "1 NOT REBUILT" in every.out, every
+    # Trusted as it is, the log still cannot be folded over its hole.
+    trusted = cli("rebuild", "holed", "--trust-log", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(trusted, code=1)
+    assert "seq 2" in line and "missing from the log" in line, line
+
+
+def _forge(thread: str, text: str) -> Callable[[es.EventStore], Awaitable[None]]:
+    """Edit the payload of seq 2 of ``thread`` (a message) to ``text``, ids and links kept."""
+
+    async def job(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        key = store.keys.log(thread)
+        entries = await store.client.xrange(key)
+        await store.client.delete(key)
+        for entry_id, fields in entries:
+            if entry_id == b"2-0":
+                forged = es.MessageAppended(message=es.Message(role="assistant", content=text))
+                fields[b"d"] = msgspec.msgpack.encode(forged)
+            await store.client.xadd(key, fields, id=entry_id)
+
+    return job
+
+
+def _window(url: str, namespace: str, thread: str, env: dict[str, str] | None = None) -> str:
+    run = cli("show", thread, "--json", url=url, namespace=namespace, env=env)
+    assert run.code == 0, run
+    return json.dumps(run.json()["messages"])
+
+
+def test_check_and_rebuild_never_trust_a_forged_log(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for thread in ("forged", "fine"):
+            await threads.append_message(thread, {"role": "user", "content": "hello"})
+            await threads.append_message(thread, {"role": "assistant", "content": "hi"})
+
+    with_store(redis_url, namespace, setup)
+    with_store(redis_url, namespace, _forge("forged", "FORGED"))
+    assert "FORGED" not in _window(redis_url, namespace, "forged")
+
+    check = cli("check", "forged", url=redis_url, namespace=namespace)
+    assert check.code == 1, check
+    assert "check forged: LOG DAMAGED - the log itself fails verification (modified" in check.out
+    assert "run 'threadlog verify forged'" in check.out
+    assert "threadlog rebuild" not in check.out  # no advice to copy the forgery
+    as_json = cli("check", "forged", "--json", url=redis_url, namespace=namespace)
+    assert as_json.code == 1 and as_json.json()["ok"] is False
+    assert as_json.json()["log_verified"] is False
+    assert as_json.json()["verdict"]["kind"] == "modified"
+    every = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert every.code == 1 and "1 LOG DAMAGED" in every.out, every
+    assert "threadlog rebuild" not in every.out
+
+    refused = cli("rebuild", "forged", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(refused, code=1)
+    assert "its log fails verification (modified" in line and "--trust-log" in line, line
+    assert "FORGED" not in _window(redis_url, namespace, "forged")  # nothing written
+    everything = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert everything.code == 1, everything
+    assert "rebuilt the views of 1 thread" in everything.out, everything
+    assert "1 NOT REBUILT (1 whose logs fail verification" in everything.out
+    assert "FORGED" not in _window(redis_url, namespace, "forged")
+
+    # The override says what it does: the log as it is becomes the views.
+    trusted = cli("rebuild", "forged", "--trust-log", url=redis_url, namespace=namespace)
+    assert trusted.code == 0 and "rebuilt the views of forged at version 2" in trusted.out
+    assert "FORGED" in _window(redis_url, namespace, "forged")
+    helped = cli("rebuild", "--help")
+    assert "--trust-log" in helped.out and "forged entry" in helped.out
+
+
+def test_rebuild_verifies_keyed_chains_with_the_secret(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    keyed = child_env(THREADLOG_SECRET="s3cret")
+
+    async def setup(store: es.EventStore) -> None:
+        await ThreadStore(store).append_message("k", {"role": "user", "content": "hi"})
+
+    async def main() -> None:
+        async with await es.connect(redis_url, namespace=namespace, secret=b"s3cret") as store:
+            await setup(store)
+
+    anyio.run(main)
+    wrong = child_env(THREADLOG_SECRET="another")
+    refused = cli("rebuild", "k", url=redis_url, namespace=namespace, env=wrong)
+    line = assert_one_line_error(refused, code=1)
+    assert "wrong_key" in line and "another chain key than this check's" in line, line
+    unkeyed = cli("check", "k", url=redis_url, namespace=namespace)
+    assert unkeyed.code == 1 and "LOG DAMAGED - the log itself fails verification" in unkeyed.out
+    assert "wrong_key" in unkeyed.out and "THREADLOG_SECRET" in unkeyed.out
+    ok = cli("rebuild", "k", url=redis_url, namespace=namespace, env=keyed)
+    assert ok.code == 0 and "rebuilt the views of k at version 1" in ok.out, ok
+    assert cli("check", "k", url=redis_url, namespace=namespace, env=keyed).code == 0
+
+
+def test_audits_of_every_thread_see_one_removed_from_the_index(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for thread in ("listed", "unlisted"):
+            await threads.append_message(thread, {"role": "user", "content": "hello"})
+        assert isinstance(store, es.RedisEventStore)
+        index = store.keys.index(store.keys.partition("unlisted"))
+        assert await store.client.zrem(index, "unlisted") == 1
+
+    with_store(redis_url, namespace, setup)
+    listed = cli("threads", url=redis_url, namespace=namespace)
+    assert "unlisted" not in listed.out  # the listing reads the index
+    verify = cli("verify", "--all", url=redis_url, namespace=namespace)
+    assert verify.code == 1 and "verified 2 threads" in verify.out, verify
+    assert "1 FAILED" in verify.out and "unlisted" in verify.out and "unindexed" in verify.out
+    one = cli("verify", "unlisted", url=redis_url, namespace=namespace)
+    assert one.code == 1 and "not in its partition's thread index" in one.out, one
+    check = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert check.code == 1 and "checked 2 threads" in check.out, check
+    assert "1 NOT IN THE THREAD INDEX" in check.out
+    assert "check unlisted: NOT IN THE THREAD INDEX" in check.out
+    report = cli("check", "--all", "--json", url=redis_url, namespace=namespace).json()
+    assert report["ok"] is False and report["threads"]["unlisted"]["verdict"]["kind"] == "unindexed"
+    # Its log verifies, so its views are rebuilt with the others.
+    rebuilt = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert rebuilt.code == 0 and "rebuilt the views of 2 threads" in rebuilt.out, rebuilt
+
+
+def test_verify_of_a_thread_that_is_not_there_says_why(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("gone", [msg("hi")])
+        await store.delete_thread("gone")
+
+    with_store(redis_url, namespace, setup)
+    gone = cli("verify", "gone", url=redis_url, namespace=namespace)
+    assert "no thread 'gone'" in (line := assert_one_line_error(gone)), gone
+    assert "it was deleted (the change feed records its deletion at" in line
+    never = cli("verify", "never", url=redis_url, namespace=namespace)
+    assert "no thread 'never'" in (line := assert_one_line_error(never)) and "never written" in line
 
 
 # -- export, JSONL --------------------------------------------------------------------------------
@@ -962,6 +1117,11 @@ def test_a_writer_without_the_threads_chain_key_is_a_one_line_error(
     unkeyed = cli("verify", "s1", url=redis_url, namespace=namespace)
     assert unkeyed.code == 1, unkeyed
     assert "written with a chain key and this check used none" in unkeyed.out
+    # Said once, as what it is: not one "modified" row per entry.
+    assert "wrong_key" in unkeyed.out and "modified" not in unkeyed.out
+    assert "2 of 2 links fail under this check's key" in unkeyed.out
+    as_json = cli("verify", "s1", "--json", url=redis_url, namespace=namespace).json()
+    assert as_json["kind"] == "wrong_key" and len(as_json["problems"]) == 1
 
 
 # -- tail -----------------------------------------------------------------------------------------

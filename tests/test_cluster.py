@@ -80,6 +80,11 @@ class TestClusterEventStore(EventStoreConformance):
         assert isinstance(store, RedisEventStore)
         assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1
 
+    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, RedisEventStore)
+        index = store.keys.index(store.keys.partition(thread_id))
+        assert await store.client.zrem(index, thread_id) == 1
+
 
 class TestClusterProjections(ProjectionConformance):
     @pytest.fixture(autouse=True)

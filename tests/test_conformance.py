@@ -29,6 +29,10 @@ class TestMemoryEventStore(EventStoreConformance):
         assert isinstance(store, MemoryEventStore)
         store.server.namespaces[store.namespace].threads[thread_id].fingerprint = None
 
+    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, MemoryEventStore)
+        del store.server.namespaces[store.namespace].index[thread_id]
+
 
 class TestRedisEventStore(EventStoreConformance):
     @pytest.fixture(autouse=True)
@@ -53,3 +57,8 @@ class TestRedisEventStore(EventStoreConformance):
     async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
         assert isinstance(store, RedisEventStore)
         assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1
+
+    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, RedisEventStore)
+        index = store.keys.index(store.keys.partition(thread_id))
+        assert await store.client.zrem(index, thread_id) == 1

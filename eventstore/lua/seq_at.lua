@@ -5,11 +5,16 @@ KEYS[1] log stream     KEYS[2] meta hash
 ARGV[1] time in ms
 
 Times are non-decreasing along a thread, so a binary search over seq finds the answer in
-O(log n) XRANGE lookups inside one round trip. Returns 0 when no event is that old.
+O(log n) XRANGE lookups inside one round trip. Returns 0 when no event is that old, and
+{'meta', v} when the meta's version v is not a number (damaged).
 ]]
 
 local target = tonumber(ARGV[1])
-local hi = tonumber(redis.call('HGET', KEYS[2], 'v') or '0')
+local v = redis.call('HGET', KEYS[2], 'v') or '0'
+-- Digits only, as every other reader of the version accepts: anything else is a damaged meta,
+-- answered as {'meta', v} for the client to raise as such (a bare compare with nil would fail).
+if not string.match(v, '^%d+$') or #v > 20 then return {'meta', v} end
+local hi = tonumber(v)
 local lo = 0  -- invariant: time(lo) <= target (seq 0 stands for "before everything")
 local function time_at(seq)
   local entries = redis.call('XRANGE', KEYS[1], seq .. '-0', '+', 'COUNT', 1)
