@@ -61,6 +61,8 @@ PUBLIC_NAMES = [
     "Fallback",
     "FeedEntry",
     "FeedGroupNotFoundError",
+    "FeedInfo",
+    "FeedTrimmedError",
     "FilePart",
     "Grant",
     "GroupCommit",
@@ -148,6 +150,7 @@ PUBLIC_NAMES = [
     "translate_redis_error",
     "validate_consumer",
     "validate_count",
+    "validate_group",
     "validate_limit",
     "validate_namespace",
     "validate_thread_id",
@@ -231,6 +234,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         ConcurrencyError: lambda: ConcurrencyError("t:1", NO_THREAD, 3),
         IdempotencyKeyReusedError: lambda: IdempotencyKeyReusedError("t", "req-1"),
         eventstore.FeedGroupNotFoundError: lambda: eventstore.FeedGroupNotFoundError(3, "g"),
+        eventstore.FeedTrimmedError: lambda: eventstore.FeedTrimmedError(
+            3, "projection 'usage'", "5-0", "9-1"
+        ),
         eventstore.ChainKeyMismatchError: lambda: eventstore.ChainKeyMismatchError(
             "t", True, False
         ),
