@@ -26,6 +26,7 @@ from ._export import (
 # every reader decodes their threads without the frameworks installed.
 from ._framework_events import register_framework_events
 from ._jsonl import (
+    ImportProgress,
     ImportReport,
     JsonlImportError,
     JsonlLineError,
@@ -63,6 +64,7 @@ __all__ = [
     "CallbackPolicy",
     "DamageKind",
     "Diff",
+    "ImportProgress",
     "ImportReport",
     "JsonlImportError",
     "JsonlLineError",

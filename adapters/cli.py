@@ -9,6 +9,7 @@ stderr, ``threadlog: <message>``, with the exit codes of `EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import re
@@ -49,7 +50,7 @@ from projections import (
 from ._audit import Auditor, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
-from ._jsonl import export_jsonl, import_jsonl, transcript_to_export
+from ._jsonl import ImportProgress, export_jsonl, import_jsonl, transcript_to_export
 from ._sessions import SessionStore
 
 try:
@@ -376,7 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", type=Path, metavar="FILE")
     p.add_argument("session", metavar="SESSION")
-    p.add_argument("--skip-bad", action="store_true", help="skip malformed lines (and list them)")
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip malformed lines and messages too large to store (and list them)",
+    )
     p = add("export-jsonl", "write a session's transcript as a JSONL file", cmd_export_jsonl)
     p.add_argument("session", metavar="SESSION")
     p.add_argument("file", metavar="FILE", help="output file ('-': stdout)")
@@ -1480,11 +1485,36 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         raise Failed
 
 
+class _StopImport(Exception):
+    """Raised between two appends of an import that Ctrl-C asked to stop."""
+
+
 async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     es.validate_thread_id(args.session)
-    report = await import_jsonl(
-        SessionStore(ctx.store), args.file, args.session, skip_bad=args.skip_bad
+    # Ctrl-C cancels this task wherever it awaits: in the middle of an append, which may then
+    # commit or not, and "interrupted" would not say which. So the import runs as its own
+    # task, shielded: Ctrl-C lets the append in flight finish, stops the import before the
+    # next one, and the report says exactly what was written.
+    seen: list[ImportProgress] = []
+    stopping = False
+
+    def progress(now: ImportProgress) -> None:
+        seen.append(now)
+        if stopping and now.appends < now.of_appends:
+            raise _StopImport
+
+    sessions = SessionStore(ctx.store)
+    task = asyncio.ensure_future(
+        import_jsonl(sessions, args.file, args.session, skip_bad=args.skip_bad, progress=progress)
     )
+    try:
+        report = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        stopping = True
+        try:
+            report = await task  # a second Ctrl-C stops this wait (plain "interrupted")
+        except _StopImport:
+            raise SystemExit(_fail(_stopped_import(args, seen[-1]), 130)) from None
     where = f"session {report.session_id} (version {report.version})"
     if report.duplicate:
         text = f"{args.file}: already imported into {where}; nothing written"
@@ -1494,6 +1524,17 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.out.print(Text(text))
     for bad in report.skipped:
         ctx.out.print(Text(f"  skipped line {bad.line}: {bad.reason}", style="yellow"))
+
+
+def _stopped_import(args: argparse.Namespace, done: ImportProgress) -> str:
+    if not done.appends:
+        return f"interrupted; nothing of {args.file} was imported"
+    return (
+        f"interrupted: {args.file}: wrote {done.messages} of {done.of_messages} messages "
+        f"({done.appends} of {done.of_appends} appends) into session {args.session} (version "
+        f"{done.version}) before stopping; the same import-jsonl command writes the rest (it "
+        "is idempotent: what was written is not written twice)"
+    )
 
 
 async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:

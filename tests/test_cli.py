@@ -840,6 +840,70 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
     assert "only starts a new export directory" in assert_one_line_error(since)
 
 
+def test_import_stopped_by_ctrl_c_says_what_it_wrote(
+    redis_url: str, tmp_path: Path, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    namespace = fresh_namespace()
+    source = tmp_path / "big.jsonl"
+    line = '{"role":"user","content":"%s"}\n'
+    # Two atomic appends' worth (64 events of 256 KiB each per append).
+    source.write_text("".join(line % (f"{i} " + "x" * 100_000) for i in range(200)))
+
+    async def blocked_writers(store: es.EventStore) -> int:
+        assert isinstance(store, es.RedisEventStore)
+        clients = await store.client.client_list()
+        return sum("b" in c["flags"] and c["cmd"].startswith("eval") for c in clients)
+
+    async def pause(store: es.EventStore, ms: int) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.execute_command("CLIENT", "PAUSE", ms, "WRITE")
+
+    async def unpause(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.execute_command("CLIENT", "UNPAUSE")
+
+    # The server holds the first append; Ctrl-C comes while it is in flight. It lands once
+    # the server goes on, and the import stops before the second.
+    with_store(redis_url, namespace, lambda s: pause(s, 20_000))
+    try:
+        proc = popen(
+            "import-jsonl", str(source), "s1", "--url", redis_url, "--namespace", namespace
+        )
+        deadline = time.monotonic() + 15
+        while not with_store(redis_url, namespace, blocked_writers):
+            assert time.monotonic() < deadline and proc.poll() is None, "no append was held"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    finally:
+        with_store(redis_url, namespace, unpause)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "wrote 128 of 200 messages (1 of 2 appends) into session s1 (version 64)" in err, err
+    assert "idempotent" in err
+    assert with_store(redis_url, namespace, lambda s: s.version("s1")) == 64
+    rest = cli("import-jsonl", str(source), "s1", url=redis_url, namespace=namespace)
+    assert rest.code == 0 and "(version 100)" in rest.out, rest
+    exported = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
+    assert exported.out == source.read_text()  # every message once, in order
+
+
+def test_jsonl_lines_too_large_to_store_are_reported_as_such(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    path = tmp_path / "big.jsonl"
+    # Not compact JSON: its text is kept beside the parsed message, about twice the size.
+    path.write_text(
+        '{"role":"user","content":"ok"}\n{"role": "user", "content": "%s"}\n' % ("x" * 700_000)
+    )
+    run = cli("import-jsonl", str(path), "s1", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(run)
+    assert "malformed" not in line and "1 line(s) too large to store: line 2:" in line, line
+    assert "over the limit of 1,048,064 bytes" in line and "not compact JSON" in line, line
+
+
 def test_jsonl_blank_lines_empty_files_and_threads_without_a_transcript(
     redis_url: str, tmp_path: Path
 ) -> None:
