@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import os
 import re
 import shlex
@@ -49,7 +50,7 @@ from projections import (
 
 from ._audit import Auditor, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
-from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
+from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
 from ._jsonl import ImportProgress, export_jsonl, import_jsonl, transcript_to_export
 from ._sessions import SessionStore
 
@@ -89,9 +90,13 @@ exit codes:
   141  the output's reader went away (a pipe into head), nothing on stderr
 """
 URL_ENV = "THREADLOG_URL"
+# Export writes files, consumer groups and the data set's id, but no event: a namespace it is
+# pointed at must exist already (a misspelt --namespace must not create one).
 READ_ONLY_COMMANDS = frozenset(
-    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl"}
+    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl", "export"}
 )
+# tail is left out: following a namespace before its first event is what it is for.
+_NAMESPACE_MUST_EXIST = READ_ONLY_COMMANDS - {"tail"}
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
@@ -1351,6 +1356,19 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
         pause_gc=True,  # this process does nothing else meanwhile
         compression=args.compression,
     )
+    if not await ctx.store.namespace_exists():
+        # Only the default namespace gets here (a named one was refused): nothing was ever
+        # written to it, and an export would create its groups and id for nothing.
+        if args.json:
+            ctx.json(ExportResult(files=[], events=0, tombstones=0, positions={}))
+        else:
+            ctx.out.print(
+                Text(
+                    f"Nothing to export: namespace {ctx.store.namespace!r} holds no events "
+                    f"yet; {args.out} was not written."
+                )
+            )
+        return
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)
     if args.json:
@@ -1581,6 +1599,11 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
         where.url, namespace=namespace, create_namespace=args.command not in READ_ONLY_COMMANDS
     )
     async with store:
+        if args.command in _NAMESPACE_MUST_EXIST and store.namespace != "default":
+            # Named on purpose (--namespace, or the URL's ?namespace=): one never written is a
+            # misspelling far more often than an empty tenant, and reading it as empty would
+            # answer "no threads", "all OK" or "nothing to export" for the wrong one.
+            await _require_namespace(store, where)
         ctx = Ctx(
             out=out,
             err=err,
@@ -1590,6 +1613,36 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
             progress_ok=err.is_terminal and not getattr(args, "json", False),
         )
         await args.func(ctx, args)
+
+
+async def _require_namespace(store: es.EventStore, where: Where) -> None:
+    """A usage error, naming the namespaces there are (when cheap), for a namespace never
+    written; nothing is created either way."""
+    if await store.namespace_exists():
+        return
+    known = await store.known_namespaces()
+    if known is None:
+        hint = ""
+    elif len(known) > 10:
+        # Many tenants: the ones spelt most like the name asked for are the useful ones.
+        close = difflib.get_close_matches(store.namespace, known, n=3, cutoff=0.6)
+        hint = f" ({len(known)} namespaces there" + (
+            f"; the closest: {', '.join(close)})" if close else ")"
+        )
+    elif known:
+        hint = f" (namespaces there: {', '.join(known)})"
+    else:
+        hint = " (it holds no namespace yet)"
+    if where.url.startswith("memory:"):
+        place, hint = "the in-memory backend (a new, empty one in every process)", ""
+    elif where.embedded is not None:
+        place = f"the embedded redis-server in {where.embedded}/"
+    else:
+        place = f"redis at {es.redact(where.url)}"
+    raise UsageError(
+        f"no namespace {store.namespace!r} in {place}{hint}; check --namespace "
+        "(nothing was created)"
+    )
 
 
 def _one_line(text: str) -> str:

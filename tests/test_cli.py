@@ -391,8 +391,12 @@ def test_threads_lists_newest_activity_first(redis_url: str) -> None:
     assert human.code == 0, human
     assert human.out.index("middle") < human.out.index("newer")
     assert "older" not in human.out and "raise --limit" in human.out
-    empty = cli("threads", url=redis_url, namespace=fresh_namespace())
-    assert empty.code == 0 and "No threads in namespace" in empty.out
+    unknown = cli("threads", url=redis_url, namespace=fresh_namespace())
+    assert "no namespace" in assert_one_line_error(unknown)
+    empty = fresh_namespace()
+    with_store(redis_url, empty, lambda store: store.namespace_exists())  # opened by a writer
+    listed_empty = cli("threads", url=redis_url, namespace=empty)
+    assert listed_empty.code == 0 and "No threads in namespace" in listed_empty.out
 
 
 def replay_rows(demo: Demo) -> list[dict[str, Any]]:
@@ -623,6 +627,7 @@ def test_threads_of_the_framework_adapters_verify_and_replay(redis_url: str) -> 
     from adapters.openai_agents import ThreadlogSession
 
     namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda store: store.namespace_exists())  # opened by a writer
     empty = cli("verify", "--all", url=redis_url, namespace=namespace)
     assert empty.code == 0 and "nothing was verified (is the namespace right?)" in empty.out
 
@@ -838,6 +843,39 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
         url=redis_url, namespace=first,
     )  # fmt: skip
     assert "only starts a new export directory" in assert_one_line_error(since)
+
+
+def test_an_unknown_namespace_is_refused_and_nothing_is_created(
+    redis_url: str, tmp_path: Path
+) -> None:
+    known = fresh_namespace()
+    with_store(redis_url, known, lambda s: s.append("t", [msg("q")]))
+    misspelt = known + "x"
+    out = tmp_path / "out"
+    for argv in (
+        ("export", "--out", str(out)),
+        ("export", "--out", str(out), "--format", "ndjson", "--json"),
+        ("threads",),
+        ("show", "t"),
+        ("replay", "t"),
+        ("verify", "--all"),
+        ("check", "t"),
+        ("export-jsonl", "t", "-"),
+    ):
+        run = cli(*argv, url=redis_url, namespace=misspelt)
+        line = assert_one_line_error(run)
+        assert f"no namespace {misspelt!r}" in line and known in line, line  # known ones named
+        assert run.out == "", run
+    # The namespace in the URL is named on purpose as well.
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}namespace={misspelt}"
+    assert f"no namespace {misspelt!r}" in assert_one_line_error(cli("threads", url=url))
+    assert not out.exists()
+
+    async def keys(store: es.EventStore) -> list[bytes]:
+        assert isinstance(store, es.RedisEventStore)
+        return [k async for k in store.client.scan_iter(match=f"tl:{{{misspelt}:*")]
+
+    assert with_store(redis_url, known, keys) == []
 
 
 def test_import_stopped_by_ctrl_c_says_what_it_wrote(
