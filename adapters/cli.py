@@ -186,6 +186,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _out_dir(text: str) -> Path:
+    # Path("") is ".": an empty --out (an unset shell variable) would export into the
+    # working directory.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the output directory is empty")
+    return Path(text)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -339,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[json_parent],
     )
     p.add_argument("--format", dest="fmt", choices=("parquet", "ndjson"), default="parquet")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument("--out", type=_out_dir, required=True, metavar="DIR", help="output directory")
     p.add_argument(
         "--since",
         type=parse_time,
@@ -349,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--name",
-        default="export",
-        help="export name: its feed consumer group, one per directory (default 'export')",
+        help="export name: its feed consumer group, one per directory (default: the one the "
+        "directory recorded; a new directory gets its own, from its path)",
     )
     p.add_argument(
         "--workers",
@@ -364,9 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compression",
         choices=COMPRESSIONS,
-        default=DEFAULT_COMPRESSION,
         help=f"Parquet compression codec (default {DEFAULT_COMPRESSION}; snappy writes faster, "
-        "zstd smaller files)",
+        "zstd smaller files); not with --format ndjson, whose parts are plain",
     )
     add("rebuild", "recompute materialized views from the log", cmd_rebuild, parents=[target])
     add(
@@ -1345,6 +1352,11 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
                 "parquet export needs pyarrow: pip install 'threadlog[export]' "
                 "(or use --format ndjson)"
             ) from None
+    if args.compression is not None and args.fmt != "parquet":
+        raise UsageError(
+            f"--compression applies to --format parquet only; {args.fmt} parts are written "
+            "uncompressed (see 'threadlog export --help')"
+        )
     exporter = Exporter(
         ctx.store,
         args.out,

@@ -176,6 +176,12 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["export", "--out", "x", "--workers", "0"], "not 'auto' or a whole number >= 1"),
     (["export", "--out", "x", "--workers", "2"], "in-memory store cannot be shared"),
     (["tail", "--limit", "-1"], "must be >= 0"),
+    (["export", "--out", ""], "the output directory is empty"),
+    (["export", "--out", " ", "--format", "ndjson"], "the output directory is empty"),
+    (
+        ["export", "--out", "x", "--format", "ndjson", "--compression", "zstd"],
+        "--compression applies to --format parquet only",
+    ),
     (["show", "no-such-thread"], "no thread 'no-such-thread'"),
     (["show", "bad{id}"], "forbidden character"),
     (["verify", "no-such-thread"], "no thread"),
@@ -843,6 +849,63 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
         url=redis_url, namespace=first,
     )  # fmt: skip
     assert "only starts a new export directory" in assert_one_line_error(since)
+
+
+def test_export_directories_under_the_default_name_continue_independently(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+
+    def record(thread: str) -> None:
+        with_store(redis_url, namespace, lambda s: s.append(thread, [msg("q"), msg("a")]))
+
+    def export(out: str) -> Run:
+        return cli(
+            "export", "--out", out, "--format", "ndjson", url=redis_url, namespace=namespace,
+            cwd=tmp_path,
+        )  # fmt: skip
+
+    record("t")
+    assert "Exported 2 events" in export("d1").out
+    assert "Exported 2 events" in export("d2").out
+    record("u")
+    for out in ("d1", "d2"):  # the first directory is not stuck behind the second's group
+        run = export(out)
+        assert run.code == 0 and "Exported 2 events" in run.out, run
+        assert "Nothing new" in export(out).out
+    # Directories that do share a name (given, or from before each had its own): the one
+    # left behind is refused, and the remedy the message gives works as written.
+    for out in ("s1", "s2"):
+        shared = cli(
+            "export", "--out", out, "--format", "ndjson", "--name", "shared",
+            url=redis_url, namespace=namespace, cwd=tmp_path,
+        )  # fmt: skip
+        assert shared.code == 0, shared
+    record("v")
+    assert cli(
+        "export", "--out", "s2", "--format", "ndjson", "--name", "shared",
+        url=redis_url, namespace=namespace, cwd=tmp_path,
+    ).code == 0  # fmt: skip
+    stuck = export("s1")  # its recorded name, "shared"
+    line = assert_one_line_error(stuck)
+    assert "export into a new directory, without --name" in line, line
+    assert "Exported 6 events" in export("s3").out
+
+
+def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
+    redis_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    for url in ("memory://", "memory://"):  # a new, empty data set in every process
+        empty = cli("export", "--out", str(out), "--format", "ndjson", url=url)
+        assert empty.code == 0 and "Nothing to export" in empty.out, empty
+    assert not out.exists() or not (out / "source.json").exists()
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
+    real = cli(
+        "export", "--out", str(out), "--format", "ndjson", url=redis_url, namespace=namespace
+    )
+    assert real.code == 0 and "Exported 1 event" in real.out, real
 
 
 def test_an_unknown_namespace_is_refused_and_nothing_is_created(
