@@ -35,6 +35,7 @@ from ._export import (
 # every reader decodes their threads without the frameworks installed.
 from ._framework_events import register_framework_events
 from ._jsonl import (
+    ImportProgress,
     ImportReport,
     JsonlImportError,
     JsonlLineError,
@@ -72,6 +73,7 @@ __all__ = [
     "CallbackPolicy",
     "DamageKind",
     "Diff",
+    "ImportProgress",
     "ImportReport",
     "JsonlImportError",
     "JsonlLineError",

@@ -48,6 +48,7 @@ import contextlib
 import fcntl
 import functools
 import gc
+import hashlib
 import json
 import os
 import pickle
@@ -146,6 +147,8 @@ _RUN_LOCK = ".export.lock"
 """Held (exclusively) by the process running an export into the directory."""
 _WORKERS_LOCK = ".workers.lock"
 """Held (shared) by every worker process of a run; a new run waits until none holds it."""
+LEGACY_NAME = "export"
+"""The export name directories got before each had its own (`directory_export_name`)."""
 SOURCE_FILE = "source.json"
 """The directory's source: namespace, data set id (`EventStore.namespace_id`), export name."""
 FENCE_TIMEOUT = 30.0
@@ -221,7 +224,7 @@ class _Rows:
         self.thread: list[str] = []
         self.seq: list[int] = []
         # Raw 16-byte event ids, printed as ULIDs by the writer (for Parquet, column-wise and
-        # mostly without the GIL); feed entry ids of tombstones are text already.
+        # mostly without the GIL); once a chunk holds a deletion (no id: null), ULID text.
         self.id: list[Any] = []
         self.text_ids = False
         self.type: list[Any] = []
@@ -326,7 +329,9 @@ class _Rows:
         self.tombstones += 1
         self.thread.append(entry.thread_id)
         self.seq.append(entry.last_seq)
-        self.id.append(entry.id)
+        # A deletion is recorded on the change feed, not as an event of the log: it has no
+        # event id, and its feed entry id (a stream position, not a ULID) would read as one.
+        self.id.append(None)
         self.type.append("thread.deleted")
         self.time_ms.append(entry.time_ms)
         for column in (
@@ -334,8 +339,9 @@ class _Rows:
             self.output_tokens,
         ):  # fmt: skip
             column.append(None)
-        payload = json.dumps({"type": "thread.deleted", "version": entry.last_seq})
-        self.payload += payload.encode("utf-8")
+        # The same encoder as every event's payload: compact JSON, "type" first.
+        payload = {"type": "thread.deleted", "version": entry.last_seq}
+        _json.encode_into(payload, self.payload, -1)
         self.payload_ends.append(len(self.payload))
 
 
@@ -610,7 +616,8 @@ class _NdjsonRow(msgspec.Struct, frozen=True):
     namespace: str
     thread: str
     seq: int
-    id: str
+    id: str | None
+    """The event's ULID; null on a ``thread.deleted`` row (a deletion is no event)."""
     type: Any
     time_ms: int
     turn: Any
@@ -748,6 +755,29 @@ def _write_source(directory: Path, source: _Source) -> None:
     _fsync_dir(directory)
 
 
+def _remove_source(directory: Path) -> None:
+    path = directory / SOURCE_FILE
+    if path.exists():
+        path.unlink()
+        _fsync_dir(directory)
+
+
+def directory_export_name(directory: str | os.PathLike[str]) -> str:
+    """The export name a new directory gets when none is given: its base name (cut to what a
+    name may hold) and a digest of its absolute path.
+
+    So two directories never share a feed consumer group by default (two sharing one refuse
+    each other: trimming follows the group), and a directory removed and exported into again
+    at the same path takes over its predecessor's group instead of leaving it to hold back
+    feed trimming. The name is recorded in the directory's `SOURCE_FILE`, so a directory that
+    is moved keeps its own.
+    """
+    path = os.path.abspath(directory)
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(path))[:32] or "root"
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:12]
+    return f"{base}-{digest}"
+
+
 def _check_source(directory: Path, recorded: _Source, asked: _Source) -> None:
     """Raise `ExportSourceError` unless ``asked`` is the source the directory holds."""
     if recorded.namespace != asked.namespace:
@@ -861,6 +891,11 @@ class Exporter:
     counting still frees everything as before). Worker processes always run this way; an
     application that embeds the exporter keeps its collector unless it asks.
 
+    ``name`` (the feed consumer group ``export-<name>``) defaults to the directory's own: the
+    one its `SOURCE_FILE` records, else `directory_export_name` for a new directory (`LEGACY_NAME`
+    for one from before source records), so two directories never share a group unasked.
+    ``compression`` is Parquet's codec (default `DEFAULT_COMPRESSION`); NDJSON parts are plain.
+
     A directory holds one source's export (`SOURCE_FILE`: namespace, data set id, ``name``);
     ``workers=N`` is a maximum: a run starts no more processes than there are partitions
     with changes waiting.
@@ -879,23 +914,35 @@ class Exporter:
         directory: str | os.PathLike[str],
         *,
         fmt: Format = "parquet",
-        name: str = "export",
+        name: str | None = None,
         batch: int = 2048,
         rows_per_part: int = 1_000_000,
         workers: int | Literal["auto"] = 1,
         settings: StoreSettings | None = None,
         worker_timeout: float = 300.0,
         pause_gc: bool = False,
-        compression: Compression = DEFAULT_COMPRESSION,
+        compression: Compression | None = None,
     ) -> None:
         if fmt not in ("ndjson", "parquet"):
             raise InvalidInputError(f"unknown export format {fmt!r} (ndjson or parquet)")
-        if compression not in COMPRESSIONS:
+        if compression is not None and fmt != "parquet":
+            # NDJSON parts are written plain (a reader globs part-*.ndjson); a codec asked
+            # for them would silently do nothing.
+            raise InvalidInputError(
+                f"compression {compression!r} applies to Parquet parts only; NDJSON parts are "
+                "written uncompressed (drop the compression, or export --format parquet)"
+            )
+        if compression is not None and compression not in COMPRESSIONS:
             raise InvalidInputError(
                 f"unknown Parquet compression {compression!r} ({', '.join(COMPRESSIONS)})"
             )
-        self.compression: Compression = compression
-        validate_view_name(name)
+        if not os.fspath(directory).strip():
+            # Path("") is the working directory: an empty --out would export into it.
+            raise InvalidInputError("the export directory is empty; give a directory name")
+        self.compression: Compression = compression or DEFAULT_COMPRESSION
+        if name is not None:
+            validate_view_name(name)
+            validate_view_name(f"export-{name}")  # the group's name must fit too
         self.adaptive = workers == "auto"
         if workers == "auto":
             shareable = isinstance(store, RedisEventStore) and settings is not None
@@ -930,8 +977,10 @@ class Exporter:
         self.store = store
         self.directory = Path(directory)
         self.fmt: Format = fmt
-        self.name = name
-        self.group = f"export-{name}"
+        self.given_name = name
+        self.name = name or LEGACY_NAME
+        """The export name; with none given, settled by `run` (the directory's own)."""
+        self.group = f"export-{self.name}"
         self.batch = batch
         self.rows_per_part = rows_per_part
         self.workers = count
@@ -1033,20 +1082,36 @@ class Exporter:
             result = msgspec.structs.replace(result, busy_partitions=busy)
             if since_ms is not None and result.files and not result.events + result.tombstones:
                 result = await self._discard_empty_run(result)
+            if not positions and not result.files:
+                # A new directory that received nothing stays as it was: no source recorded.
+                await anyio.to_thread.run_sync(_remove_source, self.directory)
             return result
 
     async def _claim_directory(self, positions: dict[int, str]) -> None:
         """Check that the directory holds this run's source, recording it in a new (or older)
-        directory; raises `ExportSourceError` otherwise."""
+        directory, and settle the export name; raises `ExportSourceError` otherwise."""
+        recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
+        # A source binds a directory once it has positions: before that there is nothing a
+        # wrong source could skip or duplicate, and a record left by a run that exported
+        # nothing (on memory://, a new data set every process) must not refuse a real one.
+        bound = recorded if positions else None
+        if self.given_name is not None:
+            name = self.given_name
+        elif bound is not None:
+            name = bound.name
+        elif positions:
+            name = LEGACY_NAME  # a directory from before sources: the default of its time
+        else:
+            name = await anyio.to_thread.run_sync(directory_export_name, self.directory)
+        self.name, self.group = name, f"export-{name}"
         asked = _Source(
             namespace=self.store.namespace,
             store=await self.store.namespace_id(),
-            name=self.name,
+            name=name,
             url=redact(self.settings.url) if self.settings is not None else None,
         )
-        recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
-        if recorded is not None:
-            _check_source(self.directory, recorded, asked)
+        if bound is not None:
+            _check_source(self.directory, bound, asked)
         elif positions:
             # A directory from before sources were recorded: its rows name their namespace,
             # and the checks below on the feeds and the group stand in for the data set's id.
@@ -1059,7 +1124,7 @@ class Exporter:
                 )
         if positions:
             await self._check_positions(positions)
-        if recorded is None or (asked.url is not None and recorded.url != asked.url):
+        if bound is None or (asked.url is not None and bound.url != asked.url):
             await anyio.to_thread.run_sync(_write_source, self.directory, asked)
 
     async def _check_positions(self, positions: dict[int, str]) -> None:
@@ -1094,8 +1159,11 @@ class Exporter:
                         f"the feed consumer group {self.group!r} of namespace "
                         f"{store.namespace!r} is ahead of {self.directory} (partition {p}: "
                         f"{group.last_delivered}, the directory {positions.get(p, '0-0')}): "
-                        f"another export directory uses the export name {self.name!r}; give "
-                        f"each directory its own name (--name)"
+                        f"another export directory uses the export name {self.name!r}, and "
+                        f"this one cannot continue under it (feed trimming follows the group, "
+                        f"so it may have removed changes this directory has not exported); "
+                        f"export into a new directory, without --name (each new directory then "
+                        f"gets a name of its own)"
                     )
 
     async def _busy_partitions(self, positions: dict[int, str]) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -46,10 +47,13 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class JsonlLineError(msgspec.Struct, frozen=True):
-    """One line that is not a message: its 1-based number and why."""
+    """One line that is not a message, or a message too large to store: its 1-based number
+    and why."""
 
     line: int
     reason: str
+    too_large: bool = False
+    """A well-formed message over the store's size limit (not a malformed line)."""
 
 
 class JsonlImportError(InvalidInputError):
@@ -60,20 +64,45 @@ class JsonlImportError(InvalidInputError):
         self.path = path
         self.errors = errors
         self.empty = empty
-        shown = "; ".join(f"line {e.line}: {e.reason}" for e in errors[:5])
-        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        # Too large is not malformed: the line is a good message the store cannot hold, and
+        # calling it malformed sent people looking for a syntax error that is not there.
+        groups = [
+            (f"{len(found)} {what}", found)
+            for what, found in (
+                ("malformed line(s)", [e for e in errors if not e.too_large]),
+                ("line(s) too large to store", [e for e in errors if e.too_large]),
+            )
+            if found
+        ]
+        said = "; ".join(f"{title}: {_shown(found)}" for title, found in groups)
         if not empty:
-            text = f"{len(errors)} malformed line(s): {shown}{more}"
+            text = f"{said}; nothing written"
         elif errors:
-            text = f"no message to import: every line is malformed ({shown}{more})"
+            text = f"no message to import: every line is malformed or too large ({said})"
         else:
             text = "no message to import (the file is empty or blank); nothing written"
         super().__init__(f"{path}: {text}")
 
 
+def _shown(errors: list[JsonlLineError]) -> str:
+    shown = "; ".join(f"line {e.line}: {e.reason}" for e in errors[:5])
+    return shown + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else "")
+
+
 class NoTranscriptError(InvalidInputError):
     """Raised when a session to export has no transcript: nothing was ever written to it, or
     its thread holds other events (a conversation's messages) but no transcript event."""
+
+
+class ImportProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far an import has written: ``appends`` of ``of_appends`` atomic appends, holding
+    ``messages`` of the ``of_messages`` messages to import; the session is at ``version``."""
+
+    appends: int
+    of_appends: int
+    messages: int
+    of_messages: int
+    version: int
 
 
 class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,14 +150,24 @@ def parse_jsonl(
             errors.append(JsonlLineError(number, f"message cannot be stored: {exc}"))
             continue
         if stored > max_message_bytes:
-            errors.append(
-                JsonlLineError(
-                    number, f"message stores as {stored} bytes, limit {max_message_bytes}"
-                )
-            )
+            errors.append(_too_large(number, message, stored, max_message_bytes))
             continue
         messages.append(message)
     return messages, errors
+
+
+def _too_large(number: int, message: Message, stored: int, limit: int) -> JsonlLineError:
+    reason = f"the message stores as {stored:,} bytes, over the limit of {limit:,} bytes"
+    if message.source is not None:
+        # A line that does not re-encode byte for byte (spaces, key order, escapes) keeps its
+        # original text beside the parsed message, for a byte-faithful export: about twice
+        # the size. Saying what compact JSON would store tells whether that is the cause.
+        compact = len(_encoder.encode(msgspec.structs.replace(message, source=None)))
+        reason += (
+            f" (it is not compact JSON, so its text is stored as written beside the parsed "
+            f"message; written compactly it would store as about {compact:,} bytes)"
+        )
+    return JsonlLineError(number, reason, too_large=True)
 
 
 def _batches(messages: list[Message]) -> list[list[Message]]:
@@ -154,11 +193,17 @@ async def import_jsonl(
     *,
     skip_bad: bool = False,
     principal: Principal | None = None,
+    progress: Callable[[ImportProgress], None] | None = None,
 ) -> ImportReport:
     """Append the messages of a JSONL file to a session's transcript.
 
-    Raises `JsonlImportError` (nothing written) when lines are malformed and ``skip_bad`` is
-    off. Idempotent: the appends are keyed by a hash of the messages imported.
+    Raises `JsonlImportError` (nothing written) when lines are malformed or too large to store
+    and ``skip_bad`` is off. Idempotent: the appends are keyed by a hash of the messages
+    imported, so an import stopped half way and run again writes only the rest.
+
+    A large file is written in several appends (each atomic). ``progress`` is called
+    before each one and once after the last, with what is written so far; an exception it
+    raises stops the import there and propagates (what was written stays written).
     """
     try:
         data = await anyio.Path(path).read_bytes()
@@ -179,14 +224,37 @@ async def import_jsonl(
     events = _batches(messages)
     duplicate = True
     version = 0
+    appends = -(-len(events) // EVENTS_PER_APPEND)
+    written = 0
     for start in range(0, len(events), EVENTS_PER_APPEND):
         chunk = events[start : start + EVENTS_PER_APPEND]
+        if progress is not None:
+            progress(
+                ImportProgress(
+                    appends=start // EVENTS_PER_APPEND,
+                    of_appends=appends,
+                    messages=written,
+                    of_messages=len(messages),
+                    version=version,
+                )
+            )
         key = f"jsonl:{digest}:{start // EVENTS_PER_APPEND}"
         result = await sessions.append_batches(
             session_id, chunk, idempotency_key=key, principal=principal
         )
         duplicate = duplicate and result.duplicate
         version = result.last_seq
+        written += sum(map(len, chunk))
+    if progress is not None:
+        progress(
+            ImportProgress(
+                appends=appends,
+                of_appends=appends,
+                messages=written,
+                of_messages=len(messages),
+                version=version,
+            )
+        )
     lines = len(messages) + len(errors)
     return ImportReport(
         session_id=session_id,

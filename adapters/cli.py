@@ -9,7 +9,9 @@ stderr, ``threadlog: <message>``, with the exit codes of `EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import difflib
 import os
 import re
 import shlex
@@ -49,8 +51,8 @@ from projections import (
 
 from ._audit import Auditor, UnverifiedLogError, Verdict, _span, log_verified
 from ._demo import PLANNER_VIEW, demo_state, record_demo
-from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter
-from ._jsonl import export_jsonl, import_jsonl, transcript_to_export
+from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
+from ._jsonl import ImportProgress, export_jsonl, import_jsonl, transcript_to_export
 from ._sessions import SessionStore
 
 try:
@@ -89,11 +91,15 @@ exit codes:
   141  the output's reader went away (a pipe into head), nothing on stderr
 """
 URL_ENV = "THREADLOG_URL"
+# Export writes files, consumer groups and the data set's id, but no event: a namespace it is
+# pointed at must exist already (a misspelt --namespace must not create one).
 READ_ONLY_COMMANDS = frozenset(
-    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl", "feed"}
+    {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl", "export", "feed"}
 )
 FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
 """Commands that change only the feed: like reads, they never create a namespace."""
+# tail is left out: following a namespace before its first event is what it is for.
+_NAMESPACE_MUST_EXIST = (READ_ONLY_COMMANDS | FEED_COMMANDS) - {"tail"}
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
@@ -201,6 +207,14 @@ def _seq(text: str) -> int:
         if int(text) < 1:
             raise argparse.ArgumentTypeError(f"{text!r} is not a seq (seqs start at 1)")
     return _positive(text)
+
+
+def _out_dir(text: str) -> Path:
+    # Path("") is ".": an empty --out (an unset shell variable) would export into the
+    # working directory.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the output directory is empty")
+    return Path(text)
 
 
 def _seconds(text: str) -> float:
@@ -399,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[json_parent],
     )
     p.add_argument("--format", dest="fmt", choices=("parquet", "ndjson"), default="parquet")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument("--out", type=_out_dir, required=True, metavar="DIR", help="output directory")
     p.add_argument(
         "--since",
         type=parse_time,
@@ -409,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--name",
-        default="export",
-        help="export name: its feed consumer group, one per directory (default 'export')",
+        help="export name: its feed consumer group, one per directory (default: the one the "
+        "directory recorded; a new directory gets its own, from its path)",
     )
     p.add_argument(
         "--workers",
@@ -424,9 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compression",
         choices=COMPRESSIONS,
-        default=DEFAULT_COMPRESSION,
         help=f"Parquet compression codec (default {DEFAULT_COMPRESSION}; snappy writes faster, "
-        "zstd smaller files)",
+        "zstd smaller files); not with --format ndjson, whose parts are plain",
     )
     p = add(
         "rebuild",
@@ -461,7 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", type=Path, metavar="FILE")
     p.add_argument("session", metavar="SESSION")
-    p.add_argument("--skip-bad", action="store_true", help="skip malformed lines (and list them)")
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip malformed lines and messages too large to store (and list them)",
+    )
     p = add("export-jsonl", "write a session's transcript as a JSONL file", cmd_export_jsonl)
     p.add_argument("session", metavar="SESSION")
     p.add_argument("file", metavar="FILE", help="output file ('-': stdout)")
@@ -1599,6 +1616,11 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
                 "parquet export needs pyarrow: pip install 'threadlog[export]' "
                 "(or use --format ndjson)"
             ) from None
+    if args.compression is not None and args.fmt != "parquet":
+        raise UsageError(
+            f"--compression applies to --format parquet only; {args.fmt} parts are written "
+            "uncompressed (see 'threadlog export --help')"
+        )
     exporter = Exporter(
         ctx.store,
         args.out,
@@ -1610,6 +1632,19 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
         pause_gc=True,  # this process does nothing else meanwhile
         compression=args.compression,
     )
+    if not await ctx.store.namespace_exists():
+        # Only the default namespace gets here (a named one was refused): nothing was ever
+        # written to it, and an export would create its groups and id for nothing.
+        if args.json:
+            ctx.json(ExportResult(files=[], events=0, tombstones=0, positions={}))
+        else:
+            ctx.out.print(
+                Text(
+                    f"Nothing to export: namespace {ctx.store.namespace!r} holds no events "
+                    f"yet; {args.out} was not written."
+                )
+            )
+        return
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)
     if args.json:
@@ -1811,11 +1846,36 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         raise Failed
 
 
+class _StopImport(Exception):
+    """Raised between two appends of an import that Ctrl-C asked to stop."""
+
+
 async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     es.validate_thread_id(args.session)
-    report = await import_jsonl(
-        SessionStore(ctx.store), args.file, args.session, skip_bad=args.skip_bad
+    # Ctrl-C cancels this task wherever it awaits: in the middle of an append, which may then
+    # commit or not, and "interrupted" would not say which. So the import runs as its own
+    # task, shielded: Ctrl-C lets the append in flight finish, stops the import before the
+    # next one, and the report says exactly what was written.
+    seen: list[ImportProgress] = []
+    stopping = False
+
+    def progress(now: ImportProgress) -> None:
+        seen.append(now)
+        if stopping and now.appends < now.of_appends:
+            raise _StopImport
+
+    sessions = SessionStore(ctx.store)
+    task = asyncio.ensure_future(
+        import_jsonl(sessions, args.file, args.session, skip_bad=args.skip_bad, progress=progress)
     )
+    try:
+        report = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        stopping = True
+        try:
+            report = await task  # a second Ctrl-C stops this wait (plain "interrupted")
+        except _StopImport:
+            raise SystemExit(_fail(_stopped_import(args, seen[-1]), 130)) from None
     where = f"session {report.session_id} (version {report.version})"
     if report.duplicate:
         text = f"{args.file}: already imported into {where}; nothing written"
@@ -1825,6 +1885,17 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.out.print(Text(text))
     for bad in report.skipped:
         ctx.out.print(Text(f"  skipped line {bad.line}: {bad.reason}", style="yellow"))
+
+
+def _stopped_import(args: argparse.Namespace, done: ImportProgress) -> str:
+    if not done.appends:
+        return f"interrupted; nothing of {args.file} was imported"
+    return (
+        f"interrupted: {args.file}: wrote {done.messages} of {done.of_messages} messages "
+        f"({done.appends} of {done.of_appends} appends) into session {args.session} (version "
+        f"{done.version}) before stopping; the same import-jsonl command writes the rest (it "
+        "is idempotent: what was written is not written twice)"
+    )
 
 
 async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
@@ -1879,6 +1950,11 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
         create_namespace=args.command not in READ_ONLY_COMMANDS | FEED_COMMANDS,
     )
     async with store:
+        if args.command in _NAMESPACE_MUST_EXIST and store.namespace != "default":
+            # Named on purpose (--namespace, or the URL's ?namespace=): one never written is a
+            # misspelling far more often than an empty tenant, and reading it as empty would
+            # answer "no threads", "all OK" or "nothing to export" for the wrong one.
+            await _require_namespace(store, where)
         ctx = Ctx(
             out=out,
             err=err,
@@ -1895,6 +1971,36 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
             "threadlog: memory:// keeps nothing: what this command wrote is gone now that it "
             "has exited\n"
         )
+
+
+async def _require_namespace(store: es.EventStore, where: Where) -> None:
+    """A usage error, naming the namespaces there are (when cheap), for a namespace never
+    written; nothing is created either way."""
+    if await store.namespace_exists():
+        return
+    known = await store.known_namespaces()
+    if known is None:
+        hint = ""
+    elif len(known) > 10:
+        # Many tenants: the ones spelt most like the name asked for are the useful ones.
+        close = difflib.get_close_matches(store.namespace, known, n=3, cutoff=0.6)
+        hint = f" ({len(known)} namespaces there" + (
+            f"; the closest: {', '.join(close)})" if close else ")"
+        )
+    elif known:
+        hint = f" (namespaces there: {', '.join(known)})"
+    else:
+        hint = " (it holds no namespace yet)"
+    if where.url.startswith("memory:"):
+        place, hint = "the in-memory backend (a new, empty one in every process)", ""
+    elif where.embedded is not None:
+        place = f"the embedded redis-server in {where.embedded}/"
+    else:
+        place = f"redis at {es.redact(where.url)}"
+    raise UsageError(
+        f"no namespace {store.namespace!r} in {place}{hint}; check --namespace "
+        "(nothing was created)"
+    )
 
 
 def _one_line(text: str) -> str:

@@ -77,11 +77,11 @@ SIDES = (
     "raw XRANGE + decode", "parquet", "parquet, zstd", "parquet, 1 process", "ndjson", "verify"
 )  # fmt: skip
 # side -> (format, workers (None: WORKERS), Parquet compression)
-EXPORT_SIDES: dict[str, tuple[str, int | None, str]] = {
+EXPORT_SIDES: dict[str, tuple[str, int | None, str | None]] = {
     "parquet": ("parquet", None, DEFAULT_COMPRESSION),
     "parquet, zstd": ("parquet", None, "zstd"),  # smaller files, more CPU
     "parquet, 1 process": ("parquet", 1, DEFAULT_COMPRESSION),
-    "ndjson": ("ndjson", None, DEFAULT_COMPRESSION),
+    "ndjson": ("ndjson", None, None),  # NDJSON parts are plain: a codec is refused
 }
 WORKERS: int | str = "auto"
 """Processes of the export sides run as the CLI runs them (``--workers``; ``auto`` as the CLI)."""

@@ -522,6 +522,20 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def namespace_exists(self) -> bool:
+        """Whether this namespace was ever written: a store that may write has recorded its
+        settings (Redis: the config hash), or it holds events or feed entries (memory).
+
+        Reads nothing but that and writes nothing, so a reader (the ``threadlog`` command's
+        read-only commands) can refuse a misspelt namespace without creating it.
+        """
+
+    async def known_namespaces(self) -> list[str] | None:
+        """The namespaces this store's server holds, sorted, when that is cheap to find out;
+        None when it is not (the default). For messages only (a misspelt namespace's hint)."""
+        return None
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release connections; further calls raise `StoreClosedError`."""
 

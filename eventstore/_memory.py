@@ -172,6 +172,11 @@ class _Namespace:
     id: str = field(default_factory=new_ulid)  # `namespace_id`
 
 
+def _holds_data(ns: _Namespace) -> bool:
+    # Every store opens its namespace here (readers too), so what was written is the sign.
+    return bool(ns.threads) or any(feed.last_id != (0, 0) for feed in ns.feeds.values())
+
+
 class MemoryServer:
     """The shared state behind `MemoryEventStore`s: stores on one server see each other's writes."""
 
@@ -783,6 +788,14 @@ class MemoryEventStore(EventStore):
     async def namespace_id(self) -> str:
         self._check_open()
         return self._ns.id
+
+    async def namespace_exists(self) -> bool:
+        self._check_open()
+        return _holds_data(self._ns)
+
+    async def known_namespaces(self) -> list[str] | None:
+        self._check_open()
+        return sorted(name for name, ns in self.server.namespaces.items() if _holds_data(ns))
 
     async def close(self) -> None:
         self._closed = True

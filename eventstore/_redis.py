@@ -77,11 +77,12 @@ from ._ids import (
     validate_count,
     validate_int,
     validate_limit,
+    validate_namespace,
     validate_seq_range,
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
+from ._keys import DEFAULT_PARTITIONS, PREFIX, STAGING_TTL_S, KeyLayout, key_pattern
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -179,6 +180,7 @@ async def _cancel(pending: asyncio.Task[Any] | None) -> None:
 
 
 _MAX_ID_MS = 2**64 - 1  # the largest first part of a stream id
+_KNOWN_NAMESPACES_SCANS = 10  # SCAN calls (COUNT 1000) `known_namespaces` makes at most
 
 
 def _upper(stop: int | None) -> bytes:
@@ -1460,6 +1462,32 @@ class RedisEventStore(EventStore):
             recorded = await _call(self.client.hget(key, "id"))
         return str(recorded.decode("ascii"))
 
+    async def namespace_exists(self) -> bool:
+        # A writer's store records the partition count when it opens the namespace; a reader's
+        # (create_namespace=False) does not, so this is "was ever opened to be written".
+        # (HGET, as `ensure_namespace` reads it: a tenant's ACL user may run no HEXISTS.)
+        key = KeyLayout.config_key(self.namespace)
+        return await _call(self.client.hget(key, "partitions")) is not None
+
+    async def known_namespaces(self) -> list[str] | None:
+        # SCAN walks the whole keyspace: bounded to a few round trips, and not on a cluster
+        # (one walk per node). A large data set answers None rather than a slow hint.
+        if self._is_cluster:
+            return None
+        pattern = f"{PREFIX}:{{*:cfg}}".encode()
+        found: set[str] = set()
+        cursor = 0
+        try:
+            for _ in range(_KNOWN_NAMESPACES_SCANS):
+                cursor, keys = await self.client.scan(cursor, match=pattern, count=1000)
+                names = (k.decode("utf-8", "replace")[len(PREFIX) + 2 : -5] for k in keys)
+                found.update(n for n in names if _is_namespace(n))
+                if not cursor:
+                    return sorted(found)
+        except (rex.RedisError, OSError):  # e.g. an ACL user without SCAN: no hint, no error
+            return None
+        return None
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -1470,3 +1498,11 @@ class RedisEventStore(EventStore):
         if self._owns_client:
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()
+
+
+def _is_namespace(name: str) -> bool:
+    try:
+        validate_namespace(name)
+    except InvalidInputError:
+        return False
+    return True

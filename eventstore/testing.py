@@ -1120,6 +1120,13 @@ class EventStoreConformance:
             await again.close()
             await other.close()
 
+    async def test_a_written_namespace_exists_and_is_known(self, store: EventStore) -> None:
+        await store.append("t", [msg("hello")])
+        assert await store.namespace_exists()
+        known = await store.known_namespaces()
+        assert known is None or store.namespace in known
+        assert await store.version("t") == 1  # asking wrote nothing
+
     # -- bad input -----------------------------------------------------------------------------
 
     @pytest.mark.parametrize(

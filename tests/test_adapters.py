@@ -622,6 +622,42 @@ async def test_jsonl_round_trip_is_byte_faithful(store: es.EventStore, tmp_path:
     assert isinstance(loaded[1].content[6], es.OtherPart)
 
 
+async def test_jsonl_lines_too_large_to_store_are_not_called_malformed(tmp_path: Path) -> None:
+    store = es.MemoryEventStore(max_event_bytes=4096)
+    sessions = SessionStore(store)
+    text = "x" * 2500
+    pretty = json.dumps({"role": "user", "content": text}, indent=2).encode()  # 2.5 KB compact
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(
+        b'{"role":"user","content":"ok"}\n'
+        + json.dumps({"role": "user", "content": "y" * 5000}, separators=(",", ":")).encode()
+        + b"\n"
+        + pretty.replace(b"\n", b"")  # one line, with spaces: kept as written besides parsed
+        + b"\n"
+    )
+    with pytest.raises(JsonlImportError) as info:
+        await import_jsonl(sessions, path, "s")
+    error = str(info.value)
+    assert "malformed" not in error
+    assert [(e.line, e.too_large) for e in info.value.errors] == [(2, True), (3, True)]
+    limit = 4096 - 512  # the event's envelope keeps a margin
+    assert "2 line(s) too large to store: line 2: the message stores as 5," in error
+    assert f"over the limit of {limit:,} bytes" in error
+    # The pretty line stores twice (its text and the parsed message); compact, it would fit.
+    third = info.value.errors[1].reason
+    assert "not compact JSON" in third and "about 2," in third, third
+    assert "not compact JSON" not in info.value.errors[0].reason
+    assert await store.version("s") == 0
+    # Malformed and too large lines are told apart in one message.
+    path.write_bytes(b"nope\n" + path.read_bytes())
+    with pytest.raises(
+        JsonlImportError, match=r"1 malformed line\(s\): line 1: .*; 2 line\(s\) too"
+    ):
+        await import_jsonl(sessions, path, "s")
+    report = await import_jsonl(sessions, path, "s", skip_bad=True)
+    assert report.imported == 1 and [e.line for e in report.skipped] == [1, 3, 4]
+
+
 async def test_jsonl_malformed_lines(store: es.EventStore, tmp_path: Path) -> None:
     sessions = SessionStore(store)
     path = tmp_path / "bad.jsonl"

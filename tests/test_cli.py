@@ -178,6 +178,12 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["export", "--out", "x", "--workers", "0"], "not 'auto' or a whole number >= 1"),
     (["export", "--out", "x", "--workers", "2"], "in-memory store cannot be shared"),
     (["tail", "--limit", "-1"], "must be >= 0"),
+    (["export", "--out", ""], "the output directory is empty"),
+    (["export", "--out", " ", "--format", "ndjson"], "the output directory is empty"),
+    (
+        ["export", "--out", "x", "--format", "ndjson", "--compression", "zstd"],
+        "--compression applies to --format parquet only",
+    ),
     (["show", "no-such-thread"], "no thread 'no-such-thread'"),
     (["show", "bad{id}"], "forbidden character"),
     (["verify", "no-such-thread"], "no thread"),
@@ -422,8 +428,12 @@ def test_threads_lists_newest_activity_first(redis_url: str) -> None:
     assert human.code == 0, human
     assert human.out.index("middle") < human.out.index("newer")
     assert "older" not in human.out and "raise --limit" in human.out
-    empty = cli("threads", url=redis_url, namespace=fresh_namespace())
-    assert empty.code == 0 and "No threads in namespace" in empty.out
+    unknown = cli("threads", url=redis_url, namespace=fresh_namespace())
+    assert "no namespace" in assert_one_line_error(unknown)
+    empty = fresh_namespace()
+    with_store(redis_url, empty, lambda store: store.namespace_exists())  # opened by a writer
+    listed_empty = cli("threads", url=redis_url, namespace=empty)
+    assert listed_empty.code == 0 and "No threads in namespace" in listed_empty.out
 
 
 def replay_rows(demo: Demo) -> list[dict[str, Any]]:
@@ -665,6 +675,7 @@ def test_threads_of_the_framework_adapters_verify_and_replay(redis_url: str) -> 
     from adapters.openai_agents import ThreadlogSession
 
     namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda store: store.namespace_exists())  # opened by a writer
     empty = cli("verify", "--all", url=redis_url, namespace=namespace)
     assert empty.code == 0 and "nothing was verified (is the namespace right?)" in empty.out
 
@@ -1023,6 +1034,160 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
         url=redis_url, namespace=first,
     )  # fmt: skip
     assert "only starts a new export directory" in assert_one_line_error(since)
+
+
+def test_export_directories_under_the_default_name_continue_independently(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+
+    def record(thread: str) -> None:
+        with_store(redis_url, namespace, lambda s: s.append(thread, [msg("q"), msg("a")]))
+
+    def export(out: str) -> Run:
+        return cli(
+            "export", "--out", out, "--format", "ndjson", url=redis_url, namespace=namespace,
+            cwd=tmp_path,
+        )  # fmt: skip
+
+    record("t")
+    assert "Exported 2 events" in export("d1").out
+    assert "Exported 2 events" in export("d2").out
+    record("u")
+    for out in ("d1", "d2"):  # the first directory is not stuck behind the second's group
+        run = export(out)
+        assert run.code == 0 and "Exported 2 events" in run.out, run
+        assert "Nothing new" in export(out).out
+    # Directories that do share a name (given, or from before each had its own): the one
+    # left behind is refused, and the remedy the message gives works as written.
+    for out in ("s1", "s2"):
+        shared = cli(
+            "export", "--out", out, "--format", "ndjson", "--name", "shared",
+            url=redis_url, namespace=namespace, cwd=tmp_path,
+        )  # fmt: skip
+        assert shared.code == 0, shared
+    record("v")
+    assert cli(
+        "export", "--out", "s2", "--format", "ndjson", "--name", "shared",
+        url=redis_url, namespace=namespace, cwd=tmp_path,
+    ).code == 0  # fmt: skip
+    stuck = export("s1")  # its recorded name, "shared"
+    line = assert_one_line_error(stuck)
+    assert "export into a new directory, without --name" in line, line
+    assert "Exported 6 events" in export("s3").out
+
+
+def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
+    redis_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    for url in ("memory://", "memory://"):  # a new, empty data set in every process
+        empty = cli("export", "--out", str(out), "--format", "ndjson", url=url)
+        assert empty.code == 0 and "Nothing to export" in empty.out, empty
+    assert not out.exists() or not (out / "source.json").exists()
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
+    real = cli(
+        "export", "--out", str(out), "--format", "ndjson", url=redis_url, namespace=namespace
+    )
+    assert real.code == 0 and "Exported 1 event" in real.out, real
+
+
+def test_an_unknown_namespace_is_refused_and_nothing_is_created(
+    redis_url: str, tmp_path: Path
+) -> None:
+    known = fresh_namespace()
+    with_store(redis_url, known, lambda s: s.append("t", [msg("q")]))
+    misspelt = known + "x"
+    out = tmp_path / "out"
+    for argv in (
+        ("export", "--out", str(out)),
+        ("export", "--out", str(out), "--format", "ndjson", "--json"),
+        ("threads",),
+        ("show", "t"),
+        ("replay", "t"),
+        ("verify", "--all"),
+        ("check", "t"),
+        ("export-jsonl", "t", "-"),
+    ):
+        run = cli(*argv, url=redis_url, namespace=misspelt)
+        line = assert_one_line_error(run)
+        assert f"no namespace {misspelt!r}" in line and known in line, line  # known ones named
+        assert run.out == "", run
+    # The namespace in the URL is named on purpose as well.
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}namespace={misspelt}"
+    assert f"no namespace {misspelt!r}" in assert_one_line_error(cli("threads", url=url))
+    assert not out.exists()
+
+    async def keys(store: es.EventStore) -> list[bytes]:
+        assert isinstance(store, es.RedisEventStore)
+        return [k async for k in store.client.scan_iter(match=f"tl:{{{misspelt}:*")]
+
+    assert with_store(redis_url, known, keys) == []
+
+
+def test_import_stopped_by_ctrl_c_says_what_it_wrote(
+    redis_url: str, tmp_path: Path, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    namespace = fresh_namespace()
+    source = tmp_path / "big.jsonl"
+    line = '{"role":"user","content":"%s"}\n'
+    # Two atomic appends' worth (64 events of 256 KiB each per append).
+    source.write_text("".join(line % (f"{i} " + "x" * 100_000) for i in range(200)))
+
+    async def blocked_writers(store: es.EventStore) -> int:
+        assert isinstance(store, es.RedisEventStore)
+        clients = await store.client.client_list()
+        return sum("b" in c["flags"] and c["cmd"].startswith("eval") for c in clients)
+
+    async def pause(store: es.EventStore, ms: int) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.execute_command("CLIENT", "PAUSE", ms, "WRITE")
+
+    async def unpause(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.execute_command("CLIENT", "UNPAUSE")
+
+    # The server holds the first append; Ctrl-C comes while it is in flight. It lands once
+    # the server goes on, and the import stops before the second.
+    with_store(redis_url, namespace, lambda s: pause(s, 20_000))
+    try:
+        proc = popen(
+            "import-jsonl", str(source), "s1", "--url", redis_url, "--namespace", namespace
+        )
+        deadline = time.monotonic() + 15
+        while not with_store(redis_url, namespace, blocked_writers):
+            assert time.monotonic() < deadline and proc.poll() is None, "no append was held"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    finally:
+        with_store(redis_url, namespace, unpause)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "wrote 128 of 200 messages (1 of 2 appends) into session s1 (version 64)" in err, err
+    assert "idempotent" in err
+    assert with_store(redis_url, namespace, lambda s: s.version("s1")) == 64
+    rest = cli("import-jsonl", str(source), "s1", url=redis_url, namespace=namespace)
+    assert rest.code == 0 and "(version 100)" in rest.out, rest
+    exported = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
+    assert exported.out == source.read_text()  # every message once, in order
+
+
+def test_jsonl_lines_too_large_to_store_are_reported_as_such(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    path = tmp_path / "big.jsonl"
+    # Not compact JSON: its text is kept beside the parsed message, about twice the size.
+    path.write_text(
+        '{"role":"user","content":"ok"}\n{"role": "user", "content": "%s"}\n' % ("x" * 700_000)
+    )
+    run = cli("import-jsonl", str(path), "s1", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(run)
+    assert "malformed" not in line and "1 line(s) too large to store: line 2:" in line, line
+    assert "over the limit of 1,048,064 bytes" in line and "not compact JSON" in line, line
 
 
 def test_jsonl_blank_lines_empty_files_and_threads_without_a_transcript(
@@ -1412,10 +1577,8 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
 
 def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
     namespace = fresh_namespace()
-    for argv in (["feed"], ["trim-feed"], ["trim-feed", "--max-age", "1d"]):
-        assert cli(*argv, url=redis_url, namespace=namespace).code == 0
-    assert "no consumer group" in assert_one_line_error(
-        cli("drop-group", "x", url=redis_url, namespace=namespace)
-    )
+    for argv in (["feed"], ["trim-feed"], ["trim-feed", "--max-age", "1d"], ["drop-group", "x"]):
+        line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
+        assert f"no namespace {namespace!r}" in line, (argv, line)
     keys = with_store(redis_url, "default", lambda s: s.client.keys(f"tl:{{{namespace}*"))  # type: ignore[attr-defined]
     assert keys == []

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,14 @@ from adapters import (
     committed_positions,
     read_parquet_dir,
 )
-from adapters._export import PAGE, SOURCE_FILE, _fence_earlier_workers, _ulid_array, _ulid_text
+from adapters._export import (
+    PAGE,
+    SOURCE_FILE,
+    _fence_earlier_workers,
+    _ulid_array,
+    _ulid_text,
+    directory_export_name,
+)
 from eventstore._keys import KeyLayout
 from eventstore.servers import free_port
 from eventstore.testing import msg, read_all
@@ -104,6 +112,33 @@ async def test_export_is_exactly_the_log_and_incremental(
     exported = keyset(rows)
     assert len(set(exported)) == len(exported)
     assert set(await log_rows(store)) <= set(exported)  # b's events were exported before
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_deletion_rows_are_written_as_event_rows_are(
+    store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    await conversation(store, "b", 1)
+    await store.delete_thread("b")
+    await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    if fmt == "ndjson":
+        lines = [
+            line
+            for p in sorted(tmp_path.glob("part-*.ndjson"))
+            for line in p.read_bytes().splitlines()
+        ]
+        rows = [json.loads(line) for line in lines]
+        assert all(list(r) == list(COLUMNS) for r in rows)  # every column, in order
+    else:
+        rows = list(read_parquet_dir(tmp_path))
+    (deleted,) = [r for r in rows if r["type"] == "thread.deleted"]
+    events = [r for r in rows if r["type"] != "thread.deleted"]
+    # A deletion is no event: no event id (not its feed entry id, which is no ULID).
+    assert deleted["id"] is None and all(len(r["id"]) == 26 for r in events)
+    assert (deleted["thread"], deleted["seq"], deleted["namespace"]) == ("b", 3, store.namespace)
+    # Its payload is JSON as every event's is: compact, "type" first.
+    assert deleted["payload"] == '{"type":"thread.deleted","version":3}'
+    assert all(r["payload"].startswith('{"type":"') and ", " not in r["payload"] for r in events)
 
 
 async def test_a_thread_deleted_and_created_again_before_the_export_is_exported_once(
@@ -188,6 +223,14 @@ async def test_bad_targets_and_arguments_are_refused_clearly(tmp_path: Path) -> 
     os.umask(mask)
     (part,) = mixed.glob("part-*.ndjson")
     assert part.stat().st_mode & 0o777 == 0o666 & ~mask
+    # An empty path is the working directory to the OS: refused, not exported into.
+    for empty in ("", " "):
+        with pytest.raises(es.InvalidInputError, match="export directory is empty"):
+            Exporter(store, empty, fmt="ndjson")
+    # A codec does nothing to NDJSON parts: asking for one is refused, not ignored.
+    with pytest.raises(es.InvalidInputError, match="applies to Parquet parts only"):
+        Exporter(store, tmp_path / "nd", fmt="ndjson", compression="zstd")
+    assert not (tmp_path / "nd").exists()
 
 
 EXPORTER = textwrap.dedent(
@@ -276,9 +319,17 @@ async def fill_partitions(store: es.EventStore, threads: int, appends: int) -> N
             )
 
 
+def sorted_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Rows as tuples of all their columns, sorted (nulls, as a deletion's id, first)."""
+    return sorted(
+        (tuple(r.values()) for r in rows),
+        key=lambda row: tuple((v is not None, v if v is not None else 0) for v in row),
+    )
+
+
 def parquet_rows(directory: Path) -> list[tuple[Any, ...]]:
     """Every exported row as a tuple of all its columns, sorted."""
-    return sorted(tuple(r.values()) for r in read_parquet_dir(directory))
+    return sorted_rows(read_parquet_dir(directory))
 
 
 def worker_pids() -> list[int]:
@@ -330,7 +381,7 @@ async def test_parallel_export_writes_exactly_the_rows_of_one_process(
     def rows(directory: Path) -> list[tuple[Any, ...]]:
         if fmt == "parquet":
             return parquet_rows(directory)
-        return sorted(tuple(r.values()) for r in ndjson_rows(directory))
+        return sorted_rows(ndjson_rows(directory))
 
     seen: list[int] = []
     first = await parallel.run(progress=seen.append)
@@ -680,7 +731,12 @@ async def test_a_directory_keeps_its_export_name(store: es.EventStore, tmp_path:
     await conversation(store, "t", 1)
     await Exporter(store, tmp_path, fmt="ndjson", name="daily").run()
     with pytest.raises(ExportSourceError, match="--name daily"):
-        await Exporter(store, tmp_path, fmt="ndjson").run()
+        await Exporter(store, tmp_path, fmt="ndjson", name="weekly").run()
+    await conversation(store, "t", 1)
+    # With no name given, the directory's own (recorded) name is used.
+    default = Exporter(store, tmp_path, fmt="ndjson")
+    assert (await default.run()).events == 3
+    assert default.name == "daily"
 
 
 async def test_two_directories_under_one_export_name_are_refused(
@@ -688,15 +744,65 @@ async def test_two_directories_under_one_export_name_are_refused(
 ) -> None:
     await conversation(store, "t", 1)
     one, two = tmp_path / "one", tmp_path / "two"
-    assert (await Exporter(store, one, fmt="ndjson").run()).events == 3
+    assert (await Exporter(store, one, fmt="ndjson", name="shared").run()).events == 3
     await conversation(store, "u", 1)
     # A new directory takes the group over (an abandoned directory's would hold it back)...
-    assert (await Exporter(store, two, fmt="ndjson").run()).events == 6
+    assert (await Exporter(store, two, fmt="ndjson", name="shared").run()).events == 6
     await conversation(store, "t", 1)
     # ... and the first one finds the group ahead of its positions: the two share it.
-    with pytest.raises(ExportSourceError, match="another export directory uses"):
-        await Exporter(store, one, fmt="ndjson").run()
+    with pytest.raises(ExportSourceError, match="another export directory uses") as refused:
+        await Exporter(store, one, fmt="ndjson", name="shared").run()
+    assert "export into a new directory, without --name" in str(refused.value)
+    assert (await Exporter(store, two, fmt="ndjson", name="shared").run()).events == 3
+    # The remedy the message gives works: a new directory, no name.
+    assert (await Exporter(store, tmp_path / "three", fmt="ndjson").run()).events == 9
+
+
+async def test_directories_under_the_default_name_each_have_their_own(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(store, "t", 1)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert (await Exporter(store, one, fmt="ndjson").run()).events == 3
     assert (await Exporter(store, two, fmt="ndjson").run()).events == 3
+    names = {json.loads((d / SOURCE_FILE).read_text())["name"] for d in (one, two)}
+    assert len(names) == 2 and all(n.startswith(("one-", "two-")) for n in names)
+    for _ in range(2):  # both continue incrementally, in either order
+        await conversation(store, "u", 1)
+        assert (await Exporter(store, two, fmt="ndjson").run()).events == 3
+        assert (await Exporter(store, one, fmt="ndjson").run()).events == 3
+        assert (await Exporter(store, one, fmt="ndjson").run()).files == []
+    assert sorted(keyset(ndjson_rows(one))) == sorted(keyset(ndjson_rows(two)))
+    # A directory moved elsewhere keeps its name (recorded), so its group too.
+    moved = tmp_path / "moved"
+    one.rename(moved)
+    await conversation(store, "t", 1)
+    assert (await Exporter(store, moved, fmt="ndjson").run()).events == 3
+    assert json.loads((moved / SOURCE_FILE).read_text())["name"] in names
+    # An older directory, recorded under the old default name, keeps it.
+    legacy = tmp_path / "legacy"
+    await Exporter(store, legacy, fmt="ndjson", name="export").run()
+    again = Exporter(store, legacy, fmt="ndjson")
+    await again.run()
+    assert again.name == "export"
+
+
+async def test_a_run_that_exports_nothing_leaves_no_source(tmp_path: Path) -> None:
+    # memory:// is a new, empty data set in every process: a record of one must not bind.
+    empty = es.MemoryEventStore(partitions=4)
+    nothing = await Exporter(empty, tmp_path, fmt="ndjson").run()
+    assert nothing.files == [] and not (tmp_path / SOURCE_FILE).exists()
+    full = es.MemoryEventStore(partitions=4)
+    await conversation(full, "t", 1)
+    assert (await Exporter(full, tmp_path, fmt="ndjson").run()).events == 3
+    # A directory an earlier version left with a record but no part is not bound by it.
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / SOURCE_FILE).write_text(
+        json.dumps({"namespace": "other", "store": es.new_ulid(), "name": "export"})
+    )
+    assert (await Exporter(full, stale, fmt="ndjson").run()).events == 3
+    assert json.loads((stale / SOURCE_FILE).read_text())["namespace"] == full.namespace
 
 
 async def test_an_older_directory_without_a_source_record(
@@ -735,9 +841,10 @@ async def test_since_starts_a_new_directory_only(store: es.EventStore, tmp_path:
     nothing = await Exporter(store, tmp_path, fmt="ndjson").run(since=future)
     assert (nothing.files, nothing.events, nothing.positions) == ([], 0, {})
     assert committed_positions(tmp_path) == (0, {})
+    group = f"export-{directory_export_name(tmp_path)}"
     for p in range(store.partitions):  # and trimming is not let past what it has not exported
         groups = {g.name: g.last_delivered for g in await store.feed_groups(p)}
-        assert groups.get("export-export", "0-0") == "0-0"
+        assert groups.get(group, "0-0") == "0-0"
     # ... so a later run without since exports everything before.
     assert (await Exporter(store, tmp_path, fmt="ndjson").run()).events == 6
     # On a directory with positions, since would skip events for good: refused.
