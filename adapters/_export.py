@@ -61,7 +61,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from itertools import repeat
 from multiprocessing.connection import Connection, wait
 from operator import itemgetter
@@ -177,6 +177,10 @@ class ExportSourceError(InvalidInputError):
     namespace, another data set (another server, or this one flushed or restored from an older
     copy), or another export name; or when the feeds contradict its positions. Nothing is
     written: a run into it would export a wrong set of events (nothing, or a hole)."""
+
+
+def _fmt_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
 
 
 class ExportWorkerError(OperationalError):
@@ -1049,6 +1053,7 @@ class Exporter:
                     f"time would be skipped for good; run without it, or export to a new "
                     f"directory"
                 )
+            await self._check_not_trimmed(positions, since_ms)
             for p in range(self.store.partitions):
                 start = positions.get(p, "0-0")
                 created = await self.store.create_feed_group(p, self.group, start=start)
@@ -1126,6 +1131,52 @@ class Exporter:
             await self._check_positions(positions)
         if bound is None or (asked.url is not None and bound.url != asked.url):
             await anyio.to_thread.run_sync(_write_source, self.directory, asked)
+
+    async def _check_not_trimmed(self, positions: dict[int, str], since_ms: int | None) -> None:
+        """Refuse to start where the feed no longer holds every change after the start.
+
+        Trimming waits for the directory's group, so this is a trim by age (or by hand), a
+        group dropped meanwhile, or a new directory on a feed trimmed before it: reading on
+        from what the feed still holds would leave a hole, silently.
+        """
+        for p in range(self.store.partitions):
+            info = await self.store.feed_info(p)
+            trimmed = parse_stream_id(info.trimmed_to)
+            start = positions.get(p)
+            if start is None and positions:
+                # A partition the directory has had no change from: its group, made at the
+                # directory's first run, has held trimming back there since.
+                start = next(
+                    (
+                        g.last_delivered
+                        for g in await self.store.feed_groups(p)
+                        if g.name == self.group
+                    ),
+                    None,
+                )
+            if start is None:  # a partition this directory has not read yet: from the start
+                if since_ms is not None and trimmed[0] < since_ms:
+                    continue  # every trimmed change is older than the run asks for
+                if trimmed <= (0, 0):
+                    continue
+                when = _fmt_ms(trimmed[0])
+                raise ExportSourceError(
+                    f"the change feed of partition {p} of namespace {self.store.namespace!r} "
+                    f"was trimmed up to {info.trimmed_to} ({when}): an export into "
+                    f"{self.directory} would start after it and lack every change before "
+                    f"(every event is still in its thread's log); pass a since time (--since) "
+                    f"after {when} to export what follows it"
+                )
+            if trimmed > parse_stream_id(start):
+                raise ExportSourceError(
+                    f"the change feed of partition {p} of namespace {self.store.namespace!r} "
+                    f"was trimmed past {self.directory}'s position ({start}; entries up to "
+                    f"{info.trimmed_to} removed, {_fmt_ms(trimmed[0])}): the changes in "
+                    f"between are gone from the feed (every event is still in its thread's "
+                    f"log), so the directory cannot continue without a hole; trim only what "
+                    f"the export has read (threadlog trim-feed without --max-age), and start "
+                    f"a new directory with --since"
+                )
 
     async def _check_positions(self, positions: dict[int, str]) -> None:
         """Refuse positions the store contradicts: a position that is not on its partition's

@@ -872,3 +872,29 @@ async def test_explicit_workers_start_no_more_processes_than_partitions_with_cha
     again = await Exporter(store, tmp_path, workers=100, settings=settings).run()
     assert again.busy_partitions == again.workers > 1
     assert again.events == 24
+
+
+async def test_a_feed_trimmed_past_the_directory_stops_the_export(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(store, "t", 2)
+    exporter = Exporter(store, tmp_path / "a", fmt="ndjson")
+    await exporter.run()
+    await conversation(store, "t", 1)
+    await anyio.sleep(0.01)
+    # By age, the trim takes changes the export has not read: continuing would leave a hole.
+    assert sum([await store.trim_feed(p, max_age_ms=0) for p in range(store.partitions)]) > 0
+    before = sorted(p.name for p in (tmp_path / "a").iterdir())
+    with pytest.raises(ExportSourceError, match="cannot continue without a hole"):
+        await exporter.run()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == before  # nothing written
+    # A new directory would lack everything before the trim: refused too, unless it asks only
+    # for what follows the trim.
+    with pytest.raises(ExportSourceError, match="lack every change before"):
+        await Exporter(store, tmp_path / "b", fmt="ndjson").run()
+    await anyio.sleep(0.01)
+    since = datetime.now(UTC)
+    await conversation(store, "u", 1)
+    result = await Exporter(store, tmp_path / "c", fmt="ndjson").run(since=since)
+    assert result.events > 0
+    assert {row["thread"] for row in ndjson_rows(tmp_path / "c")} == {"u"}
