@@ -42,6 +42,7 @@ from projections import (
     RebuildBusyError,
     RebuildError,
     RecordsProjection,
+    StateProjection,
     StoredMessage,
     TranscriptMessage,
     TranscriptProjection,
@@ -1681,9 +1682,28 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
     )
 
 
+def _every_view(store: es.EventStore) -> Projector:
+    """A projector over every view threadlog writes: the core projections, and the LangGraph
+    checkpointer's (`lg.*`) when its extra is installed. check and rebuild with the core ones
+    alone would call an `lg:` thread's damaged views OK and leave them as they are."""
+    projections: list[Any] = [
+        MessagesProjection(),
+        StateProjection(),
+        RecordsProjection(),
+        TranscriptProjection(),
+    ]
+    try:
+        from .langgraph import LangGraphProjection
+    except ImportError:  # threadlog without [langgraph]: no thread of it can have lg.* views
+        pass
+    else:
+        projections.append(LangGraphProjection())
+    return Projector(store, projections)
+
+
 async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
-    auditor = Auditor(ctx.store)
+    auditor = Auditor(ctx.store, _every_view(ctx.store))
     if thread is not None:
         await _require_thread(ctx, thread)
         try:
@@ -1795,7 +1815,7 @@ def _check_row(verdict: Verdict, report: CheckReport | None) -> dict[str, Any]:
 
 async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
-    auditor = Auditor(ctx.store)
+    auditor = Auditor(ctx.store, _every_view(ctx.store))
     projector = auditor.projector
     if thread is not None:
         await _require_thread(ctx, thread)

@@ -1391,6 +1391,13 @@ def test_tail_shows_events_missing_from_the_log_as_damage_and_goes_on(redis_url:
     assert missing == {**missing, "type": "events.missing", "first": 3, "last": 3}
 
 
+def _interruptible() -> None:
+    """In the child, before it runs: SIGINT back to its default action. A test run started in
+    the background by a shell (``cmd &``) inherits SIGINT ignored, and Python then installs no
+    handler for it: the Ctrl-C tests would test nothing but that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _read_line(stream: IO[str], timeout: float) -> str:
     with selectors.DefaultSelector() as selector:
         selector.register(stream, selectors.EVENT_READ)
@@ -1411,6 +1418,7 @@ def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_interruptible,
         )
         started.append(proc)
         return proc
@@ -1502,6 +1510,7 @@ def test_ctrl_c_while_the_command_line_is_still_loading_prints_no_traceback(
         proc = subprocess.Popen(
             [*script, "tail", "--url", redis_url, "--namespace", fresh_namespace()],
             env=child_env(),
+            preexec_fn=_interruptible,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -1582,3 +1591,26 @@ def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
         assert f"no namespace {namespace!r}" in line, (argv, line)
     keys = with_store(redis_url, "default", lambda s: s.client.keys(f"tl:{{{namespace}*"))  # type: ignore[attr-defined]
     assert keys == []
+
+
+def test_check_and_rebuild_cover_the_langgraph_views(redis_url: str) -> None:
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from adapters.langgraph import RECORDS, ThreadlogCheckpointSaver
+
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        saver = ThreadlogCheckpointSaver(store)
+        config = {"configurable": {"thread_id": "g1", "checkpoint_ns": ""}}
+        await saver.aput(config, empty_checkpoint(), {}, {})  # type: ignore[arg-type]
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.delete(store.keys.view("lg:g1", RECORDS))  # the saver's view, lost
+
+    with_store(redis_url, namespace, setup)
+    found = cli("check", "lg:g1", url=redis_url, namespace=namespace)
+    assert found.code == 1 and RECORDS in found.out, found  # never "OK"
+    rebuilt = cli("rebuild", "lg:g1", url=redis_url, namespace=namespace)
+    assert rebuilt.code == 0, rebuilt
+    again = cli("check", "lg:g1", url=redis_url, namespace=namespace)
+    assert again.code == 0 and "OK" in again.out, again
