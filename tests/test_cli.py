@@ -360,7 +360,10 @@ def test_the_embedded_server_is_announced_when_started_and_stopped_by_threadlog_
 
 def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_path: Path) -> None:
     env = child_env(THREADLOG_URL=None)
-    run = cli("threads", "--namespace", "no spaces", cwd=tmp_path, env=env)
+    try:
+        run = cli("threads", "--namespace", "no spaces", cwd=tmp_path, env=env)
+    finally:
+        es.stop_embedded(tmp_path / ".threadlog")  # had one started after all, it stops here
     assert "namespace 'no spaces'" in assert_one_line_error(run)
     assert not (tmp_path / ".threadlog").exists()
 
