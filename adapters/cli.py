@@ -32,6 +32,7 @@ import msgspec
 
 import eventstore as es
 from eventstore._codec import decode_entry
+from eventstore._feed import parse_stream_id
 from projections import (
     DEFAULT_WINDOW,
     AsOf,
@@ -42,7 +43,7 @@ from projections import (
     RebuildBusyError,
     RebuildError,
     RecordsProjection,
-    StateProjection,
+    SeqBeyondVersionError,
     StoredMessage,
     TranscriptMessage,
     TranscriptProjection,
@@ -1105,15 +1106,22 @@ async def _read_thread(projector: Projector, thread: str, window: int, as_of: in
     )
 
 
+async def _as_of_seq(projector: Projector, thread: str, as_of: AsOf) -> int:
+    """The seq ``--as-of`` stands for; a seq the thread has not reached is a usage error (a
+    fold "up to" it would pass the thread as it is now for the past point asked about)."""
+    try:
+        return await projector.seq_of(thread, as_of)
+    except SeqBeyondVersionError as exc:
+        raise UsageError(
+            f"--as-of {exc.seq}: thread {thread!r} ends at seq {exc.version}"
+        ) from None
+
+
 async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
     version = await _require_thread(ctx, thread)
     projector = ctx.projector
-    as_of: int | None = None
-    if args.as_of is not None:
-        as_of = await projector.seq_of(thread, args.as_of)
-        if isinstance(args.as_of, int) and as_of > version:
-            raise UsageError(f"--as-of {as_of}: thread {thread!r} ends at seq {version}")
+    as_of = None if args.as_of is None else await _as_of_seq(projector, thread, args.as_of)
     shown = await _read_thread(projector, thread, args.window, as_of)
     whole_tree = RecordsProjection.tree(shown.turns)
     limit: int | None = args.turns or None
@@ -1178,10 +1186,9 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
 
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
-    version = await _require_thread(ctx, thread)
-    if isinstance(args.as_of, int) and args.as_of > version:
-        # A point the thread has not reached: replaying "up to" it would pass for the past.
-        raise UsageError(f"--as-of {args.as_of}: thread {thread!r} ends at seq {version}")
+    await _require_thread(ctx, thread)
+    if args.as_of is not None:  # refused before anything is printed when past the end
+        await _as_of_seq(ctx.projector, thread, args.as_of)
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
@@ -1251,11 +1258,6 @@ async def _feed_positions(
     return positions
 
 
-def _feed_order(feed_id: str) -> tuple[int, int]:
-    ms, _, seq = feed_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 async def _stop_on_signal(
     scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
@@ -1311,7 +1313,7 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
                 heads = [p for p in partitions if pending[p]]
                 if not heads or any(not pending[q] for q in more):
                     break  # a partition to read on before anything later is shown
-                p = min(heads, key=lambda q: _feed_order(pending[q][0].id))
+                p = min(heads, key=lambda q: parse_stream_id(pending[q][0].id))
                 entry = pending[p].popleft()
                 if thread is not None and entry.thread_id != thread:
                     continue
@@ -1419,7 +1421,7 @@ def _entries(n: int) -> str:
 
 
 def _id_time(feed_id: str | None) -> str:
-    return "-" if feed_id is None or feed_id == "0-0" else fmt_time(_feed_order(feed_id)[0])
+    return "-" if feed_id is None or feed_id == "0-0" else fmt_time(parse_stream_id(feed_id)[0])
 
 
 async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
@@ -1433,7 +1435,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
             groups.setdefault(group.name, []).append((info, group))
 
     def lost(info: es.FeedInfo, group: es.GroupInfo) -> bool:
-        return _feed_order(info.trimmed_to) > _feed_order(group.last_delivered)
+        return parse_stream_id(info.trimmed_to) > parse_stream_id(group.last_delivered)
 
     if args.json:
         ctx.json(
@@ -1492,7 +1494,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
             name,
             f"export --name {name[7:]}" if name.startswith("export-") else "projection runner",
             str(len(members)),
-            _id_time(min(unread, key=_feed_order)) if unread else "nothing unread",
+            _id_time(min(unread, key=parse_stream_id)) if unread else "nothing unread",
             f"{sum(g.pending for _, g in members):,}",
             note,
         )
@@ -1686,12 +1688,7 @@ def _every_view(store: es.EventStore) -> Projector:
     """A projector over every view threadlog writes: the core projections, and the LangGraph
     checkpointer's (`lg.*`) when its extra is installed. check and rebuild with the core ones
     alone would call an `lg:` thread's damaged views OK and leave them as they are."""
-    projections: list[Any] = [
-        MessagesProjection(),
-        StateProjection(),
-        RecordsProjection(),
-        TranscriptProjection(),
-    ]
+    projections = Projector(store).projections  # the core ones, as every other command has
     try:
         from .langgraph import LangGraphProjection
     except ImportError:  # threadlog without [langgraph]: no thread of it can have lg.* views

@@ -77,7 +77,7 @@ def key_pattern(namespace: str) -> str:
 
 def acl_key_pattern(namespace: str) -> str:
     """The Redis ACL key pattern that covers exactly one namespace's keys."""
-    return f"~{PREFIX}:{{{validate_namespace(namespace)}:*"
+    return f"~{key_pattern(namespace)}"
 
 
 class KeyLayout:
@@ -96,6 +96,21 @@ class KeyLayout:
     def config_key(namespace: str) -> str:
         """The namespace's settings hash (fixes the partition count for every client)."""
         return f"{PREFIX}:{{{validate_namespace(namespace)}:cfg}}"
+
+    CONFIG_KEY_PATTERN = f"{PREFIX}:{{*:cfg}}"
+    """A glob (``SCAN MATCH``) covering every namespace's settings hash (`config_key`)."""
+
+    @staticmethod
+    def namespace_of_config_key(key: bytes | str) -> str | None:
+        """The namespace whose `config_key` ``key`` is (None for any other key)."""
+        text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        head, tail = f"{PREFIX}:{{", ":cfg}"
+        if not (text.startswith(head) and text.endswith(tail)):
+            return None
+        try:
+            return validate_namespace(text[len(head) : -len(tail)])
+        except ValueError:
+            return None
 
     def partition(self, thread_id: str) -> int:
         """The partition of ``thread_id``."""

@@ -77,12 +77,11 @@ from ._ids import (
     validate_count,
     validate_int,
     validate_limit,
-    validate_namespace,
     validate_seq_range,
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, PREFIX, STAGING_TTL_S, KeyLayout, key_pattern
+from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -1474,14 +1473,14 @@ class RedisEventStore(EventStore):
         # (one walk per node). A large data set answers None rather than a slow hint.
         if self._is_cluster:
             return None
-        pattern = f"{PREFIX}:{{*:cfg}}".encode()
+        pattern = KeyLayout.CONFIG_KEY_PATTERN.encode()
         found: set[str] = set()
         cursor = 0
         try:
             for _ in range(_KNOWN_NAMESPACES_SCANS):
                 cursor, keys = await self.client.scan(cursor, match=pattern, count=1000)
-                names = (k.decode("utf-8", "replace")[len(PREFIX) + 2 : -5] for k in keys)
-                found.update(n for n in names if _is_namespace(n))
+                names = (KeyLayout.namespace_of_config_key(k) for k in keys)
+                found.update(n for n in names if n is not None)
                 if not cursor:
                     return sorted(found)
         except (rex.RedisError, OSError):  # e.g. an ACL user without SCAN: no hint, no error
@@ -1498,11 +1497,3 @@ class RedisEventStore(EventStore):
         if self._owns_client:
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()
-
-
-def _is_namespace(name: str) -> bool:
-    try:
-        validate_namespace(name)
-    except InvalidInputError:
-        return False
-    return True
