@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -26,6 +26,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from eventstore import (
+    ConcurrencyError,
     CorruptEventError,
     EventStore,
     EventStoreError,
@@ -51,8 +52,12 @@ from eventstore._codec import (
 )
 from eventstore._events import EventMeta
 from projections import (
+    REBUILD_ATTEMPTS,
     AsOf,
     Block,
+    CheckReport,
+    LogFold,
+    Materialized,
     Progress,
     Projector,
     RebuildBusyError,
@@ -95,6 +100,7 @@ MAX_CLASSIFIED = 1000
 """Broken links examined for their kind; beyond this (a forged log) they count as modified."""
 
 T = TypeVar("T")
+R = TypeVar("R")
 _Rows = list[tuple[bytes, dict[bytes, bytes]]]
 
 _meta_decoder = msgspec.msgpack.Decoder(EventMeta)
@@ -132,6 +138,20 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     head: str = ""
     keyed: bool = False
     key_matches: bool | None = None
+
+
+class ThreadCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """What `Auditor.check` found for one thread: the verdict on its log, and the comparison
+    of its views with the fold of that log (None when the log fails verification: views are
+    not judged against a damaged log)."""
+
+    verdict: Verdict
+    report: CheckReport | None
+
+    @property
+    def ok(self) -> bool:
+        """The log verifies, the thread index lists it, and every view equals its fold."""
+        return self.verdict.ok and self.report is not None and self.report.ok
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +274,29 @@ class _Entry:
         self.c = c
         self.h = h
         self.bad = bad
+
+
+class _Scan:
+    """One read of a thread's log: the verifier every entry goes to, and the fold (if any)
+    that folds the same entries."""
+
+    __slots__ = ("early", "fold", "fold_error", "verifier")
+
+    def __init__(self, verifier: _Verifier, fold: LogFold | None) -> None:
+        self.verifier = verifier
+        self.fold = fold
+        self.fold_error: CorruptEventError | None = None
+        self.early: Verdict | None = None
+
+    def feed(self, rows: _Rows) -> None:
+        self.verifier.feed(rows)
+        if self.fold is not None and self.fold_error is None:
+            try:
+                self.fold.feed_entries(rows)
+            except CorruptEventError as exc:
+                # The verifier says what is wrong (the fold stops here); raised only if the
+                # log verifies all the same.
+                self.fold_error = exc
 
 
 class _Verifier:
@@ -799,14 +842,58 @@ class Auditor:
         records a deletion). See the module docstring for what a key adds.
         """
         validate_thread_id(thread_id)
+        scan = await self._scan(thread_id)
+        return scan.early or await self._conclude(scan.verifier)
+
+    async def check(self, thread_id: str) -> ThreadCheck:
+        """Verify the thread's log and compare its views with the fold of that log.
+
+        One read of the log does both: the entries folded are the entries verified, so an
+        edit made while the check runs cannot slip between the two. The views are compared
+        (`Projector.compare`) only when the log verifies (`log_verified`); otherwise
+        `ThreadCheck.report` is None and the verdict says what is wrong with the log.
+        """
+        validate_thread_id(thread_id)
+        projector = self.projector
+        fold = projector.start_fold(thread_id)
+        scan = await self._scan(thread_id, fold)
+        if scan.early is not None:
+            return ThreadCheck(verdict=scan.early, report=None)
+        snapshot: Materialized | None = None
+        error: CorruptEventError | WrongKeyTypeError | None = None
+        try:
+            snapshot = await projector.read_materialized(thread_id)
+        except (CorruptEventError, WrongKeyTypeError) as exc:
+            error = exc  # the views cannot be read; the log's verdict still comes first
+        if snapshot is not None and snapshot.version > fold.version and not scan.verifier.first:
+            # Appends landed after the log was read: verify and fold theirs too, up to the
+            # version the views were read at.
+            await self._scan_more(scan, fold, snapshot.version)
+        verdict = await self._conclude(scan.verifier)
+        if not log_verified(verdict):
+            return ThreadCheck(verdict=verdict, report=None)
+        error = error or scan.fold_error
+        if snapshot is None or error is not None:
+            assert error is not None
+            report = CheckReport.unfoldable(thread_id, verdict.version, error)
+            return ThreadCheck(verdict=verdict, report=report)
+        return ThreadCheck(verdict=verdict, report=projector.compare(snapshot, fold.folded()))
+
+    async def _scan(self, thread_id: str, fold: LogFold | None = None) -> _Scan:
+        """Read the thread's log once, feeding every entry to a verifier (and to ``fold``).
+
+        ``_Scan.early`` is the verdict when there is no log to read (missing thread, damaged
+        meta, a key of the wrong type); otherwise `_conclude` turns the verifier into one.
+        """
         store = self.store
-        verifier = _Verifier(self, thread_id, 0)
-        wrong_type: WrongKeyTypeError | None = None
+        scan = _Scan(_Verifier(self, thread_id, 0), fold)
+        verifier = scan.verifier
         try:
             try:
                 verifier.version = await store.version(thread_id)
             except CorruptEventError as exc:
-                return verifier.damaged_meta(exc)
+                scan.early = verifier.damaged_meta(exc)
+                return scan
             if verifier.version == 0 and not await store.read_raw(thread_id, count=1):
                 # No log and no version: nothing was verified, which must not read as "intact".
                 if await store.indexed(thread_id):
@@ -816,8 +903,10 @@ class Auditor:
                         "the thread index lists the thread but it has no log and no meta hash: "
                         "its keys were deleted (delete_thread would have unlisted it)",
                     )
-                    return verifier.verdict()
-                return verifier.missing(await self._why_missing(thread_id))
+                    scan.early = verifier.verdict()
+                else:
+                    scan.early = verifier.missing(await self._why_missing(thread_id))
+                return scan
             verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:
@@ -828,20 +917,36 @@ class Auditor:
                         # Appends may have landed since the version was read; entries within
                         # the current version are theirs, not insertions.
                         verifier.version = await store.version(thread_id)
-                    verifier.feed(rows)
+                    scan.feed(rows)
         except* WrongKeyTypeError as group:
             # A log or meta key replaced by another type of value: damage to report, not a
             # reason to stop an audit. Every other error (losing the server) is raised.
             leaf: BaseException = group
             while isinstance(leaf, BaseExceptionGroup):
                 leaf = leaf.exceptions[0]
-            wrong_type = leaf if isinstance(leaf, WrongKeyTypeError) else WrongKeyTypeError(leaf)
-        if wrong_type is not None:
-            return verifier.unreadable(wrong_type)
+            wrong = leaf if isinstance(leaf, WrongKeyTypeError) else WrongKeyTypeError(leaf)
+            scan.early = verifier.unreadable(wrong)
+        return scan
+
+    async def _scan_more(self, scan: _Scan, fold: LogFold, stop: int) -> None:
+        """Continue a scan whose log grew: entries after the fold's last seq, up to ``stop``."""
+        scan.verifier.version = max(scan.verifier.version, stop)
+        start = fold.version + 1
+        while start <= stop:
+            rows = await self.store.read_raw(
+                scan.verifier.thread_id, start=start, stop=stop, count=VERIFY_BATCH
+            )
+            if not rows:
+                return  # the log ends short of ``stop``: the verifier reports the gap
+            scan.feed(rows)
+            start = _id_key(rows[-1][0])[0] + 1
+
+    async def _conclude(self, verifier: _Verifier) -> Verdict:
+        """The verdict of a scan that read the whole log."""
         verifier.finish()
         if verifier.first is None:
-            verifier.check_head(await store.chain_head(thread_id))
-        if not await store.indexed(thread_id):
+            verifier.check_head(await self.store.chain_head(verifier.thread_id))
+        if not await self.store.indexed(verifier.thread_id):
             verifier.unindexed()
         return verifier.verdict()
 
@@ -914,10 +1019,20 @@ class Auditor:
     async def verify_all(self, *, progress: Progress | None = None) -> dict[str, Verdict]:
         """Verify every thread of the namespace (`threads`: the index's and the keys');
         returns thread -> verdict."""
+        return await self._each_thread(self.verify, progress)
+
+    async def check_all(self, *, progress: Progress | None = None) -> dict[str, ThreadCheck]:
+        """`check` every thread of the namespace (`threads`: the index's and the keys');
+        returns thread -> what was found."""
+        return await self._each_thread(self.check, progress)
+
+    async def _each_thread(
+        self, job: Callable[[str], Awaitable[R]], progress: Progress | None
+    ) -> dict[str, R]:
         threads = await self.threads()
-        out: dict[str, Verdict] = {}
+        out: dict[str, R] = {}
         for done, thread_id in enumerate(threads, start=1):
-            out[thread_id] = await self.verify(thread_id)
+            out[thread_id] = await job(thread_id)
             if progress is not None:
                 progress(done, len(threads))
         return out
@@ -931,15 +1046,31 @@ class Auditor:
         `Projector.rebuild` copies whatever the log holds into the views, a forged entry
         included. This refuses a log that fails `verify` with `UnverifiedLogError` (nothing
         is written); a thread missing from the thread index only is rebuilt (its log is
-        intact). ``trust_log=True`` skips the check: the log is taken as it is.
-        Not covered: an edit made between the check and the rebuild's read of the log.
+        intact). The log is read once: what is folded into the views is what was verified.
+        ``trust_log=True`` skips the check: the log is taken as it is.
+
+        Raises:
+            UnverifiedLogError: the log fails verification.
+            RebuildBusyError: appends kept landing; the views were left as they were.
         """
         validate_thread_id(thread_id)
-        if not trust_log:
-            verdict = await self.verify(thread_id)
+        projector = self.projector
+        if trust_log:
+            return await projector.rebuild(thread_id)
+        for _ in range(REBUILD_ATTEMPTS):
+            fold = projector.start_fold(thread_id)
+            scan = await self._scan(thread_id, fold)
+            verdict = scan.early or await self._conclude(scan.verifier)
             if not log_verified(verdict):
                 raise UnverifiedLogError(verdict)
-        return await self.projector.rebuild(thread_id)
+            if scan.fold_error is not None:
+                raise scan.fold_error
+            try:
+                await projector.store_views(fold.folded())
+            except ConcurrencyError:
+                continue  # appended to meanwhile: verify and fold again
+            return fold.version
+        raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
     async def rebuild_all(
         self, *, progress: Progress | None = None, trust_log: bool = False

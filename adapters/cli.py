@@ -51,7 +51,7 @@ from projections import (
     TurnRecord,
 )
 
-from ._audit import Auditor, UnverifiedLogError, Verdict, _span, log_verified
+from ._audit import Auditor, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
 from ._jsonl import ImportProgress, export_jsonl, import_jsonl, transcript_to_export
@@ -1813,11 +1813,10 @@ def _check_row(verdict: Verdict, report: CheckReport | None) -> dict[str, Any]:
 async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
     auditor = Auditor(ctx.store, _every_view(ctx.store))
-    projector = auditor.projector
     if thread is not None:
         await _require_thread(ctx, thread)
-        verdict = await auditor.verify(thread)
-        report = await projector.check(thread) if log_verified(verdict) else None
+        found = await auditor.check(thread)
+        verdict, report = found.verdict, found.report
         if args.json:
             ctx.json(_check_row(verdict, report))
         elif report is None:
@@ -1827,12 +1826,11 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         if report is None or not report.ok or not verdict.ok:
             raise Failed
         return
-    with ctx.progress("verifying") as bar:
-        verdicts = await auditor.verify_all(progress=bar.update)
-    good = [t for t, v in verdicts.items() if log_verified(v)]
-    with ctx.progress("checking") as bar:
-        reports = await projector.check_all(progress=bar.update, threads=good)
-    rows = {t: _check_row(v, reports.get(t)) for t, v in verdicts.items()}
+    with ctx.progress("verifying and checking") as bar:
+        found_all = await auditor.check_all(progress=bar.update)
+    verdicts = {t: f.verdict for t, f in found_all.items()}
+    reports = {t: f.report for t, f in found_all.items() if f.report is not None}
+    rows = {t: _check_row(f.verdict, f.report) for t, f in found_all.items()}
     bad = [t for t, row in rows.items() if not row["ok"]]
     if args.json:
         ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": rows})

@@ -6,11 +6,14 @@ This package never imports redis; it talks to any `eventstore.EventStore`.
 from ._base import Projection, UnknownBlockError, UnknownReaderViewError
 from ._messages import DEFAULT_WINDOW, MessagesProjection, StoredMessage, conversation_message
 from ._projector import (
+    REBUILD_ATTEMPTS,
     AsOf,
     CheckReport,
     Context,
     Difference,
     Folded,
+    LogFold,
+    Materialized,
     Progress,
     Projector,
     RebuildBusyError,
@@ -42,6 +45,9 @@ __all__ = [
     "Context",
     "Difference",
     "Folded",
+    "LogFold",
+    "Materialized",
+    "REBUILD_ATTEMPTS",
     "Increment",
     "MessagesProjection",
     "Progress",

@@ -29,6 +29,7 @@ from eventstore import (
     ListLoad,
     NewEvent,
     PayloadRow,
+    RecordedEvent,
     UnstampedViewError,
     ViewEntry,
     ViewOp,
@@ -38,6 +39,7 @@ from eventstore import (
     validate_count,
     validate_thread_id,
 )
+from eventstore._codec import decode_payload_rows, decode_rows
 from eventstore._events import as_new_event
 from eventstore._gc import paused_collector
 
@@ -85,6 +87,40 @@ class CheckReport(msgspec.Struct, frozen=True, kw_only=True):
     def ok(self) -> bool:
         """True when every view equals the fold of the log."""
         return not self.differences
+
+    @classmethod
+    def unfoldable(
+        cls, thread_id: str, version: int, error: CorruptEventError | WrongKeyTypeError
+    ) -> CheckReport:
+        """The report on a thread whose log or views could not be read or folded: one
+        difference (view ``(log)``) saying why."""
+        seq = getattr(error, "seq", None)
+        return cls(
+            thread_id=thread_id,
+            version=version,
+            differences=[
+                Difference(
+                    view="(log)",
+                    key=f"seq {seq}" if seq is not None else "(keys)",
+                    expected="a log that folds",
+                    actual=str(error),
+                )
+            ],
+            anomalies=[],
+        )
+
+
+class Materialized(msgspec.Struct, frozen=True, kw_only=True):
+    """A thread's views as stored, read in one snapshot at ``version`` (`read_materialized`).
+
+    ``views`` maps each view read to its contents; ``unstamped`` names the views that hold a
+    value threadlog never wrote (not read), with what is wrong with it.
+    """
+
+    thread_id: str
+    version: int
+    views: dict[str, ViewResult]
+    unstamped: dict[str, str]
 
 
 class Context(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,43 +250,24 @@ class Projector:
         return await self._fold_to(thread_id, stop)
 
     async def _fold_to(self, thread_id: str, stop: int | None) -> Folded:
-        states = {p.name: p.initial() for p in self.projections}
-        version = 0
+        fold = self.start_fold(thread_id)
         if stop == 0:
-            return Folded(thread_id, 0, states)
+            return fold.folded()
         if self._folds_payloads:
             # Every projection folds payload rows: no RecordedEvent per event.
-            fast = self._fast_route
-            last = 0
+            await self.store.fold_payloads(thread_id, fold.feed_payload_rows, stop=stop)
+        else:
+            async for batch in self.store.read_batches(thread_id, stop=stop):
+                fold.feed_events(batch)
+        return fold.folded()
 
-            def fold(rows: list[PayloadRow]) -> None:
-                nonlocal last
-                for seq, payload, event_id, meta in rows:
-                    kind = type(payload)
-                    targets = fast.get(kind)
-                    if targets is None:
-                        targets = fast[kind] = [
-                            (_payload_apply(p), name) for p, name in self._targets(kind)
-                        ]
-                    for apply, name in targets:
-                        states[name] = apply(states[name], seq, payload, event_id, meta)
-                last = _contiguous(thread_id, last, rows[0][0], rows[-1][0], len(rows), rows)
+    def start_fold(self, thread_id: str) -> LogFold:
+        """A fold of the thread's log from seq 1 that the caller feeds, batch by batch.
 
-            await self.store.fold_payloads(thread_id, fold, stop=stop)
-            return Folded(thread_id, last, states)
-        route = self._route
-        async for batch in self.store.read_batches(thread_id, stop=stop):
-            for event in batch:
-                kind = type(event.payload)
-                targets = route.get(kind)
-                if targets is None:
-                    targets = route[kind] = self._targets(kind)
-                for p, name in targets:
-                    states[name] = p.apply(states[name], event)
-            version = _contiguous(
-                thread_id, version, batch[0].seq, batch[-1].seq, len(batch), batch
-            )
-        return Folded(thread_id, version, states)
+        For a reader that has the log's entries anyway and must fold exactly what it read:
+        `adapters.Auditor` verifies the integrity chain of the entries it folds, in one read.
+        """
+        return LogFold(self, validate_thread_id(thread_id))
 
     def _targets(self, kind: type[Event]) -> list[tuple[Projection[Any], str]]:
         """The projections an event of type ``kind`` reaches, in projection order."""
@@ -398,21 +415,38 @@ class Projector:
         for _ in range(REBUILD_ATTEMPTS):
             version = await self.store.version(thread_id)
             folded = await self._fold_to(thread_id, version)
-            with paused_collector():
-                ops = self._materialize(folded)
             try:
-                await self.store.load_views(thread_id, ops, expected_version=folded.version)
+                await self.store_views(folded)
             except ConcurrencyError:
                 continue
             return folded.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
+    async def store_views(self, folded: Folded) -> None:
+        """Replace every view of the thread with what ``folded`` holds, only if the thread is
+        still at ``folded.version`` (the last step of `rebuild`).
+
+        Raises:
+            ConcurrencyError: the thread moved on (nothing written); fold again.
+        """
+        with paused_collector():
+            ops = self._materialize(folded)
+        await self.store.load_views(folded.thread_id, ops, expected_version=folded.version)
+
     async def check(self, thread_id: str) -> CheckReport:
         """Compare every materialized view with the fold of the log at the same version."""
         validate_thread_id(thread_id)
+        snapshot = await self.read_materialized(thread_id)
+        return self.compare(snapshot, await self._fold_to(thread_id, snapshot.version))
+
+    async def read_materialized(self, thread_id: str) -> Materialized:
+        """Every view of every projection, read in one snapshot (what `check` compares).
+
+        A view holding a value threadlog never wrote (no stamp) is not read; it is named in
+        `Materialized.unstamped` and `compare` reports it.
+        """
+        validate_thread_id(thread_id)
         reads = [r for p in self.projections for r in p.full_reads()]
-        # A view holding a value threadlog never wrote (no stamp) is itself a difference: it
-        # is reported, and the other views are still compared (read again without it).
         unstamped: dict[str, str] = {}
         while True:
             readable = [r for r in reads if r.view not in unstamped]
@@ -423,10 +457,17 @@ class Projector:
                 if exc.view in unstamped:
                     raise
                 unstamped[exc.view] = exc.detail
-        actual: dict[str, ViewResult] = {
-            r.view: res for r, res in zip(readable, results, strict=True)
-        }
-        folded = await self._fold_to(thread_id, version)
+        return Materialized(
+            thread_id=thread_id,
+            version=version,
+            views={r.view: res for r, res in zip(readable, results, strict=True)},
+            unstamped=unstamped,
+        )
+
+    def compare(self, snapshot: Materialized, folded: Folded) -> CheckReport:
+        """What differs between the views read (`read_materialized`) and a fold of the log
+        (`fold`, `start_fold`), which should have reached the snapshot's version."""
+        unstamped = snapshot.unstamped
         differences: list[Difference] = [
             Difference(
                 view=view,
@@ -436,24 +477,27 @@ class Projector:
             )
             for view, detail in unstamped.items()
         ]
-        if folded.version != version:
+        if folded.version != snapshot.version:
             differences.append(
                 Difference(
                     view="(log)",
                     key="version",
-                    expected=str(version),
+                    expected=str(snapshot.version),
                     actual=f"log ends at seq {folded.version}",
                 )
             )
         for op in self._materialize(folded):
             if op.view not in unstamped:
-                differences += _compare(op, actual.get(op.view))
+                differences += _compare(op, snapshot.views.get(op.view))
         anomalies: list[Anomaly] = []
         for state in folded.states.values():
             if isinstance(state, RecordsState):
                 anomalies += state.anomalies
         return CheckReport(
-            thread_id=thread_id, version=version, differences=differences, anomalies=anomalies
+            thread_id=snapshot.thread_id,
+            version=snapshot.version,
+            differences=differences,
+            anomalies=anomalies,
         )
 
     async def rebuild_all(
@@ -493,20 +537,8 @@ class Projector:
             try:
                 return await self.check(thread_id)
             except (CorruptEventError, WrongKeyTypeError) as exc:
-                seq = getattr(exc, "seq", None)
-                return CheckReport(
-                    thread_id=thread_id,
-                    version=await _version_or_zero(self.store, thread_id),
-                    differences=[
-                        Difference(
-                            view="(log)",
-                            key=f"seq {seq}" if seq is not None else "(keys)",
-                            expected="a log that folds",
-                            actual=str(exc),
-                        )
-                    ],
-                    anomalies=[],
-                )
+                version = await _version_or_zero(self.store, thread_id)
+                return CheckReport.unfoldable(thread_id, version, exc)
 
         return await self._each_thread(check, progress, threads)
 
@@ -526,6 +558,76 @@ class Projector:
             if progress is not None:
                 progress(done, len(threads))
         return out
+
+
+class LogFold:
+    """Every projection of a `Projector` folding one thread's log as it is fed, in order.
+
+    Feed the log's batches from seq 1 on without a gap, as decoded rows (`feed_payload_rows`,
+    `feed_events`) or as stored entries (`feed_entries`); `folded` gives the states so far. A
+    batch that does not continue the log raises `CorruptEventError` (nothing of it folded).
+    """
+
+    def __init__(self, projector: Projector, thread_id: str) -> None:
+        self.thread_id = thread_id
+        self.version = 0
+        self._projector = projector
+        self._states = {p.name: p.initial() for p in projector.projections}
+
+    def feed_entries(self, rows: Sequence[Any]) -> None:
+        """Fold stored entries, ``(entry_id, fields)`` as `EventStore.read_raw` gives them.
+
+        Raises:
+            CorruptEventError: an entry does not decode, or the batch leaves a hole.
+        """
+        if not rows:
+            return
+        registry = self._projector.store.registry
+        with paused_collector():
+            if self._projector._folds_payloads:
+                self.feed_payload_rows(decode_payload_rows(self.thread_id, rows, registry))
+            else:
+                self.feed_events(decode_rows(self.thread_id, rows, registry))
+
+    def feed_payload_rows(self, rows: list[PayloadRow]) -> None:
+        """Fold decoded payload rows (`EventStore.fold_payloads`); every projection must fold
+        payloads (`Projection.apply_payload`)."""
+        if not rows:
+            return
+        thread_id, states = self.thread_id, self._states
+        last = _contiguous(thread_id, self.version, rows[0][0], rows[-1][0], len(rows), rows)
+        fast = self._projector._fast_route
+        targets_of = self._projector._targets
+        for seq, payload, event_id, meta in rows:
+            kind = type(payload)
+            targets = fast.get(kind)
+            if targets is None:
+                targets = fast[kind] = [(_payload_apply(p), name) for p, name in targets_of(kind)]
+            for apply, name in targets:
+                states[name] = apply(states[name], seq, payload, event_id, meta)
+        self.version = last
+
+    def feed_events(self, batch: Sequence[RecordedEvent]) -> None:
+        """Fold decoded events (`EventStore.read_batches`)."""
+        if not batch:
+            return
+        thread_id, states = self.thread_id, self._states
+        last = _contiguous(thread_id, self.version, batch[0].seq, batch[-1].seq, len(batch), batch)
+        route = self._projector._route
+        targets_of = self._projector._targets
+        for event in batch:
+            kind = type(event.payload)
+            targets = route.get(kind)
+            if targets is None:
+                targets = route[kind] = targets_of(kind)
+            for p, name in targets:
+                states[name] = p.apply(states[name], event)
+        self.version = last
+
+    def folded(self) -> Folded:
+        """The states folded so far. A projection may change its state in place: feeding more
+        after this changes what it returned."""
+        return Folded(self.thread_id, self.version, dict(self._states))
 
 
 def _contiguous(

@@ -11,6 +11,7 @@ import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import pytest
@@ -557,11 +558,17 @@ async def test_verify_all_names_the_damaged_thread(store: es.EventStore) -> None
 # -- rebuild, verified first --------------------------------------------------------------------
 
 
-async def forged_thread(store: es.EventStore) -> Projector:
-    """Thread T with three messages (views current), whose second entry was then edited."""
+async def three_messages(store: es.EventStore) -> Projector:
+    """Thread T with three messages, one, two and three (views current)."""
     projector = Projector(store)
     for text in ("one", "two", "three"):
         await projector.append(T, [es.MessageAppended(message=user(text))])
+    return projector
+
+
+async def forged_thread(store: es.EventStore) -> Projector:
+    """Thread T with three messages (views current), whose second entry was then edited."""
+    projector = await three_messages(store)
     raw = Raw(store)
     entries = await raw.entries()
     entries[1] = (entries[1][0], edited(entries[1][1], "I never said that"))
@@ -600,6 +607,103 @@ async def test_rebuild_with_another_key_than_the_writers_is_refused(keyed: es.Ev
         await Auditor(keyed, secret=b"another key").rebuild(T)
     assert info.value.verdict.kind == "wrong_key"
     assert await Auditor(keyed, secret=SECRET).rebuild(T) == 1
+
+
+async def edit_after_first_read(
+    monkeypatch: pytest.MonkeyPatch, store: es.EventStore, text: str
+) -> None:
+    """Make the store's next read of T's log return the log as it is, then forge entry 2:
+    an edit landing while an audit runs, after its verification read the entry."""
+    original = store.read_raw
+    done = False
+
+    async def read_then_forge(thread_id: str, **kwargs: Any) -> list[tuple[bytes, Fields]]:
+        nonlocal done
+        rows = await original(thread_id, **kwargs)
+        if thread_id == T and rows and not done:
+            done = True
+            raw = Raw(store)
+            entries = await raw.entries()
+            entries[1] = (entries[1][0], edited(entries[1][1], text))
+            await raw.rewrite(entries)
+        return rows
+
+    monkeypatch.setattr(store, "read_raw", read_then_forge)
+
+
+async def test_rebuild_folds_exactly_the_entries_it_verified(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projector = await three_messages(store)
+    await edit_after_first_read(monkeypatch, store, "forged after the check")
+    assert await Auditor(store).rebuild(T) == 3
+    # The forgery landed after the entries were read and verified: what the views were
+    # rebuilt from is what was verified, never a second read of the log.
+    assert await texts(projector) == ["one", "two", "three"]
+    monkeypatch.undo()
+    assert_damage(await Auditor(store).verify(T), 2, "modified")
+
+
+async def test_check_compares_the_views_with_the_entries_it_verified(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await three_messages(store)
+    await edit_after_first_read(monkeypatch, store, "forged after the check")
+    found = await Auditor(store).check(T)
+    assert found.verdict.ok and found.report is not None and found.report.ok, found
+    assert found.ok
+
+
+async def test_check_reads_the_log_once(redis_url: str) -> None:
+    store = await es.open_store(StoreSettings.from_url(redis_url, namespace=uuid.uuid4().hex))
+    try:
+        assert isinstance(store, es.RedisEventStore)
+        projector = Projector(store)
+        for start in range(0, 5000, 500):
+            await projector.append(
+                T, [es.MessageAppended(message=user(f"m{i}")) for i in range(start, start + 500)]
+            )
+        auditor = Auditor(store)
+
+        async def xranges(job: Any) -> int:
+            await store.client.config_resetstat()
+            await job
+            stats = await store.client.info("commandstats")
+            return int(stats.get("cmdstat_xrange", {"calls": 0})["calls"])
+
+        verify_reads = await xranges(auditor.verify(T))
+        check_reads = await xranges(auditor.check(T))
+        rebuild_reads = await xranges(auditor.rebuild(T))
+        assert verify_reads >= 3  # 5,000 entries, VERIFY_BATCH at a time
+        assert check_reads == verify_reads
+        assert rebuild_reads == verify_reads
+    finally:
+        await store.close()
+
+
+async def test_check_of_a_damaged_log_judges_no_views(store: es.EventStore) -> None:
+    projector = await forged_thread(store)
+    await projector.append("clean", [es.MessageAppended(message=user("hi"))])
+    auditor = Auditor(store)
+    found = await auditor.check(T)
+    assert found.report is None and not found.ok
+    assert_damage(found.verdict, 2, "modified")
+    every = await auditor.check_all()
+    assert set(every) == {T, "clean"}
+    assert every["clean"].ok and every[T].report is None
+
+
+async def test_check_of_a_thread_with_a_stale_view_reports_the_difference(
+    store: es.EventStore,
+) -> None:
+    projector = Projector(store)
+    for text in ("one", "two"):
+        await projector.append(T, [es.MessageAppended(message=user(text))])
+    await store.append(T, [es.MessageAppended(message=user("behind the projector's back"))])
+    found = await Auditor(store).check(T)
+    assert found.verdict.ok and found.report is not None and not found.ok
+    assert {d.view for d in found.report.differences} == {"messages"}
+    assert found.report.version == 3
 
 
 # -- replay and diff -----------------------------------------------------------------------------
