@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-import anyio
 import msgspec
 
 from eventstore import (
@@ -147,35 +147,27 @@ class SessionStore:
         self.store = store
         self.projector = Projector(store)
         self.policy: AccessPolicy = policy or AllowAll()
-        # (the task that owns the dict, session id -> version): each task writes its own dict
-        # (copied on its first write), and a task started later reads its parent's as it was.
-        self._versions: ContextVar[tuple[object, dict[str, int]] | None] = ContextVar(
-            f"threadlog.SessionStore.versions.{id(self)}", default=None
+        # session id -> version, as this task last loaded or wrote it. Never changed in place:
+        # every write sets a new dict, so a task started earlier keeps the one it inherited
+        # (a child task's context holds its parent's dict as it was when the child started).
+        self._versions: ContextVar[Mapping[str, int]] = ContextVar(
+            f"threadlog.SessionStore.versions.{id(self)}", default=MappingProxyType({})
         )
 
     def _seen(self, session_id: str) -> int | None:
         """The version this task last loaded or wrote of the session (None: none)."""
-        remembered = self._versions.get()
-        return None if remembered is None else remembered[1].get(session_id)
+        return self._versions.get().get(session_id)
 
     def _remember(self, session_id: str, version: int | None) -> None:
         """Record (or, with None, forget) this task's version of the session."""
-        # The task's coroutine stands for the task: unique while it runs (the tuple keeps it
-        # alive, so no later task can take its identity), on asyncio and trio alike.
-        try:
-            owner: object = anyio.get_current_task().coro
-        except Exception:  # no event loop (`forget` called from synchronous code)
-            owner = object()  # owns nothing yet: the dict is copied
-        remembered = self._versions.get()
-        if remembered is None or remembered[0] is not owner:
-            versions = dict(remembered[1]) if remembered is not None else {}
-            self._versions.set((owner, versions))
-        else:
-            versions = remembered[1]
+        # Copied on every write (a task remembers the few sessions it serves; a copy of a
+        # small dict costs less than keeping track of which task may still read it).
+        versions = dict(self._versions.get())
         if version is None:
             versions.pop(session_id, None)
         else:
             versions[session_id] = version
+        self._versions.set(MappingProxyType(versions))
 
     async def _allow(
         self, principal: Principal | None, action: Literal["read", "write"], session_id: str

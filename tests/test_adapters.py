@@ -518,6 +518,35 @@ async def test_requests_sharing_one_session_store_are_writers_of_their_own(
     assert [m.text for m in (await sessions.load("s")).messages] == ["hello", "A's message"]
 
 
+async def test_a_task_started_after_a_load_does_not_see_its_parents_later_writes(
+    store: es.EventStore,
+) -> None:
+    """A child task inherits the version its parent had loaded when the child started; the
+    parent's writes after that must not become the child's: its write is stale."""
+    sessions = SessionStore(store)
+    await sessions.append("s", [user("u1")])
+    await sessions.load("s")  # this task remembers version 1
+    go = anyio.Event()
+    outcome: dict[str, object] = {}
+
+    async def summarizer() -> None:
+        await go.wait()
+        try:
+            outcome["child"] = await sessions.replace("s", [assistant("summary of u1")])
+        except es.ConcurrencyError as exc:
+            outcome["child"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(summarizer)
+        await anyio.sleep(0)  # the child exists (it started with version 1)
+        assert await sessions.append("s", [user("u2")]) == 2
+        go.set()
+    child = outcome["child"]
+    assert isinstance(child, es.ConcurrencyError), child
+    assert (child.expected, child.actual) == (1, 2)
+    assert [m.text for m in (await sessions.load("s")).messages] == ["u1", "u2"]
+
+
 async def test_an_update_of_a_loaded_transcript_carries_its_version(
     store: es.EventStore,
 ) -> None:
