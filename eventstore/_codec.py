@@ -230,7 +230,7 @@ def _encode(
         version = registry.version_of(payload)
         try:
             data = _encoder.encode(payload)
-        except (msgspec.EncodeError, TypeError, OverflowError) as exc:
+        except (msgspec.EncodeError, TypeError, OverflowError, UnicodeEncodeError) as exc:
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"

@@ -110,7 +110,13 @@ def check_payload(payload: Event, index: int) -> None:
     """
     try:
         msgspec.msgpack.decode(encoder.encode(payload), type=type(payload))
-    except (msgspec.EncodeError, msgspec.DecodeError, TypeError, OverflowError) as exc:
+    except (
+        msgspec.EncodeError,
+        msgspec.DecodeError,
+        TypeError,
+        OverflowError,
+        UnicodeEncodeError,
+    ) as exc:
         raise EventValidationError(
             f"event #{index} ({payload.event_type}) fails validation: {exc}"
         ) from exc

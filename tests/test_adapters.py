@@ -350,6 +350,26 @@ async def test_counts_are_named_as_the_caller_named_them(store: es.EventStore) -
     assert await store.version("t") == 1
 
 
+async def test_a_lone_surrogate_is_refused_as_invalid_input(store: es.EventStore) -> None:
+    """Python strings may hold unpaired surrogates, which have no UTF-8 form: refused as
+    `EventValidationError` (an `EventStoreError`), not a bare UnicodeEncodeError."""
+    bad = {"role": "user", "content": "bad \ud800 surrogate"}
+    threads, sessions = ThreadStore(store), SessionStore(store)
+    attempts = [
+        sessions.append("s", [bad]),
+        threads.append_message("t", bad),
+        threads.open_turn("t", request_message=bad),
+        threads.update_state("t", "plan", {"note": "\udfff"}, turn_id=None),
+        store.append(
+            "raw", [es.MessageAppended(message=es.Message(role="user", content="\ud800"))]
+        ),
+    ]
+    for attempt in attempts:
+        with pytest.raises(es.EventValidationError, match="surrogates not allowed"):
+            await attempt
+    assert [await store.version(t) for t in ("s", "t", "raw")] == [0, 0, 0]
+
+
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
     namespace = "a" + uuid.uuid4().hex[:12]
     a_store = await es.connect(redis_url, namespace=namespace)
@@ -537,8 +557,7 @@ async def test_a_task_started_after_a_load_does_not_see_its_parents_later_writes
             outcome["child"] = exc
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(summarizer)
-        await anyio.sleep(0)  # the child exists (it started with version 1)
+        tg.start_soon(summarizer)  # the child's context: this task's, version 1
         assert await sessions.append("s", [user("u2")]) == 2
         go.set()
     child = outcome["child"]
