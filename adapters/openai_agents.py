@@ -15,6 +15,8 @@ items; the log keeps every popped and cleared item for audit.
   up to `POP_TIMEOUT` seconds. Concurrent pops each pop a distinct item.
 * ``add_items`` retries a lost reply itself without adding twice; a caller that calls it again
   after it raised may add the items twice (see `ThreadlogSession.add_items`).
+* A cancelled ``add_items`` or ``clear_session`` runs to its end, then raises the cancellation,
+  as the SDK's own sessions do; a cancelled ``pop_item`` pops nothing.
 * ``ttl`` is a retention period: a session idle (no write) for longer is deleted when it is next
   touched, and `sweep_idle_sessions` deletes the idle sessions nobody touches. Nothing uses
   Redis ``EXPIRE``, so events never vanish from under the thread index and the change feed.
@@ -28,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -36,11 +39,12 @@ import math
 import random
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
+import anyio.lowlevel
 import msgspec
 from agents.items import TResponseInputItem
 
@@ -339,12 +343,20 @@ class ThreadlogSession:
         all the same, and calling again may add them twice: a key derived from the items
         cannot tell that retry from a second, legitimate add of equal items (a user saying
         "yes" twice), so none is used. Read the items back to decide.
+
+        Cancelling the call does not cut the append short, as with the SDK's own sessions:
+        it runs to its end, then the cancellation is raised; the items were added unless
+        the append itself failed. (`pop_item` stays cancellable: a pop cut short pops
+        nothing, where one run to its end would lose the item it could not return.)
         """
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
         stored = [_json_item(i, item) for i, item in enumerate(items)]
         if not items:
             return
+        await _to_the_end(self._add(stored))
+
+    async def _add(self, stored: list[dict[str, Any]]) -> None:
         await self._expire_if_idle()
         try:
             await self._append([ItemsAdded(items=stored)], expected_version=ANY)
@@ -392,7 +404,11 @@ class ThreadlogSession:
                 return self._decode(entry)
 
     async def clear_session(self) -> None:
-        """Remove every item from the session; the log keeps them."""
+        """Remove every item from the session; the log keeps them. A cancelled call clears
+        all the same (see `add_items`)."""
+        await _to_the_end(self._clear())
+
+    async def _clear(self) -> None:
         await self._expire_if_idle()
         # EXISTS: clearing a session that has no thread writes nothing.
         with contextlib.suppress(ConcurrencyError):
@@ -473,3 +489,36 @@ async def sweep_idle_sessions(
         await store.delete_thread(info.thread_id, views=list(SessionItemsProjection.views))
         deleted.append(info.thread_id)
     return deleted
+
+
+async def _to_the_end(write: Coroutine[Any, Any, None]) -> None:
+    """Await ``write`` to its end even if the caller is cancelled meanwhile, then raise the
+    cancellation: a write the SDK's caller cancelled is either done or failed, never unknown.
+
+    On asyncio (the SDK's loop) the write runs as a task of its own that the caller's
+    cancellation does not reach; elsewhere it is awaited in a shielded cancel scope.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # another event loop (trio)
+        on_asyncio = False
+    else:
+        on_asyncio = True
+    if not on_asyncio:
+        with anyio.CancelScope(shield=True):
+            await write
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return
+    task = asyncio.ensure_future(write)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc  # the write goes on; the caller hears of it after
+    if cancelled is None:
+        task.result()
+        return
+    if not task.cancelled():
+        task.exception()  # retrieved (not logged as never retrieved): the cancellation wins
+    raise cancelled

@@ -6,6 +6,7 @@ The same conversation runs once on a `ThreadlogSession` and once on the SDK's ow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import textwrap
@@ -485,6 +486,33 @@ async def test_two_processes_add_concurrently(redis_url: str, namespace: str) ->
         assert order == list(range(BATCHES))
     interleaved = [batch[0].split("-")[0] for batch in batches]
     assert interleaved != sorted(interleaved), "the processes did not overlap; test is vacuous"
+
+
+async def test_a_cancelled_add_or_clear_still_writes_as_the_sdk_sessions_do(
+    store: es.EventStore,
+) -> None:
+    """The SDK's own sessions finish a write their caller cancelled, then raise the
+    cancellation; so does this one: the caller knows the items were added."""
+    session = ThreadlogSession("cancelled", store)
+    outcomes: list[str] = []
+    for n in range(30):
+        task = asyncio.ensure_future(session.add_items([user(f"m{n}")]))
+        for _ in range(1 + n % 3):
+            await asyncio.sleep(0)  # the call began; cut in at different points of it
+        task.cancel()
+        try:
+            await task
+            outcomes.append("done")
+        except asyncio.CancelledError:
+            outcomes.append("cancelled")
+    assert "cancelled" in outcomes  # else the test cut in nowhere
+    assert contents(await session.get_items()) == [f"m{n}" for n in range(30)]
+    task = asyncio.ensure_future(session.clear_session())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await session.get_items() == []
 
 
 @pytest.fixture
