@@ -17,6 +17,7 @@ import msgspec
 from eventstore import (
     Event,
     EventMeta,
+    EventValidationError,
     HashGet,
     HashGetAll,
     HashLoad,
@@ -35,6 +36,46 @@ from eventstore import (
 from ._base import Projection, UnknownBlockError, UnknownReaderViewError, decode_as, encoder
 
 _NO_META = EventMeta()
+
+
+def check_json_value(block: str, value: Any) -> None:
+    """Refuse a block value that JSON cannot hold as it is.
+
+    State is application data that readers, ``threadlog show`` and exports see as JSON. A
+    value that would change on the way (NaN and infinities, bytes, a set, a non-string key,
+    an object of another type) would otherwise be stored as msgpack allows and come back, or
+    be exported, as something else. Tuples are taken as lists (they come back as lists).
+
+    Raises:
+        EventValidationError: naming the block and where in the value the culprit is.
+    """
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:
+        item, where = pending.pop()
+        if item is None or isinstance(item, str | bool | int):
+            continue
+        if isinstance(item, float):
+            if item - item == 0.0:  # finite (NaN and infinities give NaN)
+                continue
+            problem = f"{item!r} (JSON has no NaN or infinity)"
+        elif isinstance(item, list | tuple):
+            pending += [(x, f"{where}[{i}]") for i, x in enumerate(item)]
+            continue
+        elif isinstance(item, dict):
+            for key, x in item.items():
+                if not isinstance(key, str):
+                    problem = (
+                        f"keyed by {key!r}, of type {type(key).__name__} (JSON keys are strings)"
+                    )
+                    break
+                pending.append((x, f"{where}[{key!r}]"))
+            else:
+                continue
+        else:
+            problem = f"of type {type(item).__name__}, not a JSON type (convert it first)"
+        raise EventValidationError(
+            f"state block {block!r}: the value{' at ' + where if where else ''} is {problem}"
+        )
 
 
 class ReaderView(msgspec.Struct, frozen=True):
@@ -105,6 +146,7 @@ class StateProjection(Projection[dict[str, Block]]):
                     f"state block {payload.block!r} is not declared "
                     f"(known: {', '.join(sorted(self.known_blocks)) or 'none'})"
                 )
+            check_json_value(payload.block, payload.value)
 
     def apply(self, state: dict[str, Block], event: RecordedEvent) -> dict[str, Block]:
         return self.apply_payload(state, event.seq, event.payload, b"", _NO_META)

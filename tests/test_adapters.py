@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +370,38 @@ async def test_a_lone_surrogate_is_refused_as_invalid_input(store: es.EventStore
         with pytest.raises(es.EventValidationError, match="surrogates not allowed"):
             await attempt
     assert [await store.version(t) for t in ("s", "t", "raw")] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (float("nan"), "is nan (JSON has no NaN or infinity)"),
+        ({"budget": [1.0, float("-inf")]}, "at ['budget'][1] is -inf"),
+        (b"raw", "is of type bytes, not a JSON type"),
+        ({"tags": {"a", "b"}}, "at ['tags'] is of type set"),
+        ({1: "one"}, "is keyed by 1, of type int (JSON keys are strings)"),
+        (datetime(2026, 1, 1, tzinfo=UTC), "is of type datetime"),
+    ],
+)
+async def test_a_state_value_json_cannot_hold_is_refused(
+    store: es.EventStore, value: object, said: str
+) -> None:
+    """State is read and exported as JSON: a value that would come back as something else
+    is refused before anything is written, wherever it is written from."""
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t")
+    with pytest.raises(
+        es.EventValidationError, match=re.escape(f"state block 'plan': the value {said}")
+    ):
+        await threads.update_state("t", "plan", value, turn_id=turn)
+    with pytest.raises(es.EventValidationError, match=re.escape(said)):
+        await threads.settle_turn(
+            "t", turn, outcome="completed", state_updates=[StateUpdate("plan", value)]
+        )
+    assert await store.version("t") == 1
+    assert await threads.state("t") == {}
+    await threads.update_state("t", "plan", {"fine": (1, 2.5, None, True)}, turn_id=turn)
+    assert (await threads.state("t"))["plan"].value == {"fine": [1, 2.5, None, True]}
 
 
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
