@@ -35,7 +35,7 @@ from eventstore import (
 from projections import Projector, TranscriptMessage
 
 from ._access import AccessPolicy, AllowAll, Principal, authorize
-from ._threads import as_message
+from ._threads import as_messages
 
 
 class Transcript(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,8 +69,8 @@ def session_update(
     its version, and saving it fails with `ConcurrencyError` if the session changed since.
     """
     version = before.version if isinstance(before, Transcript) else None
-    old = [as_message(m) for m in (before.messages if isinstance(before, Transcript) else before)]
-    new = [as_message(m) for m in result]
+    old = as_messages(before.messages if isinstance(before, Transcript) else before, "before")
+    new = as_messages(result, "result")
     if len(new) >= len(old) and all(_same(a, b) for a, b in zip(old, new, strict=False)):
         return SessionUpdate(mode="append", messages=new[len(old) :], expected_version=version)
     return SessionUpdate(mode="replace", messages=new, expected_version=version)
@@ -201,7 +201,7 @@ class SessionStore:
         principal: Principal | None = None,
     ) -> int:
         """Add ``messages`` to the end of the transcript; returns the new version."""
-        event = TranscriptAppended(messages=[as_message(m) for m in messages])
+        event = TranscriptAppended(messages=as_messages(messages))
         return await self._write(session_id, event, expected_version, idempotency_key, principal)
 
     async def replace(
@@ -215,7 +215,7 @@ class SessionStore:
         principal: Principal | None = None,
     ) -> int:
         """Swap the transcript for ``messages`` (the log keeps the old one); new version."""
-        event = TranscriptReplaced(messages=[as_message(m) for m in messages], reason=reason)
+        event = TranscriptReplaced(messages=as_messages(messages), reason=reason)
         return await self._write(session_id, event, expected_version, idempotency_key, principal)
 
     async def save(

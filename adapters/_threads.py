@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -100,6 +101,16 @@ def as_message(message: Message | Mapping[str, Any]) -> Message:
             f"{type(message).__name__}: {message!r:.80}"
         )
     return Message.from_json(dict(message))
+
+
+def as_messages(messages: object, name: str = "messages") -> list[Message]:
+    """Accept a list of messages (`Message` or JSON object form each)."""
+    if isinstance(messages, Mapping | Message | str | bytes) or not isinstance(messages, Iterable):
+        one = " (one message? pass it in a list)" if isinstance(messages, Mapping | Message) else ""
+        raise InvalidInputError(
+            f"{name} must be a list of messages, not {type(messages).__name__}{one}"
+        )
+    return [as_message(m) for m in messages]
 
 
 def _check_counts(steps: int, usage: Usage | None) -> None:
@@ -572,9 +583,26 @@ class ThreadStore:
 SortKey = tuple[int, str, int]
 
 
+MAX_TURN_ID_CHARS = 256
+"""The longest turn id taken: ULIDs have 26 characters, UUIDs 36; a turn id is also part of
+the turn's idempotency keys, which have a limit of their own."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _check_turn_id(turn_id: object, name: str = "turn_id") -> None:
     if not isinstance(turn_id, str) or not turn_id:
-        raise InvalidInputError(f"{name} must be a non-empty string, not {turn_id!r}")
+        raise InvalidInputError(f"{name} must be a non-empty string, not {turn_id!r:.80}")
+    if len(turn_id) > MAX_TURN_ID_CHARS:
+        raise InvalidInputError(
+            f"{name} is {len(turn_id)} characters long, the limit is {MAX_TURN_ID_CHARS}"
+        )
+    bad = _CONTROL.search(turn_id)
+    if bad is not None:
+        raise InvalidInputError(
+            f"{name} {turn_id!r:.80} holds a control character {bad.group()!r} (not allowed, as "
+            "in thread ids)"
+        )
 
 
 def _first(pair: tuple[SortKey, TurnRecord]) -> SortKey:

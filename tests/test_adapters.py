@@ -404,6 +404,31 @@ async def test_a_state_value_json_cannot_hold_is_refused(
     assert (await threads.state("t"))["plan"].value == {"fine": [1, 2.5, None, True]}
 
 
+async def test_turn_ids_and_message_lists_are_checked_with_plain_words(
+    store: es.EventStore,
+) -> None:
+    threads, sessions = ThreadStore(store), SessionStore(store)
+    with pytest.raises(es.InvalidInputError, match=r"^turn_id is 600 characters long, the limit"):
+        await threads.open_turn("t", turn_id="x" * 600)
+    with pytest.raises(es.InvalidInputError, match=r"holds a control character '\\n'"):
+        await threads.open_turn("t", turn_id="turn\n1")
+    with pytest.raises(es.InvalidInputError, match=r"^parent_turn_id .* control character"):
+        await threads.open_turn("t", parent_turn_id="p\x00")
+    one = {"role": "user", "content": "hi"}
+    with pytest.raises(
+        es.InvalidInputError, match=r"^messages must be a list of messages, not dict \(one message"
+    ):
+        await sessions.append("s", one)  # type: ignore[arg-type]
+    with pytest.raises(
+        es.InvalidInputError, match=r"^messages must be a list of messages, not str"
+    ):
+        await sessions.replace("s", "hi")  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidInputError, match=r"^result must be a list of messages"):
+        session_update([one], one)  # type: ignore[arg-type]
+    assert await store.version("t") == 0 and await store.version("s") == 0
+    assert await threads.open_turn("t", turn_id="x" * 256) == "x" * 256
+
+
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
     namespace = "a" + uuid.uuid4().hex[:12]
     a_store = await es.connect(redis_url, namespace=namespace)
