@@ -509,6 +509,7 @@ class ThreadStore:
         principal: Principal | None = None,
     ) -> RecordsPage:
         """Settled turn records, newest first: of one thread, or of every thread (None).
+        (`context` gives a thread's latest records oldest first, as a prompt reads them.)
 
         ``after`` is the ``next_cursor`` of the previous page. A page across threads reads
         the records of every thread active since shortly (`CLOCK_SKEW_MS`) before the page's
@@ -572,7 +573,12 @@ class ThreadStore:
         records: int = 0,
         principal: Principal | None = None,
     ) -> Context:
-        """History window, a reader view and the latest records in one round trip."""
+        """History window, a reader view and the latest records in one round trip.
+
+        Both lists are in the order a prompt reads them, oldest first: the last ``limit``
+        messages, and the last ``records`` settled turn records in settle order (`records`
+        pages the other way, newest first). ``view`` None reads every state block.
+        """
         validate_count(limit, "limit")
         validate_count(records, "records")
         await self._allow(principal, "read", thread_id)
