@@ -9,6 +9,7 @@ stops the server it started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -99,6 +100,45 @@ def assert_one_line_error(run: Run, code: int = 2) -> str:
     lines = run.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("threadlog: "), run
     return lines[0]
+
+
+def _interruptible() -> None:
+    """In the child, before it runs: SIGINT back to its default action. A test run started in
+    the background by a shell (``cmd &``) inherits SIGINT ignored, and Python then installs no
+    handler for it: the Ctrl-C tests would test nothing but that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def cli_children() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``start(*args)`` runs the command line as a child with its output piped. However the
+    block ends (a failed assertion, a `subprocess.TimeoutExpired`), no child outlives it: each
+    one still running is killed, and every one is reaped and its pipes closed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*CLI, *args],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_interruptible,
+        )
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
 
 
 def with_store(url: str, namespace: str, job: Callable[[es.EventStore], Awaitable[T]]) -> T:
@@ -208,27 +248,26 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
 
 
 def test_usage_errors_are_one_line_with_exit_code_2() -> None:
-    # Started together: each is a separate interpreter, and they are independent.
-    procs = [
-        (
-            argv,
-            expected,
-            subprocess.Popen(
-                [*CLI, *argv],
-                cwd=ROOT,
-                env=child_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ),
-        )
-        for argv, expected in USAGE_ERRORS
-    ]
-    for argv, expected, proc in procs:
-        out, err = proc.communicate(timeout=60)
-        line = assert_one_line_error(Run(argv, proc.returncode, out, err))
-        assert expected in line, (argv, line)
-        assert out == "", (argv, out)
+    # Started together: each is a separate interpreter, and they are independent. One that
+    # hangs fails the test at its timeout, and is killed with the rest still running.
+    with cli_children() as start:
+        procs = [(argv, expected, start(*argv)) for argv, expected in USAGE_ERRORS]
+        for argv, expected, proc in procs:
+            out, err = proc.communicate(timeout=60)
+            line = assert_one_line_error(Run(argv, proc.returncode, out, err))
+            assert expected in line, (argv, line)
+            assert out == "", (argv, out)
+
+
+def test_children_a_test_leaves_running_are_killed_and_reaped(redis_url: str) -> None:
+    """A child still running when its test fails (here: a hang past its timeout) does not
+    outlive the test."""
+    with pytest.raises(subprocess.TimeoutExpired), cli_children() as start:
+        hung = start("tail", "--url", redis_url, "--namespace", fresh_namespace())
+        other = start("tail", "--url", redis_url, "--namespace", fresh_namespace())
+        hung.communicate(timeout=0.5)
+    for proc in (hung, other):
+        assert proc.returncode == -signal.SIGKILL  # killed, and reaped (its status collected)
 
 
 def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> None:
@@ -1394,13 +1433,6 @@ def test_tail_shows_events_missing_from_the_log_as_damage_and_goes_on(redis_url:
     assert missing == {**missing, "type": "events.missing", "first": 3, "last": 3}
 
 
-def _interruptible() -> None:
-    """In the child, before it runs: SIGINT back to its default action. A test run started in
-    the background by a shell (``cmd &``) inherits SIGINT ignored, and Python then installs no
-    handler for it: the Ctrl-C tests would test nothing but that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _read_line(stream: IO[str], timeout: float) -> str:
     with selectors.DefaultSelector() as selector:
         selector.register(stream, selectors.EVENT_READ)
@@ -1411,29 +1443,8 @@ def _read_line(stream: IO[str], timeout: float) -> str:
 
 @pytest.fixture
 def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-
-    def start(*args: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [*CLI, *args],
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=_interruptible,
-        )
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+    with cli_children() as start:
+        yield start
 
 
 def test_tail_follows_new_events_until_its_limit(
