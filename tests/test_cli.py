@@ -34,6 +34,7 @@ import pytest
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
 from adapters._framework_events import StoredWrite, WritesPut
+from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
 from eventstore.servers import free_port
 from eventstore.testing import msg
@@ -1431,6 +1432,86 @@ def test_tail_shows_events_missing_from_the_log_as_damage_and_goes_on(redis_url:
     )  # fmt: skip
     missing = json.loads(as_json.lines()[2])
     assert missing == {**missing, "type": "events.missing", "first": 3, "last": 3}
+
+
+async def _trim_every_feed(store: es.EventStore) -> int:
+    await anyio.sleep(0.01)  # by age 0: every entry of an earlier millisecond
+    return sum([await store.trim_feed(p, max_age_ms=0) for p in range(store.partitions)])
+
+
+def test_tail_reports_changes_trimmed_from_the_feed_before_it_read_them(redis_url: str) -> None:
+    """A catch-up (--since) over a feed trimmed since that time: the changes it can no longer
+    read are said to be missing, in their place in the timeline, and tail goes on after them."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("tr-1", [msg("gone0"), msg("gone1")])
+        await store.append("tr-2", [msg("gone2")])
+        assert await _trim_every_feed(store) == 2
+        await store.append("tr-1", [msg("kept3")])
+        await anyio.sleep(0.003)  # feed ids are per-millisecond
+        await store.append("tr-2", [msg("kept4")])
+        # More than the --limit below needs: a tail that skipped the gap would exit, not hang.
+        await store.append("tr-1", [msg("kept5")])
+        await store.append("tr-1", [msg("kept6")])
+
+    with_store(redis_url, namespace, setup)
+    run = cli("tail", "tr-1", "--since", "1h", "--limit", "2", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    lines = run.lines()
+    partition = es.partition_of("tr-1", es.DEFAULT_PARTITIONS)
+    assert f"partition {partition}  changes after " in lines[0], lines
+    assert "not shown: the change feed was trimmed past them" in lines[0], lines
+    assert "tr-1 #3 " in lines[1] and "kept3" in lines[1], lines
+    as_json = cli(
+        "tail", "--since", "1h", "--limit", "4", "--json", url=redis_url, namespace=namespace
+    )  # fmt: skip
+    assert as_json.code == 0, as_json
+    rows = [json.loads(line) for line in as_json.lines()]
+    gaps = [r for r in rows if r["type"] == "feed.trimmed"]
+    shown = [(r["thread"], r["seq"]) for r in rows if r["type"] == "message.appended"]
+    assert shown == [("tr-1", 3), ("tr-2", 2)], rows
+    assert {g["partition"] for g in gaps} == {
+        es.partition_of(t, es.DEFAULT_PARTITIONS) for t in ("tr-1", "tr-2")
+    }, rows
+    assert rows.index(gaps[-1]) < rows.index(next(r for r in rows if "seq" in r)), rows
+    assert all(g["after"] == rows[0]["after"] and g["trimmed_to"] for g in gaps), rows
+
+
+def test_tail_reports_changes_trimmed_while_it_follows(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Changes trimmed before tail started are none of its business; those trimmed while it
+    follows, before it read them, are reported."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("live", [msg("before")])
+        assert await _trim_every_feed(store) == 1
+
+    with_store(redis_url, namespace, setup)
+    proc = popen(
+        "tail", "live", "--limit", "2", "--json", "--interval", "5", "--url", redis_url,
+        "--namespace", namespace,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    assert "following thread 'live'" in _read_line(proc.stderr, 30)
+    time.sleep(1)  # past tail's first read; its next comes 5 s after it
+
+    async def write(store: es.EventStore) -> None:
+        await store.append("live", [msg("unseen")])
+        assert await _trim_every_feed(store) == 1
+        await store.append("live", [msg("after")])
+        await store.append("live", [msg("more")])  # a tail that skipped the gap exits too
+
+    with_store(redis_url, namespace, write)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    gap, event = (json.loads(line) for line in out.splitlines())
+    assert gap["type"] == "feed.trimmed", gap
+    assert gap["partition"] == es.partition_of("live", es.DEFAULT_PARTITIONS), gap
+    assert parse_stream_id(gap["after"]) < parse_stream_id(gap["trimmed_to"]), gap
+    assert (event["seq"], event["payload"]["message"]["content"]) == (3, "after"), event
 
 
 def _read_line(stream: IO[str], timeout: float) -> str:
