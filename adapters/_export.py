@@ -1045,7 +1045,7 @@ class Exporter:
         with _run_lock(self.directory):
             await _fence_earlier_workers(self.directory)
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
-            await self._claim_directory(positions)
+            delivered = await self._claim_directory(positions)
             if since_ms is not None and positions:
                 raise InvalidInputError(
                     f"since (--since) only starts a new export directory: {self.directory} "
@@ -1053,7 +1053,7 @@ class Exporter:
                     f"time would be skipped for good; run without it, or export to a new "
                     f"directory"
                 )
-            await self._check_not_trimmed(positions, since_ms)
+            await self._check_not_trimmed(positions, since_ms, delivered)
             for p in range(self.store.partitions):
                 start = positions.get(p, "0-0")
                 created = await self.store.create_feed_group(p, self.group, start=start)
@@ -1092,9 +1092,14 @@ class Exporter:
                 await anyio.to_thread.run_sync(_remove_source, self.directory)
             return result
 
-    async def _claim_directory(self, positions: dict[int, str]) -> None:
+    async def _claim_directory(self, positions: dict[int, str]) -> dict[int, str]:
         """Check that the directory holds this run's source, recording it in a new (or older)
-        directory, and settle the export name; raises `ExportSourceError` otherwise."""
+        directory, and settle the export name; raises `ExportSourceError` otherwise.
+
+        Returns where the export's consumer group stands per partition that has it (read
+        only for a directory with positions, else empty), for the run's later checks: read
+        once a run, as each read is an XINFO GROUPS and an XPENDING per group.
+        """
         recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
         # A source binds a directory once it has positions: before that there is nothing a
         # wrong source could skip or duplicate, and a record left by a run that exported
@@ -1127,13 +1132,28 @@ class Exporter:
                     f"{asked.namespace!r}: one directory holds one namespace's export; "
                     f"export {asked.namespace!r} to another directory"
                 )
+        delivered: dict[int, str] = {}
         if positions:
-            await self._check_positions(positions)
+            delivered = await self._group_positions()
+            await self._check_positions(positions, delivered)
         if bound is None or (asked.url is not None and bound.url != asked.url):
             await anyio.to_thread.run_sync(_write_source, self.directory, asked)
+        return delivered
 
-    async def _check_not_trimmed(self, positions: dict[int, str], since_ms: int | None) -> None:
-        """Refuse to start where the feed no longer holds every change after the start.
+    async def _group_positions(self) -> dict[int, str]:
+        """The last entry delivered to the export's consumer group, per partition that has it."""
+        found: dict[int, str] = {}
+        for p in range(self.store.partitions):
+            for group in await self.store.feed_groups(p):
+                if group.name == self.group:
+                    found[p] = group.last_delivered
+        return found
+
+    async def _check_not_trimmed(
+        self, positions: dict[int, str], since_ms: int | None, delivered: dict[int, str]
+    ) -> None:
+        """Refuse to start where the feed no longer holds every change after the start
+        (``delivered``: where the export's group stands, as `_claim_directory` read it).
 
         Trimming waits for the directory's group, so this is a trim by age (or by hand), a
         group dropped meanwhile, or a new directory on a feed trimmed before it: reading on
@@ -1146,14 +1166,7 @@ class Exporter:
             if start is None and positions:
                 # A partition the directory has had no change from: its group, made at the
                 # directory's first run, has held trimming back there since.
-                start = next(
-                    (
-                        g.last_delivered
-                        for g in await self.store.feed_groups(p)
-                        if g.name == self.group
-                    ),
-                    None,
-                )
+                start = delivered.get(p)
             if start is None:  # a partition this directory has not read yet: from the start
                 if since_ms is not None and trimmed[0] < since_ms:
                     continue  # every trimmed change is older than the run asks for
@@ -1178,11 +1191,12 @@ class Exporter:
                     f"a new directory with --since"
                 )
 
-    async def _check_positions(self, positions: dict[int, str]) -> None:
+    async def _check_positions(self, positions: dict[int, str], delivered: dict[int, str]) -> None:
         """Refuse positions the store contradicts: a position that is not on its partition's
         feed although the feed holds entries before it (the feed was reset, or is another
         one: those entries would never be exported), and a consumer group ahead of the
-        directory (another directory exports under the same name)."""
+        directory (``delivered``: where it stands; another directory exports under the same
+        name)."""
         store = self.store
         for p, position in sorted(positions.items()):
             if p >= store.partitions:
@@ -1202,20 +1216,18 @@ class Exporter:
                     f"replaced since, or the directory holds another store's export; export "
                     f"to a new directory"
                 )
-        for p in range(store.partitions):
-            ours = parse_stream_id(positions.get(p, "0-0"))
-            for group in await store.feed_groups(p):
-                if group.name == self.group and parse_stream_id(group.last_delivered) > ours:
-                    raise ExportSourceError(
-                        f"the feed consumer group {self.group!r} of namespace "
-                        f"{store.namespace!r} is ahead of {self.directory} (partition {p}: "
-                        f"{group.last_delivered}, the directory {positions.get(p, '0-0')}): "
-                        f"another export directory uses the export name {self.name!r}, and "
-                        f"this one cannot continue under it (feed trimming follows the group, "
-                        f"so it may have removed changes this directory has not exported); "
-                        f"export into a new directory, without --name (each new directory then "
-                        f"gets a name of its own)"
-                    )
+        for p, last_delivered in sorted(delivered.items()):
+            if parse_stream_id(last_delivered) > parse_stream_id(positions.get(p, "0-0")):
+                raise ExportSourceError(
+                    f"the feed consumer group {self.group!r} of namespace "
+                    f"{store.namespace!r} is ahead of {self.directory} (partition {p}: "
+                    f"{last_delivered}, the directory {positions.get(p, '0-0')}): "
+                    f"another export directory uses the export name {self.name!r}, and "
+                    f"this one cannot continue under it (feed trimming follows the group, "
+                    f"so it may have removed changes this directory has not exported); "
+                    f"export into a new directory, without --name (each new directory then "
+                    f"gets a name of its own)"
+                )
 
     async def _busy_partitions(self, positions: dict[int, str]) -> int:
         """How many partitions have changes waiting past ``positions``."""

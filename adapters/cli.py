@@ -1251,11 +1251,42 @@ async def _feed_positions(
     start = f"{max(0, newest[0].last_activity_ms - 60_000)}-0" if newest else "0-0"
     positions: dict[int, str] = {}
     for p in partitions:
-        position = start
+        # Not before what was trimmed already: that left the feed before tail started, and is
+        # no gap in what it follows (a feed trimmed to empty has nothing past it to read).
+        position = max(start, (await store.feed_info(p)).trimmed_to, key=parse_stream_id)
         while entries := await store.read_feed(p, after=position, count=1024):
             position = entries[-1].id
         positions[p] = position
     return positions
+
+
+@dataclass(frozen=True)
+class _FeedGap:
+    """Changes trimmed from a partition's feed before tail read them: every one after
+    ``after`` (tail's position) up to ``id`` (the newest removed), which places it in time."""
+
+    partition: int
+    after: str
+    id: str
+
+
+async def _read_partition(
+    store: es.EventStore, partition: int, position: str
+) -> list[es.FeedEntry | _FeedGap]:
+    """The next page of a partition's feed after ``position``, led by a `_FeedGap` when the
+    feed was trimmed past ``position`` before the page was read: never skipped in silence."""
+    page: list[es.FeedEntry | _FeedGap] = []
+    page += await store.read_feed(partition, after=position, count=TAIL_FEED_PAGE)
+    # Asked after the read: a trim that came first removed everything up to its newest id, so
+    # the page starts above it. A trim that came after the read (the page starts at or below
+    # its newest id) took entries the page holds, and those after it the next read reports.
+    trimmed = (await store.feed_info(partition)).trimmed_to
+    newest_removed = parse_stream_id(trimmed)
+    if newest_removed > parse_stream_id(position) and (
+        not page or newest_removed < parse_stream_id(page[0].id)
+    ):
+        page.insert(0, _FeedGap(partition, position, trimmed))
+    return page
 
 
 async def _stop_on_signal(
@@ -1293,16 +1324,16 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
         # Changes are shown in feed-id (time) order across partitions, not partition by
         # partition: a partition's next change is shown only once every other partition has
         # one pending or has none waiting, so a catch-up from --since reads as one timeline.
-        pending: dict[int, deque[es.FeedEntry]] = {p: deque() for p in partitions}
+        pending: dict[int, deque[es.FeedEntry | _FeedGap]] = {p: deque() for p in partitions}
         more: set[int] = set()  # partitions whose last read filled a page: more may follow
         while True:
             for p in partitions:
                 if not pending[p]:
-                    page = await store.read_feed(p, after=positions[p], count=TAIL_FEED_PAGE)
+                    page = await _read_partition(store, p, positions[p])
                     pending[p].extend(page)
                     if page:
                         positions[p] = page[-1].id
-                    if len(page) == TAIL_FEED_PAGE:
+                    if sum(isinstance(e, es.FeedEntry) for e in page) == TAIL_FEED_PAGE:
                         more.add(p)
                     else:
                         more.discard(p)
@@ -1315,6 +1346,10 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
                     break  # a partition to read on before anything later is shown
                 p = min(heads, key=lambda q: parse_stream_id(pending[q][0].id))
                 entry = pending[p].popleft()
+                if isinstance(entry, _FeedGap):
+                    if _show_gap(entry, emit, json=args.json):
+                        return
+                    continue
                 if thread is not None and entry.thread_id != thread:
                     continue
                 if await _show_change(store, entry, emit, json=args.json):
@@ -1331,6 +1366,23 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
         sys.stderr.flush()
         await follow(positions)
         tg.cancel_scope.cancel()
+
+
+def _show_gap(gap: _FeedGap, emit: Callable[[Text | dict[str, Any]], bool], *, json: bool) -> bool:
+    """Say that changes were trimmed from the feed unseen (tail goes on after them); True once
+    the --limit is reached."""
+    ms = parse_stream_id(gap.id)[0]
+    if json:
+        row = {"type": "feed.trimmed", "partition": gap.partition, "after": gap.after}
+        return emit({**row, "trimmed_to": gap.id, "time_ms": ms})
+    since = "" if gap.after == "0-0" else f" after {_id_time(gap.after)}"
+    line = Text(f"{fmt_time(ms)}  partition {gap.partition}  ")
+    line.append(
+        f"changes{since} up to {fmt_time(ms)} not shown: the change feed was trimmed past "
+        "them (their events are still in the threads' logs; run 'threadlog feed')",
+        style="red",
+    )
+    return emit(line)
 
 
 async def _show_change(

@@ -1009,6 +1009,8 @@ class RedisEventStore(EventStore):
         reply = await _call(LOAD_VIEWS(self.client, index.keys, args))
         if reply[0] == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+        if reply[0] == b"meta":
+            raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
 
     async def _load_views_chunked(
         self,
@@ -1079,6 +1081,8 @@ class RedisEventStore(EventStore):
             raise
         if reply[0] == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+        if reply[0] == b"meta":
+            raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
         if reply[0] != b"ok":
             lost = index.keys[int(reply[1]) - 1]
             raise OperationalError(

@@ -32,6 +32,7 @@ from eventstore import (
     validate_consumer,
     validate_view_name,
 )
+from eventstore._feed import parse_stream_id
 
 log = logging.getLogger("threadlog.runner")
 
@@ -130,7 +131,7 @@ class ProjectionRunner:
         name = self.projection.name
         trimmed_to = (await self.store.feed_info(partition)).trimmed_to
         checkpoint = await self.store.checkpoint_of(partition, name)
-        if _id_key(trimmed_to) <= _id_key(checkpoint):
+        if parse_stream_id(trimmed_to) <= parse_stream_id(checkpoint):
             return
         if not self.accept_trimmed_feed:
             raise FeedTrimmedError(partition, f"projection {name!r}", checkpoint, trimmed_to)
@@ -180,10 +181,11 @@ class ProjectionRunner:
 
     async def _process(self, partition: int, batch: list[FeedEntry]) -> int:
         name = self.projection.name
-        batch = sorted(batch, key=lambda e: _id_key(e.id))
+        batch = sorted(batch, key=lambda e: parse_stream_id(e.id))
         while True:
             checkpoint = await self.store.checkpoint_of(partition, name)
-            fresh = [e for e in batch if _id_key(e.id) > _id_key(checkpoint)]
+            after = parse_stream_id(checkpoint)
+            fresh = [e for e in batch if parse_stream_id(e.id) > after]
             if not fresh:
                 break
             incr: list[Increment] = []
@@ -200,11 +202,6 @@ class ProjectionRunner:
             log.info("checkpoint of %s moved in partition %d; refiltering", name, partition)
         await self.store.ack_feed(partition, name, [e.id for e in batch])
         return len(batch)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, n = entry_id.partition("-")
-    return int(ms), int(n or 0)
 
 
 class UsageRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -822,6 +822,39 @@ async def test_a_meta_version_that_is_not_a_number_is_damage_to_that_thread(
         assert tombstone.thread_id == T
 
 
+@pytest.mark.parametrize("stored", ["1e1", " 10", "10 ", "0x0a", "10.0", "+10"])
+async def test_a_meta_version_only_lua_would_read_as_a_number_is_damage_in_every_script(
+    redis_url: str, stored: str
+) -> None:
+    """Lua's ``tonumber`` reads each of these as 10; the client's readers take digits only. The
+    scripts do the same: the append and the view load report the damage as the readers do and
+    write nothing, and a deletion's tombstone says 0 (the version is unknown)."""
+    async with await es.connect(redis_url, namespace="v" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append(T, [es.MessageAppended(message=user(f"m{i}")) for i in range(10)])
+        view = (es.ViewEntry(10, b"kept"),)
+        await store.load_views(T, [es.ListLoad("v", view)], expected_version=10)
+        meta = store.keys.meta(T)
+        await store.client.hset(meta, "v", stored)
+        log = await store.read_raw(T)
+        more = [es.MessageAppended(message=user("more"))]
+        for call in (
+            lambda: store.append(T, more),
+            lambda: store.append(T, more, expected_version=10),
+            lambda: store.load_views(T, [es.ViewClear("v")], expected_version=10),
+            lambda: store.version(T),
+        ):
+            with pytest.raises(es.CorruptEventError, match="field 'v'"):
+                await call()
+        assert await store.read_raw(T) == log  # nothing appended
+        assert await store.client.hget(meta, "v") == stored.encode()
+        # Nothing loaded (read raw: every reader of the views refuses the damaged version).
+        assert await store.client.lrange(store.keys.view(T, "v"), 0, -1) == [b"10:kept"]
+        assert await store.delete_thread(T) == 0  # the version it had is unknown: 0
+        (tombstone,) = [e for e in await store.read_feed(store.keys.partition(T)) if e.deleted]
+        assert tombstone.last_seq == 0
+
+
 async def test_a_keyed_thread_copied_into_another_namespace_does_not_verify_there(
     redis_url: str,
 ) -> None:

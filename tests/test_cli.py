@@ -9,6 +9,7 @@ stops the server it started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import pytest
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
 from adapters._framework_events import StoredWrite, WritesPut
+from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
 from eventstore.servers import free_port
 from eventstore.testing import msg
@@ -99,6 +101,45 @@ def assert_one_line_error(run: Run, code: int = 2) -> str:
     lines = run.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("threadlog: "), run
     return lines[0]
+
+
+def _interruptible() -> None:
+    """In the child, before it runs: SIGINT back to its default action. A test run started in
+    the background by a shell (``cmd &``) inherits SIGINT ignored, and Python then installs no
+    handler for it: the Ctrl-C tests would test nothing but that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def cli_children() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``start(*args)`` runs the command line as a child with its output piped. However the
+    block ends (a failed assertion, a `subprocess.TimeoutExpired`), no child outlives it: each
+    one still running is killed, and every one is reaped and its pipes closed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*CLI, *args],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_interruptible,
+        )
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
 
 
 def with_store(url: str, namespace: str, job: Callable[[es.EventStore], Awaitable[T]]) -> T:
@@ -208,27 +249,26 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
 
 
 def test_usage_errors_are_one_line_with_exit_code_2() -> None:
-    # Started together: each is a separate interpreter, and they are independent.
-    procs = [
-        (
-            argv,
-            expected,
-            subprocess.Popen(
-                [*CLI, *argv],
-                cwd=ROOT,
-                env=child_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ),
-        )
-        for argv, expected in USAGE_ERRORS
-    ]
-    for argv, expected, proc in procs:
-        out, err = proc.communicate(timeout=60)
-        line = assert_one_line_error(Run(argv, proc.returncode, out, err))
-        assert expected in line, (argv, line)
-        assert out == "", (argv, out)
+    # Started together: each is a separate interpreter, and they are independent. One that
+    # hangs fails the test at its timeout, and is killed with the rest still running.
+    with cli_children() as start:
+        procs = [(argv, expected, start(*argv)) for argv, expected in USAGE_ERRORS]
+        for argv, expected, proc in procs:
+            out, err = proc.communicate(timeout=60)
+            line = assert_one_line_error(Run(argv, proc.returncode, out, err))
+            assert expected in line, (argv, line)
+            assert out == "", (argv, out)
+
+
+def test_children_a_test_leaves_running_are_killed_and_reaped(redis_url: str) -> None:
+    """A child still running when its test fails (here: a hang past its timeout) does not
+    outlive the test."""
+    with pytest.raises(subprocess.TimeoutExpired), cli_children() as start:
+        hung = start("tail", "--url", redis_url, "--namespace", fresh_namespace())
+        other = start("tail", "--url", redis_url, "--namespace", fresh_namespace())
+        hung.communicate(timeout=0.5)
+    for proc in (hung, other):
+        assert proc.returncode == -signal.SIGKILL  # killed, and reaped (its status collected)
 
 
 def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> None:
@@ -1394,11 +1434,84 @@ def test_tail_shows_events_missing_from_the_log_as_damage_and_goes_on(redis_url:
     assert missing == {**missing, "type": "events.missing", "first": 3, "last": 3}
 
 
-def _interruptible() -> None:
-    """In the child, before it runs: SIGINT back to its default action. A test run started in
-    the background by a shell (``cmd &``) inherits SIGINT ignored, and Python then installs no
-    handler for it: the Ctrl-C tests would test nothing but that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+async def _trim_every_feed(store: es.EventStore) -> int:
+    await anyio.sleep(0.01)  # by age 0: every entry of an earlier millisecond
+    return sum([await store.trim_feed(p, max_age_ms=0) for p in range(store.partitions)])
+
+
+def test_tail_reports_changes_trimmed_from_the_feed_before_it_read_them(redis_url: str) -> None:
+    """A catch-up (--since) over a feed trimmed since that time: the changes it can no longer
+    read are said to be missing, in their place in the timeline, and tail goes on after them."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("tr-1", [msg("gone0"), msg("gone1")])
+        await store.append("tr-2", [msg("gone2")])
+        assert await _trim_every_feed(store) == 2
+        await store.append("tr-1", [msg("kept3")])
+        await anyio.sleep(0.003)  # feed ids are per-millisecond
+        await store.append("tr-2", [msg("kept4")])
+        # More than the --limit below needs: a tail that skipped the gap would exit, not hang.
+        await store.append("tr-1", [msg("kept5")])
+        await store.append("tr-1", [msg("kept6")])
+
+    with_store(redis_url, namespace, setup)
+    run = cli("tail", "tr-1", "--since", "1h", "--limit", "2", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    lines = run.lines()
+    partition = es.partition_of("tr-1", es.DEFAULT_PARTITIONS)
+    assert f"partition {partition}  changes after " in lines[0], lines
+    assert "not shown: the change feed was trimmed past them" in lines[0], lines
+    assert "tr-1 #3 " in lines[1] and "kept3" in lines[1], lines
+    as_json = cli(
+        "tail", "--since", "1h", "--limit", "4", "--json", url=redis_url, namespace=namespace
+    )  # fmt: skip
+    assert as_json.code == 0, as_json
+    rows = [json.loads(line) for line in as_json.lines()]
+    gaps = [r for r in rows if r["type"] == "feed.trimmed"]
+    shown = [(r["thread"], r["seq"]) for r in rows if r["type"] == "message.appended"]
+    assert shown == [("tr-1", 3), ("tr-2", 2)], rows
+    assert {g["partition"] for g in gaps} == {
+        es.partition_of(t, es.DEFAULT_PARTITIONS) for t in ("tr-1", "tr-2")
+    }, rows
+    assert rows.index(gaps[-1]) < rows.index(next(r for r in rows if "seq" in r)), rows
+    assert all(g["after"] == rows[0]["after"] and g["trimmed_to"] for g in gaps), rows
+
+
+def test_tail_reports_changes_trimmed_while_it_follows(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Changes trimmed before tail started are none of its business; those trimmed while it
+    follows, before it read them, are reported."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await store.append("live", [msg("before")])
+        assert await _trim_every_feed(store) == 1
+
+    with_store(redis_url, namespace, setup)
+    proc = popen(
+        "tail", "live", "--limit", "2", "--json", "--interval", "5", "--url", redis_url,
+        "--namespace", namespace,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    assert "following thread 'live'" in _read_line(proc.stderr, 30)
+    time.sleep(1)  # past tail's first read; its next comes 5 s after it
+
+    async def write(store: es.EventStore) -> None:
+        await store.append("live", [msg("unseen")])
+        assert await _trim_every_feed(store) == 1
+        await store.append("live", [msg("after")])
+        await store.append("live", [msg("more")])  # a tail that skipped the gap exits too
+
+    with_store(redis_url, namespace, write)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    gap, event = (json.loads(line) for line in out.splitlines())
+    assert gap["type"] == "feed.trimmed", gap
+    assert gap["partition"] == es.partition_of("live", es.DEFAULT_PARTITIONS), gap
+    assert parse_stream_id(gap["after"]) < parse_stream_id(gap["trimmed_to"]), gap
+    assert (event["seq"], event["payload"]["message"]["content"]) == (3, "after"), event
 
 
 def _read_line(stream: IO[str], timeout: float) -> str:
@@ -1411,29 +1524,8 @@ def _read_line(stream: IO[str], timeout: float) -> str:
 
 @pytest.fixture
 def popen() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-
-    def start(*args: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [*CLI, *args],
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=_interruptible,
-        )
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+    with cli_children() as start:
+        yield start
 
 
 def test_tail_follows_new_events_until_its_limit(

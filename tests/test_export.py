@@ -898,3 +898,37 @@ async def test_a_feed_trimmed_past_the_directory_stops_the_export(
     result = await Exporter(store, tmp_path / "c", fmt="ndjson").run(since=since)
     assert result.events > 0
     assert {row["thread"] for row in ndjson_rows(tmp_path / "c")} == {"u"}
+
+
+class GroupReadsStore(es.RedisEventStore):
+    """A real Redis store that counts its consumer group reads (``feed_groups``) per partition."""
+
+    group_reads: dict[int, int]
+
+    async def feed_groups(self, partition: int) -> list[es.GroupInfo]:
+        self.group_reads[partition] = self.group_reads.get(partition, 0) + 1
+        return await super().feed_groups(partition)
+
+
+async def test_a_run_reads_each_partitions_consumer_groups_once(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    """The checks at a run's start need where the export's group stands: one read of the
+    groups per partition (XINFO GROUPS and an XPENDING per group), shared by every check."""
+    assert isinstance(redis_store, es.RedisEventStore)
+    store = GroupReadsStore(
+        redis_store.client, namespace=redis_store.namespace, partitions=redis_store.partitions
+    )
+    store.group_reads = {}
+    try:
+        await conversation(store, "t", 1)  # changes in one partition: the others have none
+        exporter = Exporter(store, tmp_path, fmt="ndjson")
+        await exporter.run()
+        assert len(committed_positions(tmp_path)[1]) == 1
+        assert all(n == 1 for n in store.group_reads.values()), store.group_reads
+        await conversation(store, "t", 1)
+        store.group_reads = {}
+        assert (await exporter.run()).events > 0
+        assert store.group_reads == dict.fromkeys(range(store.partitions), 1)
+    finally:
+        await store.close()  # its client is the fixture's: closed there

@@ -10,7 +10,7 @@ meanwhile, and no staging key left behind, whatever happens half way.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from eventstore import (
     RedisEventStore,
     ViewClear,
     ViewEntry,
+    ViewOp,
 )
 from eventstore._codec import decode_entry, decode_payload_rows, decode_rows, payload_row
 from eventstore._keys import STAGING_TTL_S
@@ -192,6 +193,23 @@ async def test_an_append_during_a_chunked_load_loads_nothing_and_leaves_no_stagi
     assert after[-1].seq == 41
 
 
+async def after_the_last_chunk(
+    store: HookedStore, ops: Sequence[ViewOp], version: int, then: Callable[[], Awaitable[Any]]
+) -> int:
+    """Load ``ops`` into thread "t" once, to count its chunks, and hook ``then`` to run after
+    the last chunk of the next load of them (before its swap). Returns the number of chunks."""
+    store.hook, store.chunks = None, 0
+    await store.load_views("t", ops, expected_version=version)
+    total, store.chunks = store.chunks, 0
+
+    async def last(chunk: int, stage: str) -> None:
+        if chunk == total:
+            await then()
+
+    store.hook = last
+    return total
+
+
 async def test_the_swap_refuses_a_thread_that_moved_after_the_last_chunk(
     store: HookedStore,
 ) -> None:
@@ -199,26 +217,35 @@ async def test_the_swap_refuses_a_thread_that_moved_after_the_last_chunk(
     await write_turns(projector, "t", 6)
     folded = await projector.fold("t")
     ops = [op for p in projector.projections for op in p.materialize(folded.states[p.name])]
-    total = 0
-
-    async def count(chunk: int, stage: str) -> None:
-        nonlocal total
-        total = chunk
-
-    store.hook = count
-    await store.load_views("t", ops, expected_version=folded.version)
-    store.chunks = 0
-
-    async def append_after_last(chunk: int, stage: str) -> None:
-        if chunk == total:
-            await projector.append("t", [MessageAppended(message=message("late"))])
-
-    store.hook = append_after_last
+    late = [MessageAppended(message=message("late"))]
+    total = await after_the_last_chunk(
+        store, ops, folded.version, lambda: projector.append("t", late)
+    )
     with pytest.raises(ConcurrencyError):
         await store.load_views("t", ops, expected_version=folded.version)
     assert store.chunks == total  # every chunk went; the swap script said no
     assert await staging_keys(store) == []
     assert (await projector.check("t")).ok
+
+
+async def test_the_swap_refuses_a_version_only_lua_would_read_as_a_number(
+    store: HookedStore,
+) -> None:
+    """A version damaged to ``4e1`` after the last chunk (each chunk's own read of it takes
+    digits only): the swap reports the damage as every reader does, and loads nothing."""
+    projector = make_projector(store)
+    await write_turns(projector, "t", 10)
+    folded = await projector.fold("t")
+    assert folded.version == 40
+    ops = [op for p in projector.projections for op in p.materialize(folded.states[p.name])]
+    meta = store.keys.meta("t")
+    total = await after_the_last_chunk(store, ops, 40, lambda: store.client.hset(meta, "v", "4e1"))
+    await store.client.delete(store.keys.view("t", "messages"))  # a load would bring it back
+    with pytest.raises(es.CorruptEventError, match="field 'v'"):
+        await store.load_views("t", ops, expected_version=40)
+    assert store.chunks == total  # every chunk went; the swap script said no
+    assert await staging_keys(store) == []
+    assert not await store.client.exists(store.keys.view("t", "messages"))
 
 
 async def test_rebuild_retries_past_appends_made_during_its_chunked_load(

@@ -276,3 +276,30 @@ async def test_a_feed_trimmed_past_the_checkpoint_stops_the_runner(store: es.Eve
     assert await late.run_once() == 1
     small = totals(await UsageProjection().report(store))["small"]
     assert small == (expected["small"][0] + 1, expected["small"][1] + 1000, small[2])
+
+
+@pytest.mark.parametrize("damaged", ["9_999_999_999_999-0", " 99999999999999-0"])
+async def test_a_checkpoint_that_is_not_a_stream_id_stops_the_runner(
+    redis_url: str, damaged: str
+) -> None:
+    """A stored checkpoint is read as the store reads stream ids: Python's ``int`` would take
+    ``9_999...`` (or a leading space) for a position past every change, and the runner would
+    ack the changes after it uncounted."""
+    async with await es.connect(redis_url, namespace="c" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        expected = await fill(store, 3)
+        usage = UsageProjection()
+        runner = ProjectionRunner(store, usage, consumer="c")
+        await runner.run_once()
+        p = es.partition_of("thread-0", store.partitions)
+        checkpoint = await store.checkpoint_of(p, usage.name)
+        await store.client.hset(store.keys.checkpoints(p), usage.name, damaged)
+        await settle(store, "thread-0", "small", 1000)
+        with pytest.raises(es.InvalidInputError, match="not a stream id"):
+            await runner.run_once()
+        assert totals(await usage.report(store)) == expected
+        # Nothing was passed over: with the checkpoint repaired, the change is counted.
+        await store.client.hset(store.keys.checkpoints(p), usage.name, checkpoint)
+        assert await runner.run_once() == 1
+        t, a, b = expected["small"]
+        assert totals(await usage.report(store))["small"] == (t + 1, a + 1000, b + 500)

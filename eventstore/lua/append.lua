@@ -51,8 +51,12 @@ end
 if state[6] and state[6] ~= fingerprint then return {'key', state[6]} end
 
 -- 3. expected version
-local version = tonumber(state[1] or '0')
-if not version then return {'meta', state[1]} end  -- damaged: reported, nothing written
+-- Digits only, as every other reader of the version accepts (seq_at.lua, the client): tonumber
+-- would also take '1e1', ' 10' or '0x0a' and append after a version no reader agrees with.
+-- Damaged: reported, nothing written.
+local v = state[1] or '0'
+if not string.match(v, '^%d+$') or #v > 20 then return {'meta', v} end
+local version = tonumber(v)
 if expected == 'no_thread' then
   if version ~= 0 then return {'conflict', version} end
 elseif expected == 'exists' then

@@ -8,8 +8,10 @@ Returns the version the thread had (0 when it did not exist; nothing is written 
 ]]
 
 local state = redis.call('HMGET', KEYS[2], 'v', 'n')
--- A damaged version (not a number) must not stop a deletion halfway: the tombstone says 0.
-local version = tonumber(state[1] or '0') or 0
+-- A damaged version (anything but digits, as every other reader of it accepts: tonumber would
+-- take '1e1') must not stop a deletion halfway: the tombstone says 0.
+local v = state[1] or '0'
+local version = (string.match(v, '^%d+$') and #v <= 20) and tonumber(v) or 0
 if version == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 1, #KEYS do
   if i ~= 3 and i ~= 4 then redis.call('DEL', KEYS[i]) end

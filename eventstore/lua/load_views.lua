@@ -7,10 +7,14 @@ ARGV[2] M ops, then per op: opcode, key index, operands:
   "hl" key n f1 v1..fn vn    replace a hash with stamped fields
   "vc" key                   delete a view
 
-Returns {"ok"} | {"conflict", actual}
+Returns {"ok"} | {"conflict", actual} | {"meta", the stored version that is not a number}
+A conflict or a damaged version writes nothing.
 ]]
 
-local version = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+local v = redis.call('HGET', KEYS[1], 'v') or '0'
+-- Digits only, as every other reader of the version accepts (tonumber would take '1e1').
+if not string.match(v, '^%d+$') or #v > 20 then return {'meta', v} end
+local version = tonumber(v)
 if version ~= tonumber(ARGV[1]) then return {'conflict', version} end
 local pos = 3
 for o = 1, tonumber(ARGV[2]) do

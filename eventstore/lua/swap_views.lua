@@ -12,6 +12,7 @@ ARGV[2] M ops, then per op: view key index, staging key index (0: none, the view
         the number of values (list) or fields (hash) the staging key must hold
 
 Returns {"ok"} | {"conflict", actual} | {"lost", view key index}
+      | {"meta", the stored version that is not a number}
 ]]
 
 local m = tonumber(ARGV[2])
@@ -22,7 +23,13 @@ local function drop()
   end
 end
 
-local version = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+local v = redis.call('HGET', KEYS[1], 'v') or '0'
+-- Digits only, as every other reader of the version accepts (tonumber would take '1e1').
+if not string.match(v, '^%d+$') or #v > 20 then
+  drop()
+  return {'meta', v}
+end
+local version = tonumber(v)
 if version ~= tonumber(ARGV[1]) then
   drop()
   return {'conflict', version}
