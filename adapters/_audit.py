@@ -1046,8 +1046,8 @@ class Auditor:
         `Projector.rebuild` copies whatever the log holds into the views, a forged entry
         included. This refuses a log that fails `verify` with `UnverifiedLogError` (nothing
         is written); a thread missing from the thread index only is rebuilt (its log is
-        intact). The log is read once: what is folded into the views is what was verified.
-        ``trust_log=True`` skips the check: the log is taken as it is.
+        intact) and listed again. The log is read once: what is folded into the views is
+        what was verified. ``trust_log=True`` skips the check: the log is taken as it is.
 
         Raises:
             UnverifiedLogError: the log fails verification.

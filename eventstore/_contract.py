@@ -325,6 +325,9 @@ class EventStore(abc.ABC):
     ) -> None:
         """Apply view ops outside an append (rebuilds), only if the thread is at that version.
 
+        A thread with events that its partition's thread index does not list is listed again
+        (by its last append time), in the same step: a rebuild repairs a lost listing.
+
         Raises:
             ConcurrencyError: the thread moved on; fold again and retry.
         """

@@ -522,6 +522,11 @@ class MemoryEventStore(EventStore):
                 thread.views[op.view] = {
                     f: stamp_hash_value(e.version, e.seq, e.value) for f, e in op.entries.items()
                 }
+        if version > 0 and thread_id not in self._ns.index:
+            # As on Redis: a load lists a thread with events that the index lost.
+            self._ns.index[thread_id] = (
+                thread.times[-1] if thread.times else int(time.time() * 1000)
+            )
 
     async def threads(
         self, *, limit: int | None = None, before_ms: int | None = None

@@ -1006,11 +1006,18 @@ class RedisEventStore(EventStore):
                 args += ("vc", k)
             else:
                 raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
+        self._index_last(index, args, thread_id)
         reply = await _call(LOAD_VIEWS(self.client, index.keys, args))
         if reply[0] == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
         if reply[0] == b"meta":
             raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
+
+    def _index_last(self, index: _KeyIndex, args: list[Any], thread_id: str) -> None:
+        """End a view load's keys with the thread index and its args with the thread id: the
+        load lists a thread with events in the index (a rebuild repairs a lost listing)."""
+        index(self.keys.index(self.keys.partition(thread_id)))
+        args.append(thread_id)
 
     async def _load_views_chunked(
         self,
@@ -1044,6 +1051,7 @@ class RedisEventStore(EventStore):
             width = 1 if isinstance(op, ListLoad) else 2
             plan.append((op, stage, self._chunk_bounds(sizes[n], width)))
             args += (view, index(stage), len(op.entries))
+        self._index_last(index, args, thread_id)
 
         encoder = self._client.get_encoder()
         charset, errors = encoder.encoding, encoder.encoding_errors

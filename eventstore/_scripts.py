@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from importlib import resources
 from typing import Any
 
@@ -13,6 +14,13 @@ from ._wire import HeldConnections, can_hold, pack_script_call, with_script_sour
 
 Call = tuple[list[Any], list[Any]] | bytes
 """One call of a script: its keys and args, or (direct path only) its packed ``EVALSHA``."""
+
+
+_INCLUDE = re.compile(r"^--#include (\w+)$", re.MULTILINE)
+
+
+def _lua_source(name: str) -> str:
+    return resources.files("eventstore").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
 class Script:
@@ -32,9 +40,9 @@ class Script:
 
     @classmethod
     def from_package(cls, name: str) -> Script:
-        """Load ``eventstore/lua/<name>.lua``."""
-        source = resources.files("eventstore").joinpath("lua", f"{name}.lua").read_text("utf-8")
-        return cls(name, source)
+        """Load ``eventstore/lua/<name>.lua``, each ``--#include <part>`` line replaced by
+        ``eventstore/lua/_<part>.lua`` (steps several scripts share)."""
+        return cls(name, _INCLUDE.sub(lambda m: _lua_source(f"_{m[1]}"), _lua_source(name)))
 
     async def __call__(self, client: Any, keys: list[Any], args: list[Any]) -> Any:
         # execute_command is what evalsha/eval call (standalone and cluster alike); calling it

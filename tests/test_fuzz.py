@@ -227,7 +227,8 @@ def run(portal: BlockingPortal, job: Callable[[], Awaitable[T]]) -> T:
 
 def _seq_of(entry_id: bytes) -> int | None:
     head, sep, tail = entry_id.partition(b"-")
-    return int(head) if sep and head.isdigit() and tail == b"0" else None
+    # Redis writes at most 20 digits a part: a longer run of digits is damage, not a seq.
+    return int(head) if sep and head.isdigit() and len(head) <= 20 and tail == b"0" else None
 
 
 @FAST

@@ -115,7 +115,10 @@ async def test_a_rebuild_spanning_many_chunks_restores_every_view(store: HookedS
         await store.client.delete(store.keys.view("t", view))
     assert not (await projector.check("t")).ok
 
+    index = store.keys.index(store.keys.partition("t"))
+    assert await store.client.zrem(index, "t") == 1  # and the index lost it
     assert await projector.rebuild("t") == 160
+    assert await store.indexed("t")  # the swap lists it again
     # messages 72 + settled 40 + transcript 40 values, turns 40 and state 3 fields, at most
     # 8 values (4 fields) and ~600 bytes a chunk: dozens of chunks.
     assert store.chunks >= 30

@@ -1,15 +1,19 @@
 --[[ threadlog load_views: replace views with pre-stamped contents, if the thread is unchanged.
 
-KEYS[1] meta hash      KEYS[2..] view keys named by the ops
+KEYS[1] meta hash      KEYS[2..] view keys named by the ops, then (last) the partition's
+                       thread index
 ARGV[1] expected version (the version the caller folded the log up to)
 ARGV[2] M ops, then per op: opcode, key index, operands:
   "ll" key n v1..vn          replace a list with stamped values
   "hl" key n f1 v1..fn vn    replace a hash with stamped fields
   "vc" key                   delete a view
+ARGV[last] the thread id
 
 Returns {"ok"} | {"conflict", actual} | {"meta", the stored version that is not a number}
 A conflict or a damaged version writes nothing.
 ]]
+
+--#include list_in_index
 
 local v = redis.call('HGET', KEYS[1], 'v') or '0'
 -- Digits only, as every other reader of the version accepts (tonumber would take '1e1').
@@ -44,4 +48,5 @@ for o = 1, tonumber(ARGV[2]) do
     return redis.error_reply('ERR threadlog: unknown load op ' .. tostring(code))
   end
 end
+list_in_index(KEYS[1], KEYS[#KEYS], ARGV[#ARGV], version)
 return {'ok'}

@@ -6,14 +6,18 @@ the thread is still at the version the contents were folded at and that every st
 all that was sent to it (a staging key that expired meanwhile must not pass for a full view),
 then renames the staging keys over the views. Otherwise it deletes them and loads nothing.
 
-KEYS[1] meta hash      KEYS[2..] view keys and staging keys named by the ops
+KEYS[1] meta hash      KEYS[2..] view keys and staging keys named by the ops, then (last) the
+                       partition's thread index
 ARGV[1] expected version
 ARGV[2] M ops, then per op: view key index, staging key index (0: none, the view is emptied),
         the number of values (list) or fields (hash) the staging key must hold
+ARGV[last] the thread id
 
 Returns {"ok"} | {"conflict", actual} | {"lost", view key index}
       | {"meta", the stored version that is not a number}
 ]]
+
+--#include list_in_index
 
 local m = tonumber(ARGV[2])
 local function drop()
@@ -65,4 +69,5 @@ for o = 0, m - 1 do
     end
   end
 end
+list_in_index(KEYS[1], KEYS[#KEYS], ARGV[#ARGV], version)
 return {'ok'}
