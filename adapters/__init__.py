@@ -7,6 +7,7 @@ from ._access import (
     AllowAll,
     CallbackPolicy,
     Principal,
+    ReaderViewPolicy,
     TenantPolicy,
     authorize,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "SessionUpdate",
     "Settlement",
     "StateUpdate",
+    "ReaderViewPolicy",
     "TenantPolicy",
     "ThreadStore",
     "Transcript",

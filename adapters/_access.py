@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -14,15 +14,26 @@ Action = Literal["read", "write"]
 
 
 class AccessDenied(EventStoreError, PermissionError):
-    """Raised when the access policy refuses a principal an action on a thread."""
+    """Raised when the access policy refuses a principal an action on a thread (``reason``:
+    what the policy allows instead, when it says)."""
 
-    def __init__(self, principal: Principal | None, action: Action, thread_id: str | None) -> None:
+    def __init__(
+        self,
+        principal: Principal | None,
+        action: Action,
+        thread_id: str | None,
+        reason: str | None = None,
+    ) -> None:
         self.principal = principal
         self.action = action
         self.thread_id = thread_id
+        self.reason = reason
         who = principal.id if principal is not None else "anonymous caller"
         where = f"thread {thread_id!r}" if thread_id is not None else "the namespace"
-        super().__init__(f"{who} may not {action} {where}")
+        super().__init__(f"{who} may not {action} {where}" + (f": {reason}" if reason else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.principal, self.action, self.thread_id, self.reason))
 
 
 class Principal(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,6 +53,20 @@ class AccessPolicy(Protocol):
     async def allows(
         self, principal: Principal | None, action: Action, namespace: str, thread_id: str | None
     ) -> bool: ...
+
+
+class ReaderViewPolicy(Protocol):
+    """What a policy may add to `AccessPolicy`: the reader view a principal must read a
+    thread's state through (`ThreadStore.state` and `context`).
+
+    A reader view selects the blocks and fields a reader sees; a policy with this method makes
+    that a boundary: a principal it names a view for gets `AccessDenied` when it asks for
+    another view, or for every block (``view=None``). None: any view, or none.
+    """
+
+    async def reader_view(
+        self, principal: Principal | None, namespace: str, thread_id: str
+    ) -> str | None: ...
 
 
 class AllowAll:
@@ -73,12 +98,29 @@ class TenantPolicy:
 
 
 class CallbackPolicy:
-    """A policy from a function ``(principal, action, namespace, thread_id) -> bool``."""
+    """A policy from a function ``(principal, action, namespace, thread_id) -> bool``, and
+    optionally one ``(principal, namespace, thread_id) -> view name | None`` that confines
+    state reads to a reader view (`ReaderViewPolicy`)."""
 
     def __init__(
-        self, decide: Callable[[Principal | None, Action, str, str | None], Awaitable[bool] | bool]
+        self,
+        decide: Callable[[Principal | None, Action, str, str | None], Awaitable[bool] | bool],
+        *,
+        reader_view: Callable[[Principal | None, str, str], Awaitable[str | None] | str | None]
+        | None = None,
     ) -> None:
         self._decide = decide
+        self._reader_view = reader_view
+
+    async def reader_view(
+        self, principal: Principal | None, namespace: str, thread_id: str
+    ) -> str | None:
+        if self._reader_view is None:
+            return None
+        view = self._reader_view(principal, namespace, thread_id)
+        if inspect.isawaitable(view):
+            view = await view
+        return view
 
     async def allows(
         self, principal: Principal | None, action: Action, namespace: str, thread_id: str | None
@@ -100,3 +142,26 @@ async def authorize(
     # Only True allows: a policy that returns None or another truthy value by mistake denies.
     if await policy.allows(principal, action, namespace, thread_id) is not True:
         raise AccessDenied(principal, action, thread_id)
+
+
+async def authorize_view(
+    policy: AccessPolicy,
+    principal: Principal | None,
+    namespace: str,
+    thread_id: str,
+    view: str | None,
+) -> None:
+    """Raise `AccessDenied` unless ``view`` is the reader view the policy confines the
+    principal's state reads to (any view when it names none, or has no `reader_view`)."""
+    confine = getattr(policy, "reader_view", None)
+    if confine is None:
+        return
+    required = await confine(principal, namespace, thread_id)
+    if required is not None and view != required:
+        asked = "every block" if view is None else f"reader view {view!r}"
+        raise AccessDenied(
+            principal,
+            "read",
+            thread_id,
+            f"its state only through reader view {required!r}, not {asked}",
+        )

@@ -49,7 +49,7 @@ from projections import (
     TurnRecord,
 )
 
-from ._access import AccessPolicy, AllowAll, Principal, authorize
+from ._access import AccessPolicy, AllowAll, Principal, authorize, authorize_view
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
 RECORDS_READ_AHEAD = 32  # threads whose records are read at once by a cross-thread page
@@ -239,6 +239,12 @@ class ThreadStore:
             validate_thread_id(thread_id)
         await authorize(self.policy, principal, action, self.store.namespace, thread_id)  # type: ignore[arg-type]
 
+    async def _allow_state(
+        self, principal: Principal | None, thread_id: str, view: str | None
+    ) -> None:
+        await self._allow(principal, "read", thread_id)
+        await authorize_view(self.policy, principal, self.store.namespace, thread_id, view)
+
     # -- messages -------------------------------------------------------------------------------
 
     async def list_messages(
@@ -274,8 +280,9 @@ class ThreadStore:
     async def state(
         self, thread_id: str, view: str | None = None, *, principal: Principal | None = None
     ) -> dict[str, Block]:
-        """The state blocks reader view ``view`` selects (None: every block)."""
-        await self._allow(principal, "read", thread_id)
+        """The state blocks reader view ``view`` selects (None: every block). A policy that
+        confines the principal to a reader view (`ReaderViewPolicy`) refuses any other."""
+        await self._allow_state(principal, thread_id, view)
         return await self.projector.state(thread_id, view)
 
     async def update_state(
@@ -581,7 +588,7 @@ class ThreadStore:
         """
         validate_count(limit, "limit")
         validate_count(records, "records")
-        await self._allow(principal, "read", thread_id)
+        await self._allow_state(principal, thread_id, view)
         return await self.projector.context(thread_id, n=limit, view=view, records=records)
 
 

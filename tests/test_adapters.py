@@ -913,6 +913,54 @@ async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> 
     assert await store.version("t") == 1
 
 
+async def test_a_policy_can_confine_a_principal_to_a_reader_view(store: es.EventStore) -> None:
+    """Reader views as a boundary: a principal the policy names a view for reads state
+    through that view only; every other principal reads as before."""
+    views = {"planner-agent": "planner"}
+    confined = ThreadStore(
+        store,
+        state=StateProjection([ReaderView("planner", {"plan": None, "profile": ("name",)})]),
+        policy=CallbackPolicy(
+            lambda p, action, ns, thread: True,
+            reader_view=lambda p, ns, thread: views.get(p.id) if p is not None else None,
+        ),
+    )
+    await confined.update_state("t", "plan", {"step": 1}, turn_id=None)
+    await confined.update_state("t", "profile", {"name": "Ada", "email": "a@x"}, turn_id=None)
+    agent, operator = Principal(id="planner-agent"), Principal(id="operator")
+    for call, asked in [
+        (confined.state("t", principal=agent), "every block"),
+        (confined.state("t", "other", principal=agent), "reader view 'other'"),
+        (confined.context("t", principal=agent), "every block"),
+    ]:
+        with pytest.raises(AccessDenied) as denied:
+            await call
+        assert str(denied.value) == (
+            "planner-agent may not read thread 't': its state only through reader view "
+            f"'planner', not {asked}"
+        )
+        assert denied.value.reason is not None
+    seen = await confined.state("t", "planner", principal=agent)
+    assert seen["profile"].value == {"name": "Ada"}
+    ctx = await confined.context("t", view="planner", principal=agent)
+    assert set(ctx.state) == {"plan", "profile"} and ctx.state["profile"].value == {"name": "Ada"}
+    everything = await confined.state("t", principal=operator)
+    assert everything["profile"].value == {"name": "Ada", "email": "a@x"}
+    # An async callback works the same way.
+
+    async def confine(p: Principal | None, ns: str, thread: str) -> str | None:
+        return "planner"
+
+    strict = ThreadStore(
+        store,
+        state=StateProjection([ReaderView("planner", {"plan": None})]),
+        policy=CallbackPolicy(lambda p, action, ns, thread: True, reader_view=confine),
+    )
+    with pytest.raises(AccessDenied):
+        await strict.state("t")
+    assert set(await strict.state("t", "planner")) == {"plan"}
+
+
 async def test_records_across_threads_newest_first_paginated(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     settled: list[str] = []
