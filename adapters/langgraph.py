@@ -32,6 +32,7 @@ the loop that opened it, so the sync API needs a store the saver can open itself
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import random
@@ -129,7 +130,7 @@ DEFAULT_THREAD_PREFIX = "lg:"
 
 # Views (hash views of the thread). Field names are built by the ``_*_field`` helpers below.
 RECORDS = "lg.checkpoints"  # <ns><checkpoint id> -> Record
-HEADS = "lg.heads"  # <ns> -> Record of the namespace's latest checkpoint (saves a round trip)
+HEADS = "lg.heads"  # <ns> -> Record of the namespace's highest checkpoint id (its latest)
 WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]
 BLOBS = "lg.blobs"  # <ns><channel><version> -> (type, data)
 RANGES = "lg.ranges"  # <ns><channel><version> -> [(start, count), ...] into the lineage
@@ -263,11 +264,21 @@ def _decode(decoder: msgspec.msgpack.Decoder[V], entry: ViewEntry, what: str) ->
 class _Views:
     """An in-process model of the saver's hash views, with the store's stamping rules."""
 
-    def __init__(self) -> None:
+    def __init__(self, heads: Mapping[str, str | None] | None = None) -> None:
         self.hashes: dict[str, dict[str, ViewEntry]] = {v: {} for v in VIEWS}
+        # The head checkpoint ids of namespaces whose lg.heads entry this model does not hold
+        # (the saver knows them without having read the record).
+        self.known_heads = dict(heads or {})
 
     def get(self, view: str, field: str) -> ViewEntry | None:
         return self.hashes[view].get(field)
+
+    def head_id(self, ns: str) -> str | None:
+        """The checkpoint id of the namespace's head (its highest checkpoint id)."""
+        entry = self.hashes[HEADS].get(ns)
+        if entry is None:
+            return self.known_heads.get(ns)
+        return _decode(_record_dec, entry, "lg.heads").checkpoint_id
 
     def apply(self, op: ViewOp, seq: int) -> None:
         if isinstance(op, HashSet):
@@ -327,7 +338,17 @@ def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]
         rec = payload.record
         value = _enc.encode(rec)
         ops.append(HashSet(RECORDS, _ck_field(rec.ns, rec.checkpoint_id), value, index))
-        ops.append(HashSet(HEADS, rec.ns, value, index))
+        # A namespace's head is its checkpoint with the highest id, as LangGraph's own savers
+        # answer "the latest checkpoint": a checkpoint written after one with a higher id (a
+        # clock-skewed writer, an explicit put) does not replace it.
+        if views is None:
+            raise InvalidInputError(
+                "langgraph.checkpoint_put compares with the namespace's head: append it "
+                "through ThreadlogCheckpointSaver"
+            )
+        head_id = views.head_id(rec.ns)
+        if head_id is None or rec.checkpoint_id >= head_id:
+            ops.append(HashSet(HEADS, rec.ns, value, index))
     elif isinstance(payload, WritesPut):
         field = _ck_field(payload.ns, payload.checkpoint_id)
         if views is None:
@@ -384,11 +405,13 @@ class LangGraphProjection(Projection[_Views]):
         return state
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
-        """Ops of self-contained events; `WritesPut`, and a `BlobsPut` that continues a block of
-        elements, need what the views hold (the saver has it).
+        """Ops of self-contained events; `WritesPut`, `CheckpointPut` (which may become the
+        namespace's head) and a `BlobsPut` that continues a block of elements need what the
+        views hold (the saver has it).
 
         Raises:
-            InvalidInputError: for a `WritesPut`, or a `BlobsPut` continuing a block.
+            InvalidInputError: for a `WritesPut`, a `CheckpointPut`, or a `BlobsPut` continuing
+                a block.
         """
         out: list[ViewOp] = []
         for index, new in enumerate(events):
@@ -615,6 +638,7 @@ class ThreadlogCheckpointSaver(
         self._lineages = _Cache()  # (thread, ns, channel) -> _Lineage
         self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
+        self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
         self._portal: BlockingPortal | None = None
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
         self._portal_loop: asyncio.AbstractEventLoop | None = None
@@ -791,8 +815,12 @@ class ThreadlogCheckpointSaver(
         entry = fetch.entry(view, field)
         if entry is None:
             self._hints.pop((tid, view, field))
+            if view == HEADS:
+                self._heads.put((tid, ns), (None, 0))
             return None
         rec = _decode(_record_dec, entry, view)
+        if view == HEADS:
+            self._heads.put((tid, ns), (rec.checkpoint_id, entry.version))
         tuples, needs = await self._resolve(store, tid, thread_id, [rec], fetch, warm=warm)
         if warm:
             self._hints.put((tid, view, field), needs)
@@ -908,7 +936,9 @@ class ThreadlogCheckpointSaver(
                     more[ELEMS].update(_run_blocks(lin, runs))
                     if single:
                         more[LISTS].add(lin)
-        if more[ELEMS]:
+        if more[ELEMS] or more[LISTS]:
+            # An empty list value has no elements, but a warm read still needs its lineage's
+            # length: caching length 0 would make every later extension conflict.
             await fetch.read(store, tid, more)
             needs[ELEMS] |= more[ELEMS]
             needs[LISTS] |= more[LISTS]
@@ -1021,8 +1051,11 @@ class ThreadlogCheckpointSaver(
             conflict: ViewConflictError | None = None
             for _ in range(ATTEMPTS):
                 missing = [ch for ch in as_lists if self._lineages.get((tid, ns, ch)) is None]
-                if missing:
-                    await self._load_lineages(store, tid, ns, missing)
+                head: tuple[str | None, int] | None = self._heads.get((tid, ns))
+                if missing or head is None:
+                    await self._load(store, tid, ns, missing, head=head is None)
+                    head = self._heads.get((tid, ns)) or (None, 0)
+                is_head = head[0] is None or checkpoint["id"] >= head[0]
                 plan = self._plan_lists(tid, ns, as_lists, budget)
                 record = Record(
                     ns=ns,
@@ -1035,25 +1068,31 @@ class ThreadlogCheckpointSaver(
                 )
                 events = self._pack(ns, inline, plan, budget)
                 events.append(CheckpointPut(record=record))
+                ops = self._guarded_ops(events, ns, plan, head)
                 try:
-                    await self._append(store, tid, events, self._guarded_ops(events, ns, plan))
+                    await self._append(store, tid, events, ops)
                 except ViewConflictError as exc:
-                    # Another writer extended a lineage: forget what we knew and reload it
-                    # with the parent's elements, so the new version still shares them.
+                    # Another writer extended a lineage or moved the head: forget what we knew
+                    # and reload the parent's elements (so the new version still shares them),
+                    # then the lineages' lengths and the head as they are now.
                     conflict = exc
                     for ch in as_lists:
                         self._lineages.pop((tid, ns, ch))
+                    self._heads.pop((tid, ns))
                     if parent_id:
                         await self._get(store, tid, conf["thread_id"], ns, parent_id, warm=True)
+                    await self._load(store, tid, ns, list(as_lists), head=True)
                     continue
                 for ch, p in plan.items():
                     self._lineages.put((tid, ns, ch), p.after)
                 self._writes.put((tid, _ck_field(ns, checkpoint["id"])), (0, []))
-                # The next read of the namespace's latest checkpoint is most likely this one.
-                self._hints.put(
-                    (tid, HEADS, ns),
-                    functools.partial(_needs_of, record, dict(checkpoint["channel_versions"])),
-                )
+                if is_head:
+                    self._heads.put((tid, ns), (checkpoint["id"], head[1] + 1))
+                    # The next read of the namespace's latest checkpoint is most likely this.
+                    self._hints.put(
+                        (tid, HEADS, ns),
+                        functools.partial(_needs_of, record, dict(checkpoint["channel_versions"])),
+                    )
                 break
             else:
                 assert conflict is not None
@@ -1085,19 +1124,36 @@ class ThreadlogCheckpointSaver(
                 runs[ch] = list(known.ranges)
         return runs
 
-    async def _load_lineages(
-        self, store: EventStore, tid: str, ns: str, channels: list[str]
+    async def _load(
+        self, store: EventStore, tid: str, ns: str, channels: list[str], *, head: bool
     ) -> None:
+        """Read the lineages' lengths (keeping the elements known of them) and the head."""
         fields = tuple(_lineage(ns, ch) for ch in channels)
-        snap = await store.read_views(tid, [HashGet(LISTS, fields)])
-        found = snap.results[0]
-        assert isinstance(found, dict)
-        for ch, lin in zip(channels, fields, strict=True):
-            e = found.get(lin)
-            self._lineages.put(
-                (tid, ns, ch),
-                _Lineage(length=int(e.value) if e else 0, field_version=e.version if e else 0),
-            )
+        reads: list[ViewRead] = [HashGet(LISTS, fields)] if fields else []
+        if head:
+            reads.append(HashGet(HEADS, (ns,)))
+        if not reads:
+            return
+        snap = await store.read_views(tid, reads)
+        if fields:
+            found = snap.results[0]
+            assert isinstance(found, dict)
+            for ch, lin in zip(channels, fields, strict=True):
+                e = found.get(lin)
+                length, version = (int(e.value), e.version) if e else (0, 0)
+                known: _Lineage | None = self._lineages.get((tid, ns, ch))
+                self._lineages.put(
+                    (tid, ns, ch),
+                    dataclasses.replace(known, length=length, field_version=version)
+                    if known is not None
+                    else _Lineage(length=length, field_version=version),
+                )
+        if head:
+            found = snap.results[-1]
+            assert isinstance(found, dict)
+            e = found.get(ns)
+            rec = _decode(_record_dec, e, "lg.heads") if e else None
+            self._heads.put((tid, ns), (rec.checkpoint_id, e.version) if rec and e else (None, 0))
 
     def _plan_lists(
         self,
@@ -1199,13 +1255,19 @@ class ThreadlogCheckpointSaver(
         return events
 
     @staticmethod
-    def _guarded_ops(events: list[Event], ns: str, plan: dict[str, _ListPlan]) -> list[ViewOp]:
+    def _guarded_ops(
+        events: list[Event],
+        ns: str,
+        plan: dict[str, _ListPlan],
+        head: tuple[str | None, int],
+    ) -> list[ViewOp]:
         # The first length update of each lineage carries the version this saver planned from:
-        # if another writer extended the lineage meanwhile, the append is refused whole.
+        # if another writer extended the lineage meanwhile, the append is refused whole. So
+        # does the head, if the checkpoint becomes it (its id is not below the known head's).
         guards = {_lineage(ns, ch): p.before.field_version for ch, p in plan.items()}
         # The blocks the new elements continue, as the store holds them; each event's ops are
         # applied before the next event's are made, as the fold does.
-        views = _Views()
+        views = _Views({ns: head[0]} if head[0] is not None else None)
         for ch, p in plan.items():
             if p.tail is not None:
                 field = _block_field(_lineage(ns, ch), p.tail[0])
@@ -1218,6 +1280,8 @@ class ThreadlogCheckpointSaver(
                 if isinstance(op, HashSet) and op.view == LISTS and op.field in guards:
                     expected = guards.pop(op.field)
                     op = HashSet(op.view, op.field, op.value, op.event, expected_version=expected)
+                elif isinstance(op, HashSet) and op.view == HEADS and op.field == ns:
+                    op = HashSet(op.view, op.field, op.value, op.event, expected_version=head[1])
                 ops.append(op)
         return ops
 
@@ -1292,6 +1356,7 @@ class ThreadlogCheckpointSaver(
 
     def _forget(self, tid: str) -> None:
         self._lineages.forget_thread(tid)
+        self._heads.forget_thread(tid)
         self._writes.forget_thread(tid)
         self._hints.forget_thread(tid)
 
@@ -1504,14 +1569,13 @@ def _removal(
     """The event that removes ``doomed`` checkpoints, with its new heads and dead blobs."""
     remaining = [(r, e) for r, e in records if (r.ns, r.checkpoint_id) not in doomed]
     removed = [r for r, _ in records if (r.ns, r.checkpoint_id) in doomed]
-    # A namespace's head is its most recently written checkpoint (the highest record seq).
+    # A namespace's head is its checkpoint with the highest id.
     heads: dict[str, Record | None] = {}
     for ns in {r.ns for r in removed}:
-        in_ns = [(e.seq, r) for r, e in records if r.ns == ns]
-        current = max(in_ns, key=lambda p: (p[0], p[1].checkpoint_id))[1]
+        current = max((r for r, _ in records if r.ns == ns), key=lambda r: r.checkpoint_id)
         if (ns, current.checkpoint_id) in doomed:
-            left = [(e.seq, r) for r, e in remaining if r.ns == ns]
-            heads[ns] = max(left, key=lambda p: (p[0], p[1].checkpoint_id))[1] if left else None
+            left = [r for r, _ in remaining if r.ns == ns]
+            heads[ns] = max(left, key=lambda r: r.checkpoint_id) if left else None
     kept = {
         (r.ns, ch, _vkey(v))
         for r, _ in remaining

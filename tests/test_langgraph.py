@@ -757,3 +757,76 @@ async def test_storage_grows_linearly(
     # Each step adds about as much as the one before it, whatever the history's length.
     first, second = half["total"] / 100, (full["total"] - half["total"]) / 100
     assert 0.8 < second / first < 1.25
+
+
+# -- regressions ------------------------------------------------------------------------------
+
+
+class Todo(TypedDict):
+    todo: list[str]  # a plain list channel: each update replaces it
+    n: int
+
+
+def todo_graph() -> StateGraph[Todo]:
+    builder = StateGraph(Todo)
+    builder.add_node("noop", lambda state: {})
+    builder.add_edge(START, "noop")
+    builder.add_edge("noop", END)
+    return builder
+
+
+async def test_an_emptied_list_grows_again_under_cold_savers(store: es.EventStore) -> None:
+    # Each update by a saver that knows nothing yet (a new process per step, a fork), as
+    # InMemorySaver does it. The list becomes [] and is extended again: a cold read of the
+    # empty value used to cache its lineage as empty, and every later put conflicted.
+    updates: list[Any] = [{"todo": ["a", "b"]}, {"todo": []}, {"n": 1}, {"todo": ["c"]}]
+    memory = todo_graph().compile(checkpointer=InMemorySaver())
+    cfg = config("todo")
+    past: list[RunnableConfig] = []
+    for update in updates:
+        expected = await memory.aupdate_state(cfg, update)
+        graph = todo_graph().compile(checkpointer=ThreadlogCheckpointSaver(store))
+        past.append(await graph.aupdate_state(cfg, update))
+        assert (await graph.aget_state(cfg)).values == (await memory.aget_state(cfg)).values
+        assert expected is not None
+    # A fork from the checkpoint where the list was empty, then cold savers again.
+    graph = todo_graph().compile(checkpointer=ThreadlogCheckpointSaver(store))
+    await graph.aupdate_state(past[2], {"n": 2})
+    for update in [{"todo": ["d"]}, {"todo": ["d", "e"]}]:
+        graph = todo_graph().compile(checkpointer=ThreadlogCheckpointSaver(store))
+        await graph.aupdate_state(cfg, cast(Any, update))
+        assert (await graph.aget_state(cfg)).values == {**cast(Any, update), "n": 2}
+    assert (await ThreadlogCheckpointSaver(store).acheck("todo")).ok
+
+
+async def test_the_latest_checkpoint_is_the_one_with_the_highest_id(store: es.EventStore) -> None:
+    ids = sorted(str(uuid6(clock_seq=i)) for i in range(4))
+
+    def checkpoint(i: int) -> Any:
+        c = empty_checkpoint()
+        c["id"] = ids[i]
+        c["channel_versions"] = {"x": f"{i + 1}"}
+        c["channel_values"] = {"x": i}
+        return c
+
+    base = config("h", checkpoint_ns="")
+    a, b = ThreadlogCheckpointSaver(store), ThreadlogCheckpointSaver(store)
+    memory = InMemorySaver()
+    # Written out of id order: by one saver, then by a second that knew an older head.
+    order: list[tuple[BaseCheckpointSaver[Any], int]] = [(a, 2), (a, 0), (b, 1), (a, 3)]
+    await b.aget_tuple(base)  # b knows there is no head yet
+    for saver, i in order:
+        for s in (saver, memory):
+            await s.aput(base, checkpoint(i), cast(Any, {"step": i}), {"x": f"{i + 1}"})
+        latest = [await s.aget_tuple(base) for s in (memory, a, b, ThreadlogCheckpointSaver(store))]
+        assert {t.config["configurable"]["checkpoint_id"] for t in latest if t} == {
+            max(ids[j] for _, j in order[: order.index((saver, i)) + 1])
+        }
+    steps = [t.metadata["step"] async for t in a.alist(base)]
+    assert steps == [t.metadata["step"] for t in memory.list(base)] == [3, 2, 1, 0]
+    assert (await a.acheck("h")).ok
+    # Removing the head leaves the next highest id as the head, in the views and the fold.
+    await a.aprune(["h"], strategy="keep_latest")
+    tup = await ThreadlogCheckpointSaver(store).aget_tuple(base)
+    assert tup is not None and tup.checkpoint["id"] == ids[3]
+    assert (await a.acheck("h")).ok
