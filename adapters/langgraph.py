@@ -27,11 +27,16 @@ and rebuild them and read any past state.
 The sync methods run the async ones on a private event loop thread. A Redis client belongs to
 the loop that opened it, so the sync API needs a store the saver can open itself:
 `ThreadlogCheckpointSaver.from_url` (or ``connect=``). A `MemoryEventStore` works anywhere.
+The loop thread is a daemon thread, stopped by ``close()``, or when the saver is collected or
+the interpreter exits; a store the saver opened on a caller's loop is closed by ``aclose()`` or
+when ``asyncio.run`` shuts that loop down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -40,6 +45,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
@@ -53,8 +59,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
+import anyio
 import msgspec
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -590,6 +597,66 @@ def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
 
 Opener = Callable[[], Awaitable[EventStore]]
 
+PORTAL_STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class _Opened:
+    """A store the saver opened on one event loop, and the async generator that closes it."""
+
+    store: EventStore
+    closer: AsyncGenerator[None, None]
+
+
+async def _close_with_loop(
+    store: EventStore,
+    opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Opened],
+    loop: asyncio.AbstractEventLoop,
+) -> AsyncGenerator[None, None]:
+    # An async generator started on a loop is closed by the loop's shutdown_asyncgens, which
+    # asyncio.run (and anyio.run) call before closing the loop: so a store opened on a loop
+    # is closed with it, even if nobody calls aclose (each asyncio.run used to leave one
+    # client and its connections behind, since the store keeps its loop alive).
+    try:
+        yield
+    finally:
+        if (entry := opened.get(loop)) is not None and entry.store is store:
+            del opened[loop]
+        await store.close()
+
+
+def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
+    """A blocking portal on a new event loop, in a daemon thread: a saver nobody closed does
+    not keep the interpreter from exiting (a non-daemon thread is joined at exit, forever)."""
+    ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve, backend="asyncio")
+        except BaseException as exc:  # handed to the thread that waits
+            if not ready.done():
+                ready.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="threadlog-langgraph-saver", daemon=True)
+    thread.start()
+    return ready.result(), thread
+
+
+def _stop_portal(portal: BlockingPortal, thread: threading.Thread) -> None:
+    """Stop a portal's loop; the stores opened on it close as the loop shuts down. Bounded,
+    as it also runs at interpreter exit (`weakref.finalize`) for savers nobody closed."""
+    if not thread.is_alive():
+        return
+    # Its future is cancelled with the portal's tasks, or it is late: the join tells.
+    with contextlib.suppress(BaseException):
+        portal.start_task_soon(portal.stop, True).result(PORTAL_STOP_TIMEOUT_S)
+    thread.join(PORTAL_STOP_TIMEOUT_S)
+
 
 # -- the saver --------------------------------------------------------------------------------
 
@@ -629,7 +696,7 @@ class ThreadlogCheckpointSaver(
         self.projection = LangGraphProjection()
         if store is not None:
             register_langgraph_events(store.registry)
-        self._opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventStore] = (
+        self._opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Opened] = (
             weakref.WeakKeyDictionary()
         )
         self._locks: weakref.WeakKeyDictionary[
@@ -640,7 +707,7 @@ class ThreadlogCheckpointSaver(
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
         self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
         self._portal: BlockingPortal | None = None
-        self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
+        self._portal_stop: weakref.finalize[Any, Any] | None = None
         self._portal_loop: asyncio.AbstractEventLoop | None = None
         self._portal_lock = threading.Lock()
 
@@ -658,7 +725,8 @@ class ThreadlogCheckpointSaver(
         """A saver that opens its own stores (see `eventstore.connect`), one per event loop.
 
         Close it with ``close()`` (sync) or ``await aclose()`` on the loop it ran on, or use it
-        as a context manager.
+        as a context manager. Unclosed, its stores close with their loops (``asyncio.run``
+        shuts them down; the private loop stops when the saver is collected or at exit).
         """
 
         async def opener() -> EventStore:
@@ -680,15 +748,19 @@ class ThreadlogCheckpointSaver(
                     "ThreadlogCheckpointSaver.from_url(...) or pass connect="
                 )
             return self._store
-        store = self._opened.get(loop)
-        if store is None:
+        entry = self._opened.get(loop)
+        if entry is None:
             assert self._connect is not None
             opened = await self._connect()
-            store = self._opened.setdefault(loop, opened)
-            if store is not opened:  # another task of this loop opened one meanwhile
+            entry = self._opened.get(loop)
+            if entry is not None:  # another task of this loop opened one meanwhile
                 await opened.close()
-            register_langgraph_events(store.registry)
-        return store
+                return entry.store
+            closer = _close_with_loop(opened, self._opened, loop)
+            await anext(closer)  # registers it with the loop
+            entry = self._opened[loop] = _Opened(opened, closer)
+            register_langgraph_events(opened.registry)
+        return entry.store
 
     def _lock(self, thread: str) -> asyncio.Lock:
         # Serializes this process's writes to one thread, so its own concurrent put_writes
@@ -705,10 +777,10 @@ class ThreadlogCheckpointSaver(
     def _ensure_portal(self) -> BlockingPortal:
         with self._portal_lock:
             if self._portal is None:
-                cm = start_blocking_portal(backend="asyncio")
-                portal = cm.__enter__()
+                portal, thread = _start_portal()
                 self._portal_loop = portal.call(asyncio.get_running_loop)
-                self._portal_cm = cm
+                # Stops the loop when the saver is collected or the interpreter exits unclosed.
+                self._portal_stop = weakref.finalize(self, _stop_portal, portal, thread)
                 self._portal = portal
             return self._portal
 
@@ -717,21 +789,29 @@ class ThreadlogCheckpointSaver(
         return portal.call(functools.partial(fn, *args, **kwargs))
 
     async def aclose(self) -> None:
-        """Close the store this saver opened on the running loop (a given store stays open)."""
-        store = self._opened.pop(asyncio.get_running_loop(), None)
-        if store is not None:
-            await store.close()
+        """Close the store this saver opened on the running loop (a given store stays open).
+
+        A store opened on a loop is also closed when ``asyncio.run`` shuts that loop down.
+        """
+        loop = asyncio.get_running_loop()
+        entry = self._opened.pop(loop, None)
+        self._locks.pop(loop, None)
+        if entry is not None:
+            await entry.closer.aclose()
 
     def close(self) -> None:
-        """Close the saver's private loop and the store it opened there."""
+        """Close the saver's private loop and the store it opened there.
+
+        A sync saver nobody closed is closed when it is collected or the interpreter exits.
+        """
         with self._portal_lock:
-            portal, cm = self._portal, self._portal_cm
-            self._portal = self._portal_cm = self._portal_loop = None
-        if portal is not None and cm is not None:
+            portal, stop = self._portal, self._portal_stop
+            self._portal = self._portal_stop = self._portal_loop = None
+        if portal is not None and stop is not None:
             try:
                 portal.call(self.aclose)
             finally:
-                cm.__exit__(None, None, None)
+                stop()
 
     def __enter__(self) -> ThreadlogCheckpointSaver:
         return self

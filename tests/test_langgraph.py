@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import operator
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Annotated, Any, TypedDict, cast
 import anyio
 import msgspec
 import pytest
+import redis
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.channels.delta import DeltaChannel
@@ -830,3 +834,78 @@ async def test_the_latest_checkpoint_is_the_one_with_the_highest_id(store: es.Ev
     tup = await ThreadlogCheckpointSaver(store).aget_tuple(base)
     assert tup is not None and tup.checkpoint["id"] == ids[3]
     assert (await a.acheck("h")).ok
+
+
+UNCLOSED = textwrap.dedent(
+    """
+    import sys
+    from adapters.langgraph import ThreadlogCheckpointSaver
+    from tests.test_langgraph import ask, review_graph
+
+    url, namespace = sys.argv[1:3]
+    saver = ThreadlogCheckpointSaver.from_url(url, namespace=namespace)
+    graph = review_graph().compile(checkpointer=saver)
+    graph.invoke(ask("write a post"), {"configurable": {"thread_id": "t"}})
+    print("exiting", flush=True)
+    if sys.argv[3:] == ["raise"]:
+        raise RuntimeError("an error the application did not catch")
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+async def test_an_unclosed_sync_saver_lets_the_interpreter_exit(
+    redis_url: str, namespace: str, how: str
+) -> None:
+    # The saver's loop thread used to be a non-daemon thread, joined at exit: forever.
+    with anyio.fail_after(60):
+        result = await anyio.run_process(
+            [sys.executable, "-X", "dev", "-c", UNCLOSED, redis_url, namespace, how],
+            cwd=ROOT,
+            check=False,
+        )
+    assert result.stdout.decode().strip() == "exiting"
+    assert result.returncode == (0 if how == "return" else 1)
+    assert b"Unclosed" not in result.stderr  # the store it opened was closed at exit
+
+
+def test_a_collected_sync_saver_stops_its_loop_thread(redis_url: str, namespace: str) -> None:
+    def threads() -> int:
+        return sum(t.name == "threadlog-langgraph-saver" for t in threading.enumerate())
+
+    before = threads()
+    saver = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace)
+    assert saver.get_tuple(config("x")) is None
+    assert threads() == before + 1
+    del saver
+    gc.collect()
+    assert threads() == before
+    # close() still works, and the saver can be used again after it.
+    with ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace) as saver:
+        assert saver.get_tuple(config("x")) is None
+        saver.close()
+        assert saver.get_tuple(config("x")) is None
+    assert threads() == before
+
+
+def test_each_asyncio_run_closes_the_store_it_opened(redis_url: str, namespace: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    saver = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace)
+    graph = review_graph().compile(checkpointer=saver)
+    try:
+        before = len(admin.client_list())
+        for i in range(10):
+            asyncio.run(graph.ainvoke(ask(f"post {i}"), config(f"run-{i}")))
+        gc.collect()
+        assert len(admin.client_list()) == before  # one client per run used to stay open
+        assert len(saver._opened) == 0
+
+        async def explicit() -> None:
+            await graph.ainvoke(ask("post"), config("explicit"))
+            await saver.aclose()
+
+        asyncio.run(explicit())
+        assert len(admin.client_list()) == before
+    finally:
+        saver.close()
+        admin.close()
