@@ -82,6 +82,7 @@ from eventstore import (
     Event,
     EventRegistry,
     EventStore,
+    EventTooLargeError,
     ExpectedVersion,
     HashDelete,
     HashGet,
@@ -125,6 +126,7 @@ __all__ = [
     "VIEWS",
     "BlobsPut",
     "CheckpointPut",
+    "CheckpointValueTooLargeError",
     "CheckpointsRemoved",
     "LangGraphProjection",
     "ThreadlogCheckpointSaver",
@@ -163,6 +165,54 @@ _enc = msgspec.msgpack.Encoder()
 
 
 # -- events -----------------------------------------------------------------------------------
+
+
+class CheckpointValueTooLargeError(EventTooLargeError):
+    """Raised when one channel value, list element or pending write serializes to more than one
+    event of the store holds (its ``max_event_bytes``, 1 MiB by default). Nothing of the
+    checkpoint or the task's writes is stored: in a graph run, the step that produced the value
+    fails, and a resumed run runs it again."""
+
+    def __init__(
+        self, thread_id: str, size: int, limit: int, index: int, channel: str, kind: str
+    ) -> None:
+        super().__init__(thread_id, size, limit, index)
+        self.channel = channel
+        self.kind = kind
+        self.args = (
+            f"thread {thread_id!r}: a {kind} of channel {channel!r} makes an event of {size} "
+            f"bytes; the store's max_event_bytes is {limit} (raise it with "
+            "ThreadlogCheckpointSaver.from_url(..., max_event_bytes=N) or "
+            "eventstore.connect(..., max_event_bytes=N))",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (self.thread_id, self.size, self.limit, self.index, self.channel, self.kind)
+        return (type(self), args)
+
+
+def _too_large(exc: EventTooLargeError, events: Sequence[Event]) -> EventTooLargeError:
+    """``exc`` naming the channel of the largest value of the event it refused.
+
+    The saver packs a value larger than half the limit into an event of its own, so that value
+    is what made the event too large."""
+    if not 0 <= exc.index < len(events):
+        return exc
+    sizes: list[tuple[int, str, str]] = []
+    event = events[exc.index]
+    if isinstance(event, BlobsPut):
+        sizes += [(len(b.data), b.channel, "value") for b in event.values]
+        sizes += [
+            (len(item[1]), el.channel, "list element") for el in event.elements for item in el.items
+        ]
+    elif isinstance(event, WritesPut):
+        sizes += [(len(w.data), w.channel, "pending write") for w in event.writes]
+    if not sizes:
+        return exc
+    _, channel, kind = max(sizes)
+    return CheckpointValueTooLargeError(
+        exc.thread_id, exc.size, exc.limit, exc.index, channel, kind
+    )
 
 
 # -- ids and field names ----------------------------------------------------------------------
@@ -721,8 +771,12 @@ class ThreadlogCheckpointSaver(
         serde: SerializerProtocol | None = None,
         thread_prefix: str = DEFAULT_THREAD_PREFIX,
         dedupe_lists: bool = True,
+        max_event_bytes: int | None = None,
     ) -> ThreadlogCheckpointSaver:
         """A saver that opens its own stores (see `eventstore.connect`), one per event loop.
+
+        ``max_event_bytes`` (default 1 MiB) bounds one channel value, list element or pending
+        write (`CheckpointValueTooLargeError` beyond it).
 
         Close it with ``close()`` (sync) or ``await aclose()`` on the loop it ran on, or use it
         as a context manager. Unclosed, its stores close with their loops (``asyncio.run``
@@ -730,7 +784,9 @@ class ThreadlogCheckpointSaver(
         """
 
         async def opener() -> EventStore:
-            return await connect(url, namespace=namespace, registry=registry)
+            return await connect(
+                url, namespace=namespace, registry=registry, max_event_bytes=max_event_bytes
+            )
 
         return cls(
             connect=opener, serde=serde, thread_prefix=thread_prefix, dedupe_lists=dedupe_lists
@@ -1151,6 +1207,8 @@ class ThreadlogCheckpointSaver(
                 ops = self._guarded_ops(events, ns, plan, head)
                 try:
                     await self._append(store, tid, events, ops)
+                except EventTooLargeError as exc:
+                    raise _too_large(exc, events) from None
                 except ViewConflictError as exc:
                     # Another writer extended a lineage or moved the head: forget what we knew
                     # and reload the parent's elements (so the new version still shares them),
@@ -1401,6 +1459,7 @@ class ThreadlogCheckpointSaver(
             slot = WRITES_IDX_MAP.get(channel, idx)
             incoming.append(StoredWrite(task_id, slot, channel, typ, data, task_path))
         store = await self._get_store()
+        budget = max(store.max_event_bytes // 2, 1024)
         async with self._lock(tid):
             conflict: ViewConflictError | None = None
             for _ in range(ATTEMPTS):
@@ -1418,16 +1477,26 @@ class ThreadlogCheckpointSaver(
                 new = [w for w in incoming if w.idx < 0 or (w.task_id, w.idx) not in have]
                 if not new:
                     return
-                merged = merge_writes(current, new)
-                event = WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=new)
-                op = HashSet(WRITES, field, _enc.encode(merged), 0, expected_version=version)
+                # Writes that are large together go in several events (each merged in turn, as
+                # the fold does); the first carries the guard.
+                events: list[Event] = []
+                ops: list[ViewOp] = []
+                merged = current
+                for part in _split_writes(new, budget):
+                    merged = merge_writes(merged, part)
+                    events.append(WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=part))
+                    guard = version if not ops else None
+                    value = _enc.encode(merged)
+                    ops.append(HashSet(WRITES, field, value, len(ops), expected_version=guard))
                 try:
-                    await self._append(store, tid, [event], [op])
+                    await self._append(store, tid, events, ops)
+                except EventTooLargeError as exc:
+                    raise _too_large(exc, events) from None
                 except ViewConflictError as exc:  # another process wrote them meanwhile
                     conflict = exc
                     self._writes.pop((tid, field))
                     continue
-                self._writes.put((tid, field), (version + 1, merged))
+                self._writes.put((tid, field), (version + len(ops), merged))
                 return
             assert conflict is not None
             raise conflict
@@ -1628,6 +1697,20 @@ class ThreadlogCheckpointSaver(
     def check(self, thread_id: str) -> CheckReport:
         """Sync `acheck`."""
         return self._run(self.acheck, thread_id)
+
+
+def _split_writes(writes: list[StoredWrite], budget: int) -> list[list[StoredWrite]]:
+    parts: list[list[StoredWrite]] = []
+    size = 0
+    for w in writes:
+        n = len(w.data) + len(w.type) + len(w.channel) + len(w.task_id) + len(w.task_path) + 16
+        if parts and size + n <= budget:
+            parts[-1].append(w)
+            size += n
+        else:
+            parts.append([w])
+            size = n
+    return parts
 
 
 @dataclass(frozen=True, slots=True)

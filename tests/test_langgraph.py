@@ -909,3 +909,70 @@ def test_each_asyncio_run_closes_the_store_it_opened(redis_url: str, namespace: 
     finally:
         saver.close()
         admin.close()
+
+
+class Big(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def big_graph(size: int) -> StateGraph[Big]:
+    def tool(state: Big) -> dict[str, Any]:
+        n = len(state["messages"])
+        return {"messages": [AIMessage("z" * size, id=f"big-{n}")]}
+
+    builder = StateGraph(Big)
+    builder.add_node("tool", tool)
+    builder.add_edge(START, "tool")
+    builder.add_edge("tool", END)
+    return builder
+
+
+async def test_a_value_over_the_event_limit_is_refused_with_a_clear_error(
+    store: es.EventStore,
+) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    limit = store.max_event_bytes
+    big = "y" * (limit + 1000)
+    base = config("big", checkpoint_ns="")
+    checkpoint = empty_checkpoint()
+    for values in ({"doc": big}, {"log": ["small", big]}):
+        checkpoint["channel_values"] = values
+        versions = dict.fromkeys(values, "1")
+        with pytest.raises(lg.CheckpointValueTooLargeError, match="max_event_bytes") as caught:
+            await saver.aput(base, checkpoint, cast(Any, {}), cast(Any, versions))
+        assert caught.value.channel in values and caught.value.limit == limit
+        assert isinstance(caught.value, es.EventTooLargeError)
+    assert await store.version(saver.thread_id_of("big")) == 0  # nothing written
+    checkpoint["channel_values"] = {}
+    stored = await saver.aput(base, checkpoint, cast(Any, {}), {})
+    with pytest.raises(lg.CheckpointValueTooLargeError, match="'out'"):
+        await saver.aput_writes(stored, [("small", 1), ("out", big)], "task")
+    assert await store.version(saver.thread_id_of("big")) == 1
+    # Writes each under the limit but over it together are stored in several events.
+    half = "w" * (limit // 2)
+    await saver.aput_writes(stored, [("a", half), ("b", half), ("c", 3)], "task")
+    tup = await ThreadlogCheckpointSaver(store).aget_tuple(stored)
+    assert tup is not None and tup.pending_writes == [
+        ("task", "a", half),
+        ("task", "b", half),
+        ("task", "c", 3),
+    ]
+    assert (await saver.acheck("big")).ok
+    # In a graph: the step fails with the error, and nothing of it is stored.
+    graph = big_graph(limit + 1000).compile(checkpointer=saver)
+    with pytest.raises(lg.CheckpointValueTooLargeError, match="'messages'"):
+        await graph.ainvoke(ask("hi"), config("g"))
+    assert (await graph.aget_state(config("g"))).next == ("tool",)
+
+
+async def test_the_event_limit_can_be_raised(redis_url: str, namespace: str) -> None:
+    def run(saver: BaseCheckpointSaver[Any]) -> list[int]:
+        graph = big_graph(3_000_000).compile(checkpointer=saver)
+        graph.invoke(ask("hi"), config("big"))
+        return [len(str(m.content)) for m in graph.get_state(config("big")).values["messages"]]
+
+    with ThreadlogCheckpointSaver.from_url(
+        redis_url, namespace=namespace, max_event_bytes=4 * 1024 * 1024
+    ) as saver:
+        assert await anyio.to_thread.run_sync(run, saver) == run(InMemorySaver())
+        assert (await anyio.to_thread.run_sync(saver.check, "big")).ok
