@@ -33,6 +33,7 @@ from langgraph.types import Command, Send, StateSnapshot, interrupt
 
 import adapters.langgraph as lg
 import eventstore as es
+from adapters._framework_events import Record
 from adapters.langgraph import (
     VIEWS,
     BlobsPut,
@@ -385,7 +386,7 @@ async def test_events_thread_ids_and_audit(store: es.EventStore) -> None:
         snap = await store.read_views(tid, [es.HashGetAll(view)])
         assert snap.results == [{}]
     with pytest.raises(es.InvalidThreadIdError):
-        await saver.aget_tuple(config(""))
+        await saver.aget_tuple(config(cast(Any, None)))
     with pytest.raises(es.InvalidInputError):
         await saver.aget_tuple({"configurable": {}})
 
@@ -577,7 +578,7 @@ async def test_elements_are_stored_in_blocks(store: es.EventStore) -> None:
         assert isinstance(found, dict)
         return [[len(x[1]) for x in msgspec.msgpack.decode(e.value)] for e in found.values()]
 
-    assert (lg.BLOCK, lg.BLOCK_BYTES) == (8, 8192)  # the figures below follow from these
+    assert (lg.BLOCK, lg.BLOCK_BYTES) == (8, 32768)  # the figures below follow from these
     # One message per step: 40 elements in five blocks.
     messages: list[Any] = []
     versions: dict[str, Any] = {}
@@ -591,12 +592,12 @@ async def test_elements_are_stored_in_blocks(store: es.EventStore) -> None:
     assert await values(cfg) == messages
     # Large elements: a block stops growing at BLOCK_BYTES.
     for i in range(5):
-        messages = [*messages, HumanMessage("x" * 7000, id=f"big{i}")]
+        messages = [*messages, HumanMessage("x" * 30000, id=f"big{i}")]
         cfg, versions = await put(cfg, messages, versions)
     assert await values(cfg) == messages
     sizes = await blocks()
-    assert sorted(len(b) for b in sizes) == [1] * 5 + [8] * 5  # one 7000-byte element each
-    assert max(sum(b) for b in sizes) < 8192
+    assert sorted(len(b) for b in sizes) == [1] * 5 + [8] * 5  # one 30000-byte element each
+    assert max(sum(b) for b in sizes) < 32768
     # A branch from step 20: the lineage's last block holds the other branch's elements, so
     # the branch's new element starts the next block (index 80), not index 73.
     branch_cfg, branch_versions = saved[20]
@@ -976,3 +977,57 @@ async def test_the_event_limit_can_be_raised(redis_url: str, namespace: str) -> 
     ) as saver:
         assert await anyio.to_thread.run_sync(run, saver) == run(InMemorySaver())
         assert (await anyio.to_thread.run_sync(saver.check, "big")).ok
+
+
+async def test_kilobyte_messages_keep_one_run_and_a_constant_step(store: es.EventStore) -> None:
+    # Blocks used to close early past 8 KiB (about seven 1 KiB messages): each left unused
+    # indices, which split the history into one run per block, and every later checkpoint
+    # repeated all its runs, so the bytes per step rose with the history.
+    def long_speak(state: Growing) -> dict[str, Any]:
+        n = len(state["messages"])
+        return {"messages": [AIMessage(f"message {n}: " + "lorem ipsum " * 250)]}  # 3 KB
+
+    builder = StateGraph(Growing)
+    builder.add_node("speak", long_speak)
+    builder.add_edge(START, "speak")
+    builder.add_conditional_edges("speak", more, ["speak", END])
+    saver = ThreadlogCheckpointSaver(store)
+    graph = builder.compile(checkpointer=saver)
+    tid = saver.thread_id_of("long")
+    totals = []
+    for target in (40, 80, 120):
+        cfg = config("long")
+        cfg["recursion_limit"] = 200
+        await graph.ainvoke({"messages": [], "target": target}, cfg)
+        totals.append((await stored_bytes(store, tid))["total"])
+    snap = await store.read_views(tid, [es.HashGet(lg.HEADS, ("",))])
+    head = snap.results[0]
+    assert isinstance(head, dict)
+    record = msgspec.msgpack.decode(head[""].value, type=Record)
+    assert record.lists["messages"] == [(0, 120)]
+    first, second = totals[1] - totals[0], totals[2] - totals[1]
+    assert abs(second - first) / first < 0.01  # 40 steps cost the same later as earlier
+
+
+async def test_the_empty_thread_id_is_a_thread_as_in_memory_saver(store: es.EventStore) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    results = []
+    for checkpointer in (InMemorySaver(), saver):
+        graph = review_graph().compile(checkpointer=checkpointer)
+        await graph.ainvoke(ask("post"), config(""))
+        await graph.ainvoke(Command(resume="yes"), config(""))
+        state = await graph.aget_state(config(""))
+        history = [s async for s in graph.aget_state_history(config(""))]
+        contents = [m.content for m in state.values["messages"]]
+        results.append((contents, state.values["approved"], state.next, len(history)))
+    assert results[0] == results[1]
+    assert saver.thread_id_of("") == "lg:"
+    assert {t.config["configurable"]["thread_id"] async for t in saver.alist(None)} == {""}
+    assert (await saver.acheck("")).ok
+    await saver.acopy_thread("", "copy")
+    assert (await saver.aget_tuple(config("copy"))) is not None
+    await saver.adelete_thread("")
+    assert await saver.aget_tuple(config("")) is None
+    # None is a missing id, not a thread (str(None) would share the thread "None").
+    with pytest.raises(es.InvalidThreadIdError, match="None"):
+        await saver.aput(config(cast(Any, None)), empty_checkpoint(), cast(Any, {}), {})
