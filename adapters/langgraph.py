@@ -1006,15 +1006,21 @@ class ThreadlogCheckpointSaver(
             snap = await store.read_views(tid, [HashGetAll(RECORDS)])
             entries = snap.results[0]
             assert isinstance(entries, dict)
-            records = [_decode(_record_dec, e, "lg.checkpoints") for e in entries.values()]
+            pairs = [(_decode(_record_dec, e, "lg.checkpoints"), e.seq) for e in entries.values()]
+            # As InMemorySaver lists: namespace by namespace, in the order they were first
+            # written, and each namespace's checkpoints from the highest id down.
+            first: dict[str, int] = {}
+            for r, seq in pairs:
+                first[r.ns] = min(seq, first.get(r.ns, seq))
             records = [
                 r
-                for r in records
+                for r, _ in pairs
                 if (ns is None or r.ns == ns)
                 and (not checkpoint_id or r.checkpoint_id == checkpoint_id)
                 and (before_id is None or r.checkpoint_id < before_id)
             ]
-            records.sort(key=lambda r: (r.checkpoint_id, r.ns), reverse=True)
+            records.sort(key=lambda r: r.checkpoint_id, reverse=True)
+            records.sort(key=lambda r: (first[r.ns], r.ns))
             if filter:
                 records = [r for r in records if self._matches(r, filter)]
             if remaining is not None:

@@ -1031,3 +1031,38 @@ async def test_the_empty_thread_id_is_a_thread_as_in_memory_saver(store: es.Even
     # None is a missing id, not a thread (str(None) would share the thread "None").
     with pytest.raises(es.InvalidThreadIdError, match="None"):
         await saver.aput(config(cast(Any, None)), empty_checkpoint(), cast(Any, {}), {})
+
+
+class Outer(TypedDict):
+    notes: Annotated[list[str], operator.add]
+
+
+def nested_graph(checkpointer: BaseCheckpointSaver[Any]) -> CompiledStateGraph[Any]:
+    inner = StateGraph(Outer)
+    inner.add_node("a", lambda s: {"notes": ["inner a"]})
+    inner.add_node("b", lambda s: {"notes": ["inner b"]})
+    inner.add_edge(START, "a")
+    inner.add_edge("a", "b")
+    inner.add_edge("b", END)
+    outer = StateGraph(Outer)
+    outer.add_node("first", lambda s: {"notes": ["first"]})
+    outer.add_node("sub", inner.compile(checkpointer=True))
+    outer.add_edge(START, "first")
+    outer.add_edge("first", "sub")
+    outer.add_edge("sub", END)
+    return outer.compile(checkpointer=checkpointer)
+
+
+async def test_list_across_namespaces_in_in_memory_saver_order(store: es.EventStore) -> None:
+    orders = []
+    for saver in (InMemorySaver(), ThreadlogCheckpointSaver(store)):
+        graph = nested_graph(saver)
+        for i in range(2):
+            await graph.ainvoke({"notes": [f"run {i}"]}, config("n"))
+        listed = [t async for t in saver.alist(config("n"))]
+        namespaces = [t.config["configurable"]["checkpoint_ns"].split(":")[0] for t in listed]
+        steps = [(ns, t.metadata["step"]) for ns, t in zip(namespaces, listed, strict=True)]
+        limited = [t.metadata["step"] async for t in saver.alist(config("n"), limit=7)]
+        orders.append((steps, limited))
+    assert orders[0] == orders[1]
+    assert orders[1][0][0][0] == ""  # the root namespace first, as it was written first
