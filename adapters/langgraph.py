@@ -1580,9 +1580,12 @@ class ThreadlogCheckpointSaver(
             self._forget(dst)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest,
-        ``delete`` drops them all. The log keeps them (`CheckpointsRemoved`); delete the thread
-        to reclaim its storage.
+        """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest (its
+        highest checkpoint id), ``delete`` drops them all. The log keeps them
+        (`CheckpointsRemoved`); delete the thread to reclaim its storage.
+
+        A kept checkpoint's ``parent_config`` still names its parent, which is gone (as with
+        savers that delete rows): reading that config answers None.
 
         Not `DeltaChannel`-aware: with delta channels, a kept checkpoint may need ancestors.
         """
