@@ -703,15 +703,25 @@ def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
     return ready.result(), thread
 
 
-def _stop_portal(portal: BlockingPortal, thread: threading.Thread) -> None:
+def _stop_portal(portal: BlockingPortal, thread: threading.Thread, keep: list[Any]) -> None:
     """Stop a portal's loop; the stores opened on it close as the loop shuts down. Bounded,
-    as it also runs at interpreter exit (`weakref.finalize`) for savers nobody closed."""
+    as it also runs at interpreter exit (`weakref.finalize`) for savers nobody closed.
+
+    ``keep`` holds the closers of the stores opened on the loop until then: the saver, which
+    holds them too, may be gone already."""
     if not thread.is_alive():
+        keep.clear()
+        return
+    if threading.current_thread() is thread:
+        # Collected on its own loop (the last reference dropped by a call it was running): it
+        # cannot wait for itself, so another thread does.
+        threading.Thread(target=_stop_portal, args=(portal, thread, keep), daemon=True).start()
         return
     # Its future is cancelled with the portal's tasks, or it is late: the join tells.
     with contextlib.suppress(BaseException):
         portal.start_task_soon(portal.stop, True).result(PORTAL_STOP_TIMEOUT_S)
     thread.join(PORTAL_STOP_TIMEOUT_S)
+    keep.clear()
 
 
 # -- the saver --------------------------------------------------------------------------------
@@ -764,6 +774,7 @@ class ThreadlogCheckpointSaver(
         self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
         self._portal: BlockingPortal | None = None
         self._portal_stop: weakref.finalize[Any, Any] | None = None
+        self._portal_keep: list[Any] = []
         self._portal_loop: asyncio.AbstractEventLoop | None = None
         self._portal_lock = threading.Lock()
 
@@ -821,6 +832,8 @@ class ThreadlogCheckpointSaver(
             closer = _close_with_loop(opened, self._opened, loop)
             await anext(closer)  # registers it with the loop
             entry = self._opened[loop] = _Opened(opened, closer)
+            if on_portal:
+                self._portal_keep.append(closer)
             register_langgraph_events(opened.registry)
         return entry.store
 
@@ -842,7 +855,10 @@ class ThreadlogCheckpointSaver(
                 portal, thread = _start_portal()
                 self._portal_loop = portal.call(asyncio.get_running_loop)
                 # Stops the loop when the saver is collected or the interpreter exits unclosed.
-                self._portal_stop = weakref.finalize(self, _stop_portal, portal, thread)
+                self._portal_keep = []
+                self._portal_stop = weakref.finalize(
+                    self, _stop_portal, portal, thread, self._portal_keep
+                )
                 self._portal = portal
             return self._portal
 
