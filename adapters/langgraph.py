@@ -27,11 +27,17 @@ and rebuild them and read any past state.
 The sync methods run the async ones on a private event loop thread. A Redis client belongs to
 the loop that opened it, so the sync API needs a store the saver can open itself:
 `ThreadlogCheckpointSaver.from_url` (or ``connect=``). A `MemoryEventStore` works anywhere.
+The loop thread is a daemon thread, stopped by ``close()``, or when the saver is collected or
+the interpreter exits; a store the saver opened on a caller's loop is closed by ``aclose()`` or
+when ``asyncio.run`` shuts that loop down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import random
@@ -39,6 +45,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
@@ -52,8 +59,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
+import anyio
 import msgspec
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -74,6 +82,7 @@ from eventstore import (
     Event,
     EventRegistry,
     EventStore,
+    EventTooLargeError,
     ExpectedVersion,
     HashDelete,
     HashGet,
@@ -117,6 +126,7 @@ __all__ = [
     "VIEWS",
     "BlobsPut",
     "CheckpointPut",
+    "CheckpointValueTooLargeError",
     "CheckpointsRemoved",
     "LangGraphProjection",
     "ThreadlogCheckpointSaver",
@@ -129,7 +139,7 @@ DEFAULT_THREAD_PREFIX = "lg:"
 
 # Views (hash views of the thread). Field names are built by the ``_*_field`` helpers below.
 RECORDS = "lg.checkpoints"  # <ns><checkpoint id> -> Record
-HEADS = "lg.heads"  # <ns> -> Record of the namespace's latest checkpoint (saves a round trip)
+HEADS = "lg.heads"  # <ns> -> Record of the namespace's highest checkpoint id (its latest)
 WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]
 BLOBS = "lg.blobs"  # <ns><channel><version> -> (type, data)
 RANGES = "lg.ranges"  # <ns><channel><version> -> [(start, count), ...] into the lineage
@@ -145,9 +155,12 @@ CACHE_SIZE = 1024
 # ``<lineage>:<i // BLOCK>``, so reading a 60-message history reads 8 fields, not 60 (each
 # field read costs the client about as much as deserializing a small message). Extending a
 # lineage rewrites its last block, so a block stops growing at BLOCK_BYTES: the rewrite
-# stays small (measured: blocks of 16 cost the server more per put than they save per read).
+# stays bounded (measured: blocks of 16 cost the server more per put than they save per read).
+# A block closed early leaves unused indices, which split the value's runs, and every later
+# checkpoint repeats its runs: so BLOCK_BYTES is set where elements of up to 4 KiB never close
+# a block early (at 8 KiB, 1 KiB messages did, and per-step growth rose with the history).
 BLOCK = 8
-BLOCK_BYTES = 8192
+BLOCK_BYTES = 32768
 
 V = TypeVar("V")
 
@@ -155,6 +168,54 @@ _enc = msgspec.msgpack.Encoder()
 
 
 # -- events -----------------------------------------------------------------------------------
+
+
+class CheckpointValueTooLargeError(EventTooLargeError):
+    """Raised when one channel value, list element or pending write serializes to more than one
+    event of the store holds (its ``max_event_bytes``, 1 MiB by default). Nothing of the
+    checkpoint or the task's writes is stored: in a graph run, the step that produced the value
+    fails, and a resumed run runs it again."""
+
+    def __init__(
+        self, thread_id: str, size: int, limit: int, index: int, channel: str, kind: str
+    ) -> None:
+        super().__init__(thread_id, size, limit, index)
+        self.channel = channel
+        self.kind = kind
+        self.args = (
+            f"thread {thread_id!r}: a {kind} of channel {channel!r} makes an event of {size} "
+            f"bytes; the store's max_event_bytes is {limit} (raise it with "
+            "ThreadlogCheckpointSaver.from_url(..., max_event_bytes=N) or "
+            "eventstore.connect(..., max_event_bytes=N))",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (self.thread_id, self.size, self.limit, self.index, self.channel, self.kind)
+        return (type(self), args)
+
+
+def _too_large(exc: EventTooLargeError, events: Sequence[Event]) -> EventTooLargeError:
+    """``exc`` naming the channel of the largest value of the event it refused.
+
+    The saver packs a value larger than half the limit into an event of its own, so that value
+    is what made the event too large."""
+    if not 0 <= exc.index < len(events):
+        return exc
+    sizes: list[tuple[int, str, str]] = []
+    event = events[exc.index]
+    if isinstance(event, BlobsPut):
+        sizes += [(len(b.data), b.channel, "value") for b in event.values]
+        sizes += [
+            (len(item[1]), el.channel, "list element") for el in event.elements for item in el.items
+        ]
+    elif isinstance(event, WritesPut):
+        sizes += [(len(w.data), w.channel, "pending write") for w in event.writes]
+    if not sizes:
+        return exc
+    _, channel, kind = max(sizes)
+    return CheckpointValueTooLargeError(
+        exc.thread_id, exc.size, exc.limit, exc.index, channel, kind
+    )
 
 
 # -- ids and field names ----------------------------------------------------------------------
@@ -187,11 +248,14 @@ def checkpoint_thread_id(thread_id: object, *, prefix: str = DEFAULT_THREAD_PREF
     """The threadlog thread of a LangGraph ``thread_id`` (all its checkpoint namespaces).
 
     Braces, control characters and ``%`` are percent-encoded, so any LangGraph thread id maps
-    to a distinct, valid thread id. Raises `InvalidThreadIdError` if it is empty or too long.
+    to a distinct, valid thread id; the empty id is a thread like any other (``lg:``), as in
+    LangGraph's own savers. Other types are taken as ``str(thread_id)``. Raises
+    `InvalidThreadIdError` for None (a missing id: ``str(None)`` would share the thread
+    ``"None"``), for an id too long, and for an empty id under an empty prefix.
     """
+    if thread_id is None:
+        raise InvalidThreadIdError("LangGraph thread_id must not be None")
     text = thread_id if isinstance(thread_id, str) else str(thread_id)
-    if not text or thread_id is None:
-        raise InvalidThreadIdError(f"LangGraph thread_id must be non-empty, not {thread_id!r}")
     return validate_thread_id(prefix + _escape(text))
 
 
@@ -263,11 +327,21 @@ def _decode(decoder: msgspec.msgpack.Decoder[V], entry: ViewEntry, what: str) ->
 class _Views:
     """An in-process model of the saver's hash views, with the store's stamping rules."""
 
-    def __init__(self) -> None:
+    def __init__(self, heads: Mapping[str, str | None] | None = None) -> None:
         self.hashes: dict[str, dict[str, ViewEntry]] = {v: {} for v in VIEWS}
+        # The head checkpoint ids of namespaces whose lg.heads entry this model does not hold
+        # (the saver knows them without having read the record).
+        self.known_heads = dict(heads or {})
 
     def get(self, view: str, field: str) -> ViewEntry | None:
         return self.hashes[view].get(field)
+
+    def head_id(self, ns: str) -> str | None:
+        """The checkpoint id of the namespace's head (its highest checkpoint id)."""
+        entry = self.hashes[HEADS].get(ns)
+        if entry is None:
+            return self.known_heads.get(ns)
+        return _decode(_record_dec, entry, "lg.heads").checkpoint_id
 
     def apply(self, op: ViewOp, seq: int) -> None:
         if isinstance(op, HashSet):
@@ -327,7 +401,17 @@ def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]
         rec = payload.record
         value = _enc.encode(rec)
         ops.append(HashSet(RECORDS, _ck_field(rec.ns, rec.checkpoint_id), value, index))
-        ops.append(HashSet(HEADS, rec.ns, value, index))
+        # A namespace's head is its checkpoint with the highest id, as LangGraph's own savers
+        # answer "the latest checkpoint": a checkpoint written after one with a higher id (a
+        # clock-skewed writer, an explicit put) does not replace it.
+        if views is None:
+            raise InvalidInputError(
+                "langgraph.checkpoint_put compares with the namespace's head: append it "
+                "through ThreadlogCheckpointSaver"
+            )
+        head_id = views.head_id(rec.ns)
+        if head_id is None or rec.checkpoint_id >= head_id:
+            ops.append(HashSet(HEADS, rec.ns, value, index))
     elif isinstance(payload, WritesPut):
         field = _ck_field(payload.ns, payload.checkpoint_id)
         if views is None:
@@ -384,11 +468,13 @@ class LangGraphProjection(Projection[_Views]):
         return state
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
-        """Ops of self-contained events; `WritesPut`, and a `BlobsPut` that continues a block of
-        elements, need what the views hold (the saver has it).
+        """Ops of self-contained events; `WritesPut`, `CheckpointPut` (which may become the
+        namespace's head) and a `BlobsPut` that continues a block of elements need what the
+        views hold (the saver has it).
 
         Raises:
-            InvalidInputError: for a `WritesPut`, or a `BlobsPut` continuing a block.
+            InvalidInputError: for a `WritesPut`, a `CheckpointPut`, or a `BlobsPut` continuing
+                a block.
         """
         out: list[ViewOp] = []
         for index, new in enumerate(events):
@@ -567,6 +653,76 @@ def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
 
 Opener = Callable[[], Awaitable[EventStore]]
 
+PORTAL_STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class _Opened:
+    """A store the saver opened on one event loop, and the async generator that closes it."""
+
+    store: EventStore
+    closer: AsyncGenerator[None, None]
+
+
+async def _close_with_loop(
+    store: EventStore,
+    opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Opened],
+    loop: asyncio.AbstractEventLoop,
+) -> AsyncGenerator[None, None]:
+    # An async generator started on a loop is closed by the loop's shutdown_asyncgens, which
+    # asyncio.run (and anyio.run) call before closing the loop: so a store opened on a loop
+    # is closed with it, even if nobody calls aclose (each asyncio.run used to leave one
+    # client and its connections behind, since the store keeps its loop alive).
+    try:
+        yield
+    finally:
+        if (entry := opened.get(loop)) is not None and entry.store is store:
+            del opened[loop]
+        await store.close()
+
+
+def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
+    """A blocking portal on a new event loop, in a daemon thread: a saver nobody closed does
+    not keep the interpreter from exiting (a non-daemon thread is joined at exit, forever)."""
+    ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve, backend="asyncio")
+        except BaseException as exc:  # handed to the thread that waits
+            if not ready.done():
+                ready.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="threadlog-langgraph-saver", daemon=True)
+    thread.start()
+    return ready.result(), thread
+
+
+def _stop_portal(portal: BlockingPortal, thread: threading.Thread, keep: list[Any]) -> None:
+    """Stop a portal's loop; the stores opened on it close as the loop shuts down. Bounded,
+    as it also runs at interpreter exit (`weakref.finalize`) for savers nobody closed.
+
+    ``keep`` holds the closers of the stores opened on the loop until then: the saver, which
+    holds them too, may be gone already."""
+    if not thread.is_alive():
+        keep.clear()
+        return
+    if threading.current_thread() is thread:
+        # Collected on its own loop (the last reference dropped by a call it was running): it
+        # cannot wait for itself, so another thread does.
+        threading.Thread(target=_stop_portal, args=(portal, thread, keep), daemon=True).start()
+        return
+    # Its future is cancelled with the portal's tasks, or it is late: the join tells.
+    with contextlib.suppress(BaseException):
+        portal.start_task_soon(portal.stop, True).result(PORTAL_STOP_TIMEOUT_S)
+    thread.join(PORTAL_STOP_TIMEOUT_S)
+    keep.clear()
+
 
 # -- the saver --------------------------------------------------------------------------------
 
@@ -606,7 +762,7 @@ class ThreadlogCheckpointSaver(
         self.projection = LangGraphProjection()
         if store is not None:
             register_langgraph_events(store.registry)
-        self._opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventStore] = (
+        self._opened: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Opened] = (
             weakref.WeakKeyDictionary()
         )
         self._locks: weakref.WeakKeyDictionary[
@@ -615,8 +771,10 @@ class ThreadlogCheckpointSaver(
         self._lineages = _Cache()  # (thread, ns, channel) -> _Lineage
         self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
+        self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
         self._portal: BlockingPortal | None = None
-        self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
+        self._portal_stop: weakref.finalize[Any, Any] | None = None
+        self._portal_keep: list[Any] = []
         self._portal_loop: asyncio.AbstractEventLoop | None = None
         self._portal_lock = threading.Lock()
 
@@ -630,15 +788,22 @@ class ThreadlogCheckpointSaver(
         serde: SerializerProtocol | None = None,
         thread_prefix: str = DEFAULT_THREAD_PREFIX,
         dedupe_lists: bool = True,
+        max_event_bytes: int | None = None,
     ) -> ThreadlogCheckpointSaver:
         """A saver that opens its own stores (see `eventstore.connect`), one per event loop.
 
+        ``max_event_bytes`` (default 1 MiB) bounds one channel value, list element or pending
+        write (`CheckpointValueTooLargeError` beyond it).
+
         Close it with ``close()`` (sync) or ``await aclose()`` on the loop it ran on, or use it
-        as a context manager.
+        as a context manager. Unclosed, its stores close with their loops (``asyncio.run``
+        shuts them down; the private loop stops when the saver is collected or at exit).
         """
 
         async def opener() -> EventStore:
-            return await connect(url, namespace=namespace, registry=registry)
+            return await connect(
+                url, namespace=namespace, registry=registry, max_event_bytes=max_event_bytes
+            )
 
         return cls(
             connect=opener, serde=serde, thread_prefix=thread_prefix, dedupe_lists=dedupe_lists
@@ -656,15 +821,21 @@ class ThreadlogCheckpointSaver(
                     "ThreadlogCheckpointSaver.from_url(...) or pass connect="
                 )
             return self._store
-        store = self._opened.get(loop)
-        if store is None:
+        entry = self._opened.get(loop)
+        if entry is None:
             assert self._connect is not None
             opened = await self._connect()
-            store = self._opened.setdefault(loop, opened)
-            if store is not opened:  # another task of this loop opened one meanwhile
+            entry = self._opened.get(loop)
+            if entry is not None:  # another task of this loop opened one meanwhile
                 await opened.close()
-            register_langgraph_events(store.registry)
-        return store
+                return entry.store
+            closer = _close_with_loop(opened, self._opened, loop)
+            await anext(closer)  # registers it with the loop
+            entry = self._opened[loop] = _Opened(opened, closer)
+            if on_portal:
+                self._portal_keep.append(closer)
+            register_langgraph_events(opened.registry)
+        return entry.store
 
     def _lock(self, thread: str) -> asyncio.Lock:
         # Serializes this process's writes to one thread, so its own concurrent put_writes
@@ -681,10 +852,13 @@ class ThreadlogCheckpointSaver(
     def _ensure_portal(self) -> BlockingPortal:
         with self._portal_lock:
             if self._portal is None:
-                cm = start_blocking_portal(backend="asyncio")
-                portal = cm.__enter__()
+                portal, thread = _start_portal()
                 self._portal_loop = portal.call(asyncio.get_running_loop)
-                self._portal_cm = cm
+                # Stops the loop when the saver is collected or the interpreter exits unclosed.
+                self._portal_keep = []
+                self._portal_stop = weakref.finalize(
+                    self, _stop_portal, portal, thread, self._portal_keep
+                )
                 self._portal = portal
             return self._portal
 
@@ -693,21 +867,29 @@ class ThreadlogCheckpointSaver(
         return portal.call(functools.partial(fn, *args, **kwargs))
 
     async def aclose(self) -> None:
-        """Close the store this saver opened on the running loop (a given store stays open)."""
-        store = self._opened.pop(asyncio.get_running_loop(), None)
-        if store is not None:
-            await store.close()
+        """Close the store this saver opened on the running loop (a given store stays open).
+
+        A store opened on a loop is also closed when ``asyncio.run`` shuts that loop down.
+        """
+        loop = asyncio.get_running_loop()
+        entry = self._opened.pop(loop, None)
+        self._locks.pop(loop, None)
+        if entry is not None:
+            await entry.closer.aclose()
 
     def close(self) -> None:
-        """Close the saver's private loop and the store it opened there."""
+        """Close the saver's private loop and the store it opened there.
+
+        A sync saver nobody closed is closed when it is collected or the interpreter exits.
+        """
         with self._portal_lock:
-            portal, cm = self._portal, self._portal_cm
-            self._portal = self._portal_cm = self._portal_loop = None
-        if portal is not None and cm is not None:
+            portal, stop = self._portal, self._portal_stop
+            self._portal = self._portal_stop = self._portal_loop = None
+        if portal is not None and stop is not None:
             try:
                 portal.call(self.aclose)
             finally:
-                cm.__exit__(None, None, None)
+                stop()
 
     def __enter__(self) -> ThreadlogCheckpointSaver:
         return self
@@ -791,8 +973,12 @@ class ThreadlogCheckpointSaver(
         entry = fetch.entry(view, field)
         if entry is None:
             self._hints.pop((tid, view, field))
+            if view == HEADS:
+                self._heads.put((tid, ns), (None, 0))
             return None
         rec = _decode(_record_dec, entry, view)
+        if view == HEADS:
+            self._heads.put((tid, ns), (rec.checkpoint_id, entry.version))
         tuples, needs = await self._resolve(store, tid, thread_id, [rec], fetch, warm=warm)
         if warm:
             self._hints.put((tid, view, field), needs)
@@ -836,15 +1022,21 @@ class ThreadlogCheckpointSaver(
             snap = await store.read_views(tid, [HashGetAll(RECORDS)])
             entries = snap.results[0]
             assert isinstance(entries, dict)
-            records = [_decode(_record_dec, e, "lg.checkpoints") for e in entries.values()]
+            pairs = [(_decode(_record_dec, e, "lg.checkpoints"), e.seq) for e in entries.values()]
+            # As InMemorySaver lists: namespace by namespace, in the order they were first
+            # written, and each namespace's checkpoints from the highest id down.
+            first: dict[str, int] = {}
+            for r, seq in pairs:
+                first[r.ns] = min(seq, first.get(r.ns, seq))
             records = [
                 r
-                for r in records
+                for r, _ in pairs
                 if (ns is None or r.ns == ns)
                 and (not checkpoint_id or r.checkpoint_id == checkpoint_id)
                 and (before_id is None or r.checkpoint_id < before_id)
             ]
-            records.sort(key=lambda r: (r.checkpoint_id, r.ns), reverse=True)
+            records.sort(key=lambda r: r.checkpoint_id, reverse=True)
+            records.sort(key=lambda r: (first[r.ns], r.ns))
             if filter:
                 records = [r for r in records if self._matches(r, filter)]
             if remaining is not None:
@@ -908,7 +1100,9 @@ class ThreadlogCheckpointSaver(
                     more[ELEMS].update(_run_blocks(lin, runs))
                     if single:
                         more[LISTS].add(lin)
-        if more[ELEMS]:
+        if more[ELEMS] or more[LISTS]:
+            # An empty list value has no elements, but a warm read still needs its lineage's
+            # length: caching length 0 would make every later extension conflict.
             await fetch.read(store, tid, more)
             needs[ELEMS] |= more[ELEMS]
             needs[LISTS] |= more[LISTS]
@@ -1021,8 +1215,11 @@ class ThreadlogCheckpointSaver(
             conflict: ViewConflictError | None = None
             for _ in range(ATTEMPTS):
                 missing = [ch for ch in as_lists if self._lineages.get((tid, ns, ch)) is None]
-                if missing:
-                    await self._load_lineages(store, tid, ns, missing)
+                head: tuple[str | None, int] | None = self._heads.get((tid, ns))
+                if missing or head is None:
+                    await self._load(store, tid, ns, missing, head=head is None)
+                    head = self._heads.get((tid, ns)) or (None, 0)
+                is_head = head[0] is None or checkpoint["id"] >= head[0]
                 plan = self._plan_lists(tid, ns, as_lists, budget)
                 record = Record(
                     ns=ns,
@@ -1035,25 +1232,33 @@ class ThreadlogCheckpointSaver(
                 )
                 events = self._pack(ns, inline, plan, budget)
                 events.append(CheckpointPut(record=record))
+                ops = self._guarded_ops(events, ns, plan, head)
                 try:
-                    await self._append(store, tid, events, self._guarded_ops(events, ns, plan))
+                    await self._append(store, tid, events, ops)
+                except EventTooLargeError as exc:
+                    raise _too_large(exc, events) from None
                 except ViewConflictError as exc:
-                    # Another writer extended a lineage: forget what we knew and reload it
-                    # with the parent's elements, so the new version still shares them.
+                    # Another writer extended a lineage or moved the head: forget what we knew
+                    # and reload the parent's elements (so the new version still shares them),
+                    # then the lineages' lengths and the head as they are now.
                     conflict = exc
                     for ch in as_lists:
                         self._lineages.pop((tid, ns, ch))
+                    self._heads.pop((tid, ns))
                     if parent_id:
                         await self._get(store, tid, conf["thread_id"], ns, parent_id, warm=True)
+                    await self._load(store, tid, ns, list(as_lists), head=True)
                     continue
                 for ch, p in plan.items():
                     self._lineages.put((tid, ns, ch), p.after)
                 self._writes.put((tid, _ck_field(ns, checkpoint["id"])), (0, []))
-                # The next read of the namespace's latest checkpoint is most likely this one.
-                self._hints.put(
-                    (tid, HEADS, ns),
-                    functools.partial(_needs_of, record, dict(checkpoint["channel_versions"])),
-                )
+                if is_head:
+                    self._heads.put((tid, ns), (checkpoint["id"], head[1] + 1))
+                    # The next read of the namespace's latest checkpoint is most likely this.
+                    self._hints.put(
+                        (tid, HEADS, ns),
+                        functools.partial(_needs_of, record, dict(checkpoint["channel_versions"])),
+                    )
                 break
             else:
                 assert conflict is not None
@@ -1085,19 +1290,36 @@ class ThreadlogCheckpointSaver(
                 runs[ch] = list(known.ranges)
         return runs
 
-    async def _load_lineages(
-        self, store: EventStore, tid: str, ns: str, channels: list[str]
+    async def _load(
+        self, store: EventStore, tid: str, ns: str, channels: list[str], *, head: bool
     ) -> None:
+        """Read the lineages' lengths (keeping the elements known of them) and the head."""
         fields = tuple(_lineage(ns, ch) for ch in channels)
-        snap = await store.read_views(tid, [HashGet(LISTS, fields)])
-        found = snap.results[0]
-        assert isinstance(found, dict)
-        for ch, lin in zip(channels, fields, strict=True):
-            e = found.get(lin)
-            self._lineages.put(
-                (tid, ns, ch),
-                _Lineage(length=int(e.value) if e else 0, field_version=e.version if e else 0),
-            )
+        reads: list[ViewRead] = [HashGet(LISTS, fields)] if fields else []
+        if head:
+            reads.append(HashGet(HEADS, (ns,)))
+        if not reads:
+            return
+        snap = await store.read_views(tid, reads)
+        if fields:
+            found = snap.results[0]
+            assert isinstance(found, dict)
+            for ch, lin in zip(channels, fields, strict=True):
+                e = found.get(lin)
+                length, version = (int(e.value), e.version) if e else (0, 0)
+                known: _Lineage | None = self._lineages.get((tid, ns, ch))
+                self._lineages.put(
+                    (tid, ns, ch),
+                    dataclasses.replace(known, length=length, field_version=version)
+                    if known is not None
+                    else _Lineage(length=length, field_version=version),
+                )
+        if head:
+            found = snap.results[-1]
+            assert isinstance(found, dict)
+            e = found.get(ns)
+            rec = _decode(_record_dec, e, "lg.heads") if e else None
+            self._heads.put((tid, ns), (rec.checkpoint_id, e.version) if rec and e else (None, 0))
 
     def _plan_lists(
         self,
@@ -1199,13 +1421,19 @@ class ThreadlogCheckpointSaver(
         return events
 
     @staticmethod
-    def _guarded_ops(events: list[Event], ns: str, plan: dict[str, _ListPlan]) -> list[ViewOp]:
+    def _guarded_ops(
+        events: list[Event],
+        ns: str,
+        plan: dict[str, _ListPlan],
+        head: tuple[str | None, int],
+    ) -> list[ViewOp]:
         # The first length update of each lineage carries the version this saver planned from:
-        # if another writer extended the lineage meanwhile, the append is refused whole.
+        # if another writer extended the lineage meanwhile, the append is refused whole. So
+        # does the head, if the checkpoint becomes it (its id is not below the known head's).
         guards = {_lineage(ns, ch): p.before.field_version for ch, p in plan.items()}
         # The blocks the new elements continue, as the store holds them; each event's ops are
         # applied before the next event's are made, as the fold does.
-        views = _Views()
+        views = _Views({ns: head[0]} if head[0] is not None else None)
         for ch, p in plan.items():
             if p.tail is not None:
                 field = _block_field(_lineage(ns, ch), p.tail[0])
@@ -1218,6 +1446,8 @@ class ThreadlogCheckpointSaver(
                 if isinstance(op, HashSet) and op.view == LISTS and op.field in guards:
                     expected = guards.pop(op.field)
                     op = HashSet(op.view, op.field, op.value, op.event, expected_version=expected)
+                elif isinstance(op, HashSet) and op.view == HEADS and op.field == ns:
+                    op = HashSet(op.view, op.field, op.value, op.event, expected_version=head[1])
                 ops.append(op)
         return ops
 
@@ -1257,6 +1487,7 @@ class ThreadlogCheckpointSaver(
             slot = WRITES_IDX_MAP.get(channel, idx)
             incoming.append(StoredWrite(task_id, slot, channel, typ, data, task_path))
         store = await self._get_store()
+        budget = max(store.max_event_bytes // 2, 1024)
         async with self._lock(tid):
             conflict: ViewConflictError | None = None
             for _ in range(ATTEMPTS):
@@ -1274,16 +1505,26 @@ class ThreadlogCheckpointSaver(
                 new = [w for w in incoming if w.idx < 0 or (w.task_id, w.idx) not in have]
                 if not new:
                     return
-                merged = merge_writes(current, new)
-                event = WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=new)
-                op = HashSet(WRITES, field, _enc.encode(merged), 0, expected_version=version)
+                # Writes that are large together go in several events (each merged in turn, as
+                # the fold does); the first carries the guard.
+                events: list[Event] = []
+                ops: list[ViewOp] = []
+                merged = current
+                for part in _split_writes(new, budget):
+                    merged = merge_writes(merged, part)
+                    events.append(WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=part))
+                    guard = version if not ops else None
+                    value = _enc.encode(merged)
+                    ops.append(HashSet(WRITES, field, value, len(ops), expected_version=guard))
                 try:
-                    await self._append(store, tid, [event], [op])
+                    await self._append(store, tid, events, ops)
+                except EventTooLargeError as exc:
+                    raise _too_large(exc, events) from None
                 except ViewConflictError as exc:  # another process wrote them meanwhile
                     conflict = exc
                     self._writes.pop((tid, field))
                     continue
-                self._writes.put((tid, field), (version + 1, merged))
+                self._writes.put((tid, field), (version + len(ops), merged))
                 return
             assert conflict is not None
             raise conflict
@@ -1292,6 +1533,7 @@ class ThreadlogCheckpointSaver(
 
     def _forget(self, tid: str) -> None:
         self._lineages.forget_thread(tid)
+        self._heads.forget_thread(tid)
         self._writes.forget_thread(tid)
         self._hints.forget_thread(tid)
 
@@ -1354,9 +1596,12 @@ class ThreadlogCheckpointSaver(
             self._forget(dst)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest,
-        ``delete`` drops them all. The log keeps them (`CheckpointsRemoved`); delete the thread
-        to reclaim its storage.
+        """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest (its
+        highest checkpoint id), ``delete`` drops them all. The log keeps them
+        (`CheckpointsRemoved`); delete the thread to reclaim its storage.
+
+        A kept checkpoint's ``parent_config`` still names its parent, which is gone (as with
+        savers that delete rows): reading that config answers None.
 
         Not `DeltaChannel`-aware: with delta channels, a kept checkpoint may need ancestors.
         """
@@ -1485,6 +1730,20 @@ class ThreadlogCheckpointSaver(
         return self._run(self.acheck, thread_id)
 
 
+def _split_writes(writes: list[StoredWrite], budget: int) -> list[list[StoredWrite]]:
+    parts: list[list[StoredWrite]] = []
+    size = 0
+    for w in writes:
+        n = len(w.data) + len(w.type) + len(w.channel) + len(w.task_id) + len(w.task_path) + 16
+        if parts and size + n <= budget:
+            parts[-1].append(w)
+            size += n
+        else:
+            parts.append([w])
+            size = n
+    return parts
+
+
 @dataclass(frozen=True, slots=True)
 class _ListPlan:
     version: Version
@@ -1504,14 +1763,13 @@ def _removal(
     """The event that removes ``doomed`` checkpoints, with its new heads and dead blobs."""
     remaining = [(r, e) for r, e in records if (r.ns, r.checkpoint_id) not in doomed]
     removed = [r for r, _ in records if (r.ns, r.checkpoint_id) in doomed]
-    # A namespace's head is its most recently written checkpoint (the highest record seq).
+    # A namespace's head is its checkpoint with the highest id.
     heads: dict[str, Record | None] = {}
     for ns in {r.ns for r in removed}:
-        in_ns = [(e.seq, r) for r, e in records if r.ns == ns]
-        current = max(in_ns, key=lambda p: (p[0], p[1].checkpoint_id))[1]
+        current = max((r for r, _ in records if r.ns == ns), key=lambda r: r.checkpoint_id)
         if (ns, current.checkpoint_id) in doomed:
-            left = [(e.seq, r) for r, e in remaining if r.ns == ns]
-            heads[ns] = max(left, key=lambda p: (p[0], p[1].checkpoint_id))[1] if left else None
+            left = [r for r, _ in remaining if r.ns == ns]
+            heads[ns] = max(left, key=lambda r: r.checkpoint_id) if left else None
     kept = {
         (r.ns, ch, _vkey(v))
         for r, _ in remaining

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import operator
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Annotated, Any, TypedDict, cast
 import anyio
 import msgspec
 import pytest
+import redis
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, RemoveMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.channels.delta import DeltaChannel
@@ -29,6 +33,7 @@ from langgraph.types import Command, Send, StateSnapshot, interrupt
 
 import adapters.langgraph as lg
 import eventstore as es
+from adapters._framework_events import Record
 from adapters.langgraph import (
     VIEWS,
     BlobsPut,
@@ -381,7 +386,7 @@ async def test_events_thread_ids_and_audit(store: es.EventStore) -> None:
         snap = await store.read_views(tid, [es.HashGetAll(view)])
         assert snap.results == [{}]
     with pytest.raises(es.InvalidThreadIdError):
-        await saver.aget_tuple(config(""))
+        await saver.aget_tuple(config(cast(Any, None)))
     with pytest.raises(es.InvalidInputError):
         await saver.aget_tuple({"configurable": {}})
 
@@ -573,7 +578,7 @@ async def test_elements_are_stored_in_blocks(store: es.EventStore) -> None:
         assert isinstance(found, dict)
         return [[len(x[1]) for x in msgspec.msgpack.decode(e.value)] for e in found.values()]
 
-    assert (lg.BLOCK, lg.BLOCK_BYTES) == (8, 8192)  # the figures below follow from these
+    assert (lg.BLOCK, lg.BLOCK_BYTES) == (8, 32768)  # the figures below follow from these
     # One message per step: 40 elements in five blocks.
     messages: list[Any] = []
     versions: dict[str, Any] = {}
@@ -587,12 +592,12 @@ async def test_elements_are_stored_in_blocks(store: es.EventStore) -> None:
     assert await values(cfg) == messages
     # Large elements: a block stops growing at BLOCK_BYTES.
     for i in range(5):
-        messages = [*messages, HumanMessage("x" * 7000, id=f"big{i}")]
+        messages = [*messages, HumanMessage("x" * 30000, id=f"big{i}")]
         cfg, versions = await put(cfg, messages, versions)
     assert await values(cfg) == messages
     sizes = await blocks()
-    assert sorted(len(b) for b in sizes) == [1] * 5 + [8] * 5  # one 7000-byte element each
-    assert max(sum(b) for b in sizes) < 8192
+    assert sorted(len(b) for b in sizes) == [1] * 5 + [8] * 5  # one 30000-byte element each
+    assert max(sum(b) for b in sizes) < 32768
     # A branch from step 20: the lineage's last block holds the other branch's elements, so
     # the branch's new element starts the next block (index 80), not index 73.
     branch_cfg, branch_versions = saved[20]
@@ -757,3 +762,313 @@ async def test_storage_grows_linearly(
     # Each step adds about as much as the one before it, whatever the history's length.
     first, second = half["total"] / 100, (full["total"] - half["total"]) / 100
     assert 0.8 < second / first < 1.25
+
+
+# -- regressions ------------------------------------------------------------------------------
+
+
+class Todo(TypedDict):
+    todo: list[str]  # a plain list channel: each update replaces it
+    n: int
+
+
+def todo_graph() -> StateGraph[Todo]:
+    builder = StateGraph(Todo)
+    builder.add_node("noop", lambda state: {})
+    builder.add_edge(START, "noop")
+    builder.add_edge("noop", END)
+    return builder
+
+
+async def test_an_emptied_list_grows_again_under_cold_savers(store: es.EventStore) -> None:
+    # Each update by a saver that knows nothing yet (a new process per step, a fork), as
+    # InMemorySaver does it. The list becomes [] and is extended again: a cold read of the
+    # empty value used to cache its lineage as empty, and every later put conflicted.
+    updates: list[Any] = [{"todo": ["a", "b"]}, {"todo": []}, {"n": 1}, {"todo": ["c"]}]
+    memory = todo_graph().compile(checkpointer=InMemorySaver())
+    cfg = config("todo")
+    past: list[RunnableConfig] = []
+    for update in updates:
+        expected = await memory.aupdate_state(cfg, update)
+        graph = todo_graph().compile(checkpointer=ThreadlogCheckpointSaver(store))
+        past.append(await graph.aupdate_state(cfg, update))
+        assert (await graph.aget_state(cfg)).values == (await memory.aget_state(cfg)).values
+        assert expected is not None
+    # A fork from the checkpoint where the list was empty, then cold savers again.
+    graph = todo_graph().compile(checkpointer=ThreadlogCheckpointSaver(store))
+    await graph.aupdate_state(past[2], {"n": 2})
+    for update in [{"todo": ["d"]}, {"todo": ["d", "e"]}]:
+        graph = todo_graph().compile(checkpointer=ThreadlogCheckpointSaver(store))
+        await graph.aupdate_state(cfg, cast(Any, update))
+        assert (await graph.aget_state(cfg)).values == {**cast(Any, update), "n": 2}
+    assert (await ThreadlogCheckpointSaver(store).acheck("todo")).ok
+
+
+async def test_the_latest_checkpoint_is_the_one_with_the_highest_id(store: es.EventStore) -> None:
+    ids = sorted(str(uuid6(clock_seq=i)) for i in range(4))
+
+    def checkpoint(i: int) -> Any:
+        c = empty_checkpoint()
+        c["id"] = ids[i]
+        c["channel_versions"] = {"x": f"{i + 1}"}
+        c["channel_values"] = {"x": i}
+        return c
+
+    base = config("h", checkpoint_ns="")
+    a, b = ThreadlogCheckpointSaver(store), ThreadlogCheckpointSaver(store)
+    memory = InMemorySaver()
+    # Written out of id order: by one saver, then by a second that knew an older head.
+    order: list[tuple[BaseCheckpointSaver[Any], int]] = [(a, 2), (a, 0), (b, 1), (a, 3)]
+    await b.aget_tuple(base)  # b knows there is no head yet
+    for saver, i in order:
+        for s in (saver, memory):
+            await s.aput(base, checkpoint(i), cast(Any, {"step": i}), {"x": f"{i + 1}"})
+        latest = [await s.aget_tuple(base) for s in (memory, a, b, ThreadlogCheckpointSaver(store))]
+        assert {t.config["configurable"]["checkpoint_id"] for t in latest if t} == {
+            max(ids[j] for _, j in order[: order.index((saver, i)) + 1])
+        }
+    steps = [t.metadata["step"] async for t in a.alist(base)]
+    assert steps == [t.metadata["step"] for t in memory.list(base)] == [3, 2, 1, 0]
+    assert (await a.acheck("h")).ok
+    # Removing the head leaves the next highest id as the head, in the views and the fold.
+    await a.aprune(["h"], strategy="keep_latest")
+    tup = await ThreadlogCheckpointSaver(store).aget_tuple(base)
+    assert tup is not None and tup.checkpoint["id"] == ids[3]
+    assert (await a.acheck("h")).ok
+
+
+UNCLOSED = textwrap.dedent(
+    """
+    import sys
+    from adapters.langgraph import ThreadlogCheckpointSaver
+    from tests.test_langgraph import ask, review_graph
+
+    url, namespace = sys.argv[1:3]
+    saver = ThreadlogCheckpointSaver.from_url(url, namespace=namespace)
+    graph = review_graph().compile(checkpointer=saver)
+    graph.invoke(ask("write a post"), {"configurable": {"thread_id": "t"}})
+    if sys.argv[3:] == ["collect"]:
+        import gc, threading
+
+        del graph, saver
+        gc.collect()
+        assert not [t for t in threading.enumerate() if t.name == "threadlog-langgraph-saver"]
+    print("exiting", flush=True)
+    if sys.argv[3:] == ["raise"]:
+        raise RuntimeError("an error the application did not catch")
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["return", "raise", "collect"])
+async def test_an_unclosed_sync_saver_lets_the_interpreter_exit(
+    redis_url: str, namespace: str, how: str
+) -> None:
+    # The saver's loop thread used to be a non-daemon thread, joined at exit: forever.
+    with anyio.fail_after(60):
+        result = await anyio.run_process(
+            [sys.executable, "-X", "dev", "-c", UNCLOSED, redis_url, namespace, how],
+            cwd=ROOT,
+            check=False,
+        )
+    assert result.stdout.decode().strip() == "exiting"
+    assert result.returncode == (1 if how == "raise" else 0), result.stderr
+    assert b"nclosed" not in result.stderr, result.stderr  # the store it opened was closed
+
+
+def test_a_collected_sync_saver_stops_its_loop_thread(redis_url: str, namespace: str) -> None:
+    def threads() -> int:
+        return sum(t.name == "threadlog-langgraph-saver" for t in threading.enumerate())
+
+    before = threads()
+    saver = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace)
+    assert saver.get_tuple(config("x")) is None
+    assert threads() == before + 1
+    del saver
+    gc.collect()
+    assert threads() == before
+    # close() still works, and the saver can be used again after it.
+    with ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace) as saver:
+        assert saver.get_tuple(config("x")) is None
+        saver.close()
+        assert saver.get_tuple(config("x")) is None
+    assert threads() == before
+
+
+def test_each_asyncio_run_closes_the_store_it_opened(redis_url: str, namespace: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    saver = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace)
+    graph = review_graph().compile(checkpointer=saver)
+    try:
+        before = len(admin.client_list())
+        for i in range(10):
+            asyncio.run(graph.ainvoke(ask(f"post {i}"), config(f"run-{i}")))
+        gc.collect()
+        assert len(admin.client_list()) == before  # one client per run used to stay open
+        assert len(saver._opened) == 0
+
+        async def explicit() -> None:
+            await graph.ainvoke(ask("post"), config("explicit"))
+            await saver.aclose()
+
+        asyncio.run(explicit())
+        assert len(admin.client_list()) == before
+    finally:
+        saver.close()
+        admin.close()
+
+
+class Big(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def big_graph(size: int) -> StateGraph[Big]:
+    def tool(state: Big) -> dict[str, Any]:
+        n = len(state["messages"])
+        return {"messages": [AIMessage("z" * size, id=f"big-{n}")]}
+
+    builder = StateGraph(Big)
+    builder.add_node("tool", tool)
+    builder.add_edge(START, "tool")
+    builder.add_edge("tool", END)
+    return builder
+
+
+async def test_a_value_over_the_event_limit_is_refused_with_a_clear_error(
+    store: es.EventStore,
+) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    limit = store.max_event_bytes
+    big = "y" * (limit + 1000)
+    base = config("big", checkpoint_ns="")
+    checkpoint = empty_checkpoint()
+    for values in ({"doc": big}, {"log": ["small", big]}):
+        checkpoint["channel_values"] = values
+        versions = dict.fromkeys(values, "1")
+        with pytest.raises(lg.CheckpointValueTooLargeError, match="max_event_bytes") as caught:
+            await saver.aput(base, checkpoint, cast(Any, {}), cast(Any, versions))
+        assert caught.value.channel in values and caught.value.limit == limit
+        assert isinstance(caught.value, es.EventTooLargeError)
+    assert await store.version(saver.thread_id_of("big")) == 0  # nothing written
+    checkpoint["channel_values"] = {}
+    stored = await saver.aput(base, checkpoint, cast(Any, {}), {})
+    with pytest.raises(lg.CheckpointValueTooLargeError, match="'out'"):
+        await saver.aput_writes(stored, [("small", 1), ("out", big)], "task")
+    assert await store.version(saver.thread_id_of("big")) == 1
+    # Writes each under the limit but over it together are stored in several events.
+    half = "w" * (limit // 2)
+    await saver.aput_writes(stored, [("a", half), ("b", half), ("c", 3)], "task")
+    tup = await ThreadlogCheckpointSaver(store).aget_tuple(stored)
+    assert tup is not None and tup.pending_writes == [
+        ("task", "a", half),
+        ("task", "b", half),
+        ("task", "c", 3),
+    ]
+    assert (await saver.acheck("big")).ok
+    # In a graph: the step fails with the error, and nothing of it is stored.
+    graph = big_graph(limit + 1000).compile(checkpointer=saver)
+    with pytest.raises(lg.CheckpointValueTooLargeError, match="'messages'"):
+        await graph.ainvoke(ask("hi"), config("g"))
+    assert (await graph.aget_state(config("g"))).next == ("tool",)
+
+
+async def test_the_event_limit_can_be_raised(redis_url: str, namespace: str) -> None:
+    def run(saver: BaseCheckpointSaver[Any]) -> list[int]:
+        graph = big_graph(3_000_000).compile(checkpointer=saver)
+        graph.invoke(ask("hi"), config("big"))
+        return [len(str(m.content)) for m in graph.get_state(config("big")).values["messages"]]
+
+    with ThreadlogCheckpointSaver.from_url(
+        redis_url, namespace=namespace, max_event_bytes=4 * 1024 * 1024
+    ) as saver:
+        assert await anyio.to_thread.run_sync(run, saver) == run(InMemorySaver())
+        assert (await anyio.to_thread.run_sync(saver.check, "big")).ok
+
+
+async def test_kilobyte_messages_keep_one_run_and_a_constant_step(store: es.EventStore) -> None:
+    # Blocks used to close early past 8 KiB (about seven 1 KiB messages): each left unused
+    # indices, which split the history into one run per block, and every later checkpoint
+    # repeated all its runs, so the bytes per step rose with the history.
+    def long_speak(state: Growing) -> dict[str, Any]:
+        n = len(state["messages"])
+        return {"messages": [AIMessage(f"message {n}: " + "lorem ipsum " * 250)]}  # 3 KB
+
+    builder = StateGraph(Growing)
+    builder.add_node("speak", long_speak)
+    builder.add_edge(START, "speak")
+    builder.add_conditional_edges("speak", more, ["speak", END])
+    saver = ThreadlogCheckpointSaver(store)
+    graph = builder.compile(checkpointer=saver)
+    tid = saver.thread_id_of("long")
+    totals = []
+    for target in (40, 80, 120):
+        cfg = config("long")
+        cfg["recursion_limit"] = 200
+        await graph.ainvoke({"messages": [], "target": target}, cfg)
+        totals.append((await stored_bytes(store, tid))["total"])
+    snap = await store.read_views(tid, [es.HashGet(lg.HEADS, ("",))])
+    head = snap.results[0]
+    assert isinstance(head, dict)
+    record = msgspec.msgpack.decode(head[""].value, type=Record)
+    assert record.lists["messages"] == [(0, 120)]
+    first, second = totals[1] - totals[0], totals[2] - totals[1]
+    assert abs(second - first) / first < 0.01  # 40 steps cost the same later as earlier
+
+
+async def test_the_empty_thread_id_is_a_thread_as_in_memory_saver(store: es.EventStore) -> None:
+    saver = ThreadlogCheckpointSaver(store)
+    results = []
+    for checkpointer in (InMemorySaver(), saver):
+        graph = review_graph().compile(checkpointer=checkpointer)
+        await graph.ainvoke(ask("post"), config(""))
+        await graph.ainvoke(Command(resume="yes"), config(""))
+        state = await graph.aget_state(config(""))
+        history = [s async for s in graph.aget_state_history(config(""))]
+        contents = [m.content for m in state.values["messages"]]
+        results.append((contents, state.values["approved"], state.next, len(history)))
+    assert results[0] == results[1]
+    assert saver.thread_id_of("") == "lg:"
+    assert {t.config["configurable"]["thread_id"] async for t in saver.alist(None)} == {""}
+    assert (await saver.acheck("")).ok
+    await saver.acopy_thread("", "copy")
+    assert (await saver.aget_tuple(config("copy"))) is not None
+    await saver.adelete_thread("")
+    assert await saver.aget_tuple(config("")) is None
+    # None is a missing id, not a thread (str(None) would share the thread "None").
+    with pytest.raises(es.InvalidThreadIdError, match="None"):
+        await saver.aput(config(cast(Any, None)), empty_checkpoint(), cast(Any, {}), {})
+
+
+class Outer(TypedDict):
+    notes: Annotated[list[str], operator.add]
+
+
+def nested_graph(checkpointer: BaseCheckpointSaver[Any]) -> CompiledStateGraph[Any]:
+    inner = StateGraph(Outer)
+    inner.add_node("a", lambda s: {"notes": ["inner a"]})
+    inner.add_node("b", lambda s: {"notes": ["inner b"]})
+    inner.add_edge(START, "a")
+    inner.add_edge("a", "b")
+    inner.add_edge("b", END)
+    outer = StateGraph(Outer)
+    outer.add_node("first", lambda s: {"notes": ["first"]})
+    outer.add_node("sub", inner.compile(checkpointer=True))
+    outer.add_edge(START, "first")
+    outer.add_edge("first", "sub")
+    outer.add_edge("sub", END)
+    return outer.compile(checkpointer=checkpointer)
+
+
+async def test_list_across_namespaces_in_in_memory_saver_order(store: es.EventStore) -> None:
+    orders = []
+    for saver in (InMemorySaver(), ThreadlogCheckpointSaver(store)):
+        graph = nested_graph(saver)
+        for i in range(2):
+            await graph.ainvoke({"notes": [f"run {i}"]}, config("n"))
+        listed = [t async for t in saver.alist(config("n"))]
+        namespaces = [t.config["configurable"]["checkpoint_ns"].split(":")[0] for t in listed]
+        steps = [(ns, t.metadata["step"]) for ns, t in zip(namespaces, listed, strict=True)]
+        limited = [t.metadata["step"] async for t in saver.alist(config("n"), limit=7)]
+        orders.append((steps, limited))
+    assert orders[0] == orders[1]
+    assert orders[1][0][0][0] == ""  # the root namespace first, as it was written first
