@@ -23,6 +23,7 @@ import anyio
 import msgspec
 
 from eventstore import (
+    ConflictError,
     EventStore,
     FeedEntry,
     FeedTrimmedError,
@@ -35,6 +36,9 @@ from eventstore import (
 from eventstore._feed import parse_stream_id
 
 log = logging.getLogger("threadlog.runner")
+
+BACKFILL_ATTEMPTS = 5
+FEED_PAGE = 1024
 
 Increment = tuple[str, str, int]
 """``(hash name, field, amount)`` on one of the projection's partition-level hashes."""
@@ -65,6 +69,11 @@ class ProjectionRunner:
     projection first ran), its changes up to there are gone from the feed: the runner raises
     `FeedTrimmedError` rather than count without them, unless ``accept_trimmed_feed`` says
     to go on from what the feed still holds (logged once per partition).
+
+    A projection added to a running system starts from the logs instead with
+    ``backfill=True``: before it reads a partition's feed for the first time (no checkpoint
+    yet), `backfill` counts every event the feed has recorded so far from the threads' logs,
+    trimmed or not, and sets the checkpoint there.
     """
 
     def __init__(
@@ -78,6 +87,7 @@ class ProjectionRunner:
         claim_idle_ms: int = 30_000,
         poll_interval: float = 0.2,
         accept_trimmed_feed: bool = False,
+        backfill: bool = False,
     ) -> None:
         validate_view_name(projection.name)
         validate_consumer(consumer)
@@ -91,6 +101,8 @@ class ProjectionRunner:
         self.claim_idle_ms = claim_idle_ms
         self.poll_interval = poll_interval
         self.accept_trimmed_feed = accept_trimmed_feed
+        self.backfills = backfill
+        self._backfilled: set[int] = set()
         self._registered: set[int] = set()
         self._warned: set[int] = set()
 
@@ -144,6 +156,8 @@ class ProjectionRunner:
             )  # fmt: skip
 
     async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
+        if self.backfills and partition not in self._backfilled:
+            await self.backfill_partition(partition)
         await self._register(partition)
         await self._check_not_trimmed(partition)
         group = self.projection.name
@@ -178,6 +192,112 @@ class ProjectionRunner:
                     break
                 done += await self._process(partition, batch)
         return done
+
+    # -- backfill ------------------------------------------------------------------------------
+
+    async def backfill(self) -> int:
+        """`backfill_partition` every owned partition; returns the events read."""
+        return sum([await self.backfill_partition(p) for p in self.partitions])
+
+    async def backfill_partition(self, partition: int) -> int:
+        """Count, from the threads' logs, every change the partition's feed recorded so far,
+        and move the projection's checkpoint there; returns the events read (0: nothing to
+        do, as the projection has a checkpoint already: it counted from the feed).
+
+        For a projection that never ran: what it would have counted had it followed the feed
+        from the start, read from the logs, so it works on a trimmed feed too. Increments are
+        summed (they are ``HINCRBY`` amounts) and applied with the checkpoint in one atomic
+        step: a backfill that dies half way wrote nothing and may be run again, and a runner
+        of the same projection elsewhere either finds the checkpoint moved (and skips what
+        the backfill counted) or moved it first (and the backfill writes nothing). The
+        projection sees the events of each thread in read batches, each as one change whose
+        ``id`` is the feed position the backfill counts up to. A thread deleted before that
+        position is not counted (a runner reading the feed late would find its events gone);
+        a deletion landing while the backfill reads makes it start again (a few times, then
+        `ConflictError`).
+
+        Raises:
+            ConflictError: threads kept being deleted while it read.
+        """
+        name = self.projection.name
+        for _ in range(BACKFILL_ATTEMPTS):
+            if await self.store.checkpoint_of(partition, name) != "0-0":
+                self._backfilled.add(partition)
+                return 0
+            position = (await self.store.feed_info(partition)).last_id
+            if position == "0-0":  # nothing recorded yet: the feed has it all
+                self._backfilled.add(partition)
+                return 0
+            counted = await self._count_up_to(partition, position)
+            if counted is None:
+                continue  # a thread was deleted while its events were read
+            events, totals = counted
+            await self.store.create_feed_group(partition, name, start=position)
+            incr = [(h, f, amount) for (h, f), amount in totals.items() if amount]
+            applied = await self.store.apply_checkpointed(
+                partition, name, expected="0-0", checkpoint=position, incr=incr
+            )
+            self._backfilled.add(partition)
+            if applied:
+                log.info(
+                    "projection %s backfilled partition %d from the logs: %d events up to %s",
+                    name, partition, events, position,
+                )  # fmt: skip
+                return events
+            return 0  # a runner got there first: its checkpoint stands
+        raise ConflictError(
+            f"projection {name!r}: threads of partition {partition} kept being deleted while "
+            f"it was backfilled ({BACKFILL_ATTEMPTS} attempts); run it again"
+        )
+
+    async def _count_up_to(
+        self, partition: int, position: str
+    ) -> tuple[int, dict[tuple[str, str], int]] | None:
+        """Every event of the partition's threads that a change up to ``position`` recorded,
+        through the projection, summed (None: a thread was deleted meanwhile)."""
+        store = self.store
+        threads = [t.thread_id for t in await store.threads() if t.partition == partition]
+        versions = {t: await store.version(t) for t in threads}
+        # Read after the versions: every change behind them that came after ``position`` is
+        # in this tail, and each thread's first one there marks where its counted part ends.
+        tail = await self._feed_after(partition, position)
+        upto = dict(versions)
+        for entry in tail:
+            if entry.thread_id in upto:
+                end = 0 if entry.deleted else entry.first_seq - 1
+                upto[entry.thread_id] = min(upto[entry.thread_id], end)
+        events = 0
+        totals: dict[tuple[str, str], int] = {}
+        for thread_id, stop in upto.items():
+            if stop <= 0:
+                continue
+            async for batch in store.read_batches(thread_id, stop=stop):
+                change = FeedEntry(
+                    id=position,
+                    partition=partition,
+                    thread_id=thread_id,
+                    first_seq=batch[0].seq,
+                    last_seq=batch[-1].seq,
+                )
+                for hash_name, field, amount in self.projection.increments(change, batch):
+                    key = (hash_name, field)
+                    totals[key] = totals.get(key, 0) + amount
+                events += len(batch)
+        seen = {e.id for e in tail}
+        for entry in await self._feed_after(partition, position):
+            if entry.deleted and entry.id not in seen and upto.get(entry.thread_id, 0) > 0:
+                return None  # its events may have been read from its next life
+        return events, totals
+
+    async def _feed_after(self, partition: int, position: str) -> list[FeedEntry]:
+        out: list[FeedEntry] = []
+        after = position
+        while True:
+            page = await self.store.read_feed(partition, after=after, count=FEED_PAGE)
+            out += page
+            if len(page) < FEED_PAGE:
+                return out
+            after = page[-1].id
 
     async def _process(self, partition: int, batch: list[FeedEntry]) -> int:
         name = self.projection.name

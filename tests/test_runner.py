@@ -303,3 +303,81 @@ async def test_a_checkpoint_that_is_not_a_stream_id_stops_the_runner(
         assert await runner.run_once() == 1
         t, a, b = expected["small"]
         assert totals(await usage.report(store))["small"] == (t + 1, a + 1000, b + 500)
+
+
+# -- backfill: a projection added later counts from the logs -------------------------------------
+
+
+async def test_a_projection_added_after_trimming_backfills_from_the_logs(
+    store: es.EventStore,
+) -> None:
+    expected = await fill(store, 12)
+    await settle(store, "reborn", "old-tier", 100)
+    await store.delete_thread("reborn")  # its first life is gone from the log: not counted
+    await settle(store, "reborn", "small", 1)
+    t, a, b = expected["small"]
+    expected["small"] = (t + 1, a + 1, b + 0)
+    await anyio.sleep(0.01)
+    trimmed = sum([await store.trim_feed(p, max_age_ms=0) for p in range(store.partitions)])
+    assert trimmed > 0  # every change so far left the feed
+    with pytest.raises(es.FeedTrimmedError):
+        await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    assert await runner.run_once() == 0  # nothing left in the feed: all from the logs
+    assert totals(await UsageProjection().report(store)) == expected
+    # From there on it follows the feed, counting each change once.
+    await settle(store, "thread-late", "large", 1000)
+    assert await runner.run_once() == 1
+    t, a, b = expected["large"]
+    assert totals(await UsageProjection().report(store))["large"] == (t + 1, a + 1000, b + 500)
+    # Backfilling again does nothing: the projection has a checkpoint.
+    assert await runner.backfill() == 0
+    assert await ProjectionRunner(store, UsageProjection(), consumer="d").backfill() == 0
+    assert totals(await UsageProjection().report(store))["large"] == (t + 1, a + 1000, b + 500)
+
+
+async def test_a_backfill_counts_what_the_feed_holds_once_with_its_runner(
+    store: es.EventStore,
+) -> None:
+    """Untrimmed feed: the backfill counts from the logs up to the feed's end, and the
+    runner skips those changes in the feed (its checkpoint is past them)."""
+    expected = await fill(store, 9)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    read = await runner.backfill()
+    assert read == 9 * 2 + 1  # every event, once
+    assert await runner.run_once() == 0
+    assert totals(await UsageProjection().report(store)) == expected
+
+
+async def test_writes_landing_during_a_backfill_are_counted_once(store: es.EventStore) -> None:
+    """Appends and a deletion (with the thread created again) land after the backfill read
+    the feed's end and the thread versions: the appends are counted once (by the runner,
+    from the feed), and the deletion makes the backfill start over, so the events it read of
+    the thread's next life are not counted twice."""
+    expected = await fill(store, 6)  # thread-0 .. thread-5, one turn each
+    landed = False
+
+    class Busy(ProjectionRunner):
+        async def _feed_after(self, partition: int, position: str) -> list[es.FeedEntry]:
+            nonlocal landed
+            tail = await super()._feed_after(partition, position)
+            if not landed and partition == es.partition_of("thread-1", store.partitions):
+                landed = True
+                await settle(store, "thread-1", "small", 5)  # a thread being read
+                await store.delete_thread("thread-1")
+                await settle(store, "thread-1", "medium", 7)  # its next life
+                await settle(store, "thread-1", "medium", 9)
+            return tail
+
+    runner = Busy(store, UsageProjection(), consumer="c", backfill=True)
+    await runner.run_once()
+    assert landed
+    # thread-1's first life ("large", tokens 20) was deleted before anything counted it, as a
+    # runner reading the feed late would find it gone; its next life counts once.
+    t, a, b = expected["large"]
+    expected["large"] = (t - 1, a - 20, b - 10)
+    t, a, b = expected["medium"]
+    expected["medium"] = (t + 2, a + 16, b + 3 + 4)
+    assert totals(await UsageProjection().report(store)) == expected
+    assert await runner.run_once() == 0
+    assert totals(await UsageProjection().report(store)) == expected
