@@ -1193,6 +1193,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
     out = ctx.out
+    type_width = _type_width(ctx.store.registry)
     count = 0
     expected = args.start
     gaps = 0
@@ -1221,7 +1222,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
             sys.stdout.write(msgspec.json.encode(row).decode("utf-8") + "\n")
             continue
         line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
-        line.append(f"{event.type:<20}", style="cyan")
+        line.append(f"{event.type:<{type_width}} ", style="cyan")
         line.append(event_summary(event))
         models = (
             f"  [messages {len(step.messages)}, blocks {len(step.state)}, "
@@ -1385,6 +1386,12 @@ def _show_gap(gap: _FeedGap, emit: Callable[[Text | dict[str, Any]], bool], *, j
     return emit(line)
 
 
+def _type_width(registry: es.EventRegistry) -> int:
+    """The event-type column's width: the longest type name the registry knows (the
+    framework adapters' names are longer than the core's)."""
+    return max(map(len, registry.tags()), default=20)
+
+
 async def _show_change(
     store: es.EventStore,
     entry: es.FeedEntry,
@@ -1393,6 +1400,7 @@ async def _show_change(
     json: bool,
 ) -> bool:
     """Print the events of one feed entry; True once the --limit is reached."""
+    type_width = _type_width(store.registry)
     if entry.deleted:
         if json:
             row = {"thread": entry.thread_id, "type": "thread.deleted", "version": entry.last_seq}
@@ -1455,7 +1463,7 @@ async def _show_change(
                 done = emit(event_json(event))
             else:
                 line = Text(f"{fmt_time(event.time_ms)}  {event.thread_id} #{event.seq}  ")
-                line.append(f"{event.type:<20}", style="cyan")
+                line.append(f"{event.type:<{type_width}} ", style="cyan")
                 line.append(event_summary(event))
                 done = emit(line)
             if done:
