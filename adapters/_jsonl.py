@@ -1,16 +1,18 @@
 """JSONL session files (one model message per line): import and export, byte-faithful.
 
 Every message is exported exactly as it was imported: a line that re-encodes to the same bytes
-is stored structurally, any other line also keeps its original text. What is not a message is
-not kept: line ends (LF or CRLF) are written as LF, with a final newline, a leading UTF-8 byte
-order mark is dropped, and so are blank lines at the end of the file. Import validates the
-whole file before writing anything; malformed lines (a blank line before the last message is
-one) are reported with their line numbers and either refuse the import or, with ``skip_bad``,
-are skipped and reported one by one. A file with no message to import is refused, so that an
-import never reports success for a session it did not write. Importing the same messages
-twice writes them once, even from a copy that differs only in what import drops. Export
-refuses a session with no transcript: one never written, or a thread that holds other events
-(a conversation's messages) but no transcript event.
+is stored structurally, any other line also keeps its original text. An export says what
+`SessionStore.load` says, one message per line: a message changed since (a redaction) is written
+as it now is, in canonical JSON, since its original text no longer says it. What is not a
+message is not kept: line ends (LF or CRLF) are written as LF, with a final newline, a leading
+UTF-8 byte order mark is dropped, and so are blank lines at the end of the file. Import
+validates the whole file before writing anything; malformed lines (a blank line before the last
+message is one) are reported with their line numbers and either refuse the import or, with
+``skip_bad``, are skipped and reported one by one. A file with no message to import is refused,
+so that an import never reports success for a session it did not write. Importing the same
+messages twice writes them once, even from a copy that differs only in what import drops. Export
+refuses a session with no transcript: one never written, or a thread that holds other events (a
+conversation's messages) but no transcript event.
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename="camel"):
     """A model message: a role and content given as text or as a list of parts.
 
-    ``extra`` holds fields threadlog does not model; ``source`` the exact JSON text the message
-    was read from, kept only when re-encoding would not reproduce it byte for byte.
+    ``extra`` holds fields threadlog does not model; ``source`` the exact JSON text (one line)
+    the message was read from, kept only when re-encoding would not reproduce it byte for byte.
     """
 
     role: Role
@@ -119,7 +119,8 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
 
     @classmethod
     def from_json_bytes(cls, text: bytes | str) -> Message:
-        """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly."""
+        """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly
+        or spans several lines (a JSONL file holds one message per line)."""
         try:
             raw = text.encode("utf-8") if isinstance(text, str) else text
         except UnicodeEncodeError as exc:
@@ -129,7 +130,11 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         except msgspec.DecodeError as exc:
             raise MessageFormatError(f"not valid JSON: {exc}") from None
         message = _message_from_json(obj)
-        if _json_encoder.encode(_message_to_json(message)) != raw:
+        if (
+            b"\n" not in raw
+            and b"\r" not in raw
+            and _json_encoder.encode(_message_to_json(message)) != raw
+        ):
             try:
                 source = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -138,10 +143,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         return message
 
     def to_json_bytes(self) -> bytes:
-        """The JSON text of this message: its ``source`` if it has one, else canonical JSON."""
-        if self.source is not None:
+        """The JSON text of this message, on one line: its ``source`` if that still decodes to
+        this very message (a copy changed with ``msgspec.structs.replace`` keeps the source
+        of the original, which no longer says what the message does), else canonical JSON."""
+        canonical = _json_encoder.encode(_message_to_json(self))
+        if self.source is not None and _source_says(self.source, canonical):
             return self.source.encode("utf-8")
-        return _json_encoder.encode(_message_to_json(self))
+        return canonical
 
 
 class MessageFormatError(InvalidInputError):
@@ -160,6 +168,19 @@ _PART_FIELDS = {
     for tag, c in _PART_TYPES.items()
 }
 _MESSAGE_FIELDS = frozenset({"role", "content", "id", "providerOptions"})
+
+
+def _source_says(source: str, canonical: bytes) -> bool:
+    """Whether ``source`` is one line of JSON text that decodes to the message ``canonical``
+    encodes."""
+    if "\n" in source or "\r" in source:
+        return False  # kept by an earlier version, which did not refuse multi-line text
+    try:
+        decoded = _message_from_json(_json_decoder.decode(source.encode("utf-8")))
+    except (UnicodeEncodeError, msgspec.DecodeError, MessageFormatError):
+        return False
+    # Compared as JSON text, not as structs: 1 == 1.0 == True and 0.0 == -0.0 in Python.
+    return _json_encoder.encode(_message_to_json(decoded)) == canonical
 
 
 def _part_from_json(obj: Any) -> _Part:

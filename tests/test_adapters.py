@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 import eventstore as es
@@ -929,3 +930,65 @@ async def test_the_demo_conversation_settles_no_later_than_it_is_recorded(
     first = min(turn.timing.started_ms for turn in roots)
     last = max(turn.timing.settled_ms for turn in roots)
     assert last - first == SCRIPT_SPAN_MS
+
+
+# -- messages: every field back, and exports that say what load() says -------------------------
+
+
+async def test_jsonl_export_writes_what_load_returns_after_a_redaction(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    source = tmp_path / "s.jsonl"
+    # Spaced lines keep their text as ``source``, for a byte-faithful export.
+    kept = b'{ "role": "user", "content": "nothing secret" }'
+    source.write_bytes(
+        b'{ "role": "user", "content": "my SSN is 078-05-1120" }\n'
+        + kept
+        + b'\n{"role": "user", "content": "n", "n": 1}\n'
+    )
+    await import_jsonl(sessions, source, "s")
+    transcript = await sessions.load("s")
+    secret, untouched, counted = transcript.messages
+    redacted = [
+        msgspec.structs.replace(secret, content="[redacted]"),
+        untouched,
+        # Equal in Python (1 == True), not as JSON: the source no longer says it.
+        msgspec.structs.replace(counted, extra={"n": True}),
+    ]
+    await sessions.replace("s", redacted, expected_version=transcript.version, reason="redact")
+    loaded = (await sessions.load("s")).messages
+    out = tmp_path / "out.jsonl"
+    await export_jsonl(sessions, "s", out)
+    exported = out.read_bytes()
+    assert b"078-05-1120" not in exported
+    assert exported.splitlines() == [
+        b'{"role":"user","content":"[redacted]"}',
+        kept,  # unchanged: still byte for byte
+        b'{"role":"user","content":"n","n":true}',
+    ]
+    assert [json.loads(line) for line in exported.splitlines()] == [m.to_json() for m in loaded]
+
+
+async def test_pretty_printed_json_exports_as_one_line(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    pretty = json.dumps({"role": "user", "content": "hello"}, indent=2)
+    message = es.Message.from_json_bytes(pretty)
+    assert message.source is None  # a JSONL line cannot hold it
+    assert message.to_json_bytes() == b'{"role":"user","content":"hello"}'
+    # As stored by a release that kept multi-line text: exported canonical all the same.
+    older = msgspec.structs.replace(message, source=pretty)
+    crlf = msgspec.structs.replace(message, source='{"role":"user",\r"content":"hello"}')
+    await sessions.append("s", [message, older, crlf, {"role": "assistant", "content": "hi"}])
+    out = tmp_path / "out.jsonl"
+    assert await export_jsonl(sessions, "s", out) == 4
+    exported = out.read_bytes()
+    assert exported.count(b"\n") == 4 and b"\r" not in exported
+    # The library reads its own export back.
+    report = await import_jsonl(sessions, out, "again")
+    assert report.imported == 4 and report.skipped == []
+    assert [m.to_json() for m in (await sessions.load("again")).messages] == [
+        m.to_json() for m in (await sessions.load("s")).messages
+    ]
