@@ -14,9 +14,14 @@ from ._events import Event, register_event
 
 # -- model messages ------------------------------------------------------------------------------
 #
-# AI-SDK-style model messages. Stored losslessly: fields threadlog does not model are kept in
-# ``extra`` (in their original order), parts of unmodelled types become `OtherPart`, and a
-# message imported from JSON text that re-encodes differently keeps that text in ``source``.
+# AI-SDK-style model messages. Stored losslessly as JSON values: every field of a message or a
+# part comes back with its value. Fields threadlog does not model are kept in ``extra`` (in
+# their original order), and so are modelled fields it cannot hold as such: one of another type,
+# or one given at its default value (``"isError": false``, ``"id": null``), which the struct
+# alone could not tell from an absent field (it omits defaults when stored). Parts of
+# unmodelled types become `OtherPart`. What is not kept is the order of the modelled fields:
+# they come first, in threadlog's order, then the others in theirs. A message read from JSON
+# text that re-encodes differently keeps that text in ``source``, for a byte-faithful export.
 
 
 class _Part(
@@ -86,8 +91,10 @@ ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename="camel"):
     """A model message: a role and content given as text or as a list of parts.
 
-    ``extra`` holds fields threadlog does not model; ``source`` the exact JSON text (one line)
-    the message was read from, kept only when re-encoding would not reproduce it byte for byte.
+    ``extra`` holds the fields threadlog does not model, and modelled fields given with a value
+    their attribute cannot stand for (of another type, or their default: an explicit null or
+    false); ``source`` the exact JSON text (one line) the message was read from, kept only when
+    re-encoding would not reproduce it byte for byte.
     """
 
     role: Role
@@ -114,7 +121,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         return _message_from_json(obj)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of this message, unknown fields included, in their order."""
+        """The JSON object of this message, every field included: the modelled ones first (a
+        part's ``type`` first), then those of ``extra`` in their order. An attribute set to a
+        value other than its default wins over a field of that name in ``extra``."""
         return _message_to_json(self)
 
     @classmethod
@@ -167,7 +176,18 @@ _PART_FIELDS = {
     tag: frozenset(f.encode_name for f in msgspec.structs.fields(c)) - {"extra"}
     for tag, c in _PART_TYPES.items()
 }
+# The modelled fields that have a default (None or False, compared by identity): given at it,
+# they are kept in ``extra``, since the struct would drop them (omit_defaults).
+_PART_DEFAULTS = {
+    tag: {
+        f.encode_name: f.default
+        for f in msgspec.structs.fields(c)
+        if f.default is not msgspec.NODEFAULT and f.encode_name != "extra"
+    }
+    for tag, c in _PART_TYPES.items()
+}
 _MESSAGE_FIELDS = frozenset({"role", "content", "id", "providerOptions"})
+_NO_DEFAULT = object()
 
 
 def _source_says(source: str, canonical: bytes) -> bool:
@@ -190,8 +210,14 @@ def _part_from_json(obj: Any) -> _Part:
     cls = _PART_TYPES.get(kind)
     if cls is not None:
         names = _PART_FIELDS[kind]
-        known = {k: v for k, v in obj.items() if k == "type" or k in names}
-        extra = {k: v for k, v in obj.items() if k != "type" and k not in names}
+        defaults = _PART_DEFAULTS[kind]
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, v in obj.items():
+            if k == "type" or (k in names and v is not defaults.get(k, _NO_DEFAULT)):
+                known[k] = v
+            else:
+                extra[k] = v
         try:
             part = msgspec.convert(known, cls)
         except msgspec.ValidationError:
@@ -206,7 +232,8 @@ def _part_to_json(part: _Part) -> dict[str, Any]:
         return {"type": part.kind, **part.data}
     out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.replace(part, extra=None))
     if part.extra:
-        out.update(part.extra)
+        for k, v in part.extra.items():
+            out.setdefault(k, v)  # a modelled field set in the struct wins
     return out
 
 
@@ -226,8 +253,9 @@ def _message_from_json(obj: Any) -> Message:
         raise MessageFormatError("message content must be a string or a list of parts")
     msg_id = obj.get("id")
     options = obj.get("providerOptions")
-    extra = {k: v for k, v in obj.items() if k not in _MESSAGE_FIELDS}
-    # A known field of an unexpected shape is kept verbatim among the unknown ones.
+    # An explicit null id or providerOptions is kept among the unknown fields (role and content
+    # are never null here), and so is a known field of an unexpected shape.
+    extra = {k: v for k, v in obj.items() if k not in _MESSAGE_FIELDS or v is None}
     if msg_id is not None and not isinstance(msg_id, str):
         extra["id"], msg_id = msg_id, None
     if options is not None and not isinstance(options, dict):
@@ -252,7 +280,8 @@ def _message_to_json(message: Message) -> dict[str, Any]:
     if message.provider_options is not None:
         out["providerOptions"] = message.provider_options
     if message.extra:
-        out.update(message.extra)
+        for k, v in message.extra.items():
+            out.setdefault(k, v)  # a modelled field set in the struct wins
     return out
 
 

@@ -934,6 +934,95 @@ async def test_the_demo_conversation_settles_no_later_than_it_is_recorded(
 
 # -- messages: every field back, and exports that say what load() says -------------------------
 
+# Fields given at their default value (null, false): the struct alone would drop them.
+AT_DEFAULTS: list[dict[str, Any]] = [
+    {"role": "user", "content": "x", "id": None, "providerOptions": None},
+    {
+        "role": "tool",
+        "content": [
+            {
+                "type": "tool-result",
+                "toolCallId": "c1",
+                "toolName": "lookup",
+                "output": None,
+                "isError": False,
+            },
+            {"type": "tool-result", "toolCallId": "c2", "toolName": "lookup", "isError": False},
+        ],
+    },
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool-call", "toolCallId": "c", "toolName": "t", "input": None},
+            {"type": "text", "text": "t", "providerOptions": None},
+            {"type": "image", "image": "u", "mediaType": None},
+            {"type": "file", "mediaType": "m", "data": None, "url": None, "filename": None},
+        ],
+    },
+]
+
+
+async def test_message_fields_given_at_their_default_value_survive(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions, threads = SessionStore(store), ThreadStore(store)
+    await sessions.append("s", AT_DEFAULTS)
+    for message in AT_DEFAULTS:
+        await threads.append_message("t", message)
+    loaded = (await sessions.load("s")).messages
+    listed = [m.message for m in await threads.list_messages("t")]
+    # Key for key, in order: these dicts list the modelled fields in threadlog's order.
+    want = [json.dumps(m) for m in AT_DEFAULTS]
+    assert [json.dumps(m.to_json()) for m in loaded] == want
+    assert [json.dumps(m.to_json()) for m in listed] == want
+    out = tmp_path / "out.jsonl"
+    await export_jsonl(sessions, "s", out)
+    assert out.read_bytes() == b"".join(msgspec.json.encode(m) + b"\n" for m in AT_DEFAULTS)
+    # The attributes are what they always were (an explicit null is None, false is False).
+    content = loaded[1].content
+    assert isinstance(content, list) and isinstance(content[0], es.ToolResultPart)
+    assert content[0].output is None and content[0].is_error is False
+    assert loaded[0].id is None and loaded[0].provider_options is None
+    # An attribute set to another value wins over the explicit default kept beside it.
+    flagged = msgspec.structs.replace(content[0], is_error=True, output="boom")
+    assert es.Message(role="tool", content=[flagged]).to_json()["content"][0] == {
+        **AT_DEFAULTS[1]["content"][0],
+        "output": "boom",
+        "isError": True,
+    }
+    named = msgspec.structs.replace(loaded[0], id="m-1")
+    assert named.to_json() == {**AT_DEFAULTS[0], "id": "m-1"}
+
+
+def test_messages_without_explicit_defaults_store_as_they_always_did() -> None:
+    """The stored form of a message is unchanged: events written before decode the same."""
+    message = es.Message.from_json(
+        {
+            "role": "tool",
+            "id": "m1",
+            "content": [
+                {
+                    "type": "tool-result",
+                    "toolCallId": "c1",
+                    "toolName": "t",
+                    "output": {"ok": True},
+                },
+                {"type": "tool-call", "toolCallId": "c2", "toolName": "t"},
+                {"type": "file", "mediaType": "text/plain", "url": "https://example.com/a.txt"},
+            ],
+            "x": 1,
+        }
+    )
+    # Encoded by the release before explicit defaults were kept.
+    before = (
+        b"\x84\xa4role\xa4tool\xa7content\x93\x84\xa4type\xabtool-result\xaatoolCallId\xa2c1"
+        b"\xa8toolName\xa1t\xa6output\x81\xa2ok\xc3\x83\xa4type\xa9tool-call\xaatoolCallId"
+        b"\xa2c2\xa8toolName\xa1t\x83\xa4type\xa4file\xa9mediaType\xaatext/plain\xa3url"
+        b"\xb9https://example.com/a.txt\xa2id\xa2m1\xa5extra\x81\xa1x\x01"
+    )
+    assert msgspec.msgpack.encode(message) == before
+    assert msgspec.msgpack.decode(before, type=es.Message) == message
+
 
 async def test_jsonl_export_writes_what_load_returns_after_a_redaction(
     store: es.EventStore, tmp_path: Path
