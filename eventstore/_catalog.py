@@ -5,6 +5,7 @@ Tags are stable wire names; field names are AI-SDK style where the runtime excha
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -129,7 +130,11 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
     @classmethod
     def from_json_bytes(cls, text: bytes | str) -> Message:
         """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly
-        or spans several lines (a JSONL file holds one message per line)."""
+        or spans several lines (a JSONL file holds one message per line).
+
+        Raises `MessageFormatError` saying what is wrong: not UTF-8, an unpaired surrogate
+        escape (``"\\ud800"``, which names no character), not JSON, or not a message.
+        """
         try:
             raw = text.encode("utf-8") if isinstance(text, str) else text
         except UnicodeEncodeError as exc:
@@ -137,7 +142,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         try:
             obj = _json_decoder.decode(raw)
         except msgspec.DecodeError as exc:
-            raise MessageFormatError(f"not valid JSON: {exc}") from None
+            raise MessageFormatError(_json_problem(raw, exc)) from None
         message = _message_from_json(obj)
         if (
             b"\n" not in raw
@@ -201,6 +206,46 @@ def _source_says(source: str, canonical: bytes) -> bool:
         return False
     # Compared as JSON text, not as structs: 1 == 1.0 == True and 0.0 == -0.0 in Python.
     return _json_encoder.encode(_message_to_json(decoded)) == canonical
+
+
+# A JSON string escape: a backslash and the character it escapes (\uXXXX whole), matched left
+# to right so that an escaped backslash is never read as the start of another escape.
+_ESCAPE = re.compile(rb"\\(u[0-9a-fA-F]{4}|.)", re.DOTALL)
+
+
+def _json_problem(raw: bytes, exc: msgspec.DecodeError) -> str:
+    """What is wrong with JSON text the decoder refused, in words that name the cause.
+
+    The decoder's own message misleads for two causes that are not syntax: bytes that are
+    not UTF-8 ("Invalid UTF-8 encoded string", no position) and an unpaired surrogate escape
+    such as ``"\\ud800"`` at the end of a string ("Input data was truncated").
+    """
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"not valid UTF-8: {bad.reason} at byte {bad.start}"
+    pending: re.Match[bytes] | None = None  # a high surrogate escape, before its low half
+    for found in _ESCAPE.finditer(raw):
+        code = int(found[1][1:], 16) if len(found[1]) == 5 else -1
+        low = 0xDC00 <= code <= 0xDFFF
+        if pending is not None:
+            if not (low and found.start() == pending.end()):
+                return _unpaired(pending)
+            pending = None
+        elif low:
+            return _unpaired(found)
+        elif 0xD800 <= code <= 0xDBFF:
+            pending = found
+    if pending is not None:
+        return _unpaired(pending)
+    return f"not valid JSON: {exc}"
+
+
+def _unpaired(escape: re.Match[bytes]) -> str:
+    return (
+        f"unpaired UTF-16 surrogate escape {escape[0].decode('ascii')} at byte {escape.start()}: "
+        "it names no character, so the text is not valid Unicode (UTF-8 cannot encode it)"
+    )
 
 
 def _part_from_json(obj: Any) -> _Part:

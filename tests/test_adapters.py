@@ -1081,3 +1081,31 @@ async def test_pretty_printed_json_exports_as_one_line(
     assert [m.to_json() for m in (await sessions.load("again")).messages] == [
         m.to_json() for m in (await sessions.load("s")).messages
     ]
+
+
+async def test_jsonl_lines_that_are_not_unicode_say_so(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(
+        b'{"role":"user","content":"fine"}\n'
+        b'{"role":"user","content":"\\ud800"}\n'  # a lone high surrogate, ending the string
+        b'{"role":"user","content":"a\\udc00b"}\n'  # a lone low surrogate
+        b'{"role":"user","content":"\\ud83d\\u0041"}\n'  # a high one not followed by a low
+        b'{"role":"user","content":"\xff"}\n'  # not UTF-8
+        b'{"role":"user","content":"\\\\ud800 \\ud83d\\ude00"}\n'  # an escaped backslash: fine
+        b'{"role":"user","content":"trunc\n'
+    )
+    with pytest.raises(JsonlImportError) as info:
+        await import_jsonl(SessionStore(store), path, "s")
+    reasons = {e.line: e.reason for e in info.value.errors}
+    assert sorted(reasons) == [2, 3, 4, 5, 7]
+    assert reasons[2].startswith("unpaired UTF-16 surrogate escape \\ud800 at byte 26")
+    assert reasons[3].startswith("unpaired UTF-16 surrogate escape \\udc00 at byte 27")
+    assert reasons[4].startswith("unpaired UTF-16 surrogate escape \\ud83d at byte 26")
+    assert reasons[5] == "not valid UTF-8: invalid start byte at byte 26"
+    assert reasons[7] == "not valid JSON: Input data was truncated"
+    assert "line 2: unpaired UTF-16 surrogate" in str(info.value)
+    report = await import_jsonl(SessionStore(store), path, "s", skip_bad=True)
+    loaded = (await SessionStore(store).load("s")).messages
+    assert report.imported == 2 and [m.text for m in loaded] == ["fine", "\\ud800 😀"]
