@@ -37,9 +37,10 @@ from eventstore import (
 
 from ._access import Principal
 from ._files import temp_beside
-from ._sessions import SessionStore, Transcript
+from ._sessions import SessionStore, Transcript, chunk_by_size, event_budget
 
-# Messages per transcript event are capped by bytes, so that no event nears the store's limit.
+# Messages per transcript event are capped by bytes, so that no event nears the store's limit:
+# at most this many, and fewer when the store's limit leaves less (`event_budget`).
 EVENT_BUDGET_BYTES = 256 * 1024
 EVENTS_PER_APPEND = 64
 _ENVELOPE_MARGIN = 512
@@ -172,22 +173,6 @@ def _too_large(number: int, message: Message, stored: int, limit: int) -> JsonlL
     return JsonlLineError(number, reason, too_large=True)
 
 
-def _batches(messages: list[Message]) -> list[list[Message]]:
-    out: list[list[Message]] = []
-    current: list[Message] = []
-    size = 0
-    for m in messages:
-        n = len(_encoder.encode(m))
-        if current and size + n > EVENT_BUDGET_BYTES:
-            out.append(current)
-            current, size = [], 0
-        current.append(m)
-        size += n
-    if current:
-        out.append(current)
-    return out
-
-
 async def import_jsonl(
     sessions: SessionStore,
     path: str | os.PathLike[str],
@@ -211,7 +196,7 @@ async def import_jsonl(
         data = await anyio.Path(path).read_bytes()
     except OSError as exc:
         raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    limit = getattr(sessions.store, "max_event_bytes", 1024 * 1024) - _ENVELOPE_MARGIN
+    limit = sessions.store.max_event_bytes - _ENVELOPE_MARGIN
     messages, errors = parse_jsonl(data, max_message_bytes=limit)
     if errors and not skip_bad:
         raise JsonlImportError(str(path), errors)
@@ -223,7 +208,9 @@ async def import_jsonl(
     # imported before keep their keys.
     digest = hashlib.sha256(b"".join(m.to_json_bytes() + b"\n" for m in messages)).hexdigest()
     digest = digest[:32]
-    events = _batches(messages)
+    # With the store's default limit the budget is EVENT_BUDGET_BYTES, as it always was: the
+    # same events, so an import stopped by an earlier version resumes with the same keys.
+    events = chunk_by_size(messages, min(EVENT_BUDGET_BYTES, event_budget(sessions.store)))
     duplicate = True
     version = 0
     appends = -(-len(events) // EVENTS_PER_APPEND)

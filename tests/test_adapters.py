@@ -1083,6 +1083,34 @@ async def test_pretty_printed_json_exports_as_one_line(
     ]
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_jsonl_import_splits_events_by_the_stores_own_limit(
+    backend: str, redis_url: str, tmp_path: Path
+) -> None:
+    limit = 100_000
+    namespace = "sl" + uuid.uuid4().hex[:12]
+    store: es.EventStore = (
+        es.MemoryEventStore(namespace=namespace, max_event_bytes=limit)
+        if backend == "memory"
+        else await es.connect(redis_url, namespace=namespace, max_event_bytes=limit)
+    )
+    try:
+        sessions = SessionStore(store)
+        path = tmp_path / "s.jsonl"
+        lines = [
+            msgspec.json.encode({"role": "user", "content": f"{i}" + "z" * 30_000})
+            for i in range(10)
+        ]
+        path.write_bytes(b"".join(line + b"\n" for line in lines))
+        report = await import_jsonl(sessions, path, "s")
+        assert (report.imported, report.duplicate) == (10, False)
+        assert [m.to_json_bytes() for m in (await sessions.load("s")).messages] == lines
+        # Several events, each under the limit (the store refuses any over it).
+        assert report.version == await store.version("s") > 1
+    finally:
+        await store.close()
+
+
 async def test_jsonl_lines_that_are_not_unicode_say_so(
     store: es.EventStore, tmp_path: Path
 ) -> None:
