@@ -109,7 +109,9 @@ class ImportProgress(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What an import did."""
+    """What an import did: of the ``lines`` of the file, ``imported`` messages are in the
+    session, ``written`` of them by this import and the others by an earlier run of the same
+    import (one that was stopped half way); ``duplicate`` when this import wrote none."""
 
     session_id: str
     lines: int
@@ -117,6 +119,7 @@ class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
     skipped: list[JsonlLineError]
     duplicate: bool
     version: int
+    written: int = 0
 
 
 def parse_jsonl(
@@ -211,10 +214,10 @@ async def import_jsonl(
     # With the store's default limit the budget is EVENT_BUDGET_BYTES, as it always was: the
     # same events, so an import stopped by an earlier version resumes with the same keys.
     events = chunk_by_size(messages, min(EVENT_BUDGET_BYTES, event_budget(sessions.store)))
-    duplicate = True
     version = 0
     appends = -(-len(events) // EVENTS_PER_APPEND)
-    written = 0
+    done = 0  # messages in the session so far, written now or by an earlier run
+    new = 0  # of those, written by this run
     for start in range(0, len(events), EVENTS_PER_APPEND):
         chunk = events[start : start + EVENTS_PER_APPEND]
         if progress is not None:
@@ -222,7 +225,7 @@ async def import_jsonl(
                 ImportProgress(
                     appends=start // EVENTS_PER_APPEND,
                     of_appends=appends,
-                    messages=written,
+                    messages=done,
                     of_messages=len(messages),
                     version=version,
                 )
@@ -231,15 +234,16 @@ async def import_jsonl(
         result = await sessions.append_batches(
             session_id, chunk, idempotency_key=key, principal=principal
         )
-        duplicate = duplicate and result.duplicate
         version = result.last_seq
-        written += sum(map(len, chunk))
+        done += sum(map(len, chunk))
+        if not result.duplicate:
+            new += sum(map(len, chunk))
     if progress is not None:
         progress(
             ImportProgress(
                 appends=appends,
                 of_appends=appends,
-                messages=written,
+                messages=done,
                 of_messages=len(messages),
                 version=version,
             )
@@ -250,8 +254,9 @@ async def import_jsonl(
         lines=lines,
         imported=len(messages),
         skipped=errors,
-        duplicate=duplicate,
+        duplicate=not new,
         version=version,
+        written=new,
     )
 
 

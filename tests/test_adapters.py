@@ -16,6 +16,7 @@ import eventstore as es
 from adapters import (
     AccessDenied,
     CallbackPolicy,
+    ImportProgress,
     JsonlImportError,
     NoTranscriptError,
     Principal,
@@ -1083,18 +1084,19 @@ async def test_pretty_printed_json_exports_as_one_line(
     ]
 
 
+async def limited_store(backend: str, redis_url: str, max_event_bytes: int) -> es.EventStore:
+    """A store on a fresh namespace whose events hold at most ``max_event_bytes``."""
+    namespace = "lim" + uuid.uuid4().hex[:12]
+    if backend == "memory":
+        return es.MemoryEventStore(namespace=namespace, max_event_bytes=max_event_bytes)
+    return await es.connect(redis_url, namespace=namespace, max_event_bytes=max_event_bytes)
+
+
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 async def test_jsonl_import_splits_events_by_the_stores_own_limit(
     backend: str, redis_url: str, tmp_path: Path
 ) -> None:
-    limit = 100_000
-    namespace = "sl" + uuid.uuid4().hex[:12]
-    store: es.EventStore = (
-        es.MemoryEventStore(namespace=namespace, max_event_bytes=limit)
-        if backend == "memory"
-        else await es.connect(redis_url, namespace=namespace, max_event_bytes=limit)
-    )
-    try:
+    async with await limited_store(backend, redis_url, 100_000) as store:
         sessions = SessionStore(store)
         path = tmp_path / "s.jsonl"
         lines = [
@@ -1103,12 +1105,40 @@ async def test_jsonl_import_splits_events_by_the_stores_own_limit(
         ]
         path.write_bytes(b"".join(line + b"\n" for line in lines))
         report = await import_jsonl(sessions, path, "s")
-        assert (report.imported, report.duplicate) == (10, False)
+        assert (report.imported, report.written, report.duplicate) == (10, 10, False)
         assert [m.to_json_bytes() for m in (await sessions.load("s")).messages] == lines
         # Several events, each under the limit (the store refuses any over it).
         assert report.version == await store.version("s") > 1
-    finally:
-        await store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_an_import_run_again_after_a_stop_says_what_it_wrote(
+    backend: str, redis_url: str, tmp_path: Path
+) -> None:
+    class Stop(Exception):
+        pass
+
+    def stop_after_one(progress: ImportProgress) -> None:
+        if progress.appends == 1:
+            raise Stop
+
+    # A small event limit: one message per event, so 100 messages take two appends of 64.
+    async with await limited_store(backend, redis_url, 8192) as store:
+        sessions = SessionStore(store)
+        path = tmp_path / "s.jsonl"
+        path.write_bytes(
+            b"".join(
+                msgspec.json.encode({"role": "user", "content": f"{i} " + "y" * 3000}) + b"\n"
+                for i in range(100)
+            )
+        )
+        with pytest.raises(Stop):
+            await import_jsonl(sessions, path, "s", progress=stop_after_one)
+        assert await store.version("s") == 64
+        rest = await import_jsonl(sessions, path, "s")
+        assert (rest.imported, rest.written, rest.duplicate, rest.version) == (100, 36, False, 100)
+        again = await import_jsonl(sessions, path, "s")
+        assert (again.imported, again.written, again.duplicate) == (100, 0, True)
 
 
 async def test_jsonl_lines_that_are_not_unicode_say_so(
