@@ -1,16 +1,18 @@
 """JSONL session files (one model message per line): import and export, byte-faithful.
 
 Every message is exported exactly as it was imported: a line that re-encodes to the same bytes
-is stored structurally, any other line also keeps its original text. What is not a message is
-not kept: line ends (LF or CRLF) are written as LF, with a final newline, a leading UTF-8 byte
-order mark is dropped, and so are blank lines at the end of the file. Import validates the
-whole file before writing anything; malformed lines (a blank line before the last message is
-one) are reported with their line numbers and either refuse the import or, with ``skip_bad``,
-are skipped and reported one by one. A file with no message to import is refused, so that an
-import never reports success for a session it did not write. Importing the same messages
-twice writes them once, even from a copy that differs only in what import drops. Export
-refuses a session with no transcript: one never written, or a thread that holds other events
-(a conversation's messages) but no transcript event.
+is stored structurally, any other line also keeps its original text. An export says what
+`SessionStore.load` says, one message per line: a message changed since (a redaction) is written
+as it now is, in canonical JSON, since its original text no longer says it. What is not a
+message is not kept: line ends (LF or CRLF) are written as LF, with a final newline, a leading
+UTF-8 byte order mark is dropped, and so are blank lines at the end of the file. Import
+validates the whole file before writing anything; malformed lines (a blank line before the last
+message is one) are reported with their line numbers and either refuse the import or, with
+``skip_bad``, are skipped and reported one by one. A file with no message to import is refused,
+so that an import never reports success for a session it did not write. Importing the same
+messages twice writes them once, even from a copy that differs only in what import drops. Export
+refuses a session with no transcript: one never written, or a thread that holds other events (a
+conversation's messages) but no transcript event.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from eventstore import (
 
 from ._access import Principal
 from ._files import temp_beside
-from ._sessions import SessionStore, Transcript
+from ._sessions import SessionStore, Transcript, chunk_by_size, event_budget
 
-# Messages per transcript event are capped by bytes, so that no event nears the store's limit.
+# Messages per transcript event are capped by bytes, so that no event nears the store's limit:
+# at most this many, and fewer when the store's limit leaves less (`event_budget`).
 EVENT_BUDGET_BYTES = 256 * 1024
 EVENTS_PER_APPEND = 64
 _ENVELOPE_MARGIN = 512
@@ -106,7 +109,9 @@ class ImportProgress(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What an import did."""
+    """What an import did: of the ``lines`` of the file, ``imported`` messages are in the
+    session, ``written`` of them by this import and the others by an earlier run of the same
+    import (one that was stopped half way); ``duplicate`` when this import wrote none."""
 
     session_id: str
     lines: int
@@ -114,6 +119,7 @@ class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
     skipped: list[JsonlLineError]
     duplicate: bool
     version: int
+    written: int = 0
 
 
 def parse_jsonl(
@@ -170,22 +176,6 @@ def _too_large(number: int, message: Message, stored: int, limit: int) -> JsonlL
     return JsonlLineError(number, reason, too_large=True)
 
 
-def _batches(messages: list[Message]) -> list[list[Message]]:
-    out: list[list[Message]] = []
-    current: list[Message] = []
-    size = 0
-    for m in messages:
-        n = len(_encoder.encode(m))
-        if current and size + n > EVENT_BUDGET_BYTES:
-            out.append(current)
-            current, size = [], 0
-        current.append(m)
-        size += n
-    if current:
-        out.append(current)
-    return out
-
-
 async def import_jsonl(
     sessions: SessionStore,
     path: str | os.PathLike[str],
@@ -209,7 +199,7 @@ async def import_jsonl(
         data = await anyio.Path(path).read_bytes()
     except OSError as exc:
         raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    limit = getattr(sessions.store, "max_event_bytes", 1024 * 1024) - _ENVELOPE_MARGIN
+    limit = sessions.store.max_event_bytes - _ENVELOPE_MARGIN
     messages, errors = parse_jsonl(data, max_message_bytes=limit)
     if errors and not skip_bad:
         raise JsonlImportError(str(path), errors)
@@ -221,11 +211,13 @@ async def import_jsonl(
     # imported before keep their keys.
     digest = hashlib.sha256(b"".join(m.to_json_bytes() + b"\n" for m in messages)).hexdigest()
     digest = digest[:32]
-    events = _batches(messages)
-    duplicate = True
+    # With the store's default limit the budget is EVENT_BUDGET_BYTES, as it always was: the
+    # same events, so an import stopped by an earlier version resumes with the same keys.
+    events = chunk_by_size(messages, min(EVENT_BUDGET_BYTES, event_budget(sessions.store)))
     version = 0
     appends = -(-len(events) // EVENTS_PER_APPEND)
-    written = 0
+    done = 0  # messages in the session so far, written now or by an earlier run
+    new = 0  # of those, written by this run
     for start in range(0, len(events), EVENTS_PER_APPEND):
         chunk = events[start : start + EVENTS_PER_APPEND]
         if progress is not None:
@@ -233,7 +225,7 @@ async def import_jsonl(
                 ImportProgress(
                     appends=start // EVENTS_PER_APPEND,
                     of_appends=appends,
-                    messages=written,
+                    messages=done,
                     of_messages=len(messages),
                     version=version,
                 )
@@ -242,15 +234,16 @@ async def import_jsonl(
         result = await sessions.append_batches(
             session_id, chunk, idempotency_key=key, principal=principal
         )
-        duplicate = duplicate and result.duplicate
         version = result.last_seq
-        written += sum(map(len, chunk))
+        done += sum(map(len, chunk))
+        if not result.duplicate:
+            new += sum(map(len, chunk))
     if progress is not None:
         progress(
             ImportProgress(
                 appends=appends,
                 of_appends=appends,
-                messages=written,
+                messages=done,
                 of_messages=len(messages),
                 version=version,
             )
@@ -261,8 +254,9 @@ async def import_jsonl(
         lines=lines,
         imported=len(messages),
         skipped=errors,
-        duplicate=duplicate,
+        duplicate=not new,
         version=version,
+        written=new,
     )
 
 

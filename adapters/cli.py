@@ -1956,7 +1956,13 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
         text = f"{args.file}: already imported into {where}; nothing written"
     else:
         lines = plural(report.lines, "line")
-        text = f"{args.file}: imported {report.imported} of {lines} into {where}"
+        text = f"{args.file}: imported {report.imported:,} of {lines} into {where}"
+        if already := report.imported - report.written:
+            # An import stopped half way and run again: say what this run added.
+            text += (
+                f": {report.written:,} newly written, {already:,} already there from an "
+                "earlier run of this import"
+            )
     ctx.out.print(Text(text))
     for bad in report.skipped:
         ctx.out.print(Text(f"  skipped line {bad.line}: {bad.reason}", style="yellow"))

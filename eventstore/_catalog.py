@@ -5,6 +5,7 @@ Tags are stable wire names; field names are AI-SDK style where the runtime excha
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -14,9 +15,14 @@ from ._events import Event, register_event
 
 # -- model messages ------------------------------------------------------------------------------
 #
-# AI-SDK-style model messages. Stored losslessly: fields threadlog does not model are kept in
-# ``extra`` (in their original order), parts of unmodelled types become `OtherPart`, and a
-# message imported from JSON text that re-encodes differently keeps that text in ``source``.
+# AI-SDK-style model messages. Stored losslessly as JSON values: every field of a message or a
+# part comes back with its value. Fields threadlog does not model are kept in ``extra`` (in
+# their original order), and so are modelled fields it cannot hold as such: one of another type,
+# or one given at its default value (``"isError": false``, ``"id": null``), which the struct
+# alone could not tell from an absent field (it omits defaults when stored). Parts of
+# unmodelled types become `OtherPart`. What is not kept is the order of the modelled fields:
+# they come first, in threadlog's order, then the others in theirs. A message read from JSON
+# text that re-encodes differently keeps that text in ``source``, for a byte-faithful export.
 
 
 class _Part(
@@ -86,8 +92,10 @@ ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename="camel"):
     """A model message: a role and content given as text or as a list of parts.
 
-    ``extra`` holds fields threadlog does not model; ``source`` the exact JSON text the message
-    was read from, kept only when re-encoding would not reproduce it byte for byte.
+    ``extra`` holds the fields threadlog does not model, and modelled fields given with a value
+    their attribute cannot stand for (of another type, or their default: an explicit null or
+    false); ``source`` the exact JSON text (one line) the message was read from, kept only when
+    re-encoding would not reproduce it byte for byte.
     """
 
     role: Role
@@ -114,12 +122,19 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         return _message_from_json(obj)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of this message, unknown fields included, in their order."""
+        """The JSON object of this message, every field included: the modelled ones first (a
+        part's ``type`` first), then those of ``extra`` in their order. An attribute set to a
+        value other than its default wins over a field of that name in ``extra``."""
         return _message_to_json(self)
 
     @classmethod
     def from_json_bytes(cls, text: bytes | str) -> Message:
-        """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly."""
+        """Decode one JSON message; keeps ``text`` as ``source`` unless it re-encodes exactly
+        or spans several lines (a JSONL file holds one message per line).
+
+        Raises `MessageFormatError` saying what is wrong: not UTF-8, an unpaired surrogate
+        escape (``"\\ud800"``, which names no character), not JSON, or not a message.
+        """
         try:
             raw = text.encode("utf-8") if isinstance(text, str) else text
         except UnicodeEncodeError as exc:
@@ -127,9 +142,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         try:
             obj = _json_decoder.decode(raw)
         except msgspec.DecodeError as exc:
-            raise MessageFormatError(f"not valid JSON: {exc}") from None
+            raise MessageFormatError(_json_problem(raw, exc)) from None
         message = _message_from_json(obj)
-        if _json_encoder.encode(_message_to_json(message)) != raw:
+        if (
+            b"\n" not in raw
+            and b"\r" not in raw
+            and _json_encoder.encode(_message_to_json(message)) != raw
+        ):
             try:
                 source = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -138,10 +157,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
         return message
 
     def to_json_bytes(self) -> bytes:
-        """The JSON text of this message: its ``source`` if it has one, else canonical JSON."""
-        if self.source is not None:
+        """The JSON text of this message, on one line: its ``source`` if that still decodes to
+        this very message (a copy changed with ``msgspec.structs.replace`` keeps the source
+        of the original, which no longer says what the message does), else canonical JSON."""
+        canonical = _json_encoder.encode(_message_to_json(self))
+        if self.source is not None and _source_says(self.source, canonical):
             return self.source.encode("utf-8")
-        return _json_encoder.encode(_message_to_json(self))
+        return canonical
 
 
 class MessageFormatError(InvalidInputError):
@@ -159,7 +181,71 @@ _PART_FIELDS = {
     tag: frozenset(f.encode_name for f in msgspec.structs.fields(c)) - {"extra"}
     for tag, c in _PART_TYPES.items()
 }
+# The modelled fields that have a default (None or False, compared by identity): given at it,
+# they are kept in ``extra``, since the struct would drop them (omit_defaults).
+_PART_DEFAULTS = {
+    tag: {
+        f.encode_name: f.default
+        for f in msgspec.structs.fields(c)
+        if f.default is not msgspec.NODEFAULT and f.encode_name != "extra"
+    }
+    for tag, c in _PART_TYPES.items()
+}
 _MESSAGE_FIELDS = frozenset({"role", "content", "id", "providerOptions"})
+_NO_DEFAULT = object()
+
+
+def _source_says(source: str, canonical: bytes) -> bool:
+    """Whether ``source`` is one line of JSON text that decodes to the message ``canonical``
+    encodes."""
+    if "\n" in source or "\r" in source:
+        return False  # kept by an earlier version, which did not refuse multi-line text
+    try:
+        decoded = _message_from_json(_json_decoder.decode(source.encode("utf-8")))
+    except (UnicodeEncodeError, msgspec.DecodeError, MessageFormatError):
+        return False
+    # Compared as JSON text, not as structs: 1 == 1.0 == True and 0.0 == -0.0 in Python.
+    return _json_encoder.encode(_message_to_json(decoded)) == canonical
+
+
+# A JSON string escape: a backslash and the character it escapes (\uXXXX whole), matched left
+# to right so that an escaped backslash is never read as the start of another escape.
+_ESCAPE = re.compile(rb"\\(u[0-9a-fA-F]{4}|.)", re.DOTALL)
+
+
+def _json_problem(raw: bytes, exc: msgspec.DecodeError) -> str:
+    """What is wrong with JSON text the decoder refused, in words that name the cause.
+
+    The decoder's own message misleads for two causes that are not syntax: bytes that are
+    not UTF-8 ("Invalid UTF-8 encoded string", no position) and an unpaired surrogate escape
+    such as ``"\\ud800"`` at the end of a string ("Input data was truncated").
+    """
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"not valid UTF-8: {bad.reason} at byte {bad.start}"
+    pending: re.Match[bytes] | None = None  # a high surrogate escape, before its low half
+    for found in _ESCAPE.finditer(raw):
+        code = int(found[1][1:], 16) if len(found[1]) == 5 else -1
+        low = 0xDC00 <= code <= 0xDFFF
+        if pending is not None:
+            if not (low and found.start() == pending.end()):
+                return _unpaired(pending)
+            pending = None
+        elif low:
+            return _unpaired(found)
+        elif 0xD800 <= code <= 0xDBFF:
+            pending = found
+    if pending is not None:
+        return _unpaired(pending)
+    return f"not valid JSON: {exc}"
+
+
+def _unpaired(escape: re.Match[bytes]) -> str:
+    return (
+        f"unpaired UTF-16 surrogate escape {escape[0].decode('ascii')} at byte {escape.start()}: "
+        "it names no character, so the text is not valid Unicode (UTF-8 cannot encode it)"
+    )
 
 
 def _part_from_json(obj: Any) -> _Part:
@@ -169,8 +255,14 @@ def _part_from_json(obj: Any) -> _Part:
     cls = _PART_TYPES.get(kind)
     if cls is not None:
         names = _PART_FIELDS[kind]
-        known = {k: v for k, v in obj.items() if k == "type" or k in names}
-        extra = {k: v for k, v in obj.items() if k != "type" and k not in names}
+        defaults = _PART_DEFAULTS[kind]
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, v in obj.items():
+            if k == "type" or (k in names and v is not defaults.get(k, _NO_DEFAULT)):
+                known[k] = v
+            else:
+                extra[k] = v
         try:
             part = msgspec.convert(known, cls)
         except msgspec.ValidationError:
@@ -185,7 +277,8 @@ def _part_to_json(part: _Part) -> dict[str, Any]:
         return {"type": part.kind, **part.data}
     out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.replace(part, extra=None))
     if part.extra:
-        out.update(part.extra)
+        for k, v in part.extra.items():
+            out.setdefault(k, v)  # a modelled field set in the struct wins
     return out
 
 
@@ -205,8 +298,9 @@ def _message_from_json(obj: Any) -> Message:
         raise MessageFormatError("message content must be a string or a list of parts")
     msg_id = obj.get("id")
     options = obj.get("providerOptions")
-    extra = {k: v for k, v in obj.items() if k not in _MESSAGE_FIELDS}
-    # A known field of an unexpected shape is kept verbatim among the unknown ones.
+    # An explicit null id or providerOptions is kept among the unknown fields (role and content
+    # are never null here), and so is a known field of an unexpected shape.
+    extra = {k: v for k, v in obj.items() if k not in _MESSAGE_FIELDS or v is None}
     if msg_id is not None and not isinstance(msg_id, str):
         extra["id"], msg_id = msg_id, None
     if options is not None and not isinstance(options, dict):
@@ -231,7 +325,8 @@ def _message_to_json(message: Message) -> dict[str, Any]:
     if message.provider_options is not None:
         out["providerOptions"] = message.provider_options
     if message.extra:
-        out.update(message.extra)
+        for k, v in message.extra.items():
+            out.setdefault(k, v)  # a modelled field set in the struct wins
     return out
 
 

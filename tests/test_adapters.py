@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 import eventstore as es
 from adapters import (
     AccessDenied,
     CallbackPolicy,
+    ImportProgress,
     JsonlImportError,
     NoTranscriptError,
     Principal,
@@ -1084,3 +1086,239 @@ async def test_the_demo_conversation_settles_no_later_than_it_is_recorded(
     first = min(turn.timing.started_ms for turn in roots)
     last = max(turn.timing.settled_ms for turn in roots)
     assert last - first == SCRIPT_SPAN_MS
+
+
+# -- messages: every field back, and exports that say what load() says -------------------------
+
+# Fields given at their default value (null, false): the struct alone would drop them.
+AT_DEFAULTS: list[dict[str, Any]] = [
+    {"role": "user", "content": "x", "id": None, "providerOptions": None},
+    {
+        "role": "tool",
+        "content": [
+            {
+                "type": "tool-result",
+                "toolCallId": "c1",
+                "toolName": "lookup",
+                "output": None,
+                "isError": False,
+            },
+            {"type": "tool-result", "toolCallId": "c2", "toolName": "lookup", "isError": False},
+        ],
+    },
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool-call", "toolCallId": "c", "toolName": "t", "input": None},
+            {"type": "text", "text": "t", "providerOptions": None},
+            {"type": "image", "image": "u", "mediaType": None},
+            {"type": "file", "mediaType": "m", "data": None, "url": None, "filename": None},
+        ],
+    },
+]
+
+
+async def test_message_fields_given_at_their_default_value_survive(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions, threads = SessionStore(store), ThreadStore(store)
+    await sessions.append("s", AT_DEFAULTS)
+    for message in AT_DEFAULTS:
+        await threads.append_message("t", message)
+    loaded = (await sessions.load("s")).messages
+    listed = [m.message for m in await threads.list_messages("t")]
+    # Key for key, in order: these dicts list the modelled fields in threadlog's order.
+    want = [json.dumps(m) for m in AT_DEFAULTS]
+    assert [json.dumps(m.to_json()) for m in loaded] == want
+    assert [json.dumps(m.to_json()) for m in listed] == want
+    out = tmp_path / "out.jsonl"
+    await export_jsonl(sessions, "s", out)
+    assert out.read_bytes() == b"".join(msgspec.json.encode(m) + b"\n" for m in AT_DEFAULTS)
+    # The attributes are what they always were (an explicit null is None, false is False).
+    content = loaded[1].content
+    assert isinstance(content, list) and isinstance(content[0], es.ToolResultPart)
+    assert content[0].output is None and content[0].is_error is False
+    assert loaded[0].id is None and loaded[0].provider_options is None
+    # An attribute set to another value wins over the explicit default kept beside it.
+    flagged = msgspec.structs.replace(content[0], is_error=True, output="boom")
+    assert es.Message(role="tool", content=[flagged]).to_json()["content"][0] == {
+        **AT_DEFAULTS[1]["content"][0],
+        "output": "boom",
+        "isError": True,
+    }
+    named = msgspec.structs.replace(loaded[0], id="m-1")
+    assert named.to_json() == {**AT_DEFAULTS[0], "id": "m-1"}
+
+
+def test_messages_without_explicit_defaults_store_as_they_always_did() -> None:
+    """The stored form of a message is unchanged: events written before decode the same."""
+    message = es.Message.from_json(
+        {
+            "role": "tool",
+            "id": "m1",
+            "content": [
+                {
+                    "type": "tool-result",
+                    "toolCallId": "c1",
+                    "toolName": "t",
+                    "output": {"ok": True},
+                },
+                {"type": "tool-call", "toolCallId": "c2", "toolName": "t"},
+                {"type": "file", "mediaType": "text/plain", "url": "https://example.com/a.txt"},
+            ],
+            "x": 1,
+        }
+    )
+    # Encoded by the release before explicit defaults were kept.
+    before = (
+        b"\x84\xa4role\xa4tool\xa7content\x93\x84\xa4type\xabtool-result\xaatoolCallId\xa2c1"
+        b"\xa8toolName\xa1t\xa6output\x81\xa2ok\xc3\x83\xa4type\xa9tool-call\xaatoolCallId"
+        b"\xa2c2\xa8toolName\xa1t\x83\xa4type\xa4file\xa9mediaType\xaatext/plain\xa3url"
+        b"\xb9https://example.com/a.txt\xa2id\xa2m1\xa5extra\x81\xa1x\x01"
+    )
+    assert msgspec.msgpack.encode(message) == before
+    assert msgspec.msgpack.decode(before, type=es.Message) == message
+
+
+async def test_jsonl_export_writes_what_load_returns_after_a_redaction(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    source = tmp_path / "s.jsonl"
+    # Spaced lines keep their text as ``source``, for a byte-faithful export.
+    kept = b'{ "role": "user", "content": "nothing secret" }'
+    source.write_bytes(
+        b'{ "role": "user", "content": "my SSN is 078-05-1120" }\n'
+        + kept
+        + b'\n{"role": "user", "content": "n", "n": 1}\n'
+    )
+    await import_jsonl(sessions, source, "s")
+    transcript = await sessions.load("s")
+    secret, untouched, counted = transcript.messages
+    redacted = [
+        msgspec.structs.replace(secret, content="[redacted]"),
+        untouched,
+        # Equal in Python (1 == True), not as JSON: the source no longer says it.
+        msgspec.structs.replace(counted, extra={"n": True}),
+    ]
+    await sessions.replace("s", redacted, expected_version=transcript.version, reason="redact")
+    loaded = (await sessions.load("s")).messages
+    out = tmp_path / "out.jsonl"
+    await export_jsonl(sessions, "s", out)
+    exported = out.read_bytes()
+    assert b"078-05-1120" not in exported
+    assert exported.splitlines() == [
+        b'{"role":"user","content":"[redacted]"}',
+        kept,  # unchanged: still byte for byte
+        b'{"role":"user","content":"n","n":true}',
+    ]
+    assert [json.loads(line) for line in exported.splitlines()] == [m.to_json() for m in loaded]
+
+
+async def test_pretty_printed_json_exports_as_one_line(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    sessions = SessionStore(store)
+    pretty = json.dumps({"role": "user", "content": "hello"}, indent=2)
+    message = es.Message.from_json_bytes(pretty)
+    assert message.source is None  # a JSONL line cannot hold it
+    assert message.to_json_bytes() == b'{"role":"user","content":"hello"}'
+    # As stored by a release that kept multi-line text: exported canonical all the same.
+    older = msgspec.structs.replace(message, source=pretty)
+    crlf = msgspec.structs.replace(message, source='{"role":"user",\r"content":"hello"}')
+    await sessions.append("s", [message, older, crlf, {"role": "assistant", "content": "hi"}])
+    out = tmp_path / "out.jsonl"
+    assert await export_jsonl(sessions, "s", out) == 4
+    exported = out.read_bytes()
+    assert exported.count(b"\n") == 4 and b"\r" not in exported
+    # The library reads its own export back.
+    report = await import_jsonl(sessions, out, "again")
+    assert report.imported == 4 and report.skipped == []
+    assert [m.to_json() for m in (await sessions.load("again")).messages] == [
+        m.to_json() for m in (await sessions.load("s")).messages
+    ]
+
+
+async def limited_store(backend: str, redis_url: str, max_event_bytes: int) -> es.EventStore:
+    """A store on a fresh namespace whose events hold at most ``max_event_bytes``."""
+    namespace = "lim" + uuid.uuid4().hex[:12]
+    if backend == "memory":
+        return es.MemoryEventStore(namespace=namespace, max_event_bytes=max_event_bytes)
+    return await es.connect(redis_url, namespace=namespace, max_event_bytes=max_event_bytes)
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_jsonl_import_splits_events_by_the_stores_own_limit(
+    backend: str, redis_url: str, tmp_path: Path
+) -> None:
+    async with await limited_store(backend, redis_url, 100_000) as store:
+        sessions = SessionStore(store)
+        path = tmp_path / "s.jsonl"
+        lines = [
+            msgspec.json.encode({"role": "user", "content": f"{i}" + "z" * 30_000})
+            for i in range(10)
+        ]
+        path.write_bytes(b"".join(line + b"\n" for line in lines))
+        report = await import_jsonl(sessions, path, "s")
+        assert (report.imported, report.written, report.duplicate) == (10, 10, False)
+        assert [m.to_json_bytes() for m in (await sessions.load("s")).messages] == lines
+        # Several events, each under the limit (the store refuses any over it).
+        assert report.version == await store.version("s") > 1
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_an_import_run_again_after_a_stop_says_what_it_wrote(
+    backend: str, redis_url: str, tmp_path: Path
+) -> None:
+    class Stop(Exception):
+        pass
+
+    def stop_after_one(progress: ImportProgress) -> None:
+        if progress.appends == 1:
+            raise Stop
+
+    # A small event limit: one message per event, so 100 messages take two appends of 64.
+    async with await limited_store(backend, redis_url, 8192) as store:
+        sessions = SessionStore(store)
+        path = tmp_path / "s.jsonl"
+        path.write_bytes(
+            b"".join(
+                msgspec.json.encode({"role": "user", "content": f"{i} " + "y" * 3000}) + b"\n"
+                for i in range(100)
+            )
+        )
+        with pytest.raises(Stop):
+            await import_jsonl(sessions, path, "s", progress=stop_after_one)
+        assert await store.version("s") == 64
+        rest = await import_jsonl(sessions, path, "s")
+        assert (rest.imported, rest.written, rest.duplicate, rest.version) == (100, 36, False, 100)
+        again = await import_jsonl(sessions, path, "s")
+        assert (again.imported, again.written, again.duplicate) == (100, 0, True)
+
+
+async def test_jsonl_lines_that_are_not_unicode_say_so(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(
+        b'{"role":"user","content":"fine"}\n'
+        b'{"role":"user","content":"\\ud800"}\n'  # a lone high surrogate, ending the string
+        b'{"role":"user","content":"a\\udc00b"}\n'  # a lone low surrogate
+        b'{"role":"user","content":"\\ud83d\\u0041"}\n'  # a high one not followed by a low
+        b'{"role":"user","content":"\xff"}\n'  # not UTF-8
+        b'{"role":"user","content":"\\\\ud800 \\ud83d\\ude00"}\n'  # an escaped backslash: fine
+        b'{"role":"user","content":"trunc\n'
+    )
+    with pytest.raises(JsonlImportError) as info:
+        await import_jsonl(SessionStore(store), path, "s")
+    reasons = {e.line: e.reason for e in info.value.errors}
+    assert sorted(reasons) == [2, 3, 4, 5, 7]
+    assert reasons[2].startswith("unpaired UTF-16 surrogate escape \\ud800 at byte 26")
+    assert reasons[3].startswith("unpaired UTF-16 surrogate escape \\udc00 at byte 27")
+    assert reasons[4].startswith("unpaired UTF-16 surrogate escape \\ud83d at byte 26")
+    assert reasons[5] == "not valid UTF-8: invalid start byte at byte 26"
+    assert reasons[7] == "not valid JSON: Input data was truncated"
+    assert "line 2: unpaired UTF-16 surrogate" in str(info.value)
+    report = await import_jsonl(SessionStore(store), path, "s", skip_bad=True)
+    loaded = (await SessionStore(store).load("s")).messages
+    assert report.imported == 2 and [m.text for m in loaded] == ["fine", "\\ud800 😀"]

@@ -1214,6 +1214,9 @@ def test_import_stopped_by_ctrl_c_says_what_it_wrote(
     assert with_store(redis_url, namespace, lambda s: s.version("s1")) == 64
     rest = cli("import-jsonl", str(source), "s1", url=redis_url, namespace=namespace)
     assert rest.code == 0 and "(version 100)" in rest.out, rest
+    # The second run says what it added, not only what the session now holds.
+    assert "imported 200 of 200 lines into session s1" in rest.out, rest
+    assert ": 72 newly written, 128 already there from an earlier run" in rest.out, rest
     exported = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
     assert exported.out == source.read_text()  # every message once, in order
 
@@ -1283,6 +1286,11 @@ def test_jsonl_import_and_export_round_trip(redis_url: str, tmp_path: Path) -> N
     assert "imported 3 of 3 lines into session s1 (version 1)" in run.out
     again = cli("import-jsonl", str(source), "s1", url=redis_url, namespace=namespace)
     assert again.code == 0 and "already imported into session s1" in again.out
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(f'{{"role":"user","content":"{i}"}}\n' for i in range(1000)))
+    run = cli("import-jsonl", str(many), "s2", url=redis_url, namespace=namespace)
+    assert run.code == 0 and "imported 1,000 of 1,000 lines into session s2" in run.out, run
+    assert "newly written" not in run.out, run
 
     target = tmp_path / "out.jsonl"
     written = cli("export-jsonl", "s1", str(target), url=redis_url, namespace=namespace)
