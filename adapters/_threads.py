@@ -92,9 +92,10 @@ class RecordsPage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def as_message(message: Message | Mapping[str, Any]) -> Message:
-    """Accept a `Message` or its JSON object form."""
+    """Accept a `Message` or its JSON object form (a `Message` whose ``source`` no longer
+    matches it loses the source: see `Message.with_current_source`)."""
     if isinstance(message, Message):
-        return message
+        return message.with_current_source()
     if not isinstance(message, Mapping):
         raise InvalidInputError(
             "a message is a Message or a mapping with 'role' and 'content', not "

@@ -156,6 +156,16 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
             message = msgspec.structs.replace(message, source=source)
         return message
 
+    def with_current_source(self) -> Message:
+        """This message, without its ``source`` if that no longer says what the message does
+        (a copy changed with ``msgspec.structs.replace``, e.g. a redaction): stored so, the
+        original text would go on living in every event written from the copy."""
+        if self.source is None or _source_says(
+            self.source, _json_encoder.encode(_message_to_json(self))
+        ):
+            return self
+        return msgspec.structs.replace(self, source=None)
+
     def to_json_bytes(self) -> bytes:
         """The JSON text of this message, on one line: its ``source`` if that still decodes to
         this very message (a copy changed with ``msgspec.structs.replace`` keeps the source

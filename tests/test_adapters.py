@@ -1213,6 +1213,12 @@ async def test_jsonl_export_writes_what_load_returns_after_a_redaction(
         b'{"role":"user","content":"n","n":true}',
     ]
     assert [json.loads(line) for line in exported.splitlines()] == [m.to_json() for m in loaded]
+    # Nor is the original text kept with the redacted message: the replace stored it without
+    # its source (only the import's own event, in the log, still holds it).
+    assert loaded[0].source is None and loaded[2].source is None
+    assert loaded[1].source == kept.decode()
+    replaced = await Projector(store).transcript("s")
+    assert all("078-05-1120" not in (m.message.source or "") for m in replaced)
 
 
 async def test_pretty_printed_json_exports_as_one_line(
