@@ -8,6 +8,7 @@ on the memory backend the same edits are made to its stream twin.
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -856,6 +857,24 @@ async def test_a_meta_version_only_lua_would_read_as_a_number_is_damage_in_every
         assert await store.delete_thread(T) == 0  # the version it had is unknown: 0
         (tombstone,) = [e for e in await store.read_feed(store.keys.partition(T)) if e.deleted]
         assert tombstone.last_seq == 0
+
+
+@pytest.mark.parametrize("stored", ["1e15", "soon", " 17"])
+async def test_a_damaged_last_append_time_holds_no_append_back(redis_url: str, stored: str) -> None:
+    """The meta's last-append time keeps event times from running backwards. Damaged, it
+    must neither stop appends (a Lua error) nor move every later event's time (tonumber
+    reads '1e15' as a date in the year 33658): it counts as no time, and is rewritten."""
+    async with await es.connect(redis_url, namespace="s" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append(T, [es.MessageAppended(message=user("before"))])
+        meta = store.keys.meta(T)
+        await store.client.hset(meta, "s", stored)
+        before_ms = int(time.time() * 1000)
+        await store.append(T, [es.MessageAppended(message=user("after"))])
+        (event,) = [e async for e in store.read(T, start=2)]
+        assert before_ms - 5 <= event.time_ms <= int(time.time() * 1000) + 5
+        assert await store.client.hget(meta, "s") == str(event.time_ms).encode()
+        assert (await Auditor(store).verify(T)).ok
 
 
 async def test_a_keyed_thread_copied_into_another_namespace_does_not_verify_there(

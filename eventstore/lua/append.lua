@@ -154,7 +154,9 @@ end
 -- 5. writes: events first (the first XADD is the first write of the script)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local last_time = tonumber(state[3] or '0')
+-- The last append's time: digits only (tonumber would take '1e15' and move every later
+-- event's time there); a damaged value holds nothing back, and this append rewrites it.
+local last_time = string.match(state[3] or '', '^%d+$') and tonumber(state[3]) or 0
 if now < last_time then now = last_time end  -- time never runs backwards within a thread
 local prev = state[2] or ''
 local first, last = version + 1, version + n_events
