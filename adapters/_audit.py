@@ -280,16 +280,18 @@ class _Scan:
     """One read of a thread's log: the verifier every entry goes to, and the fold (if any)
     that folds the same entries."""
 
-    __slots__ = ("early", "fold", "fold_error", "verifier")
+    __slots__ = ("early", "fold", "fold_error", "last", "verifier")
 
     def __init__(self, verifier: _Verifier, fold: LogFold | None) -> None:
         self.verifier = verifier
         self.fold = fold
         self.fold_error: CorruptEventError | None = None
         self.early: Verdict | None = None
+        self.last = 0  # the highest seq read so far
 
     def feed(self, rows: _Rows) -> None:
         self.verifier.feed(rows)
+        self.last = max(self.last, _id_key(rows[-1][0])[0])
         if self.fold is not None and self.fold_error is None:
             try:
                 self.fold.feed_entries(rows)
@@ -865,10 +867,10 @@ class Auditor:
             snapshot = await projector.read_materialized(thread_id)
         except (CorruptEventError, WrongKeyTypeError) as exc:
             error = exc  # the views cannot be read; the log's verdict still comes first
-        if snapshot is not None and snapshot.version > fold.version and not scan.verifier.first:
+        if snapshot is not None and snapshot.version > scan.last and not scan.verifier.first:
             # Appends landed after the log was read: verify and fold theirs too, up to the
             # version the views were read at.
-            await self._scan_more(scan, fold, snapshot.version)
+            await self._scan_more(scan, snapshot.version)
         verdict = await self._conclude(scan.verifier)
         if not log_verified(verdict):
             return ThreadCheck(verdict=verdict, report=None)
@@ -918,6 +920,11 @@ class Auditor:
                         # the current version are theirs, not insertions.
                         verifier.version = await store.version(thread_id)
                     scan.feed(rows)
+            if verifier.version > scan.last:
+                # The version was read again after appends (above) while the reader had
+                # already read its last batch: the entries up to it are read too, or they
+                # would pass for deleted.
+                await self._scan_more(scan, verifier.version)
         except* WrongKeyTypeError as group:
             # A log or meta key replaced by another type of value: damage to report, not a
             # reason to stop an audit. Every other error (losing the server) is raised.
@@ -928,10 +935,10 @@ class Auditor:
             scan.early = verifier.unreadable(wrong)
         return scan
 
-    async def _scan_more(self, scan: _Scan, fold: LogFold, stop: int) -> None:
-        """Continue a scan whose log grew: entries after the fold's last seq, up to ``stop``."""
+    async def _scan_more(self, scan: _Scan, stop: int) -> None:
+        """Continue a scan whose log grew: the entries after its last seq, up to ``stop``."""
         scan.verifier.version = max(scan.verifier.version, stop)
-        start = fold.version + 1
+        start = scan.last + 1
         while start <= stop:
             rows = await self.store.read_raw(
                 scan.verifier.thread_id, start=start, stop=stop, count=VERIFY_BATCH
@@ -1018,21 +1025,31 @@ class Auditor:
 
     async def verify_all(self, *, progress: Progress | None = None) -> dict[str, Verdict]:
         """Verify every thread of the namespace (`threads`: the index's and the keys');
-        returns thread -> verdict."""
-        return await self._each_thread(self.verify, progress)
+        returns thread -> verdict. A thread deleted since it was listed is left out."""
+        return await self._each_thread(self.verify, _verdict_of, progress)
 
     async def check_all(self, *, progress: Progress | None = None) -> dict[str, ThreadCheck]:
         """`check` every thread of the namespace (`threads`: the index's and the keys');
-        returns thread -> what was found."""
-        return await self._each_thread(self.check, progress)
+        returns thread -> what was found. A thread deleted since it was listed is left out."""
+        return await self._each_thread(self.check, _verdict_of_check, progress)
 
     async def _each_thread(
-        self, job: Callable[[str], Awaitable[R]], progress: Progress | None
+        self,
+        job: Callable[[str], Awaitable[R]],
+        verdict_of: Callable[[R], Verdict],
+        progress: Progress | None,
     ) -> dict[str, R]:
         threads = await self.threads()
         out: dict[str, R] = {}
         for done, thread_id in enumerate(threads, start=1):
-            out[thread_id] = await job(thread_id)
+            found = await job(thread_id)
+            if not verdict_of(found).ok:
+                # Once more before it is reported: a thread deleted (or deleted and written
+                # again) while it was read looks damaged for that one read; damage that is
+                # there is there again.
+                found = await job(thread_id)
+            if verdict_of(found).kind != "missing":  # else: deleted since it was listed
+                out[thread_id] = found
             if progress is not None:
                 progress(done, len(threads))
         return out
@@ -1088,7 +1105,12 @@ class Auditor:
         failed: dict[str, EventStoreError] = {}
         for done, thread_id in enumerate(threads, start=1):
             try:
-                rebuilt[thread_id] = await self.rebuild(thread_id, trust_log=trust_log)
+                try:
+                    rebuilt[thread_id] = await self.rebuild(thread_id, trust_log=trust_log)
+                except UnverifiedLogError:
+                    # Once more, as `verify_all` does: a thread deleted (and perhaps written
+                    # again) while it was read fails that one read only.
+                    rebuilt[thread_id] = await self.rebuild(thread_id, trust_log=trust_log)
             except UnverifiedLogError as exc:
                 if exc.verdict.kind != "missing":  # else deleted since it was listed
                     failed[thread_id] = exc
@@ -1177,6 +1199,14 @@ class Auditor:
             ),
             transcript_replaced=replaced,
         )
+
+
+def _verdict_of(verdict: Verdict) -> Verdict:
+    return verdict
+
+
+def _verdict_of_check(found: ThreadCheck) -> Verdict:
+    return found.verdict
 
 
 def log_verified(verdict: Verdict) -> bool:

@@ -635,6 +635,78 @@ async def edit_after_first_read(
     monkeypatch.setattr(store, "read_raw", read_then_forge)
 
 
+async def test_appends_landing_while_a_log_is_read_are_not_deletions(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify reads the version again when it reads entries beyond it; appends landing just
+    then put the version past the last entry read: those entries are read too, never
+    reported as deleted (a live thread is not a tampered one)."""
+    projector = await three_messages(store)
+    original = store.version
+    calls = 0
+
+    async def version_while_appending(thread_id: str) -> int:
+        nonlocal calls
+        calls += 1
+        if thread_id == T and calls <= 2:
+            # After the first read, before the log is read; then again as it is re-read.
+            version = await original(thread_id)
+            await projector.append(T, [es.MessageAppended(message=user(f"live {calls}"))])
+            return version if calls == 1 else await original(thread_id)
+        return await original(thread_id)
+
+    monkeypatch.setattr(store, "version", version_while_appending)
+    auditor = Auditor(store)
+    verdict = await auditor.verify(T)
+    assert verdict.ok, verdict
+    assert verdict.checked == 5 and verdict.version == 5
+    calls = 0
+    assert await auditor.rebuild(T) >= 6
+    calls = 0
+    found = await auditor.check(T)
+    assert found.ok, found
+
+
+async def test_a_thread_deleted_while_the_namespace_is_audited_is_left_out(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projector = await three_messages(store)
+    await projector.append("other", [es.MessageAppended(message=user("hi"))])
+    original = store.read_raw
+    deleted = False
+
+    async def read_then_delete(thread_id: str, **kwargs: Any) -> list[tuple[bytes, Fields]]:
+        nonlocal deleted
+        rows = await original(thread_id, **kwargs)
+        if thread_id == T and not deleted:
+            deleted = True  # the thread goes while its log is being read
+            await projector.delete_thread(T)
+        return rows
+
+    monkeypatch.setattr(store, "read_raw", read_then_delete)
+    auditor = Auditor(store)
+    verdicts = await auditor.verify_all()
+    assert deleted and set(verdicts) == {"other"} and verdicts["other"].ok
+    # Deleted and written again while it was read: the second read judges the new life.
+    deleted = False
+    await projector.append(T, [es.MessageAppended(message=user("again"))])
+
+    async def read_then_rewrite(thread_id: str, **kwargs: Any) -> list[tuple[bytes, Fields]]:
+        nonlocal deleted
+        rows = await original(thread_id, **kwargs)
+        if thread_id == T and not deleted:
+            deleted = True
+            await projector.delete_thread(T)
+            for text in ("x", "y", "z"):
+                await projector.append(T, [es.MessageAppended(message=user(text))])
+        return rows
+
+    monkeypatch.setattr(store, "read_raw", read_then_rewrite)
+    found = await auditor.check_all()
+    assert deleted and set(found) == {T, "other"}
+    assert all(f.ok for f in found.values()), found
+
+
 async def test_rebuild_folds_exactly_the_entries_it_verified(
     store: es.EventStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
