@@ -234,7 +234,11 @@ class Projector:
                 asked about; a time after the last event is fine (it means "now").
         """
         if isinstance(as_of, datetime):
-            return await self.store.seq_at(thread_id, int(as_of.timestamp() * 1000))
+            try:
+                ms = int(as_of.timestamp() * 1000)
+            except (ValueError, OverflowError) as exc:  # datetime.min in a zone east of UTC
+                raise InvalidInputError(f"as_of {as_of!r} is not a usable time: {exc}") from None
+            return await self.store.seq_at(thread_id, ms)
         if isinstance(as_of, bool) or not isinstance(as_of, int) or as_of < 0:
             raise InvalidInputError(f"as_of must be a seq >= 0 or a datetime, not {as_of!r}")
         if as_of > 0:

@@ -11,7 +11,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import msgspec
@@ -818,6 +818,14 @@ async def test_replay_window_and_as_of(store: es.EventStore) -> None:
     async for step in auditor.replay(T):
         assert step.seq == 1
         break  # leaving early is fine
+    # Times no clock reads: a naive datetime.min (local time) has no timestamp (year 0).
+    projector = Projector(store)
+    with pytest.raises(es.InvalidInputError, match="is not a usable time"):
+        await projector.state(T, as_of=datetime.min)
+    assert await projector.last(T, as_of=datetime.min.replace(tzinfo=UTC)) == []
+    east = timezone(timedelta(hours=1))
+    assert await projector.last(T, as_of=datetime.min.replace(tzinfo=east)) == []
+    assert len(await projector.last(T, 100, as_of=datetime.max.replace(tzinfo=UTC))) > 0
 
 
 async def test_diff_between_two_points(store: es.EventStore) -> None:
