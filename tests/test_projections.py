@@ -86,12 +86,13 @@ def open_backend(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
         yield redis
 
 
+# JSON values: what a state block may hold (no NaN or infinities, string keys).
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**63 - 1)
     | st.text(max_size=8)
-    | st.floats(allow_nan=False),
+    | st.floats(allow_nan=False, allow_infinity=False),
     lambda inner: (
         st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
     ),
