@@ -141,6 +141,8 @@ class EventStore(abc.ABC):
             InvalidInputError: ``start`` or ``stop`` negative (seqs are not counted from the
                 end; None is "the last"), ``limit`` not an int >= 0.
             CorruptEventError: a stored entry does not decode (names thread and seq).
+            ThreadReplacedError: the thread was deleted (and perhaps written again) between
+                two batches: a read stays in the life of the thread it began in.
         """
 
     async def read_batches(
@@ -152,6 +154,7 @@ class EventStore(abc.ABC):
 
         Raises:
             CorruptEventError: a stored entry does not decode (names thread and seq).
+            ThreadReplacedError: as `read`.
         """
         batch: list[RecordedEvent] = []
         async for event in self.read(thread_id, start=start, stop=stop):
@@ -180,6 +183,7 @@ class EventStore(abc.ABC):
 
         Raises:
             CorruptEventError: a stored entry does not decode (names thread and seq).
+            ThreadReplacedError: as `read`.
         """
         from ._codec import payload_row  # _codec imports this module
 

@@ -40,6 +40,22 @@ class ConcurrencyError(ConflictError):
         return (type(self), (self.thread_id, self.expected, self.actual))
 
 
+class ThreadReplacedError(ConflictError):
+    """Raised when a thread was deleted (and perhaps written again under its id) while a read
+    of several batches went through it: the events read so far belong to a life of the thread
+    that is gone, so the read stops rather than go on in the next life. Read again."""
+
+    def __init__(self, thread_id: str) -> None:
+        self.thread_id = thread_id
+        super().__init__(
+            f"thread {thread_id!r} was deleted while it was read (the events read so far are "
+            "of its previous life); read it again"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.thread_id,))
+
+
 class IdempotencyKeyReusedError(ConflictError):
     """Raised when an idempotency key already recorded an append with different content."""
 

@@ -41,6 +41,7 @@ from ._errors import (
     IdempotencyKeyReusedError,
     InvalidInputError,
     StoreClosedError,
+    ThreadReplacedError,
     ViewConflictError,
 )
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
@@ -449,6 +450,10 @@ class MemoryEventStore(EventStore):
         for n, i in enumerate(span):
             if n and n % READ_BATCH == 0:
                 await anyio.lowlevel.checkpoint()
+                if self._thread(thread_id) is not thread:
+                    # As on Redis, where each page is read with the thread's life: a read
+                    # does not go on in a life of the thread that is gone.
+                    raise ThreadReplacedError(thread_id)
             yield decode_entry(
                 thread_id, _entry_id(thread.ids[i]), thread.entries[i], self.registry
             )

@@ -22,7 +22,6 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     EncodedEvent,
     caller_key_field,
-    decode_entry,
     decode_payload_rows,
     decode_rows,
     encode_append,
@@ -53,6 +52,7 @@ from ._errors import (
     StoreClosedError,
     StoreConnectionError,
     StoreTimeoutError,
+    ThreadReplacedError,
     ViewConflictError,
     WrongKeyTypeError,
 )
@@ -191,6 +191,19 @@ def _upper(stop: int | None) -> bytes:
 def _lower(start: int) -> bytes:
     """The id a read from seq ``start`` begins at (seqs begin at 1)."""
     return b"%d-0" % min(max(start, 1), _MAX_ID_MS)
+
+
+_Life = tuple[Any, bool]
+"""A thread's life as a page read sees it: its meta ``n`` (the incarnation, None before one was
+recorded) and whether the thread exists (its meta has a version)."""
+
+
+def _same_life(thread_id: str, first: _Life | None, now: _Life) -> _Life:
+    """The life a multi-page read is in: that of its first page, which every later page must
+    share (a thread deleted, or deleted and written again, between two pages is another)."""
+    if first is None or first == now:
+        return now
+    raise ThreadReplacedError(thread_id)
 
 
 def _in_life(
@@ -752,36 +765,26 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         validate_limit(limit)
         validate_seq_range(start, stop)
-        log = self.keys.log(thread_id)
         remaining = limit
         lo = max(start, 1)
-        if backwards:
-            hi_id = _upper(stop)
-            while remaining is None or remaining > 0:
-                count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
-                rows = await _call(self.client.xrevrange(log, hi_id, _lower(lo), count=count))
-                for entry_id, fields in rows:
-                    yield decode_entry(thread_id, entry_id, fields, self.registry)
-                if len(rows) < count:
-                    return
-                if remaining is not None:
-                    remaining -= len(rows)
+        hi_id, lo_id = _upper(stop), _lower(lo)
+        first_life: _Life | None = None
+        while remaining is None or remaining > 0:
+            count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
+            life, rows = await self._page(thread_id, lo_id, hi_id, count, backwards=backwards)
+            first_life = _same_life(thread_id, first_life, life)
+            for event in decode_rows(thread_id, rows, self.registry):
+                yield event
+            if len(rows) < count:
+                return
+            if remaining is not None:
+                remaining -= len(rows)
+            if backwards:
                 last_seq = int(rows[-1][0].split(b"-", 1)[0])
                 if last_seq <= lo:
                     return
                 hi_id = b"%d-0" % (last_seq - 1)
-        else:
-            hi = _upper(stop)
-            lo_id = _lower(lo)
-            while remaining is None or remaining > 0:
-                count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
-                rows = await _call(self.client.xrange(log, lo_id, hi, count=count))
-                for entry_id, fields in rows:
-                    yield decode_entry(thread_id, entry_id, fields, self.registry)
-                if len(rows) < count:
-                    return
-                if remaining is not None:
-                    remaining -= len(rows)
+            else:
                 lo_id = b"(" + rows[-1][0]
 
     async def read_batches(
@@ -789,14 +792,15 @@ class RedisEventStore(EventStore):
     ) -> AsyncIterator[list[RecordedEvent]]:
         validate_thread_id(thread_id)
         validate_seq_range(start, stop)
-        log = self.keys.log(thread_id)
         hi = _upper(stop)
-        pending: asyncio.Task[list[Any]] | None
-        pending = self._fetch_ahead(log, _lower(start), hi)
+        first_life: _Life | None = None
+        pending: asyncio.Task[tuple[_Life, list[Any]]] | None
+        pending = self._fetch_ahead(thread_id, _lower(start), hi)
         try:
             while pending is not None:
-                rows = await pending
-                pending = self._fetch_next(log, rows, hi)
+                life, rows = await pending
+                first_life = _same_life(thread_id, first_life, life)
+                pending = self._fetch_next(thread_id, rows, hi)
                 if pending is not None:
                     await asyncio.sleep(0)  # the read-ahead's command goes out now
                 if rows:
@@ -818,14 +822,15 @@ class RedisEventStore(EventStore):
     ) -> None:
         validate_thread_id(thread_id)
         validate_seq_range(start, stop)
-        log = self.keys.log(thread_id)
         hi = _upper(stop)
-        pending: asyncio.Task[list[Any]] | None
-        pending = self._fetch_ahead(log, _lower(start), hi)
+        first_life: _Life | None = None
+        pending: asyncio.Task[tuple[_Life, list[Any]]] | None
+        pending = self._fetch_ahead(thread_id, _lower(start), hi)
         try:
             while pending is not None:
-                rows = await pending
-                pending = self._fetch_next(log, rows, hi)
+                life, rows = await pending
+                first_life = _same_life(thread_id, first_life, life)
+                pending = self._fetch_next(thread_id, rows, hi)
                 if pending is not None:
                     await asyncio.sleep(0)  # the read-ahead's command goes out now
                 # Decoded and folded with the collector paused, and dropped before it resumes
@@ -837,10 +842,14 @@ class RedisEventStore(EventStore):
         finally:
             await _cancel(pending)
 
-    def _fetch_ahead(self, log: str, lo: bytes, hi: bytes) -> asyncio.Task[list[Any]]:
-        return asyncio.ensure_future(self._xrange_rows(log, lo, hi))
+    def _fetch_ahead(
+        self, thread_id: str, lo: bytes, hi: bytes
+    ) -> asyncio.Task[tuple[_Life, list[Any]]]:
+        return asyncio.ensure_future(self._page(thread_id, lo, hi, READ_BATCH))
 
-    def _fetch_next(self, log: str, rows: list[Any], hi: bytes) -> asyncio.Task[list[Any]] | None:
+    def _fetch_next(
+        self, thread_id: str, rows: list[Any], hi: bytes
+    ) -> asyncio.Task[tuple[_Life, list[Any]]] | None:
         """The read of the batch after ``rows``, started now (None after the last batch).
 
         Read ahead: the next batch travels and the server answers it while this one is
@@ -848,17 +857,36 @@ class RedisEventStore(EventStore):
         """
         if len(rows) < READ_BATCH:
             return None
-        return self._fetch_ahead(log, b"(" + rows[-1][0], hi)
+        return self._fetch_ahead(thread_id, b"(" + rows[-1][0], hi)
 
-    async def _xrange_rows(self, log: str, lo: bytes, hi: bytes) -> list[Any]:
-        client = self.client
+    async def _page(
+        self, thread_id: str, lo: bytes, hi: bytes, count: int, *, backwards: bool = False
+    ) -> tuple[_Life, list[Any]]:
+        """One page of the thread's log, with its life (`_Life`) read in the same atomic step,
+        so that a read of several pages can tell the thread was deleted between two of them.
+
+        Sent on a pooled connection (not the held ones appends use: a page can be large).
+        """
+        log, meta = self.keys.log(thread_id), self.keys.meta(thread_id)
+        bounds = (hi, lo) if backwards else (lo, hi)
+        pipe = self.client.pipeline(transaction=True)
         if self._is_cluster:
-            return await _call(client.xrange(log, lo, hi, count=READ_BATCH))
-        # The command name as bytes: redis-py then applies no reply callback, and the entries
-        # come as hiredis builds them (flat field lists), not as a dict per entry, which costs
-        # about a microsecond an event on a bulk read. (The cluster client needs the str name
-        # to find the key's slot; `decode_rows` takes both forms.)
-        return await _call(client.execute_command(b"XRANGE", log, lo, hi, b"COUNT", READ_BATCH))
+            # The cluster client needs str names to find the keys' slot (the reply callback
+            # then makes a dict per entry, which `decode_rows` takes too).
+            pipe.execute_command("HMGET", meta, "n", "v")
+            pipe.execute_command(
+                "XREVRANGE" if backwards else "XRANGE", log, *bounds, "COUNT", count
+            )
+        else:
+            # Bytes names: redis-py applies no reply callback, so entries come as hiredis
+            # builds them (flat field lists), about a microsecond an event cheaper.
+            pipe.execute_command(b"HMGET", meta, b"n", b"v")
+            pipe.execute_command(
+                b"XREVRANGE" if backwards else b"XRANGE", log, *bounds, b"COUNT", count
+            )
+        life, rows = await _call(pipe.execute())
+        n, v = life
+        return (n, v is not None), rows
 
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
         validate_thread_id(thread_id)

@@ -42,6 +42,7 @@ from ._errors import (
     InvalidThreadIdError,
     OperationalError,
     StoreClosedError,
+    ThreadReplacedError,
     UnknownEventTypeError,
     ViewConflictError,
 )
@@ -236,6 +237,54 @@ class EventStoreConformance:
         assert [r[0] for r in rows] == list(range(3, 1101))
         await store.fold_payloads("missing", batches.append)
         assert sum(map(len, batches)) == len(rows)
+
+    async def test_a_read_never_goes_on_in_the_next_life_of_a_thread(
+        self, store: EventStore
+    ) -> None:
+        """A thread deleted and written again while a read of several batches goes through
+        it: the read stops with `ThreadReplacedError`; every event it gave is of the first
+        life (never the old life's first pages followed by the new life's later ones)."""
+
+        async def two_lives() -> None:
+            await store.delete_thread("t")
+            for part in range(3):
+                await store.append("t", [msg(f"new {part}-{i}") for i in range(600)])
+
+        async def first_life_then_replaced(reads: Any) -> list[str]:
+            seen: list[str] = []
+            for part in range(3):
+                await store.append("t", [msg(f"old {part}-{i}") for i in range(600)])
+            with pytest.raises(ThreadReplacedError, match="was deleted while it was read"):
+                async for text in reads():
+                    if not seen:
+                        await two_lives()
+                    seen.append(text)
+            await store.delete_thread("t")
+            assert seen and all(t.startswith("old ") for t in seen), seen[-3:]
+            return seen
+
+        def texts_of(events: Any) -> Any:
+            async def gen() -> Any:
+                async for e in events:
+                    yield e.payload.message.content
+
+            return gen()
+
+        def batch_texts(batches: Any) -> Any:
+            async def gen() -> Any:
+                async for batch in batches:
+                    for e in batch:
+                        yield e.payload.message.content
+
+            return gen()
+
+        await first_life_then_replaced(lambda: texts_of(store.read("t")))
+        backwards = await first_life_then_replaced(
+            lambda: texts_of(store.read("t", backwards=True))
+        )
+        assert backwards[0] == "old 2-599"
+        await first_life_then_replaced(lambda: batch_texts(store.read_batches("t")))
+        # fold_payloads reads its batches as read_batches does (the same pages and checks).
 
     async def test_read_by_time(self, store: EventStore) -> None:
         await store.append("t", [msg("early")])

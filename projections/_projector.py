@@ -30,6 +30,7 @@ from eventstore import (
     NewEvent,
     PayloadRow,
     RecordedEvent,
+    ThreadReplacedError,
     UnstampedViewError,
     ViewEntry,
     ViewOp,
@@ -417,12 +418,12 @@ class Projector:
         """
         validate_thread_id(thread_id)
         for _ in range(REBUILD_ATTEMPTS):
-            version = await self.store.version(thread_id)
-            folded = await self._fold_to(thread_id, version)
             try:
+                version = await self.store.version(thread_id)
+                folded = await self._fold_to(thread_id, version)
                 await self.store_views(folded)
-            except ConcurrencyError:
-                continue
+            except (ConcurrencyError, ThreadReplacedError):
+                continue  # appended to, or deleted and written again, meanwhile
             return folded.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
@@ -440,8 +441,14 @@ class Projector:
     async def check(self, thread_id: str) -> CheckReport:
         """Compare every materialized view with the fold of the log at the same version."""
         validate_thread_id(thread_id)
-        snapshot = await self.read_materialized(thread_id)
-        return self.compare(snapshot, await self._fold_to(thread_id, snapshot.version))
+        for attempt in range(1, REBUILD_ATTEMPTS + 1):
+            snapshot = await self.read_materialized(thread_id)
+            try:
+                return self.compare(snapshot, await self._fold_to(thread_id, snapshot.version))
+            except ThreadReplacedError:
+                if attempt == REBUILD_ATTEMPTS:
+                    raise  # deleted and written again while read, every time
+        raise AssertionError("unreachable")
 
     async def read_materialized(self, thread_id: str) -> Materialized:
         """Every view of every projection, read in one snapshot (what `check` compares).

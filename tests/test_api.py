@@ -109,6 +109,7 @@ PUBLIC_NAMES = [
     "StoreConnectionError",
     "StoreSettings",
     "StoreTimeoutError",
+    "ThreadReplacedError",
     "StreamState",
     "TextPart",
     "ThreadInfo",
@@ -241,6 +242,7 @@ def _sample(cls: type[BaseException]) -> BaseException:
             "t", True, False
         ),
         ViewConflictError: lambda: ViewConflictError("t", "state", "field", 1, 2),
+        eventstore.ThreadReplacedError: lambda: eventstore.ThreadReplacedError("t"),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
         eventstore.UnstampedViewError: lambda: eventstore.UnstampedViewError(
