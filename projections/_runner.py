@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -36,6 +37,7 @@ from eventstore import (
     validate_view_name,
 )
 from eventstore._feed import parse_stream_id
+from eventstore._ids import validate_count
 
 log = logging.getLogger("threadlog.runner")
 
@@ -58,8 +60,16 @@ class AsyncProjection(abc.ABC):
 
 
 def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int]:
-    """The partitions runner ``runner_index`` of ``runners`` owns (a disjoint cover)."""
-    if not 0 <= runner_index < runners:
+    """The partitions runner ``runner_index`` of ``runners`` owns (a disjoint cover).
+
+    Raises:
+        InvalidInputError: ``partitions`` or ``runners`` not an int >= 1, ``runner_index`` not
+            an int in ``0..runners-1``.
+    """
+    validate_count(partitions, "partitions", minimum=1)
+    validate_count(runners, "runners", minimum=1)
+    validate_count(runner_index, "runner_index")
+    if not runner_index < runners:
         raise InvalidInputError("runner_index must be in 0..runners-1")
     return [p for p in range(partitions) if p % runners == runner_index]
 
@@ -85,6 +95,12 @@ class ProjectionRunner:
 
     ``consumer`` names the runner in its log lines (``"host-1:4242"``); runners need not have
     distinct names, as nothing is delivered to a name.
+
+    Raises:
+        InvalidInputError: a bad projection name or consumer name, ``partitions`` not distinct
+            ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
+            not a number >= 0, ``accept_trimmed_feed`` or ``backfill`` not a bool. Nothing is
+            registered.
     """
 
     def __init__(
@@ -101,12 +117,20 @@ class ProjectionRunner:
     ) -> None:
         validate_view_name(projection.name)
         validate_consumer(consumer)
-        if batch_size < 1:
-            raise InvalidInputError("batch_size must be >= 1")
+        validate_count(batch_size, "batch_size", minimum=1)
+        if (
+            isinstance(poll_interval, bool)
+            or not isinstance(poll_interval, int | float)
+            or not 0 <= poll_interval < math.inf
+        ):
+            raise InvalidInputError(f"poll_interval must be a number >= 0, not {poll_interval!r}")
+        for flag, value in (("accept_trimmed_feed", accept_trimmed_feed), ("backfill", backfill)):
+            if not isinstance(value, bool):
+                raise InvalidInputError(f"{flag} must be a bool, not {value!r}")
         self.store = store
         self.projection = projection
         self.consumer = consumer
-        self.partitions = list(range(store.partitions)) if partitions is None else list(partitions)
+        self.partitions = self._owned(store, partitions)
         self.batch_size = batch_size
         self.poll_interval = poll_interval
         self.accept_trimmed_feed = accept_trimmed_feed
@@ -117,6 +141,22 @@ class ProjectionRunner:
         self._created: set[int] = set()
         """Partitions where this runner registered the group and has applied nothing since."""
         self._warned: set[int] = set()
+
+    @staticmethod
+    def _owned(store: EventStore, partitions: Sequence[int] | None) -> list[int]:
+        if partitions is None:
+            return list(range(store.partitions))
+        if isinstance(partitions, str | bytes) or not isinstance(partitions, Sequence):
+            raise InvalidInputError(f"partitions must be a sequence of ints, not {partitions!r}")
+        owned = list(partitions)
+        for p in owned:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < store.partitions:
+                raise InvalidInputError(
+                    f"partitions must be ints in 0..{store.partitions - 1}, not {p!r}"
+                )
+        if len(set(owned)) != len(owned):
+            raise InvalidInputError(f"partitions must be distinct, not {owned!r}")
+        return owned
 
     async def run_once(self) -> int:
         """Work every owned partition until its feed holds nothing after the projection's

@@ -470,6 +470,59 @@ async def test_a_dropped_group_of_a_running_projection_is_registered_again(
     assert group.last_delivered == await store.checkpoint_of(p, "usage")
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"partitions": ["0"]},
+        {"partitions": [True]},
+        {"partitions": [4]},
+        {"partitions": [-1]},
+        {"partitions": [0, 0]},
+        {"partitions": "01"},
+        {"partitions": 2},
+        {"batch_size": True},
+        {"batch_size": 2.5},
+        {"batch_size": 0},
+        {"poll_interval": -1},
+        {"poll_interval": float("nan")},
+        {"poll_interval": "1"},
+        {"accept_trimmed_feed": "yes"},
+        {"backfill": 1},
+    ],
+)
+async def test_a_runner_with_bad_settings_is_refused_at_once(
+    store: es.EventStore, bad: dict[str, object]
+) -> None:
+    await settle(store, "t", "small", 1)
+    with pytest.raises(es.InvalidInputError):
+        ProjectionRunner(store, UsageProjection(), consumer="c", **bad)  # type: ignore[arg-type]
+    assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (4, 0.5, 2),
+        (4, True, 2),
+        (4, 0, True),
+        (4, 0, 0),
+        (4, 2, 2),
+        (4, -1, 2),
+        (0, 0, 1),
+        ("4", 0, 1),
+    ],
+)
+def test_partitions_for_refuses_what_is_not_a_runner_of_runners(args: tuple[object, ...]) -> None:
+    with pytest.raises(es.InvalidInputError):
+        partitions_for(*args)  # type: ignore[arg-type]
+
+
+def test_partitions_for_covers_the_partitions_once() -> None:
+    for runners in (1, 2, 3, 5, 8):
+        owned = [partitions_for(8, i, runners) for i in range(runners)]
+        assert sorted(p for part in owned for p in part) == list(range(8))
+
+
 # -- backfill: a projection added later counts from the logs -------------------------------------
 
 
