@@ -369,10 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_feed,
         parents=[json_parent],
         description="Show the namespace's change feed (one stream per partition; exports and "
-        "projection runners read it through consumer groups): how many entries each partition "
-        "holds, from when to when, how far it was trimmed, and each consumer group's position "
-        "and pending entries. A group whose position the feed was trimmed past has lost "
-        "changes, and is flagged.",
+        "projection runners keep a consumer group on it at their position): how many entries "
+        "each partition holds, from when to when, how far it was trimmed, and each consumer "
+        "group's position and pending entries. A group whose position the feed was trimmed "
+        "past has lost changes, and is flagged.",
     )
     p = add(
         "trim-feed",
@@ -399,9 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pending entries. Trimming waits for every group, so a group nobody reads any more "
         "(an export directory thrown away, a retired projection runner) holds the feed back "
         "for ever. An export directory under that name takes the group up again on its next "
-        "run, from its own position, unless the feed was trimmed past it meanwhile.",
+        "run, from its own position, unless the feed was trimmed past it meanwhile; a "
+        "projection runner still running registers it again when it next applies a change.",
     )
-    p.add_argument("name", metavar="NAME", help="the group (an export's --name, a runner's name)")
+    p.add_argument(
+        "name", metavar="NAME", help="the group (an export's --name, an async projection's name)"
+    )
     add(
         "verify",
         "verify integrity chains: nothing altered, removed, inserted or reordered",

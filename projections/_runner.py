@@ -1,21 +1,23 @@
 """Async projections over the partitioned change feed, and the runner that keeps them exact.
 
 An async projection turns a batch of changes into increments on its own partition-level hashes.
-The runner reads each partition's feed through a consumer group and, per batch, applies the
-increments and moves the projection's checkpoint in ONE atomic compare-and-set, then
-acknowledges the entries. A batch delivered twice (its consumer died before acking and another
-reclaimed it) finds the checkpoint moved and only acks: nothing is counted twice, nothing lost.
+The runner reads each partition's feed in order from the projection's checkpoint and, per
+batch, applies the increments and moves the checkpoint past the batch in ONE atomic
+compare-and-set. A runner whose compare-and-set fails (another runner of the projection moved
+the checkpoint first) reads again from the new checkpoint, and one killed mid-batch wrote
+nothing, so its successor starts where it did: nothing is counted twice, nothing skipped, with
+any number of runners on the same partitions. `partitions_for` spreads the partitions over
+runners so they do not race for the same batches (a race costs work, never exactness).
 
-Order matters for that argument, so each partition is worked by one runner at a time: give
-every runner a disjoint set of partitions (`partitions_for`). A runner first re-reads what was
-delivered to it, then takes over entries other consumers left idle (XAUTOCLAIM), and reads new
-entries only when no other consumer holds older ones.
+The projection's consumer group on each feed partition only holds back trimming: the runner
+moves it to the checkpoint after each batch, so `trim_feed` removes only applied changes.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -26,6 +28,7 @@ from eventstore import (
     ConflictError,
     EventStore,
     FeedEntry,
+    FeedGroupNotFoundError,
     FeedTrimmedError,
     InvalidInputError,
     RecordedEvent,
@@ -34,6 +37,7 @@ from eventstore import (
     validate_view_name,
 )
 from eventstore._feed import parse_stream_id
+from eventstore._ids import validate_count
 
 log = logging.getLogger("threadlog.runner")
 
@@ -56,8 +60,16 @@ class AsyncProjection(abc.ABC):
 
 
 def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int]:
-    """The partitions runner ``runner_index`` of ``runners`` owns (a disjoint cover)."""
-    if not 0 <= runner_index < runners:
+    """The partitions runner ``runner_index`` of ``runners`` owns (a disjoint cover).
+
+    Raises:
+        InvalidInputError: ``partitions`` or ``runners`` not an int >= 1, ``runner_index`` not
+            an int in ``0..runners-1``.
+    """
+    validate_count(partitions, "partitions", minimum=1)
+    validate_count(runners, "runners", minimum=1)
+    validate_count(runner_index, "runner_index")
+    if not runner_index < runners:
         raise InvalidInputError("runner_index must be in 0..runners-1")
     return [p for p in range(partitions) if p % runners == runner_index]
 
@@ -65,15 +77,30 @@ def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int
 class ProjectionRunner:
     """Feeds an `AsyncProjection` from the change feed of some (default: all) partitions.
 
+    Any number of runners may work the same partitions (a second process, a rolling deploy):
+    each reads from the projection's checkpoint and moves it with a compare-and-set, so the
+    totals are exact either way; disjoint partitions (`partitions_for`) only save the work of
+    batches read twice. A runner killed at any point wrote all of a batch or none of it.
+
     When the feed was trimmed past the projection's checkpoint (by age, or before the
     projection first ran), its changes up to there are gone from the feed: the runner raises
     `FeedTrimmedError` rather than count without them, unless ``accept_trimmed_feed`` says
-    to go on from what the feed still holds (logged once per partition).
+    to go on from what the feed still holds: then the checkpoint is moved past what was
+    trimmed (logged once per partition), which stands for every later run.
 
     A projection added to a running system starts from the logs instead with
     ``backfill=True``: before it reads a partition's feed for the first time (no checkpoint
     yet), `backfill` counts every event the feed has recorded so far from the threads' logs,
     trimmed or not, and sets the checkpoint there.
+
+    ``consumer`` names the runner in its log lines (``"host-1:4242"``); runners need not have
+    distinct names, as nothing is delivered to a name.
+
+    Raises:
+        InvalidInputError: a bad projection name or consumer name, ``partitions`` not distinct
+            ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
+            not a number >= 0, ``accept_trimmed_feed`` or ``backfill`` not a bool. Nothing is
+            registered.
     """
 
     def __init__(
@@ -84,42 +111,64 @@ class ProjectionRunner:
         consumer: str,
         partitions: Sequence[int] | None = None,
         batch_size: int = 256,
-        claim_idle_ms: int = 30_000,
         poll_interval: float = 0.2,
         accept_trimmed_feed: bool = False,
         backfill: bool = False,
     ) -> None:
         validate_view_name(projection.name)
         validate_consumer(consumer)
-        if batch_size < 1:
-            raise InvalidInputError("batch_size must be >= 1")
+        validate_count(batch_size, "batch_size", minimum=1)
+        if (
+            isinstance(poll_interval, bool)
+            or not isinstance(poll_interval, int | float)
+            or not 0 <= poll_interval < math.inf
+        ):
+            raise InvalidInputError(f"poll_interval must be a number >= 0, not {poll_interval!r}")
+        for flag, value in (("accept_trimmed_feed", accept_trimmed_feed), ("backfill", backfill)):
+            if not isinstance(value, bool):
+                raise InvalidInputError(f"{flag} must be a bool, not {value!r}")
         self.store = store
         self.projection = projection
         self.consumer = consumer
-        self.partitions = list(range(store.partitions)) if partitions is None else list(partitions)
+        self.partitions = self._owned(store, partitions)
         self.batch_size = batch_size
-        self.claim_idle_ms = claim_idle_ms
         self.poll_interval = poll_interval
         self.accept_trimmed_feed = accept_trimmed_feed
         self.backfills = backfill
         self._backfilled: set[int] = set()
-        self._registered: set[int] = set()
+        self._group_at: dict[int, str] = {}
+        """Where this runner last put the projection's group, per partition."""
+        self._created: set[int] = set()
+        """Partitions where this runner registered the group and has applied nothing since."""
         self._warned: set[int] = set()
 
-    async def _register(self, partition: int) -> None:
-        if partition not in self._registered:
-            await self.store.create_feed_group(partition, self.projection.name, start="0-0")
-            self._registered.add(partition)
+    @staticmethod
+    def _owned(store: EventStore, partitions: Sequence[int] | None) -> list[int]:
+        if partitions is None:
+            return list(range(store.partitions))
+        if isinstance(partitions, str | bytes) or not isinstance(partitions, Sequence):
+            raise InvalidInputError(f"partitions must be a sequence of ints, not {partitions!r}")
+        owned = list(partitions)
+        for p in owned:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < store.partitions:
+                raise InvalidInputError(
+                    f"partitions must be ints in 0..{store.partitions - 1}, not {p!r}"
+                )
+        if len(set(owned)) != len(owned):
+            raise InvalidInputError(f"partitions must be distinct, not {owned!r}")
+        return owned
 
     async def run_once(self) -> int:
-        """Work every owned partition until nothing is left; returns the entries processed."""
+        """Work every owned partition until its feed holds nothing after the projection's
+        checkpoint; returns the entries this runner applied (other runners of the projection
+        may have applied some of them meanwhile)."""
         done = 0
         for partition in self.partitions:
             done += await self._drain(partition)
         return done
 
     async def run(self, stop: anyio.Event) -> int:
-        """Work until ``stop`` is set; the batch in hand is finished (applied and acked) first."""
+        """Work until ``stop`` is set; the batch in hand is finished (applied) first."""
         done = 0
         while not stop.is_set():
             processed = 0
@@ -133,65 +182,106 @@ class ProjectionRunner:
                     await stop.wait()
         return done
 
-    async def _check_not_trimmed(self, partition: int) -> None:
-        """Refuse to go on past changes that left the feed before they were applied.
+    async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
+        """Apply the partition's feed from the checkpoint on, batch by batch, until it is read
+        to its end (or ``stop`` is set); returns the entries applied."""
+        if self.backfills and partition not in self._backfilled:
+            await self.backfill_partition(partition)
+        name = self.projection.name
+        done = 0
+        checkpoint = await self.store.checkpoint_of(partition, name)
+        while stop is None or not stop.is_set():
+            batch = await self.store.read_feed(partition, after=checkpoint, count=self.batch_size)
+            # Asked after the read: nothing after the checkpoint had left the feed by then, so
+            # the batch is the feed's next entries, none passed over.
+            if await self._past_trimmed(partition, checkpoint):
+                checkpoint = await self.store.checkpoint_of(partition, name)
+                continue
+            await self._hold_feed(partition, checkpoint)
+            if not batch:
+                break
+            incr: list[Increment] = []
+            for entry in batch:
+                # In the change's own life of the thread: a thread deleted (and created again)
+                # since has other events at these seqs, which are counted by their own changes.
+                events = await self.store.read_change(entry)
+                incr += self.projection.increments(entry, events)
+            if await self.store.apply_checkpointed(
+                partition, name, expected=checkpoint, checkpoint=batch[-1].id, incr=incr
+            ):
+                done += len(batch)
+                checkpoint = batch[-1].id
+                self._created.discard(partition)
+            else:
+                log.info(
+                    "runner %s: checkpoint of %s moved in partition %d; reading on from it",
+                    self.consumer, name, partition,
+                )  # fmt: skip
+                checkpoint = await self.store.checkpoint_of(partition, name)
+        if partition in self._group_at:
+            await self._hold_feed(partition, checkpoint)
+        return done
 
-        Trimming waits for every group, so this happens only when the feed was trimmed by age
-        (or by hand) past the projection's checkpoint, or before the projection first ran:
-        its totals would silently lack those changes.
+    async def _hold_feed(self, partition: int, checkpoint: str) -> None:
+        """Register the projection's group at the checkpoint, or move it there, so trimming
+        removes only changes the projection applied. Racing runners may leave it behind the
+        checkpoint for a while (never ahead): that holds trimming back, and the runner that
+        left it there moves it on its next pass."""
+        group = self.projection.name
+        if self._group_at.get(partition) == checkpoint:
+            return
+        if partition not in self._group_at:
+            created = await self.store.create_feed_group(partition, group, start=checkpoint)
+            self._group_at[partition] = checkpoint
+            if created:
+                self._created.add(partition)
+                return
+        # An existing group may sit elsewhere (left by an earlier run); this also forgets the
+        # entries the consumer-group runner of older releases left pending below the checkpoint.
+        try:
+            await self.store.advance_feed_group(partition, group, checkpoint)
+        except FeedGroupNotFoundError:
+            # Dropped meanwhile (`threadlog drop-group`, a refused runner): while the projection
+            # runs it needs one, or trimming would pass it. A change trimmed in between is
+            # caught by the next read's check.
+            await self.store.create_feed_group(partition, group, start=checkpoint)
+        self._group_at[partition] = checkpoint
+
+    async def _past_trimmed(self, partition: int, checkpoint: str) -> bool:
+        """Refuse to go on past changes that left the feed before they were applied; True when
+        ``accept_trimmed_feed`` moved the checkpoint past them instead (or another runner
+        moved it meanwhile): read on from the checkpoint as it stands.
+
+        The projection's group holds trimming back to its checkpoint, so this happens only when
+        the feed was trimmed by age (or by hand) past the checkpoint, or before the projection
+        first ran: its totals would silently lack those changes. A runner refused before it
+        applied anything leaves no group behind (it would hold trimming back for ever).
         """
         name = self.projection.name
         trimmed_to = (await self.store.feed_info(partition)).trimmed_to
-        checkpoint = await self.store.checkpoint_of(partition, name)
         if parse_stream_id(trimmed_to) <= parse_stream_id(checkpoint):
-            return
+            return False
         if not self.accept_trimmed_feed:
+            if partition in self._created:
+                await self.store.delete_feed_group(partition, name)
+                self._created.discard(partition)
+                del self._group_at[partition]
             raise FeedTrimmedError(partition, f"projection {name!r}", checkpoint, trimmed_to)
-        if partition not in self._warned:
-            self._warned.add(partition)
-            log.warning(
-                "projection %s goes on without the changes trimmed from partition %d's feed "
-                "(up to %s; its checkpoint is %s): accept_trimmed_feed=True",
-                name, partition, trimmed_to, checkpoint,
-            )  # fmt: skip
-
-    async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
-        if self.backfills and partition not in self._backfilled:
-            await self.backfill_partition(partition)
-        await self._register(partition)
-        await self._check_not_trimmed(partition)
-        group = self.projection.name
-        done = 0
-        # 1. what was delivered to this consumer before (it restarted) and 2. what crashed
-        # consumers left idle: both older than anything new, so they go first.
-        for source in ("mine", "claim", "new"):
-            while stop is None or not stop.is_set():
-                if source == "mine":
-                    batch = await self.store.read_feed_group(
-                        partition, group, self.consumer, count=self.batch_size, pending=True
-                    )
-                elif source == "claim":
-                    batch = await self.store.claim_feed(
-                        partition,
-                        group,
-                        self.consumer,
-                        min_idle_ms=self.claim_idle_ms,
-                        count=self.batch_size,
-                    )
-                else:
-                    if any(
-                        g.pending
-                        for g in await self.store.feed_groups(partition)
-                        if g.name == group
-                    ):
-                        break  # another consumer still holds older entries: wait for them
-                    batch = await self.store.read_feed_group(
-                        partition, group, self.consumer, count=self.batch_size
-                    )
-                if not batch:
-                    break
-                done += await self._process(partition, batch)
-        return done
+        # A compare-and-set like any batch: the acceptance stands for every later run, and a
+        # runner that applied changes meanwhile keeps them.
+        if await self.store.apply_checkpointed(
+            partition, name, expected=checkpoint, checkpoint=trimmed_to
+        ):
+            self._created.discard(partition)
+            if partition not in self._warned:
+                self._warned.add(partition)
+                log.warning(
+                    "runner %s: projection %s goes on without the changes trimmed from "
+                    "partition %d's feed (up to %s; its checkpoint was %s): "
+                    "accept_trimmed_feed=True",
+                    self.consumer, name, partition, trimmed_to, checkpoint,
+                )  # fmt: skip
+        return True
 
     # -- backfill ------------------------------------------------------------------------------
 
@@ -298,30 +388,6 @@ class ProjectionRunner:
             if len(page) < FEED_PAGE:
                 return out
             after = page[-1].id
-
-    async def _process(self, partition: int, batch: list[FeedEntry]) -> int:
-        name = self.projection.name
-        batch = sorted(batch, key=lambda e: parse_stream_id(e.id))
-        while True:
-            checkpoint = await self.store.checkpoint_of(partition, name)
-            after = parse_stream_id(checkpoint)
-            fresh = [e for e in batch if parse_stream_id(e.id) > after]
-            if not fresh:
-                break
-            incr: list[Increment] = []
-            for entry in fresh:
-                # In the change's own life of the thread: a thread deleted (and created again)
-                # since has other events at these seqs, which are counted by their own changes.
-                events = await self.store.read_change(entry)
-                incr += self.projection.increments(entry, events)
-            applied = await self.store.apply_checkpointed(
-                partition, name, expected=checkpoint, checkpoint=fresh[-1].id, incr=incr
-            )
-            if applied:
-                break
-            log.info("checkpoint of %s moved in partition %d; refiltering", name, partition)
-        await self.store.ack_feed(partition, name, [e.id for e in batch])
-        return len(batch)
 
 
 class UsageRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,9 +11,11 @@ import uuid
 from collections.abc import Sequence
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import eventstore as es
+from eventstore._feed import parse_stream_id
 from projections import (
     Increment,
     ProjectionRunner,
@@ -133,43 +135,34 @@ class Exploding(UsageProjection):
         return super().increments(entry, events)
 
 
-class AckLoser(ProjectionRunner):
-    """Applies its batches but dies before acknowledging the second one."""
+class GroupLoser(ProjectionRunner):
+    """Applies its batches but dies before moving the group past the second one."""
 
     batches = 0
 
-    async def _process(self, partition: int, batch: list[es.FeedEntry]) -> int:
-        self.batches += 1
-        if self.batches == 2:
-            original = self.store.ack_feed
-
-            async def lost_ack(partition: int, group: str, ids: Sequence[str]) -> int:
-                raise RuntimeError("died before the ack")
-
-            self.store.ack_feed = lost_ack  # type: ignore[method-assign]
-            try:
-                return await super()._process(partition, batch)
-            finally:
-                self.store.ack_feed = original  # type: ignore[method-assign]
-        return await super()._process(partition, batch)
+    async def _hold_feed(self, partition: int, checkpoint: str) -> None:
+        if checkpoint != "0-0":
+            self.batches += 1
+            if self.batches == 2:
+                raise RuntimeError("died before moving the group")
+        await super()._hold_feed(partition, checkpoint)
 
 
-async def test_consumer_dying_mid_batch_is_reclaimed_exactly(store: es.EventStore) -> None:
+async def test_a_runner_dying_mid_batch_is_followed_exactly(store: es.EventStore) -> None:
     expected = await fill(store, 40)
     with pytest.raises(RuntimeError, match="consumer died"):
         await ProjectionRunner(
             store, Exploding(after=9), consumer="doomed", batch_size=5
         ).run_once()
-    with pytest.raises(RuntimeError, match="died before the ack"):
-        await AckLoser(store, UsageProjection(), consumer="doomed2", batch_size=5).run_once()
-    survivor = ProjectionRunner(
-        store, UsageProjection(), consumer="survivor", batch_size=5, claim_idle_ms=0
-    )
+    with pytest.raises(RuntimeError, match="died before moving the group"):
+        await GroupLoser(store, UsageProjection(), consumer="doomed2", batch_size=5).run_once()
+    survivor = ProjectionRunner(store, UsageProjection(), consumer="survivor", batch_size=5)
     await survivor.run_once()
     assert totals(await UsageProjection().report(store)) == expected
     for p in range(store.partitions):
-        groups = await store.feed_groups(p)
-        assert all(g.pending == 0 for g in groups)
+        (group,) = await store.feed_groups(p)
+        assert group.pending == 0
+        assert group.last_delivered == await store.checkpoint_of(p, "usage")
 
 
 async def test_graceful_shutdown_and_trimming(store: es.EventStore) -> None:
@@ -218,6 +211,15 @@ KILLED_RUNNER = textwrap.dedent(
 )
 
 
+async def behind(store: es.EventStore) -> bool:
+    """Whether the usage projection has changes left to apply in some partition."""
+    for p in range(store.partitions):
+        checkpoint = await store.checkpoint_of(p, "usage")
+        if await store.read_feed(p, after=checkpoint, count=1):
+            return True
+    return False
+
+
 async def test_runner_process_killed_with_sigkill(redis_url: str) -> None:
     namespace = "r" + uuid.uuid4().hex[:12]
     store = await es.connect(redis_url, namespace=namespace, partitions=4)
@@ -231,13 +233,13 @@ async def test_runner_process_killed_with_sigkill(redis_url: str) -> None:
         try:
             assert proc.stdout is not None
             assert proc.stdout.readline().strip() == b"ready"
-            # Kill it mid-batch: once it has applied something and holds delivered entries
-            # (each batch takes ~60 ms of slow increments; the check takes well under 1 ms).
+            # Kill it mid-batch: once it has applied something and has more to apply (each
+            # batch takes ~60 ms of slow increments; the check takes well under 1 ms).
             with anyio.fail_after(30):
                 while True:
-                    applied = [await store.checkpoint_of(p, "usage") != "0-0" for p in range(4)]
-                    held = [sum(g.pending for g in await store.feed_groups(p)) for p in range(4)]
-                    if any(applied) and any(held):
+                    if await behind(store) and any(
+                        [await store.checkpoint_of(p, "usage") != "0-0" for p in range(4)]
+                    ):
                         break
                     await anyio.sleep(0.005)
             proc.send_signal(signal.SIGKILL)
@@ -246,9 +248,8 @@ async def test_runner_process_killed_with_sigkill(redis_url: str) -> None:
             if proc.stdout is not None:
                 proc.stdout.close()
         assert proc.returncode == -signal.SIGKILL
-        pending = sum([sum(g.pending for g in await store.feed_groups(p)) for p in range(4)])
-        assert pending > 0  # it died holding delivered, unacknowledged entries
-        survivor = ProjectionRunner(store, UsageProjection(), consumer="survivor", claim_idle_ms=0)
+        assert await behind(store)  # it died with changes left to apply
+        survivor = ProjectionRunner(store, UsageProjection(), consumer="survivor")
         await survivor.run_once()
         assert totals(await UsageProjection().report(store)) == expected
     finally:
@@ -303,6 +304,223 @@ async def test_a_checkpoint_that_is_not_a_stream_id_stops_the_runner(
         assert await runner.run_once() == 1
         t, a, b = expected["small"]
         assert totals(await usage.report(store))["small"] == (t + 1, a + 1000, b + 500)
+
+
+# -- runners sharing partitions, trimmed feeds, bad input ---------------------------------------
+
+
+class Turns:
+    """Store calls of several runners taken in turn, by a repeated pattern of their names: a
+    runner waits for its turn before each call (a runner that finished gives up its turns)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.calls = 0
+        self.done: set[str] = set()
+
+    def store(self, store: es.EventStore, who: str) -> es.EventStore:
+        turns = self
+
+        class Taken:
+            def __getattr__(self, attr: str) -> object:
+                value = getattr(store, attr)
+                if attr.startswith("_") or not callable(value):
+                    return value
+
+                async def call(*args: object, **kwargs: object) -> object:
+                    while True:
+                        holder = turns.pattern[turns.calls % len(turns.pattern)]
+                        if holder == who or holder in turns.done:
+                            break
+                        await anyio.lowlevel.checkpoint()
+                    turns.calls += 1
+                    return await value(*args, **kwargs)
+
+                return call
+
+        return Taken()  # type: ignore[return-value]
+
+    async def run(self, runner: ProjectionRunner, who: str) -> int:
+        try:
+            return await runner.run_once()
+        finally:
+            self.done.add(who)
+
+
+@pytest.mark.parametrize("pattern", ["ab", "abb", "aab", "abbb", "aaab"])
+async def test_two_runners_on_the_same_partitions_count_every_change_once(
+    store: es.EventStore, pattern: str
+) -> None:
+    """Two runners over every partition (the default, and a rolling deploy) whose store calls
+    interleave by ``pattern``: whichever reads or applies first, every change counts once."""
+    expected = await fill(store, 40)
+    turns = Turns(pattern)
+    runners = {
+        who: ProjectionRunner(
+            turns.store(store, who), UsageProjection(), consumer=who, batch_size=3
+        )
+        for who in "ab"
+    }
+    applied: dict[str, int] = {}
+    async with anyio.create_task_group() as tg:
+        for who, runner in runners.items():
+
+            async def run(who: str = who, runner: ProjectionRunner = runner) -> None:
+                applied[who] = await turns.run(runner, who)
+
+            tg.start_soon(run)
+    assert totals(await UsageProjection().report(store)) == expected
+    assert applied["a"] + applied["b"] == 41  # each change applied by one of them, once
+    for p in range(store.partitions):
+        (group,) = await store.feed_groups(p)
+        assert group.pending == 0
+        assert group.last_delivered == await store.checkpoint_of(p, "usage")
+
+
+async def test_a_runner_finds_what_an_earlier_consumer_left_pending(store: es.EventStore) -> None:
+    """A consumer of the group (a runner of an older release, killed) holds delivered entries
+    nobody acknowledged: a runner under another name counts them at once, in order."""
+    for _ in range(5):
+        await settle(store, "t", "small", 1)
+    p = es.partition_of("t", store.partitions)
+    await store.create_feed_group(p, "usage")
+    assert len(await store.read_feed_group(p, "usage", "host-1:100", count=2)) == 2
+    runner = ProjectionRunner(store, UsageProjection(), consumer="host-1:200", partitions=[p])
+    assert await runner.run_once() == 5
+    assert totals(await UsageProjection().report(store)) == {"small": (5, 5, 0)}
+    (group,) = await store.feed_groups(p)
+    assert (group.pending, group.last_delivered) == (0, await store.checkpoint_of(p, "usage"))
+    # So trimming removes every change, all applied.
+    assert await store.trim_feed(p) == 5
+
+
+async def test_accepting_a_trimmed_feed_stands_for_later_runs(store: es.EventStore) -> None:
+    """``accept_trimmed_feed`` moves the checkpoint past what was trimmed: a later run without
+    it goes on (no new change needed), and the group no longer reads as having lost changes."""
+    for i in range(8):
+        await settle(store, f"t{i}", "small", 1)
+    await anyio.sleep(0.01)
+    assert sum([await store.trim_feed(p, max_age_ms=0) for p in range(store.partitions)]) == 8
+    accepting = ProjectionRunner(store, UsageProjection(), consumer="c", accept_trimmed_feed=True)
+    assert await accepting.run_once() == 0
+    for p in range(store.partitions):
+        info = await store.feed_info(p)
+        assert await store.checkpoint_of(p, "usage") == info.trimmed_to
+        (group,) = await store.feed_groups(p)
+        # What `threadlog feed` flags: a group positioned before what was trimmed.
+        assert parse_stream_id(group.last_delivered) >= parse_stream_id(info.trimmed_to)
+    plain = ProjectionRunner(store, UsageProjection(), consumer="c")
+    assert await plain.run_once() == 0
+    await settle(store, "t0", "small", 1000)
+    assert await plain.run_once() == 1
+    assert totals(await UsageProjection().report(store)) == {"small": (1, 1000, 500)}
+
+
+class Late(UsageProjection):
+    name = "late"
+
+
+async def test_a_runner_refused_for_a_trimmed_feed_leaves_no_group(store: es.EventStore) -> None:
+    """A projection that first runs on a trimmed feed is refused before it registers a group:
+    one left at the feed's start would hold trimming back for ever."""
+    for _ in range(5):
+        await settle(store, "t", "small", 1)
+    p = es.partition_of("t", store.partitions)
+    usage = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+    await usage.run_once()
+    assert await store.trim_feed(p) == 5
+    with pytest.raises(es.FeedTrimmedError, match="projection 'late'"):
+        await ProjectionRunner(store, Late(), consumer="c").run_once()
+    assert [g.name for g in await store.feed_groups(p)] == ["usage"]
+    for _ in range(5):
+        await settle(store, "t", "small", 1)
+    await usage.run_once()
+    assert await store.trim_feed(p) == 5  # what usage applied, nothing held back
+    # A projection that registered on an empty partition and applied nothing there when the
+    # feed was trimmed past it by age: refused, and its group goes with it.
+    q = (p + 1) % store.partitions
+    late = ProjectionRunner(store, Late(), consumer="c", partitions=[q])
+    assert await late.run_once() == 0
+    assert [g.name for g in await store.feed_groups(q)] == ["late"]
+    thread = next(f"u{i}" for i in range(100) if es.partition_of(f"u{i}", store.partitions) == q)
+    await settle(store, thread, "small", 1)
+    await anyio.sleep(0.01)
+    assert await store.trim_feed(q, max_age_ms=0) == 1
+    with pytest.raises(es.FeedTrimmedError, match="projection 'late'"):
+        await late.run_once()
+    assert await store.feed_groups(q) == []
+
+
+async def test_a_dropped_group_of_a_running_projection_is_registered_again(
+    store: es.EventStore,
+) -> None:
+    """`threadlog drop-group` while the projection runs: the runner registers it again where
+    it moves the checkpoint next (or trimming would pass the projection), and counts on."""
+    expected = await fill(store, 6)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c")
+    await runner.run_once()
+    for p in range(store.partitions):
+        await store.delete_feed_group(p, "usage")
+    await settle(store, "thread-0", "small", 1000)
+    assert await runner.run_once() == 1
+    t, a, b = expected["small"]
+    assert totals(await UsageProjection().report(store))["small"] == (t + 1, a + 1000, b + 500)
+    p = es.partition_of("thread-0", store.partitions)
+    (group,) = await store.feed_groups(p)
+    assert group.last_delivered == await store.checkpoint_of(p, "usage")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"partitions": ["0"]},
+        {"partitions": [True]},
+        {"partitions": [4]},
+        {"partitions": [-1]},
+        {"partitions": [0, 0]},
+        {"partitions": "01"},
+        {"partitions": 2},
+        {"batch_size": True},
+        {"batch_size": 2.5},
+        {"batch_size": 0},
+        {"poll_interval": -1},
+        {"poll_interval": float("nan")},
+        {"poll_interval": "1"},
+        {"accept_trimmed_feed": "yes"},
+        {"backfill": 1},
+    ],
+)
+async def test_a_runner_with_bad_settings_is_refused_at_once(
+    store: es.EventStore, bad: dict[str, object]
+) -> None:
+    await settle(store, "t", "small", 1)
+    with pytest.raises(es.InvalidInputError):
+        ProjectionRunner(store, UsageProjection(), consumer="c", **bad)  # type: ignore[arg-type]
+    assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (4, 0.5, 2),
+        (4, True, 2),
+        (4, 0, True),
+        (4, 0, 0),
+        (4, 2, 2),
+        (4, -1, 2),
+        (0, 0, 1),
+        ("4", 0, 1),
+    ],
+)
+def test_partitions_for_refuses_what_is_not_a_runner_of_runners(args: tuple[object, ...]) -> None:
+    with pytest.raises(es.InvalidInputError):
+        partitions_for(*args)  # type: ignore[arg-type]
+
+
+def test_partitions_for_covers_the_partitions_once() -> None:
+    for runners in (1, 2, 3, 5, 8):
+        owned = [partitions_for(8, i, runners) for i in range(runners)]
+        assert sorted(p for part in owned for p in part) == list(range(8))
 
 
 # -- backfill: a projection added later counts from the logs -------------------------------------

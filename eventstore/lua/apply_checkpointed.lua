@@ -2,12 +2,12 @@
 
 KEYS[1] the partition's checkpoint hash      KEYS[2..] the projection's hashes
 ARGV[1] projection name
-ARGV[2] expected checkpoint (the one the batch was filtered against; "0-0": none yet)
+ARGV[2] expected checkpoint (the one the batch was read after; "0-0": none yet)
 ARGV[3] new checkpoint (the last feed id of the batch)
 ARGV[4] N increments, then per increment: key index, field, amount
 
 A compare-and-set: applies only when the stored checkpoint is still the expected one, so a
-batch delivered twice (a crashed consumer's entries reclaimed by another) is written once.
+batch read twice (by two runners of the projection, or again after a crash) is written once.
 Returns 1 when applied, 0 when the checkpoint had moved (nothing written).
 ]]
 
