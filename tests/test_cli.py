@@ -1687,6 +1687,15 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
     assert "--max-age" in cli("trim-feed", "--help").out
 
 
+def test_trim_feed_by_an_age_longer_than_the_epoch_removes_nothing(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("old-1", [msg("a")]))
+    # The cutoff lies before 1970: nothing is that old (it was a raw redis error).
+    run = cli("trim-feed", "--max-age", "30000d", "--json", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert run.json() == {"namespace": namespace, "removed": 0, "left": 1}
+
+
 def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
     namespace = fresh_namespace()
     for argv in (["feed"], ["trim-feed"], ["trim-feed", "--max-age", "1d"], ["drop-group", "x"]):
