@@ -54,7 +54,7 @@ from projections import (
 from ._audit import Auditor, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
-from ._jsonl import ImportProgress, export_jsonl, import_jsonl, transcript_to_export
+from ._jsonl import ImportProgress, export_jsonl, read_import, transcript_to_export, write_import
 from ._sessions import SessionStore
 
 try:
@@ -100,8 +100,11 @@ READ_ONLY_COMMANDS = frozenset(
 )
 FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
 """Commands that change only the feed: like reads, they never create a namespace."""
-# tail is left out: following a namespace before its first event is what it is for.
-_NAMESPACE_MUST_EXIST = (READ_ONLY_COMMANDS | FEED_COMMANDS) - {"tail"}
+# Only the commands that write new events create a namespace (demo, and import-jsonl once its
+# file holds something to write): rebuild and the feed commands work on what is there, and a
+# misspelt --namespace given to them is refused, not recorded as a new, empty tenant. tail is
+# left out: following a namespace before its first event is what it is for.
+_NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
@@ -1940,8 +1943,13 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
             raise _StopImport
 
     sessions = SessionStore(ctx.store)
+    # Read and validated before the namespace is created: a refused file (empty, malformed)
+    # into a misspelt --namespace leaves no key behind.
+    messages, skipped = await read_import(sessions, args.file, skip_bad=args.skip_bad)
+    if isinstance(ctx.store, es.RedisEventStore) and not await ctx.store.namespace_exists():
+        await ctx.store.ensure_namespace()  # records the partition count before the first append
     task = asyncio.ensure_future(
-        import_jsonl(sessions, args.file, args.session, skip_bad=args.skip_bad, progress=progress)
+        write_import(sessions, messages, skipped, args.session, progress=progress)
     )
     try:
         report = await asyncio.shield(task)
@@ -2023,12 +2031,10 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
             "--url redis://..., or run without --url for the embedded one)"
         )
     namespace: str | None = getattr(args, "namespace", None)
-    # Commands that only read leave a namespace that was never written without any key (a
-    # misspelt --namespace must not create one).
+    # Commands that write no event leave a namespace that was never written without any key
+    # (a misspelt --namespace must not create one); import-jsonl creates it once it writes.
     store = await es.connect(
-        where.url,
-        namespace=namespace,
-        create_namespace=args.command not in READ_ONLY_COMMANDS | FEED_COMMANDS,
+        where.url, namespace=namespace, create_namespace=args.command == "demo"
     )
     async with store:
         if args.command in _NAMESPACE_MUST_EXIST and store.namespace != "default":

@@ -1152,6 +1152,10 @@ def test_an_unknown_namespace_is_refused_and_nothing_is_created(
         ("verify", "--all"),
         ("check", "t"),
         ("export-jsonl", "t", "-"),
+        # Commands that write views but no event: refused the same way, creating nothing.
+        ("rebuild", "--all"),
+        ("rebuild", "t"),
+        ("rebuild", "t", "--trust-log"),
     ):
         run = cli(*argv, url=redis_url, namespace=misspelt)
         line = assert_one_line_error(run)
@@ -1161,12 +1165,47 @@ def test_an_unknown_namespace_is_refused_and_nothing_is_created(
     url = f"{redis_url}{'&' if '?' in redis_url else '?'}namespace={misspelt}"
     assert f"no namespace {misspelt!r}" in assert_one_line_error(cli("threads", url=url))
     assert not out.exists()
+    assert _namespace_keys(redis_url, misspelt) == []
 
+
+def _namespace_keys(url: str, namespace: str) -> list[bytes]:
     async def keys(store: es.EventStore) -> list[bytes]:
         assert isinstance(store, es.RedisEventStore)
-        return [k async for k in store.client.scan_iter(match=f"tl:{{{misspelt}:*")]
+        return [k async for k in store.client.scan_iter(match=f"tl:{{{namespace}:*")]
 
-    assert with_store(redis_url, known, keys) == []
+    return with_store(url, "default", keys)
+
+
+def test_import_jsonl_creates_a_namespace_only_when_it_writes(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    for argv in (("import-jsonl", str(empty), "s1"), ("import-jsonl", str(bad), "s1")):
+        line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
+        assert "nothing written" in line or "nothing was written" in line, (argv, line)
+    assert _namespace_keys(redis_url, namespace) == []
+    # ...so a read of it is still refused (a misspelt --namespace stays one).
+    threads = cli("threads", url=redis_url, namespace=namespace)
+    assert "no namespace" in assert_one_line_error(threads)
+    # An import that writes creates the namespace, with its settings recorded.
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"role":"user","content":"hi"}\n')
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}partitions=4"
+    imported = cli("import-jsonl", str(good), "s1", url=url, namespace=namespace)
+    assert imported.code == 0, imported
+    assert KeyLayout.config_key(namespace).encode() in _namespace_keys(redis_url, namespace)
+
+    async def partitions(store: es.EventStore) -> int:
+        return store.partitions
+
+    assert with_store(redis_url, namespace, partitions) == 4
+    assert (
+        cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace).out == good.read_text()
+    )
 
 
 def test_import_stopped_by_ctrl_c_says_what_it_wrote(
@@ -1244,14 +1283,17 @@ def test_jsonl_blank_lines_empty_files_and_threads_without_a_transcript(
     empty.write_bytes(b"")
     nothing = cli("import-jsonl", str(empty), "s2", url=redis_url, namespace=namespace)
     assert "no message to import" in assert_one_line_error(nothing)
+    # The refused import wrote nothing, not even the namespace.
     never = cli("export-jsonl", "s2", "-", url=redis_url, namespace=namespace)
-    assert "no thread 's2'" in assert_one_line_error(never)
+    assert f"no namespace {namespace!r}" in assert_one_line_error(never)
 
     # CRLF line ends and blank lines after the last message: messages byte for byte, LF ends.
     edited = tmp_path / "edited.jsonl"
     edited.write_bytes(b'{"role":"user","content":"a"}\r\n{"role":"user", "content":"b"}\r\n\r\n\n')
     run = cli("import-jsonl", str(edited), "s3", url=redis_url, namespace=namespace)
     assert run.code == 0 and "imported 2 of 2 lines" in run.out, run
+    never = cli("export-jsonl", "s2", "-", url=redis_url, namespace=namespace)
+    assert "no thread 's2'" in assert_one_line_error(never)
     out = cli("export-jsonl", "s3", "-", url=redis_url, namespace=namespace)
     assert out.out == '{"role":"user","content":"a"}\n{"role":"user", "content":"b"}\n'
     middle = tmp_path / "middle.jsonl"
