@@ -1303,11 +1303,45 @@ async def _stop_on_signal(
             return
 
 
-async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
+async def _await_namespace(
+    ctx: Ctx, interval: float, stack: contextlib.AsyncExitStack
+) -> es.EventStore | None:
+    """A store of the namespace as it is written, once it exists; None when it existed
+    already (``ctx.store`` is that). A store opened before its namespace was written took
+    the default settings, not the ones its first writer records (a partition count of
+    4 puts threads in other partitions than 16 would): tail opens it again once it is there."""
     store = ctx.store
+    if await store.namespace_exists():
+        return None
+    sys.stderr.write(
+        f"threadlog: namespace {store.namespace!r} has not been written yet; waiting for it\n"
+    )
+    sys.stderr.flush()
+    while True:
+        await anyio.sleep(interval)
+        if await store.namespace_exists():
+            break
+    return await stack.enter_async_context(
+        await es.connect(ctx.where.url, namespace=store.namespace, create_namespace=False)
+    )
+
+
+async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str | None = args.thread
     if thread is not None:
         es.validate_thread_id(thread)
+    async with contextlib.AsyncExitStack() as stack, anyio.create_task_group() as tg:
+        await tg.start(_stop_on_signal, tg.cancel_scope)
+        reopened = await _await_namespace(ctx, args.interval, stack)
+        await _tail(ctx, reopened or ctx.store, args, new=reopened is not None)
+        tg.cancel_scope.cancel()
+
+
+async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new: bool) -> None:
+    """Follow ``store``'s feed; ``new``: its namespace was written after tail started, so all
+    it holds is new (unless ``--since`` says where to start)."""
+    thread: str | None = args.thread
+    if thread is not None:
         partitions = [es.partition_of(thread, store.partitions)]
     else:
         partitions = list(range(store.partitions))
@@ -1356,20 +1390,28 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
                     continue
                 if thread is not None and entry.thread_id != thread:
                     continue
+                if es.partition_of(entry.thread_id, store.partitions) != p:
+                    # Its events are not where this store looks: read with the wrong layout,
+                    # they would all be shown as deleted.
+                    raise UsageError(
+                        f"namespace {store.namespace!r} no longer has the {store.partitions} "
+                        "partitions tail started with (deleted and written again?): run tail "
+                        "again"
+                    )
                 if await _show_change(store, entry, emit, json=args.json):
                     return
 
-    async with anyio.create_task_group() as tg:
-        await tg.start(_stop_on_signal, tg.cancel_scope)
+    if new and args.since is None:
+        positions = dict.fromkeys(partitions, "0-0")
+    else:
         positions = await _feed_positions(store, partitions, args.since)
-        what = f"thread {thread!r}" if thread is not None else "every thread"
-        since = f" since {args.since.isoformat(timespec='seconds')}" if args.since else ""
-        sys.stderr.write(
-            f"threadlog: following {what} in namespace {store.namespace!r}{since}; Ctrl-C stops\n"
-        )
-        sys.stderr.flush()
-        await follow(positions)
-        tg.cancel_scope.cancel()
+    what = f"thread {thread!r}" if thread is not None else "every thread"
+    since = f" since {args.since.isoformat(timespec='seconds')}" if args.since else ""
+    sys.stderr.write(
+        f"threadlog: following {what} in namespace {store.namespace!r}{since}; Ctrl-C stops\n"
+    )
+    sys.stderr.flush()
+    await follow(positions)
 
 
 def _show_gap(gap: _FeedGap, emit: Callable[[Text | dict[str, Any]], bool], *, json: bool) -> bool:

@@ -36,7 +36,7 @@ from adapters import ThreadStore, read_parquet_dir
 from adapters._framework_events import StoredWrite, WritesPut
 from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
-from eventstore.servers import free_port
+from eventstore.servers import free_port, redis_server
 from eventstore.testing import msg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1614,13 +1614,45 @@ def test_tail_follows_new_events_until_its_limit(
     assert "old" not in out and "elsewhere" not in out
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
+def test_tail_started_before_its_namespace_follows_it_as_it_is_laid_out(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]], named: bool
+) -> None:
+    with contextlib.ExitStack() as stack:
+        if named:
+            url, namespace = redis_url, fresh_namespace()
+            where: tuple[str, ...] = ("--url", url, "--namespace", namespace)
+        else:  # the default namespace, never written: a server of its own
+            url, namespace = stack.enter_context(redis_server()).url, "default"
+            where = ("--url", url)
+        proc = popen("tail", "--json", "--limit", "8", "--interval", "0.05", *where)
+        assert proc.stderr is not None
+        assert f"namespace {namespace!r}" in _read_line(proc.stderr, 30)  # it has started
+
+        async def write(store: es.EventStore) -> None:
+            # 4 partitions, not the default 16: most threads live in other partitions then.
+            assert store.partitions == 4
+            for i in range(8):
+                await store.append(f"t{i}", [msg(f"hello {i}")])
+
+        sep = "&" if "?" in url else "?"
+        with_store(f"{url}{sep}partitions=4", namespace, write)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    # Every event shown, none as deleted ("events.gone").
+    assert sorted((r["thread"], r["type"]) for r in rows) == [
+        (f"t{i}", "message.appended") for i in range(8)
+    ], rows
+
+
 def test_tail_stops_cleanly_on_ctrl_c(
     redis_url: str, popen: Callable[..., subprocess.Popen[str]]
 ) -> None:
     namespace = fresh_namespace()
     proc = popen("tail", "--url", redis_url, "--namespace", namespace)
     assert proc.stdout is not None and proc.stderr is not None
-    assert "following every thread" in _read_line(proc.stderr, 30)
+    assert "has not been written yet; waiting for it" in _read_line(proc.stderr, 30)
     with_store(
         redis_url,
         namespace,
