@@ -1533,14 +1533,27 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     infos: list[es.FeedInfo] = []
     groups: dict[str, list[tuple[es.FeedInfo, es.GroupInfo]]] = {}
+    # Where each group's reader has got to: a projection's checkpoint when it has one (it
+    # moves with the projection's writes, and the runner reads on from it; the group's own
+    # position only holds trimming back, and starts again at 0-0 when the group is dropped
+    # and registered again), else the group's last delivered entry.
+    reached: dict[tuple[str, int], str] = {}
     for p in range(store.partitions):
         info = await store.feed_info(p)
         infos.append(info)
         for group in await store.feed_groups(p):
             groups.setdefault(group.name, []).append((info, group))
+            position = group.last_delivered
+            if not group.name.startswith("export-"):
+                checkpoint = await store.checkpoint_of(p, group.name)
+                if checkpoint != "0-0":
+                    position = checkpoint
+            reached[group.name, p] = position
 
     def lost(info: es.FeedInfo, group: es.GroupInfo) -> bool:
-        return parse_stream_id(info.trimmed_to) > parse_stream_id(group.last_delivered)
+        # Only what its reader still needed: changes trimmed past where it has got to.
+        position = reached[group.name, info.partition]
+        return parse_stream_id(info.trimmed_to) > parse_stream_id(position)
 
     if args.json:
         ctx.json(
@@ -1551,6 +1564,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
                     {
                         **msgspec.to_builtins(g),
                         "partition": i.partition,
+                        "reached": reached[g.name, i.partition],
                         "lost_changes": lost(i, g),
                     }
                     for members in groups.values()
@@ -1587,8 +1601,9 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
         table.add_column(name, justify="right" if name in {"partitions", "pending"} else "left")
     for name, members in sorted(groups.items()):
         unread = []  # each partition's oldest entry the group has not read
-        for info, group in members:
-            if page := await store.read_feed(info.partition, after=group.last_delivered, count=1):
+        for info, _ in members:
+            position = reached[name, info.partition]
+            if page := await store.read_feed(info.partition, after=position, count=1):
                 unread.append(page[0].id)
         damaged = [i.partition for i, g in members if lost(i, g)]
         note = Text()

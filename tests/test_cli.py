@@ -1770,6 +1770,40 @@ def test_trim_feed_by_an_age_longer_than_the_epoch_removes_nothing(redis_url: st
     assert run.json() == {"namespace": namespace, "removed": 0, "left": 1}
 
 
+def test_feed_judges_a_projection_by_its_checkpoint_not_its_groups_position(
+    redis_url: str,
+) -> None:
+    from projections import ProjectionRunner, UsageProjection
+
+    namespace = fresh_namespace()
+
+    async def run_projection(store: es.EventStore) -> int:
+        return await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+
+    def flagged() -> dict[int, bool]:
+        feed = cli("feed", "--json", url=redis_url, namespace=namespace)
+        assert feed.code == 0, feed
+        return {g["partition"]: g["lost_changes"] for g in feed.json()["groups"]}
+
+    with_store(redis_url, namespace, lambda s: s.append("fj-1", [msg("a"), msg("b")]))
+    assert with_store(redis_url, namespace, run_projection) == 1
+    assert cli("trim-feed", url=redis_url, namespace=namespace).code == 0
+    assert cli("drop-group", "usage", url=redis_url, namespace=namespace).code == 0
+    # Registered again at 0-0, behind the trim; its checkpoint is past every trimmed change.
+    assert with_store(redis_url, namespace, run_projection) == 0
+    lost = flagged()
+    assert len(lost) == 16 and not any(lost.values()), lost
+    table = cli("feed", url=redis_url, namespace=namespace)
+    assert "lost changes" not in table.out and "nothing unread" in table.out, table.out
+    # A change trimmed (by age) before the projection applied it is lost, and flagged.
+    with_store(redis_url, namespace, lambda s: s.append("fj-1", [msg("c")]))
+    time.sleep(0.01)
+    aged = cli("trim-feed", "--max-age", "0s", url=redis_url, namespace=namespace)
+    assert "Removed 1 entry" in aged.out, aged
+    p = es.partition_of("fj-1", len(lost))
+    assert [q for q, was_lost in flagged().items() if was_lost] == [p]
+
+
 def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
     namespace = fresh_namespace()
     for argv in (["feed"], ["trim-feed"], ["trim-feed", "--max-age", "1d"], ["drop-group", "x"]):
