@@ -33,6 +33,7 @@ import pytest
 
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
+from adapters._export import SOURCE_FILE
 from adapters._framework_events import StoredWrite, WritesPut
 from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
@@ -1069,7 +1070,10 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
         url=redis_url, namespace=first,
     )  # fmt: skip
     assert future.code == 0 and "stays new" in future.out, future
-    assert not list(fresh.glob("part-*"))
+    assert not list(fresh.glob("part-*")) and not (fresh / SOURCE_FILE).exists()
+    # ... and no consumer group of it at 0-0 holds trimming back.
+    feed = cli("feed", "--json", url=redis_url, namespace=first).json()
+    assert not any(g["name"].startswith("export-fresh-") for g in feed["groups"]), feed
     full = cli("export", "--out", str(fresh), "--format", "ndjson", url=redis_url, namespace=first)
     assert "Exported 8 events" in full.out, full
     since = cli(
@@ -1134,6 +1138,23 @@ def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
         "export", "--out", str(out), "--format", "ndjson", url=redis_url, namespace=namespace
     )
     assert real.code == 0 and "Exported 1 event" in real.out, real
+
+
+def test_an_export_refused_for_a_trimmed_feed_leaves_no_group_and_no_source(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
+    time.sleep(0.01)
+    trimmed = cli("trim-feed", "--max-age", "0s", url=redis_url, namespace=namespace)
+    assert "Removed 1 entry" in trimmed.out, trimmed
+    # A new directory on the trimmed feed is refused, and leaves nothing behind.
+    refused = tmp_path / "refused"
+    argv = ("export", "--out", str(refused), "--format", "ndjson")
+    line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
+    assert "lack every change before" in line, line
+    assert not (refused / SOURCE_FILE).exists()
+    assert cli("feed", "--json", url=redis_url, namespace=namespace).json()["groups"] == []
 
 
 def test_an_unknown_namespace_is_refused_and_nothing_is_created(
