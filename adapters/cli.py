@@ -712,7 +712,7 @@ def record_label(record: TurnRecord) -> Text:
     label.append(status if record.outcome else "open (not settled)", style=outcome_style(status))
     details = []
     if record.outcome is not None:
-        details.append(f"{record.steps} step{'s' if record.steps != 1 else ''}")
+        details.append(plural(record.steps, "step"))
         if record.model_tier:
             details.append(record.model_tier)
         details.append(tokens(record.usage) + " tokens")
@@ -737,7 +737,7 @@ def event_summary(event: es.RecordedEvent) -> str:
             text += f": {short(message_text(p.request), 80)}"
         return text
     if isinstance(p, es.TurnSettled):
-        text = f"turn {short_id(p.turn_id)} {p.outcome}, {p.steps} steps"
+        text = f"turn {short_id(p.turn_id)} {p.outcome}, {plural(p.steps, 'step')}"
         if p.model_tier:
             text += f", {p.model_tier}"
         text += f", {tokens(p.usage)} tokens"

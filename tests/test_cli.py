@@ -626,6 +626,20 @@ def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
     assert part.code == 0 and [line.split()[0] for line in part.lines()] == ["#3", "#4", "#5"]
 
 
+def test_a_turn_of_one_step_is_said_in_the_singular(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn("one", request_message={"role": "user", "content": "hi"})
+        await threads.settle_turn("one", turn, outcome="completed", steps=1)
+
+    with_store(redis_url, namespace, setup)
+    for command in ("replay", "show"):
+        run = cli(command, "one", url=redis_url, namespace=namespace)
+        assert run.code == 0 and "1 step," in run.out and "1 steps" not in run.out, run
+
+
 # -- verify, check, rebuild -----------------------------------------------------------------------
 
 
@@ -1445,6 +1459,15 @@ def test_tail_never_shows_a_recreated_threads_events_as_the_deleted_ones(redis_u
     )
     gone = json.loads(as_json.lines()[0])
     assert gone == {**gone, "type": "events.gone", "thread": "tt-1", "first": 1, "last": 3}
+
+
+def test_every_row_tail_writes_besides_events_is_in_the_readme() -> None:
+    # tail --json writes event rows and these: a reader must learn each from the README.
+    source = (ROOT / "adapters" / "cli.py").read_text()
+    kinds = set(re.findall(r'"type": "([a-z.]+)"', source))
+    assert kinds >= {"events.missing", "events.gone", "feed.trimmed", "thread.deleted"}, kinds
+    cli_section = (ROOT / "README.md").read_text().split("## The `threadlog` command")[1]
+    assert {k for k in kinds if f"`{k}`" not in cli_section.split("\n## ")[0]} == set()
 
 
 def _threads_in_two_partitions(partitions: int) -> tuple[str, str]:
