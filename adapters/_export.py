@@ -60,7 +60,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from itertools import repeat
 from multiprocessing.connection import Connection, wait
@@ -76,6 +76,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from eventstore import (
     CorruptEventError,
     EventStore,
+    EventStoreError,
     FeedEntry,
     InvalidInputError,
     OperationalError,
@@ -1045,52 +1046,93 @@ class Exporter:
         with _run_lock(self.directory):
             await _fence_earlier_workers(self.directory)
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
-            delivered = await self._claim_directory(positions)
-            if since_ms is not None and positions:
-                raise InvalidInputError(
-                    f"since (--since) only starts a new export directory: {self.directory} "
-                    f"already continues from its committed positions, and events before the "
-                    f"time would be skipped for good; run without it, or export to a new "
-                    f"directory"
-                )
-            await self._check_not_trimmed(positions, since_ms, delivered)
-            for p in range(self.store.partitions):
-                start = positions.get(p, "0-0")
-                created = await self.store.create_feed_group(p, self.group, start=start)
-                if not created and not positions:
-                    # A new directory takes over the group an abandoned one left (a directory
-                    # still in use was refused above): trimming waits for this one now.
-                    await self.store.advance_feed_group(p, self.group, start)
-            workers = self.workers
-            busy: int | None = None
-            if workers > 1:
-                # A process with no partition to claim would only start and stop.
-                busy = await self._busy_partitions(positions)
-                workers = min(workers, max(busy, 1))
-            small = self.adaptive and workers > 1
-            if small and not await self._backlog_reaches(positions, PARALLEL_MIN_EVENTS):
-                workers = 1
-            if workers > 1:
-                result = await self._run_parallel(workers, number, positions, since_ms, progress)
-            else:
-                state = _RunState(number + 1, 1, dict(positions))
-                partitions = iter(range(self.store.partitions))
-
-                async def claim() -> int | None:
-                    return next(partitions, None)
-
-                pipeline = self._pipeline(
-                    self.store, 1, state, positions, since_ms, claim, progress
-                )
-                await pipeline.run()
-                result = state.result()
-            result = msgspec.structs.replace(result, busy_partitions=busy)
-            if since_ms is not None and result.files and not result.events + result.tombstones:
-                result = await self._discard_empty_run(result)
-            if not positions and not result.files:
-                # A new directory that received nothing stays as it was: no source recorded.
-                await anyio.to_thread.run_sync(_remove_source, self.directory)
+            if positions:
+                return await self._run_from(number, positions, since_ms, progress, None)
+            # A new directory: a run refused, failed or with nothing to commit leaves it as it
+            # found it, with no source recorded and the export's group as it was (none, or a
+            # predecessor's at its position): a group left at 0-0 would hold every change of
+            # the feed back from trimming for as long as nobody exports there again.
+            undo = _Undo()
+            try:
+                result = await self._run_from(number, positions, since_ms, progress, undo)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    _, committed = await anyio.to_thread.run_sync(
+                        committed_positions, self.directory
+                    )
+                    if not committed:
+                        # Best effort: the error that stopped the run is the one to report.
+                        with contextlib.suppress(EventStoreError, OSError):
+                            await self._leave_new(undo)
+                raise
+            if not result.files:
+                await self._leave_new(undo)
             return result
+
+    async def _leave_new(self, undo: _Undo) -> None:
+        """Undo what a run into a new directory that committed nothing did."""
+        for p in sorted(undo.made):
+            await self.store.delete_feed_group(p, self.group)
+        for p, position in sorted(undo.moved.items()):
+            await self.store.advance_feed_group(p, self.group, position)
+        await anyio.to_thread.run_sync(_remove_source, self.directory)
+
+    async def _run_from(
+        self,
+        number: int,
+        positions: dict[int, str],
+        since_ms: int | None,
+        progress: Callable[[int], None] | None,
+        undo: _Undo | None,
+    ) -> ExportResult:
+        """The run on from the committed ``positions`` (the last part's ``number``); ``undo``
+        (a new directory's run) is told where the export's group stood before it was touched."""
+        delivered = await self._claim_directory(positions)
+        if since_ms is not None and positions:
+            raise InvalidInputError(
+                f"since (--since) only starts a new export directory: {self.directory} "
+                f"already continues from its committed positions, and events before the "
+                f"time would be skipped for good; run without it, or export to a new "
+                f"directory"
+            )
+        await self._check_not_trimmed(positions, since_ms, delivered)
+        for p in range(self.store.partitions):
+            start = positions.get(p, "0-0")
+            created = await self.store.create_feed_group(p, self.group, start=start)
+            if created and undo is not None:
+                undo.made.add(p)
+            if not created and not positions:
+                # A new directory takes over the group an abandoned one left (a directory
+                # still in use was refused above): trimming waits for this one now.
+                if undo is not None:
+                    groups = await self.store.feed_groups(p)
+                    undo.moved.update((p, g.last_delivered) for g in groups if g.name == self.group)
+                await self.store.advance_feed_group(p, self.group, start)
+        workers = self.workers
+        busy: int | None = None
+        if workers > 1:
+            # A process with no partition to claim would only start and stop.
+            busy = await self._busy_partitions(positions)
+            workers = min(workers, max(busy, 1))
+        small = self.adaptive and workers > 1
+        if small and not await self._backlog_reaches(positions, PARALLEL_MIN_EVENTS):
+            workers = 1
+        if workers > 1:
+            result = await self._run_parallel(workers, number, positions, since_ms, progress)
+        else:
+            state = _RunState(number + 1, 1, dict(positions))
+            partitions = iter(range(self.store.partitions))
+
+            async def claim() -> int | None:
+                return next(partitions, None)
+
+            pipeline = self._pipeline(self.store, 1, state, positions, since_ms, claim, progress)
+            await pipeline.run()
+            result = state.result()
+        result = msgspec.structs.replace(result, busy_partitions=busy)
+        if since_ms is not None and result.files and not result.events + result.tombstones:
+            result = await self._discard_empty_run(result)
+        return result
 
     async def _claim_directory(self, positions: dict[int, str]) -> dict[int, str]:
         """Check that the directory holds this run's source, recording it in a new (or older)
@@ -1240,7 +1282,7 @@ class Exporter:
     async def _discard_empty_run(self, result: ExportResult) -> ExportResult:
         """Undo a ``since`` run that found nothing since the time: its parts are empty, and
         keeping their positions would skip every earlier event for good although the directory
-        holds nothing yet. The directory stays new (and its groups back at the start)."""
+        holds nothing yet. The directory stays new (`_leave_new` puts the group back)."""
 
         def remove() -> None:
             for name in result.files:
@@ -1250,8 +1292,6 @@ class Exporter:
             _fsync_dir(self.directory)
 
         await anyio.to_thread.run_sync(remove)
-        for p in range(self.store.partitions):
-            await self.store.advance_feed_group(p, self.group, "0-0")
         return msgspec.structs.replace(result, files=[], positions={})
 
     async def _backlog_reaches(self, positions: dict[int, str], events: int) -> bool:
@@ -1556,6 +1596,16 @@ class _Pipeline:
         for p, position in snapshot.items():
             await self.store.advance_feed_group(p, self.group, position)
         return path
+
+
+@dataclass
+class _Undo:
+    """What a run into a new directory changed that it puts back if it commits nothing: the
+    partitions where it made the export's group, and where the group stood in those where it
+    took over a group an earlier directory of the same name left."""
+
+    made: set[int] = field(default_factory=set)
+    moved: dict[int, str] = field(default_factory=dict)
 
 
 class _RunState:

@@ -195,6 +195,17 @@ async def import_jsonl(
     before each one and once after the last, with what is written so far; an exception it
     raises stops the import there and propagates (what was written stays written).
     """
+    messages, errors = await read_import(sessions, path, skip_bad=skip_bad)
+    return await write_import(
+        sessions, messages, errors, session_id, principal=principal, progress=progress
+    )
+
+
+async def read_import(
+    sessions: SessionStore, path: str | os.PathLike[str], *, skip_bad: bool = False
+) -> tuple[list[Message], list[JsonlLineError]]:
+    """The first half of `import_jsonl`: the file read (once) and validated, nothing written;
+    its messages and the lines skipped. Raises what `import_jsonl` raises before writing."""
     try:
         data = await anyio.Path(path).read_bytes()
     except OSError as exc:
@@ -205,6 +216,20 @@ async def import_jsonl(
         raise JsonlImportError(str(path), errors)
     if not messages:
         raise JsonlImportError(str(path), errors, empty=True)
+    return messages, errors
+
+
+async def write_import(
+    sessions: SessionStore,
+    messages: list[Message],
+    errors: list[JsonlLineError],
+    session_id: str,
+    *,
+    principal: Principal | None = None,
+    progress: Callable[[ImportProgress], None] | None = None,
+) -> ImportReport:
+    """The second half of `import_jsonl`: append what `read_import` returned (at least one
+    message)."""
     # The key names the messages, not the file's bytes: a copy that differs only in what an
     # import drops (CRLF line ends, a byte order mark, trailing blank lines, skipped lines) is
     # the same import. For a file with none of those the two are the same bytes, so files

@@ -54,7 +54,7 @@ from projections import (
 from ._audit import Auditor, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
-from ._jsonl import ImportProgress, export_jsonl, import_jsonl, transcript_to_export
+from ._jsonl import ImportProgress, export_jsonl, read_import, transcript_to_export, write_import
 from ._sessions import SessionStore
 
 try:
@@ -100,8 +100,11 @@ READ_ONLY_COMMANDS = frozenset(
 )
 FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
 """Commands that change only the feed: like reads, they never create a namespace."""
-# tail is left out: following a namespace before its first event is what it is for.
-_NAMESPACE_MUST_EXIST = (READ_ONLY_COMMANDS | FEED_COMMANDS) - {"tail"}
+# Only the commands that write new events create a namespace (demo, and import-jsonl once its
+# file holds something to write): rebuild and the feed commands work on what is there, and a
+# misspelt --namespace given to them is refused, not recorded as a new, empty tenant. tail is
+# left out: following a namespace before its first event is what it is for.
+_NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
 TAIL_PAGE = 512  # events per read when a feed entry covers many
@@ -712,7 +715,7 @@ def record_label(record: TurnRecord) -> Text:
     label.append(status if record.outcome else "open (not settled)", style=outcome_style(status))
     details = []
     if record.outcome is not None:
-        details.append(f"{record.steps} step{'s' if record.steps != 1 else ''}")
+        details.append(plural(record.steps, "step"))
         if record.model_tier:
             details.append(record.model_tier)
         details.append(tokens(record.usage) + " tokens")
@@ -737,7 +740,7 @@ def event_summary(event: es.RecordedEvent) -> str:
             text += f": {short(message_text(p.request), 80)}"
         return text
     if isinstance(p, es.TurnSettled):
-        text = f"turn {short_id(p.turn_id)} {p.outcome}, {p.steps} steps"
+        text = f"turn {short_id(p.turn_id)} {p.outcome}, {plural(p.steps, 'step')}"
         if p.model_tier:
             text += f", {p.model_tier}"
         text += f", {tokens(p.usage)} tokens"
@@ -1303,11 +1306,45 @@ async def _stop_on_signal(
             return
 
 
-async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
+async def _await_namespace(
+    ctx: Ctx, interval: float, stack: contextlib.AsyncExitStack
+) -> es.EventStore | None:
+    """A store of the namespace as it is written, once it exists; None when it existed
+    already (``ctx.store`` is that). A store opened before its namespace was written took
+    the default settings, not the ones its first writer records (a partition count of
+    4 puts threads in other partitions than 16 would): tail opens it again once it is there."""
     store = ctx.store
+    if await store.namespace_exists():
+        return None
+    sys.stderr.write(
+        f"threadlog: namespace {store.namespace!r} has not been written yet; waiting for it\n"
+    )
+    sys.stderr.flush()
+    while True:
+        await anyio.sleep(interval)
+        if await store.namespace_exists():
+            break
+    return await stack.enter_async_context(
+        await es.connect(ctx.where.url, namespace=store.namespace, create_namespace=False)
+    )
+
+
+async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str | None = args.thread
     if thread is not None:
         es.validate_thread_id(thread)
+    async with contextlib.AsyncExitStack() as stack, anyio.create_task_group() as tg:
+        await tg.start(_stop_on_signal, tg.cancel_scope)
+        reopened = await _await_namespace(ctx, args.interval, stack)
+        await _tail(ctx, reopened or ctx.store, args, new=reopened is not None)
+        tg.cancel_scope.cancel()
+
+
+async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new: bool) -> None:
+    """Follow ``store``'s feed; ``new``: its namespace was written after tail started, so all
+    it holds is new (unless ``--since`` says where to start)."""
+    thread: str | None = args.thread
+    if thread is not None:
         partitions = [es.partition_of(thread, store.partitions)]
     else:
         partitions = list(range(store.partitions))
@@ -1356,20 +1393,28 @@ async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
                     continue
                 if thread is not None and entry.thread_id != thread:
                     continue
+                if es.partition_of(entry.thread_id, store.partitions) != p:
+                    # Its events are not where this store looks: read with the wrong layout,
+                    # they would all be shown as deleted.
+                    raise UsageError(
+                        f"namespace {store.namespace!r} no longer has the {store.partitions} "
+                        "partitions tail started with (deleted and written again?): run tail "
+                        "again"
+                    )
                 if await _show_change(store, entry, emit, json=args.json):
                     return
 
-    async with anyio.create_task_group() as tg:
-        await tg.start(_stop_on_signal, tg.cancel_scope)
+    if new and args.since is None:
+        positions = dict.fromkeys(partitions, "0-0")
+    else:
         positions = await _feed_positions(store, partitions, args.since)
-        what = f"thread {thread!r}" if thread is not None else "every thread"
-        since = f" since {args.since.isoformat(timespec='seconds')}" if args.since else ""
-        sys.stderr.write(
-            f"threadlog: following {what} in namespace {store.namespace!r}{since}; Ctrl-C stops\n"
-        )
-        sys.stderr.flush()
-        await follow(positions)
-        tg.cancel_scope.cancel()
+    what = f"thread {thread!r}" if thread is not None else "every thread"
+    since = f" since {args.since.isoformat(timespec='seconds')}" if args.since else ""
+    sys.stderr.write(
+        f"threadlog: following {what} in namespace {store.namespace!r}{since}; Ctrl-C stops\n"
+    )
+    sys.stderr.flush()
+    await follow(positions)
 
 
 def _show_gap(gap: _FeedGap, emit: Callable[[Text | dict[str, Any]], bool], *, json: bool) -> bool:
@@ -1491,14 +1536,27 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     infos: list[es.FeedInfo] = []
     groups: dict[str, list[tuple[es.FeedInfo, es.GroupInfo]]] = {}
+    # Where each group's reader has got to: a projection's checkpoint when it has one (it
+    # moves with the projection's writes, and the runner reads on from it; the group's own
+    # position only holds trimming back, and starts again at 0-0 when the group is dropped
+    # and registered again), else the group's last delivered entry.
+    reached: dict[tuple[str, int], str] = {}
     for p in range(store.partitions):
         info = await store.feed_info(p)
         infos.append(info)
         for group in await store.feed_groups(p):
             groups.setdefault(group.name, []).append((info, group))
+            position = group.last_delivered
+            if not group.name.startswith("export-"):
+                checkpoint = await store.checkpoint_of(p, group.name)
+                if checkpoint != "0-0":
+                    position = checkpoint
+            reached[group.name, p] = position
 
     def lost(info: es.FeedInfo, group: es.GroupInfo) -> bool:
-        return parse_stream_id(info.trimmed_to) > parse_stream_id(group.last_delivered)
+        # Only what its reader still needed: changes trimmed past where it has got to.
+        position = reached[group.name, info.partition]
+        return parse_stream_id(info.trimmed_to) > parse_stream_id(position)
 
     if args.json:
         ctx.json(
@@ -1509,6 +1567,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
                     {
                         **msgspec.to_builtins(g),
                         "partition": i.partition,
+                        "reached": reached[g.name, i.partition],
                         "lost_changes": lost(i, g),
                     }
                     for members in groups.values()
@@ -1545,8 +1604,9 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
         table.add_column(name, justify="right" if name in {"partitions", "pending"} else "left")
     for name, members in sorted(groups.items()):
         unread = []  # each partition's oldest entry the group has not read
-        for info, group in members:
-            if page := await store.read_feed(info.partition, after=group.last_delivered, count=1):
+        for info, _ in members:
+            position = reached[name, info.partition]
+            if page := await store.read_feed(info.partition, after=position, count=1):
                 unread.append(page[0].id)
         damaged = [i.partition for i, g in members if lost(i, g)]
         note = Text()
@@ -1943,8 +2003,13 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
             raise _StopImport
 
     sessions = SessionStore(ctx.store)
+    # Read and validated before the namespace is created: a refused file (empty, malformed)
+    # into a misspelt --namespace leaves no key behind.
+    messages, skipped = await read_import(sessions, args.file, skip_bad=args.skip_bad)
+    if isinstance(ctx.store, es.RedisEventStore) and not await ctx.store.namespace_exists():
+        await ctx.store.ensure_namespace()  # records the partition count before the first append
     task = asyncio.ensure_future(
-        import_jsonl(sessions, args.file, args.session, skip_bad=args.skip_bad, progress=progress)
+        write_import(sessions, messages, skipped, args.session, progress=progress)
     )
     try:
         report = await asyncio.shield(task)
@@ -2026,12 +2091,10 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
             "--url redis://..., or run without --url for the embedded one)"
         )
     namespace: str | None = getattr(args, "namespace", None)
-    # Commands that only read leave a namespace that was never written without any key (a
-    # misspelt --namespace must not create one).
+    # Commands that write no event leave a namespace that was never written without any key
+    # (a misspelt --namespace must not create one); import-jsonl creates it once it writes.
     store = await es.connect(
-        where.url,
-        namespace=namespace,
-        create_namespace=args.command not in READ_ONLY_COMMANDS | FEED_COMMANDS,
+        where.url, namespace=namespace, create_namespace=args.command == "demo"
     )
     async with store:
         if args.command in _NAMESPACE_MUST_EXIST and store.namespace != "default":

@@ -1459,7 +1459,9 @@ class RedisEventStore(EventStore):
             now_ms = int(time.time() * 1000)
             aged = f"{max(now_ms - max_age_ms, 0)}-0"
             point = aged if point is None else max(point, aged, key=parse_stream_id)
-        if point is None:
+        if point is None or parse_stream_id(point) == (0, 0):
+            # Nothing lies below 0-0 (an age reaching back before the epoch): the script's
+            # exclusive range "(0-0" is no id Redis accepts.
             return 0
         return int(await _call(TRIM_FEED(self.client, [key], [point])))
 

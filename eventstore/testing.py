@@ -12,6 +12,7 @@ Requires pytest and the anyio pytest plugin.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
@@ -944,6 +945,19 @@ class EventStoreConformance:
         await store.append(a, [msg("new")])
         assert await store.trim_feed(p, max_age_ms=30) == 1
         assert [e.last_seq for e in await store.read_feed(p)] == [2]
+
+    async def test_an_age_reaching_back_before_the_epoch_trims_nothing(
+        self, store: EventStore
+    ) -> None:
+        p, a, _ = await self._partition_with_two_threads(store)
+        await store.append(a, [msg("x")])
+        for age in (int(time.time() * 1000) + 1, 30_000 * 86_400_000, 10**30):
+            assert await store.trim_feed(p, max_age_ms=age) == 0
+        # A group that has read nothing keeps everything: the same point, 0-0, from the group.
+        await store.create_feed_group(p, "g", start="0-0")
+        assert await store.trim_feed(p, max_age_ms=10**30) == 0
+        assert len(await store.read_feed(p)) == 1
+        assert (await store.feed_info(p)).trimmed_to == "0-0"
 
     async def test_feed_info_says_how_far_the_feed_was_trimmed(self, store: EventStore) -> None:
         p, a, _ = await self._partition_with_two_threads(store)

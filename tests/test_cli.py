@@ -33,10 +33,11 @@ import pytest
 
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
+from adapters._export import SOURCE_FILE
 from adapters._framework_events import StoredWrite, WritesPut
 from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
-from eventstore.servers import free_port
+from eventstore.servers import free_port, redis_server
 from eventstore.testing import msg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -625,6 +626,20 @@ def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
     assert part.code == 0 and [line.split()[0] for line in part.lines()] == ["#3", "#4", "#5"]
 
 
+def test_a_turn_of_one_step_is_said_in_the_singular(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn("one", request_message={"role": "user", "content": "hi"})
+        await threads.settle_turn("one", turn, outcome="completed", steps=1)
+
+    with_store(redis_url, namespace, setup)
+    for command in ("replay", "show"):
+        run = cli(command, "one", url=redis_url, namespace=namespace)
+        assert run.code == 0 and "1 step," in run.out and "1 steps" not in run.out, run
+
+
 # -- verify, check, rebuild -----------------------------------------------------------------------
 
 
@@ -1069,7 +1084,10 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
         url=redis_url, namespace=first,
     )  # fmt: skip
     assert future.code == 0 and "stays new" in future.out, future
-    assert not list(fresh.glob("part-*"))
+    assert not list(fresh.glob("part-*")) and not (fresh / SOURCE_FILE).exists()
+    # ... and no consumer group of it at 0-0 holds trimming back.
+    feed = cli("feed", "--json", url=redis_url, namespace=first).json()
+    assert not any(g["name"].startswith("export-fresh-") for g in feed["groups"]), feed
     full = cli("export", "--out", str(fresh), "--format", "ndjson", url=redis_url, namespace=first)
     assert "Exported 8 events" in full.out, full
     since = cli(
@@ -1136,6 +1154,23 @@ def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
     assert real.code == 0 and "Exported 1 event" in real.out, real
 
 
+def test_an_export_refused_for_a_trimmed_feed_leaves_no_group_and_no_source(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
+    time.sleep(0.01)
+    trimmed = cli("trim-feed", "--max-age", "0s", url=redis_url, namespace=namespace)
+    assert "Removed 1 entry" in trimmed.out, trimmed
+    # A new directory on the trimmed feed is refused, and leaves nothing behind.
+    refused = tmp_path / "refused"
+    argv = ("export", "--out", str(refused), "--format", "ndjson")
+    line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
+    assert "lack every change before" in line, line
+    assert not (refused / SOURCE_FILE).exists()
+    assert cli("feed", "--json", url=redis_url, namespace=namespace).json()["groups"] == []
+
+
 def test_an_unknown_namespace_is_refused_and_nothing_is_created(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -1152,6 +1187,10 @@ def test_an_unknown_namespace_is_refused_and_nothing_is_created(
         ("verify", "--all"),
         ("check", "t"),
         ("export-jsonl", "t", "-"),
+        # Commands that write views but no event: refused the same way, creating nothing.
+        ("rebuild", "--all"),
+        ("rebuild", "t"),
+        ("rebuild", "t", "--trust-log"),
     ):
         run = cli(*argv, url=redis_url, namespace=misspelt)
         line = assert_one_line_error(run)
@@ -1161,12 +1200,47 @@ def test_an_unknown_namespace_is_refused_and_nothing_is_created(
     url = f"{redis_url}{'&' if '?' in redis_url else '?'}namespace={misspelt}"
     assert f"no namespace {misspelt!r}" in assert_one_line_error(cli("threads", url=url))
     assert not out.exists()
+    assert _namespace_keys(redis_url, misspelt) == []
 
+
+def _namespace_keys(url: str, namespace: str) -> list[bytes]:
     async def keys(store: es.EventStore) -> list[bytes]:
         assert isinstance(store, es.RedisEventStore)
-        return [k async for k in store.client.scan_iter(match=f"tl:{{{misspelt}:*")]
+        return [k async for k in store.client.scan_iter(match=f"tl:{{{namespace}:*")]
 
-    assert with_store(redis_url, known, keys) == []
+    return with_store(url, "default", keys)
+
+
+def test_import_jsonl_creates_a_namespace_only_when_it_writes(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    for argv in (("import-jsonl", str(empty), "s1"), ("import-jsonl", str(bad), "s1")):
+        line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
+        assert "nothing written" in line or "nothing was written" in line, (argv, line)
+    assert _namespace_keys(redis_url, namespace) == []
+    # ...so a read of it is still refused (a misspelt --namespace stays one).
+    threads = cli("threads", url=redis_url, namespace=namespace)
+    assert "no namespace" in assert_one_line_error(threads)
+    # An import that writes creates the namespace, with its settings recorded.
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"role":"user","content":"hi"}\n')
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}partitions=4"
+    imported = cli("import-jsonl", str(good), "s1", url=url, namespace=namespace)
+    assert imported.code == 0, imported
+    assert KeyLayout.config_key(namespace).encode() in _namespace_keys(redis_url, namespace)
+
+    async def partitions(store: es.EventStore) -> int:
+        return store.partitions
+
+    assert with_store(redis_url, namespace, partitions) == 4
+    assert (
+        cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace).out == good.read_text()
+    )
 
 
 def test_import_stopped_by_ctrl_c_says_what_it_wrote(
@@ -1244,14 +1318,17 @@ def test_jsonl_blank_lines_empty_files_and_threads_without_a_transcript(
     empty.write_bytes(b"")
     nothing = cli("import-jsonl", str(empty), "s2", url=redis_url, namespace=namespace)
     assert "no message to import" in assert_one_line_error(nothing)
+    # The refused import wrote nothing, not even the namespace.
     never = cli("export-jsonl", "s2", "-", url=redis_url, namespace=namespace)
-    assert "no thread 's2'" in assert_one_line_error(never)
+    assert f"no namespace {namespace!r}" in assert_one_line_error(never)
 
     # CRLF line ends and blank lines after the last message: messages byte for byte, LF ends.
     edited = tmp_path / "edited.jsonl"
     edited.write_bytes(b'{"role":"user","content":"a"}\r\n{"role":"user", "content":"b"}\r\n\r\n\n')
     run = cli("import-jsonl", str(edited), "s3", url=redis_url, namespace=namespace)
     assert run.code == 0 and "imported 2 of 2 lines" in run.out, run
+    never = cli("export-jsonl", "s2", "-", url=redis_url, namespace=namespace)
+    assert "no thread 's2'" in assert_one_line_error(never)
     out = cli("export-jsonl", "s3", "-", url=redis_url, namespace=namespace)
     assert out.out == '{"role":"user","content":"a"}\n{"role":"user", "content":"b"}\n'
     middle = tmp_path / "middle.jsonl"
@@ -1382,6 +1459,15 @@ def test_tail_never_shows_a_recreated_threads_events_as_the_deleted_ones(redis_u
     )
     gone = json.loads(as_json.lines()[0])
     assert gone == {**gone, "type": "events.gone", "thread": "tt-1", "first": 1, "last": 3}
+
+
+def test_every_row_tail_writes_besides_events_is_in_the_readme() -> None:
+    # tail --json writes event rows and these: a reader must learn each from the README.
+    source = (ROOT / "adapters" / "cli.py").read_text()
+    kinds = set(re.findall(r'"type": "([a-z.]+)"', source))
+    assert kinds >= {"events.missing", "events.gone", "feed.trimmed", "thread.deleted"}, kinds
+    cli_section = (ROOT / "README.md").read_text().split("## The `threadlog` command")[1]
+    assert {k for k in kinds if f"`{k}`" not in cli_section.split("\n## ")[0]} == set()
 
 
 def _threads_in_two_partitions(partitions: int) -> tuple[str, str]:
@@ -1572,13 +1658,45 @@ def test_tail_follows_new_events_until_its_limit(
     assert "old" not in out and "elsewhere" not in out
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
+def test_tail_started_before_its_namespace_follows_it_as_it_is_laid_out(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]], named: bool
+) -> None:
+    with contextlib.ExitStack() as stack:
+        if named:
+            url, namespace = redis_url, fresh_namespace()
+            where: tuple[str, ...] = ("--url", url, "--namespace", namespace)
+        else:  # the default namespace, never written: a server of its own
+            url, namespace = stack.enter_context(redis_server()).url, "default"
+            where = ("--url", url)
+        proc = popen("tail", "--json", "--limit", "8", "--interval", "0.05", *where)
+        assert proc.stderr is not None
+        assert f"namespace {namespace!r}" in _read_line(proc.stderr, 30)  # it has started
+
+        async def write(store: es.EventStore) -> None:
+            # 4 partitions, not the default 16: most threads live in other partitions then.
+            assert store.partitions == 4
+            for i in range(8):
+                await store.append(f"t{i}", [msg(f"hello {i}")])
+
+        sep = "&" if "?" in url else "?"
+        with_store(f"{url}{sep}partitions=4", namespace, write)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    # Every event shown, none as deleted ("events.gone").
+    assert sorted((r["thread"], r["type"]) for r in rows) == [
+        (f"t{i}", "message.appended") for i in range(8)
+    ], rows
+
+
 def test_tail_stops_cleanly_on_ctrl_c(
     redis_url: str, popen: Callable[..., subprocess.Popen[str]]
 ) -> None:
     namespace = fresh_namespace()
     proc = popen("tail", "--url", redis_url, "--namespace", namespace)
     assert proc.stdout is not None and proc.stderr is not None
-    assert "following every thread" in _read_line(proc.stderr, 30)
+    assert "has not been written yet; waiting for it" in _read_line(proc.stderr, 30)
     with_store(
         redis_url,
         namespace,
@@ -1685,6 +1803,49 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
     assert dropped.code == 0 and "from 1 partition;" in dropped.out, dropped
     assert cli("feed", "--json", url=redis_url, namespace=namespace).json()["groups"] == []
     assert "--max-age" in cli("trim-feed", "--help").out
+
+
+def test_trim_feed_by_an_age_longer_than_the_epoch_removes_nothing(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("old-1", [msg("a")]))
+    # The cutoff lies before 1970: nothing is that old (it was a raw redis error).
+    run = cli("trim-feed", "--max-age", "30000d", "--json", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert run.json() == {"namespace": namespace, "removed": 0, "left": 1}
+
+
+def test_feed_judges_a_projection_by_its_checkpoint_not_its_groups_position(
+    redis_url: str,
+) -> None:
+    from projections import ProjectionRunner, UsageProjection
+
+    namespace = fresh_namespace()
+
+    async def run_projection(store: es.EventStore) -> int:
+        return await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+
+    def flagged() -> dict[int, bool]:
+        feed = cli("feed", "--json", url=redis_url, namespace=namespace)
+        assert feed.code == 0, feed
+        return {g["partition"]: g["lost_changes"] for g in feed.json()["groups"]}
+
+    with_store(redis_url, namespace, lambda s: s.append("fj-1", [msg("a"), msg("b")]))
+    assert with_store(redis_url, namespace, run_projection) == 1
+    assert cli("trim-feed", url=redis_url, namespace=namespace).code == 0
+    assert cli("drop-group", "usage", url=redis_url, namespace=namespace).code == 0
+    # Registered again at 0-0, behind the trim; its checkpoint is past every trimmed change.
+    assert with_store(redis_url, namespace, run_projection) == 0
+    lost = flagged()
+    assert len(lost) == 16 and not any(lost.values()), lost
+    table = cli("feed", url=redis_url, namespace=namespace)
+    assert "lost changes" not in table.out and "nothing unread" in table.out, table.out
+    # A change trimmed (by age) before the projection applied it is lost, and flagged.
+    with_store(redis_url, namespace, lambda s: s.append("fj-1", [msg("c")]))
+    time.sleep(0.01)
+    aged = cli("trim-feed", "--max-age", "0s", url=redis_url, namespace=namespace)
+    assert "Removed 1 entry" in aged.out, aged
+    p = es.partition_of("fj-1", len(lost))
+    assert [q for q, was_lost in flagged().items() if was_lost] == [p]
 
 
 def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:

@@ -842,9 +842,9 @@ async def test_since_starts_a_new_directory_only(store: es.EventStore, tmp_path:
     assert (nothing.files, nothing.events, nothing.positions) == ([], 0, {})
     assert committed_positions(tmp_path) == (0, {})
     group = f"export-{directory_export_name(tmp_path)}"
-    for p in range(store.partitions):  # and trimming is not let past what it has not exported
-        groups = {g.name: g.last_delivered for g in await store.feed_groups(p)}
-        assert groups.get(group, "0-0") == "0-0"
+    for p in range(store.partitions):  # and no group of it is left to hold trimming back
+        assert group not in {g.name for g in await store.feed_groups(p)}
+    assert not (tmp_path / SOURCE_FILE).exists()
     # ... so a later run without since exports everything before.
     assert (await Exporter(store, tmp_path, fmt="ndjson").run()).events == 6
     # On a directory with positions, since would skip events for good: refused.
@@ -898,6 +898,29 @@ async def test_a_feed_trimmed_past_the_directory_stops_the_export(
     result = await Exporter(store, tmp_path / "c", fmt="ndjson").run(since=since)
     assert result.events > 0
     assert {row["thread"] for row in ndjson_rows(tmp_path / "c")} == {"u"}
+
+
+async def test_a_new_directory_that_commits_nothing_puts_the_group_back(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    """A new directory takes over the group of a removed one of the same name; a run that
+    commits nothing there (nothing since --since, or refused) leaves it where it stood."""
+    await conversation(store, "t", 2)
+    first = await Exporter(store, tmp_path / "a", fmt="ndjson", name="n").run()
+
+    async def group() -> dict[int, str]:
+        found: dict[int, str] = {}
+        for p in range(store.partitions):
+            groups = await store.feed_groups(p)
+            found.update((p, g.last_delivered) for g in groups if g.name == "export-n")
+        return found
+
+    before = await group()
+    assert first.positions.items() <= before.items()
+    future = datetime(2099, 1, 1, tzinfo=UTC)
+    nothing = await Exporter(store, tmp_path / "b", fmt="ndjson", name="n").run(since=future)
+    assert nothing.files == [] and await group() == before
+    assert not (tmp_path / "b" / SOURCE_FILE).exists()
 
 
 class GroupReadsStore(es.RedisEventStore):
