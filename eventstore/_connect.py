@@ -56,9 +56,12 @@ class StoreSettings:
 
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster).
-    Query parameters ``namespace``, ``partitions`` and ``socket_timeout`` override the defaults;
-    ``db`` and ``ssl_cert_reqs`` / ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` go to
-    redis-py. Any other parameter is refused rather than ignored.
+    Query parameters ``namespace`` and ``partitions`` override the defaults, and so does
+    ``socket_timeout`` on Redis; ``db`` (standalone Redis) and ``ssl_cert_reqs`` /
+    ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go to redis-py. Any other
+    parameter, or one the scheme would not use, is refused rather than ignored; so is a field
+    out of range, whether it comes from the URL (`InvalidURLError`) or is given directly
+    (`InvalidInputError`).
     """
 
     url: str
@@ -74,6 +77,10 @@ class StoreSettings:
     # Group commit: appends issued within one event-loop tick share one pipeline of at most
     # this many scripts (1 turns group commit off).
     max_batch: int = 64
+
+    def __post_init__(self) -> None:
+        for name in _CHECKED:
+            _check_setting(name, getattr(self, name))
 
     @property
     def scheme(self) -> str:
@@ -95,7 +102,8 @@ class StoreSettings:
         """Parse ``url``; keyword overrides win over query parameters.
 
         Raises `InvalidURLError` for an unknown scheme, a malformed host, port, path or node
-        list, and unknown or malformed parameters.
+        list, and unknown, unused or malformed parameters; `InvalidInputError` for a malformed
+        override.
         """
         if not isinstance(url, str) or "://" not in url:
             raise InvalidURLError(f"not a store URL: {_mask(str(url))!r}")
@@ -115,10 +123,11 @@ class StoreSettings:
             raise InvalidURLError(
                 f"unknown URL parameter {unknown[0]!r}; known: {', '.join(sorted(_PARAMS))}"
             )
-        tls_only = sorted(k for k in query if k.startswith("ssl_"))
-        if tls_only and not parts.scheme.startswith("rediss"):
+        unused = sorted(set(query) - _scheme_params(parts.scheme))
+        if unused:
             raise InvalidURLError(
-                f"URL parameter {tls_only[0]!r} is a TLS setting: it needs a rediss:// URL"
+                f"URL parameter {unused[0]!r} has no meaning for a {parts.scheme}:// URL "
+                f"({_PARAM_USE[unused[0]]})"
             )
         last = {k: v[-1] for k, v in query.items()}
         values: dict[str, Any] = {}
@@ -129,18 +138,20 @@ class StoreSettings:
                 values["partitions"] = int(last["partitions"])
             if "socket_timeout" in last:
                 values["socket_timeout"] = float(last["socket_timeout"])
-                if not 0 < values["socket_timeout"] < math.inf:
-                    raise ValueError("socket_timeout must be a positive number of seconds")
+            for name, value in values.items():
+                _check_setting(name, value)
             if "db" in last and int(last["db"]) < 0:
                 raise ValueError("db must be >= 0")
+            if "ssl_cert_reqs" in last and last["ssl_cert_reqs"] not in _CERT_REQS:
+                raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
+            for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+                if key in last and not last[key]:
+                    raise ValueError(f"{key} must name a file")
         except ValueError as exc:  # InvalidNamespaceError is a ValueError too
             raise InvalidURLError(f"bad URL parameter: {exc}") from None
+        # Overrides are checked by the constructor (InvalidInputError, not a URL error).
         values.update({k: v for k, v in overrides.items() if v is not None})
-        settings = cls(url=url, **values)
-        validate_namespace(settings.namespace)
-        if settings.partitions is not None and not 1 <= settings.partitions <= 16384:
-            raise InvalidURLError("partitions must be in 1..16384")
-        return settings
+        return cls(url=url, **values)
 
 
 _PARAMS = frozenset(
@@ -155,6 +166,75 @@ _PARAMS = frozenset(
         "ssl_keyfile",
     }
 )
+_TLS_PARAMS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+# Why a parameter is refused on a scheme that would not use it.
+_PARAM_USE = {
+    "socket_timeout": "it is a Redis connection setting",
+    "db": "a database number is for standalone Redis; Redis Cluster has only database 0",
+    **{k: "it is a TLS setting: it needs a rediss:// URL" for k in _TLS_PARAMS},
+}
+_CERT_REQS = ("none", "optional", "required")  # what redis-py accepts for ssl_cert_reqs
+# The settings checked whenever a `StoreSettings` is made, from a URL or given directly.
+_CHECKED = (
+    "namespace",
+    "partitions",
+    "max_event_bytes",
+    "secret",
+    "socket_timeout",
+    "connect_timeout",
+    "retries",
+    "max_connections",
+    "max_batch",
+)
+
+
+def _scheme_params(scheme: str) -> frozenset[str]:
+    """The query parameters a URL of ``scheme`` uses."""
+    if scheme == "memory":
+        return frozenset({"namespace", "partitions"})
+    params = {"namespace", "partitions", "socket_timeout"}
+    if not scheme.endswith("+cluster"):
+        params.add("db")
+    if scheme.startswith("rediss"):
+        params |= _TLS_PARAMS
+    return frozenset(params)
+
+
+def _check_setting(name: str, value: Any) -> None:
+    """Raise `InvalidInputError` if ``value`` is no valid setting ``name``.
+
+    The same check for a URL parameter and a keyword argument: a timeout of -1 or NaN, or an
+    event size limit of 0, given as a keyword was accepted and then failed every call."""
+    if name == "namespace":
+        if not isinstance(value, str):
+            raise InvalidInputError(f"namespace must be a string, not {type(value).__name__}")
+        validate_namespace(value)
+    elif name == "secret":
+        if value is not None and not isinstance(value, bytes):
+            raise InvalidInputError(
+                f"secret must be bytes (e.g. text.encode()), not {type(value).__name__}"
+            )
+    elif name in ("socket_timeout", "connect_timeout"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}")
+        if not 0 < value < math.inf:
+            raise InvalidInputError(f"{name} must be a positive number of seconds, not {value}")
+    elif value is not None or name != "partitions":
+        low, high = _INT_RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(f"{name} must be an integer, not {value!r}")
+        if not low <= value <= high:
+            raise InvalidInputError(f"{name} must be in {low}..{high}, not {value}")
+
+
+_INT_RANGES = {
+    "partitions": (1, 16384),
+    # Redis refuses bulk strings above 512 MiB (proto-max-bulk-len).
+    "max_event_bytes": (1, 512 * 1024 * 1024),
+    "retries": (0, 1000),
+    "max_connections": (1, 1_000_000),
+    "max_batch": (1, 1_000_000),
+}
 
 
 def _mask(text: str) -> str:
@@ -237,19 +317,23 @@ async def connect(
     Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
     answer.
     """
-    if url is None:
-        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
     if secret is None and os.environ.get(SECRET_ENV):
         secret = os.environ[SECRET_ENV].encode("utf-8")
-    settings = StoreSettings.from_url(
-        url,
-        namespace=namespace,
-        partitions=partitions,
-        max_event_bytes=max_event_bytes,
-        secret=secret,
-        socket_timeout=socket_timeout,
-        max_batch=max_batch,
-    )
+    overrides = {
+        "namespace": namespace,
+        "partitions": partitions,
+        "max_event_bytes": max_event_bytes,
+        "secret": secret,
+        "socket_timeout": socket_timeout,
+        "max_batch": max_batch,
+    }
+    # Checked before the embedded server may be started for a call that cannot succeed.
+    for name, value in overrides.items():
+        if value is not None:
+            _check_setting(name, value)
+    if url is None:
+        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
+    settings = StoreSettings.from_url(url, **overrides)
     return await open_store(settings, registry=registry, create_namespace=create_namespace)
 
 

@@ -14,6 +14,7 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -145,11 +146,84 @@ def test_settings_are_frozen() -> None:
         "redis+cluster://h1:7000,h2:x",
         "redis+cluster://h1:7000,h2:70000",
         "rediss+cluster://h1:-1",
+        # A parameter the scheme would not use is refused, not ignored.
+        "memory://?db=1",
+        "memory://named?socket_timeout=1",
+        "memory://?ssl_cert_reqs=none",
+        "redis+cluster://h1:7000?db=1",
+        "rediss+cluster://h1:7000?db=0",
+        "unix:///tmp/r.sock?ssl_ca_certs=/ca.crt",
+        # TLS values redis-py would only reject when connecting.
+        "rediss://h?ssl_cert_reqs=bogus",
+        "rediss://h?ssl_cert_reqs=",
+        "rediss://h?ssl_ca_certs=",
     ],
 )
 def test_bad_urls_raise_invalid_url_error(url: str) -> None:
     with pytest.raises(InvalidURLError):
         StoreSettings.from_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "unix:///tmp/r.sock?db=2&socket_timeout=2",
+        "redis://h?db=3",
+        "rediss://h?db=1&ssl_cert_reqs=none&ssl_ca_certs=/ca.crt",
+        "rediss://h?ssl_cert_reqs=optional&ssl_certfile=/c.crt&ssl_keyfile=/c.key",
+        "redis+cluster://h1:7000?socket_timeout=2&partitions=4",
+        "rediss+cluster://h1:7000?ssl_cert_reqs=required",
+        "memory://named?namespace=n&partitions=2",
+    ],
+)
+def test_parameters_a_scheme_uses_are_accepted(url: str) -> None:
+    assert StoreSettings.from_url(url).url == url
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"socket_timeout": -1},
+        {"socket_timeout": 0},
+        {"socket_timeout": float("nan")},
+        {"socket_timeout": float("inf")},
+        {"socket_timeout": "5"},
+        {"max_event_bytes": 0},
+        {"max_event_bytes": -5},
+        {"max_event_bytes": 1.5},
+        {"max_batch": 0},
+        {"partitions": 0},
+        {"partitions": True},
+        {"namespace": ""},
+        {"secret": "not-bytes"},
+    ],
+    ids=repr,
+)
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_bad_keyword_settings_are_refused_before_anything_connects_or_starts(
+    short_dir: Path, options: dict[str, Any]
+) -> None:
+    """Checked as the same URL parameter would be: a timeout of -1 failed later as "Timeout
+    writing to socket", NaN connected and then timed out every call, a size limit of 0 refused
+    every append, and a str secret was a TypeError."""
+    with pytest.raises(InvalidInputError):
+        StoreSettings.from_url("redis://127.0.0.1:1", **options)
+    with pytest.raises(InvalidInputError):
+        # Nothing listens there: a check made only after connecting would say so instead.
+        await connect("redis://127.0.0.1:1", **options)
+    home = short_dir / "emb"
+    with _stopped_afterwards(home), pytest.raises(InvalidInputError):
+        await connect(embedded_dir=home, **options)
+    assert not home.exists()  # no embedded server was started for it
+
+
+@pytest.mark.parametrize(
+    "field", ["socket_timeout", "connect_timeout", "max_connections", "max_batch", "retries"]
+)
+def test_settings_made_directly_are_checked_too(field: str) -> None:
+    with pytest.raises(InvalidInputError, match=field):
+        StoreSettings(url="memory://", **{field: -1})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("url", [None, 42, b"redis://h"])
