@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -56,9 +57,12 @@ class StoreSettings:
 
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster).
-    Query parameters ``namespace``, ``partitions`` and ``socket_timeout`` override the defaults;
-    ``db`` and ``ssl_cert_reqs`` / ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` go to
-    redis-py. Any other parameter is refused rather than ignored.
+    Query parameters ``namespace`` and ``partitions`` override the defaults, and so does
+    ``socket_timeout`` on Redis; ``db`` (standalone Redis) and ``ssl_cert_reqs`` /
+    ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go to redis-py. Any other
+    parameter, or one the scheme would not use, is refused rather than ignored; so is a field
+    out of range, whether it comes from the URL (`InvalidURLError`) or is given directly
+    (`InvalidInputError`).
     """
 
     url: str
@@ -74,6 +78,10 @@ class StoreSettings:
     # Group commit: appends issued within one event-loop tick share one pipeline of at most
     # this many scripts (1 turns group commit off).
     max_batch: int = 64
+
+    def __post_init__(self) -> None:
+        for name in _CHECKED:
+            _check_setting(name, getattr(self, name))
 
     @property
     def scheme(self) -> str:
@@ -95,7 +103,8 @@ class StoreSettings:
         """Parse ``url``; keyword overrides win over query parameters.
 
         Raises `InvalidURLError` for an unknown scheme, a malformed host, port, path or node
-        list, and unknown or malformed parameters.
+        list, and unknown, unused or malformed parameters; `InvalidInputError` for a malformed
+        override.
         """
         if not isinstance(url, str) or "://" not in url:
             raise InvalidURLError(f"not a store URL: {_mask(str(url))!r}")
@@ -115,10 +124,11 @@ class StoreSettings:
             raise InvalidURLError(
                 f"unknown URL parameter {unknown[0]!r}; known: {', '.join(sorted(_PARAMS))}"
             )
-        tls_only = sorted(k for k in query if k.startswith("ssl_"))
-        if tls_only and not parts.scheme.startswith("rediss"):
+        unused = sorted(set(query) - _scheme_params(parts.scheme))
+        if unused:
             raise InvalidURLError(
-                f"URL parameter {tls_only[0]!r} is a TLS setting: it needs a rediss:// URL"
+                f"URL parameter {unused[0]!r} has no meaning for a {parts.scheme}:// URL "
+                f"({_PARAM_USE[unused[0]]})"
             )
         last = {k: v[-1] for k, v in query.items()}
         values: dict[str, Any] = {}
@@ -129,18 +139,20 @@ class StoreSettings:
                 values["partitions"] = int(last["partitions"])
             if "socket_timeout" in last:
                 values["socket_timeout"] = float(last["socket_timeout"])
-                if not 0 < values["socket_timeout"] < math.inf:
-                    raise ValueError("socket_timeout must be a positive number of seconds")
+            for name, value in values.items():
+                _check_setting(name, value)
             if "db" in last and int(last["db"]) < 0:
                 raise ValueError("db must be >= 0")
+            if "ssl_cert_reqs" in last and last["ssl_cert_reqs"] not in _CERT_REQS:
+                raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
+            for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+                if key in last and not last[key]:
+                    raise ValueError(f"{key} must name a file")
         except ValueError as exc:  # InvalidNamespaceError is a ValueError too
             raise InvalidURLError(f"bad URL parameter: {exc}") from None
+        # Overrides are checked by the constructor (InvalidInputError, not a URL error).
         values.update({k: v for k, v in overrides.items() if v is not None})
-        settings = cls(url=url, **values)
-        validate_namespace(settings.namespace)
-        if settings.partitions is not None and not 1 <= settings.partitions <= 16384:
-            raise InvalidURLError("partitions must be in 1..16384")
-        return settings
+        return cls(url=url, **values)
 
 
 _PARAMS = frozenset(
@@ -155,6 +167,75 @@ _PARAMS = frozenset(
         "ssl_keyfile",
     }
 )
+_TLS_PARAMS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+# Why a parameter is refused on a scheme that would not use it.
+_PARAM_USE = {
+    "socket_timeout": "it is a Redis connection setting",
+    "db": "a database number is for standalone Redis; Redis Cluster has only database 0",
+    **{k: "it is a TLS setting: it needs a rediss:// URL" for k in _TLS_PARAMS},
+}
+_CERT_REQS = ("none", "optional", "required")  # what redis-py accepts for ssl_cert_reqs
+# The settings checked whenever a `StoreSettings` is made, from a URL or given directly.
+_CHECKED = (
+    "namespace",
+    "partitions",
+    "max_event_bytes",
+    "secret",
+    "socket_timeout",
+    "connect_timeout",
+    "retries",
+    "max_connections",
+    "max_batch",
+)
+
+
+def _scheme_params(scheme: str) -> frozenset[str]:
+    """The query parameters a URL of ``scheme`` uses."""
+    if scheme == "memory":
+        return frozenset({"namespace", "partitions"})
+    params = {"namespace", "partitions", "socket_timeout"}
+    if not scheme.endswith("+cluster"):
+        params.add("db")
+    if scheme.startswith("rediss"):
+        params |= _TLS_PARAMS
+    return frozenset(params)
+
+
+def _check_setting(name: str, value: Any) -> None:
+    """Raise `InvalidInputError` if ``value`` is no valid setting ``name``.
+
+    The same check for a URL parameter and a keyword argument: a timeout of -1 or NaN, or an
+    event size limit of 0, given as a keyword was accepted and then failed every call."""
+    if name == "namespace":
+        if not isinstance(value, str):
+            raise InvalidInputError(f"namespace must be a string, not {type(value).__name__}")
+        validate_namespace(value)
+    elif name == "secret":
+        if value is not None and not isinstance(value, bytes):
+            raise InvalidInputError(
+                f"secret must be bytes (e.g. text.encode()), not {type(value).__name__}"
+            )
+    elif name in ("socket_timeout", "connect_timeout"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}")
+        if not 0 < value < math.inf:
+            raise InvalidInputError(f"{name} must be a positive number of seconds, not {value}")
+    elif value is not None or name != "partitions":
+        low, high = _INT_RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(f"{name} must be an integer, not {value!r}")
+        if not low <= value <= high:
+            raise InvalidInputError(f"{name} must be in {low}..{high}, not {value}")
+
+
+_INT_RANGES = {
+    "partitions": (1, 16384),
+    # Redis refuses bulk strings above 512 MiB (proto-max-bulk-len).
+    "max_event_bytes": (1, 512 * 1024 * 1024),
+    "retries": (0, 1000),
+    "max_connections": (1, 1_000_000),
+    "max_batch": (1, 1_000_000),
+}
 
 
 def _mask(text: str) -> str:
@@ -237,19 +318,23 @@ async def connect(
     Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
     answer.
     """
-    if url is None:
-        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
     if secret is None and os.environ.get(SECRET_ENV):
         secret = os.environ[SECRET_ENV].encode("utf-8")
-    settings = StoreSettings.from_url(
-        url,
-        namespace=namespace,
-        partitions=partitions,
-        max_event_bytes=max_event_bytes,
-        secret=secret,
-        socket_timeout=socket_timeout,
-        max_batch=max_batch,
-    )
+    overrides = {
+        "namespace": namespace,
+        "partitions": partitions,
+        "max_event_bytes": max_event_bytes,
+        "secret": secret,
+        "socket_timeout": socket_timeout,
+        "max_batch": max_batch,
+    }
+    # Checked before the embedded server may be started for a call that cannot succeed.
+    for name, value in overrides.items():
+        if value is not None:
+            _check_setting(name, value)
+    if url is None:
+        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
+    settings = StoreSettings.from_url(url, **overrides)
     return await open_store(settings, registry=registry, create_namespace=create_namespace)
 
 
@@ -426,13 +511,26 @@ def _redis_client(settings: StoreSettings) -> Any:
 # -- the embedded server ---------------------------------------------------------------------
 
 
-def embedded_url(directory: Path, *, on_start: Callable[[Path], None] | None = None) -> str:
+def embedded_url(
+    directory: Path,
+    *,
+    on_start: Callable[[Path], None] | None = None,
+    lock_timeout: float = 30.0,
+) -> str:
     """A URL for the private redis-server under ``directory``, started if needed.
 
     ``on_start(directory)`` is called when this call started the server (it keeps running
     after the process exits: `stop_embedded` stops it). The directory is private to its owner
     (mode 0700) and the server's files are created 0600: they hold every conversation.
     Falls back to ``memory://`` (with a logged notice) when no redis-server binary exists.
+
+    A server is started only when none serves the directory: nothing listens on its socket and
+    its pid file names no live redis-server of the directory. One that is there but busy (no
+    reply yet, ``BUSY``, ``LOADING``) is used; one that refuses commands (``NOAUTH``,
+    ``MISCONF``, ...) is a `StoreConnectionError` saying so, and is left alone: a second server
+    on the same files would ruin them. Starting waits at most ``lock_timeout`` seconds for
+    another process starting it (the directory's ``lock``). An unusable directory is a
+    `StoreConnectionError` naming the path and the reason.
     """
     binary = shutil.which("redis-server")
     if binary is None:
@@ -444,11 +542,28 @@ def embedded_url(directory: Path, *, on_start: Callable[[Path], None] | None = N
         return "memory://"
     directory = directory.resolve()
     try:
+        return _embedded_url(binary, directory, on_start, lock_timeout)
+    except StoreConnectionError:
+        raise  # a ConnectionError, so an OSError too: already says what is wrong
+    except OSError as exc:
+        where = "" if exc.filename in (None, str(directory)) else f"{exc.filename}: "
+        raise StoreConnectionError(
+            f"cannot keep the embedded redis-server in {directory}: {where}"
+            f"{exc.strerror or exc} (fix it, or set {URL_ENV})"
+        ) from None
+
+
+def _embedded_url(
+    binary: str, directory: Path, on_start: Callable[[Path], None] | None, lock_timeout: float
+) -> str:
+    try:
         created = not directory.exists()
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         # mkdir's mode passes through the umask; and a directory an earlier release made (its
         # lock file says so) was made 0755, with files other users could read.
-        if created or (directory / "lock").exists():
+        if created or (
+            (directory / "lock").exists() and stat.S_IMODE(directory.stat().st_mode) != 0o700
+        ):
             directory.chmod(0o700)
     except (FileExistsError, NotADirectoryError):
         raise StoreConnectionError(
@@ -456,16 +571,48 @@ def embedded_url(directory: Path, *, on_start: Callable[[Path], None] | None = N
             f"(move it away, or set {URL_ENV})"
         ) from None
     sock = _socket_path(directory)
+    url = f"unix://{sock}"
+    # A running server needs no lock (whoever holds it may be stalled).
+    if _there(directory, sock):
+        return url
+    lock_path = directory / "lock"
     # 0600 like everything else in the directory (the directory's 0700 already guards it).
-    with os.fdopen(os.open(directory / "lock", os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        # A server still loading a long AOF answers LOADING: it is there, and a second one on
-        # the same files would ruin them.
-        if not _answers(sock, loading_too=True):
-            _start_server(binary, directory, sock)
-            if on_start is not None:
-                on_start(directory)
-    return f"unix://{sock}"
+    with os.fdopen(os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
+        deadline = time.monotonic() + lock_timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            # The holder may be starting the server: once it answers, it serves us too.
+            if _there(directory, sock):
+                return url
+            if time.monotonic() >= deadline:
+                raise StoreConnectionError(
+                    f"the embedded redis-server in {directory} is not running, and another "
+                    f"process has held {lock_path} for {lock_timeout:g} s (starting it, or "
+                    "stalled); try again, or stop that process"
+                )
+            time.sleep(0.05)
+        if _there(directory, sock):
+            return url
+        pid = _serving_pid(directory, sock)
+        if pid is not None:
+            raise StoreConnectionError(
+                f"the embedded redis-server in {directory} (pid {pid}) is running but does not "
+                f"accept connections on {sock}; it was not replaced (a second server on its "
+                f"files would ruin them): stop it (kill {pid}) and try again"
+            )
+        if sock.exists() and not sock.is_socket():
+            raise StoreConnectionError(
+                f"cannot keep the embedded redis-server in {directory}: {sock} is not a socket "
+                f"(move it away, or set {URL_ENV})"
+            )
+        _start_server(binary, directory, sock)
+        if on_start is not None:
+            on_start(directory)
+    return url
 
 
 def _socket_path(directory: Path) -> Path:
@@ -479,24 +626,55 @@ def _socket_path(directory: Path) -> Path:
     return alias
 
 
-def _answers(sock: Path, *, loading_too: bool = False) -> bool:
-    if not sock.exists():
+# What a server that is there but cannot answer PING yet replies, if anything: it serves us soon.
+_BUSY_REPLIES = ("+PONG", "-LOADING", "-BUSY")
+
+
+def _there(directory: Path, sock: Path) -> bool:
+    """Whether a server is there on ``sock`` to be used; raise if it is there but unusable.
+
+    Any reply means a server is there, and so does a connection it accepts without a reply (a
+    script running, or stopped): starting another one on the same files would ruin them.
+    """
+    reply = _ping(sock)
+    if reply is None:
         return False
+    if reply == "" or reply.split(" ", 1)[0] in _BUSY_REPLIES:
+        return True
+    pid = _serving_pid(directory, sock)
+    raise StoreConnectionError(
+        f"the embedded redis-server in {directory}{f' (pid {pid})' if pid else ''} refuses "
+        f"commands: {reply.lstrip('-+')!r}; it was left running, not replaced (a second server "
+        f"on its files would ruin them); see {directory / 'redis.log'}"
+    )
+
+
+def _ping(sock: Path, timeout: float = 1.0) -> str | None:
+    """The first line of what answers PING on ``sock``: None when nothing listens there (no
+    socket, connection refused, closed unanswered), ``""`` when the connection was accepted
+    but no reply came within ``timeout`` (or it failed otherwise: something is there)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
+        s.settimeout(timeout)
         try:
             s.connect(str(sock))
-            s.sendall(b"PING\r\n")
-            reply = s.recv(16)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            return None
         except OSError:
-            return False
-    return reply.startswith(b"+PONG") or (loading_too and reply.startswith(b"-LOADING"))
+            return ""  # e.g. not ours to connect to (EACCES), or a full backlog: not absent
+        try:
+            s.sendall(b"PING\r\n")
+            reply = s.recv(512)
+        except OSError:
+            return ""
+    if not reply:
+        return None  # closed unanswered: a server shutting down
+    return reply.split(b"\r\n", 1)[0].decode("utf-8", "replace")
 
 
 def _start_server(binary: str, directory: Path, sock: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        sock.unlink()
-    _repair_after_crash(directory)
+    # The caller holds the lock and found no server of the directory: these are leftovers.
+    sock.unlink(missing_ok=True)
+    _repair_after_crash(directory, sock)
     args = [
         binary,
         "--port", "0",
@@ -516,19 +694,26 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
         "--logfile", str(directory / "redis.log"),
     ]  # fmt: skip
     pidfile = directory / "redis.pid"
-    with contextlib.suppress(FileNotFoundError):
-        pidfile.unlink()  # stale (the server is not answering): the new one writes its own
+    pidfile.unlink(
+        missing_ok=True
+    )  # stale (no server of the directory): the new one writes its own
     # umask 077: the AOF, the log and the pid file are readable by their owner only.
-    done = subprocess.run(
-        args, capture_output=True, text=True, timeout=30, check=False, umask=0o077
-    )
+    try:
+        done = subprocess.run(
+            args, capture_output=True, text=True, timeout=30, check=False, umask=0o077
+        )
+    except subprocess.TimeoutExpired:
+        raise StoreConnectionError(
+            f"the embedded redis-server in {directory} did not start within 30 s "
+            f"(see {directory / 'redis.log'})"
+        ) from None
     if done.returncode != 0:
         raise StoreConnectionError(
             f"could not start the embedded redis-server: {done.stderr.strip() or done.stdout}"
         )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if _answers(sock):
+        if _ping(sock) == "+PONG":
             log.info("threadlog: started embedded redis-server at %s", sock)
             return
         if _exited(pidfile):
@@ -547,11 +732,15 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
 
 def _exited(pidfile: Path) -> bool:
     """Whether the daemon that wrote ``pidfile`` has exited (False while there is none yet)."""
+    pid = _pidfile_pid(pidfile)
+    return pid is not None and not _alive(pid)
+
+
+def _pidfile_pid(pidfile: Path) -> int | None:
     try:
-        pid = int(pidfile.read_text().strip())
+        return int(pidfile.read_text().strip())
     except (OSError, ValueError):
-        return False
-    return not _alive(pid)
+        return None
 
 
 def _last_warning(logfile: Path) -> str:
@@ -567,19 +756,16 @@ def _last_warning(logfile: Path) -> str:
     return "its log gives no reason"
 
 
-def _repair_after_crash(directory: Path) -> None:
+def _repair_after_crash(directory: Path, sock: Path) -> None:
     """Repair the AOF if the last server here did not shut down cleanly.
 
     redis-server deletes its pid file when it shuts down; one left behind, naming no live
-    process, means it was killed (or the machine went down), so the AOF may end inside a
-    script's MULTI block, which Redis 7.0 would load badly (see `repair_aof`).
+    redis-server of this directory, means it was killed (or the machine went down), so the AOF
+    may end inside a script's MULTI block, which Redis 7.0 would load badly (see `repair_aof`).
+    The pid alone proves nothing: after a reboot it may name any process.
     """
     pidfile = directory / "redis.pid"
-    try:
-        pid = int(pidfile.read_text().strip())
-    except (OSError, ValueError):
-        return
-    if _alive(pid):
+    if not pidfile.exists() or _serving_pid(directory, sock) is not None:
         return
     try:
         repair_aof(directory)
@@ -594,17 +780,14 @@ def _repair_after_crash(directory: Path) -> None:
 def stop_embedded(directory: Path = EMBEDDED_DIR, *, timeout: float = 10.0) -> bool:
     """Stop the embedded server started under ``directory`` and wait (bounded) until it is gone.
 
-    True if a server was running there and has stopped. The pid file alone is not trusted: after
-    a crash or a reboot it may name an unrelated process, so the server must answer on the
-    directory's socket and report that same pid before it is signalled.
+    True if a server was running there and has stopped, busy or refusing commands as it may
+    be. The pid file alone is not trusted: after a crash or a reboot it may name an unrelated
+    process, so it must name a redis-server serving the directory (`_serving_pid`).
     """
     directory = directory.resolve()
     sock = _socket_path(directory)
-    try:
-        pid = int((directory / "redis.pid").read_text().strip())
-    except (OSError, ValueError):
-        return False
-    if _server_pid(sock) != pid:
+    pid = _serving_pid(directory, sock)
+    if pid is None:
         return False
     try:
         os.kill(pid, signal.SIGTERM)
@@ -612,22 +795,43 @@ def stop_embedded(directory: Path = EMBEDDED_DIR, *, timeout: float = 10.0) -> b
         return False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid) and not _answers(sock):
+        if not _alive(pid) and _ping(sock, timeout=0.2) is None:
             return True
         time.sleep(0.02)
     return False
 
 
-def _server_pid(sock: Path) -> int | None:
-    """The pid the redis-server answering on ``sock`` reports, or None if none answers."""
-    if not _answers(sock):
+def _serving_pid(directory: Path, sock: Path) -> int | None:
+    """The pid in ``directory``'s pid file if it is a live redis-server serving ``directory``.
+
+    The pid file alone is not trusted: after a crash or a reboot it may name an unrelated
+    process. On Linux the process must be a redis-server whose working directory is
+    ``directory`` (it changes into its ``--dir``), which holds while it is busy or refuses
+    commands; elsewhere the server answering on ``sock`` must report that same pid.
+    """
+    pid = _pidfile_pid(directory / "redis.pid")
+    if pid is None or not _alive(pid):
+        return None
+    proc = Path(f"/proc/{pid}")
+    if Path("/proc/self").exists():
+        try:
+            command = (proc / "comm").read_text().strip()
+            here = os.stat(proc / "cwd")
+            there = os.stat(directory)
+        except OSError:
+            return None
+        if command.startswith("redis-server") and (here.st_dev, here.st_ino) == (
+            there.st_dev,
+            there.st_ino,
+        ):
+            return pid
         return None
     try:
         with redis.Redis(unix_socket_path=str(sock), socket_timeout=2.0) as client:
-            pid = client.info("server").get("process_id")
+            answered = client.info("server").get("process_id")
     except (redis.RedisError, OSError):
         return None
-    return pid if isinstance(pid, int) else None
+    return pid if answered == pid else None
 
 
 def _alive(pid: int) -> bool:

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import re
 import shutil
+import socket
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
+import redis
 
 from adapters import Auditor
 from eventstore import (
@@ -145,11 +151,84 @@ def test_settings_are_frozen() -> None:
         "redis+cluster://h1:7000,h2:x",
         "redis+cluster://h1:7000,h2:70000",
         "rediss+cluster://h1:-1",
+        # A parameter the scheme would not use is refused, not ignored.
+        "memory://?db=1",
+        "memory://named?socket_timeout=1",
+        "memory://?ssl_cert_reqs=none",
+        "redis+cluster://h1:7000?db=1",
+        "rediss+cluster://h1:7000?db=0",
+        "unix:///tmp/r.sock?ssl_ca_certs=/ca.crt",
+        # TLS values redis-py would only reject when connecting.
+        "rediss://h?ssl_cert_reqs=bogus",
+        "rediss://h?ssl_cert_reqs=",
+        "rediss://h?ssl_ca_certs=",
     ],
 )
 def test_bad_urls_raise_invalid_url_error(url: str) -> None:
     with pytest.raises(InvalidURLError):
         StoreSettings.from_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "unix:///tmp/r.sock?db=2&socket_timeout=2",
+        "redis://h?db=3",
+        "rediss://h?db=1&ssl_cert_reqs=none&ssl_ca_certs=/ca.crt",
+        "rediss://h?ssl_cert_reqs=optional&ssl_certfile=/c.crt&ssl_keyfile=/c.key",
+        "redis+cluster://h1:7000?socket_timeout=2&partitions=4",
+        "rediss+cluster://h1:7000?ssl_cert_reqs=required",
+        "memory://named?namespace=n&partitions=2",
+    ],
+)
+def test_parameters_a_scheme_uses_are_accepted(url: str) -> None:
+    assert StoreSettings.from_url(url).url == url
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"socket_timeout": -1},
+        {"socket_timeout": 0},
+        {"socket_timeout": float("nan")},
+        {"socket_timeout": float("inf")},
+        {"socket_timeout": "5"},
+        {"max_event_bytes": 0},
+        {"max_event_bytes": -5},
+        {"max_event_bytes": 1.5},
+        {"max_batch": 0},
+        {"partitions": 0},
+        {"partitions": True},
+        {"namespace": ""},
+        {"secret": "not-bytes"},
+    ],
+    ids=repr,
+)
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_bad_keyword_settings_are_refused_before_anything_connects_or_starts(
+    short_dir: Path, options: dict[str, Any]
+) -> None:
+    """Checked as the same URL parameter would be: a timeout of -1 failed later as "Timeout
+    writing to socket", NaN connected and then timed out every call, a size limit of 0 refused
+    every append, and a str secret was a TypeError."""
+    with pytest.raises(InvalidInputError):
+        StoreSettings.from_url("redis://127.0.0.1:1", **options)
+    with pytest.raises(InvalidInputError):
+        # Nothing listens there: a check made only after connecting would say so instead.
+        await connect("redis://127.0.0.1:1", **options)
+    home = short_dir / "emb"
+    with _stopped_afterwards(home), pytest.raises(InvalidInputError):
+        await connect(embedded_dir=home, **options)
+    assert not home.exists()  # no embedded server was started for it
+
+
+@pytest.mark.parametrize(
+    "field", ["socket_timeout", "connect_timeout", "max_connections", "max_batch", "retries"]
+)
+def test_settings_made_directly_are_checked_too(field: str) -> None:
+    with pytest.raises(InvalidInputError, match=field):
+        StoreSettings(url="memory://", **{field: -1})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("url", [None, 42, b"redis://h"])
@@ -339,19 +418,28 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _servers_in(directory: Path) -> list[int]:
+    """The pids of the live redis-servers whose working directory is ``directory`` (their --dir)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            ours = proc.joinpath("comm").read_text().strip() == "redis-server"
+            if ours and proc.joinpath("cwd").samefile(directory) and not _gone(int(proc.name)):
+                found.append(int(proc.name))
+    return found
+
+
 @contextlib.contextmanager
 def _stopped_afterwards(directory: Path) -> Iterator[Path]:
     """Yield ``directory``; afterwards always stop an embedded server started there."""
     try:
         yield directory
     finally:
-        if not stop_embedded(directory) and (directory / "redis.pid").exists():
-            # stop_embedded refused (e.g. the server no longer answers): this test started
-            # that server, so end it by the pid it wrote.
-            pid = _pid(directory)
-            cmdline = Path(f"/proc/{pid}/cmdline")
-            if cmdline.exists() and b"redis-server" in cmdline.read_bytes():
-                os.kill(pid, 9)
+        stop_embedded(directory)
+        # stop_embedded refused, or a test saw a second server started on the directory: this
+        # test started them, so end each by its pid.
+        for pid in _servers_in(directory) if directory.is_dir() else []:
+            os.kill(pid, 9)
 
 
 @pytest.fixture
@@ -484,9 +572,20 @@ def _kill_embedded(home: Path) -> None:
     pid = _pid(home)
     os.kill(pid, 9)
     deadline = time.monotonic() + 10
-    while not _gone(pid):
+    # A zombie main thread is not enough: until its last thread exits, its socket still takes
+    # connections (and never answers them).
+    while not _gone(pid) or _listening(home / "redis.sock"):
         assert time.monotonic() < deadline, f"redis-server {pid} survived SIGKILL"
         time.sleep(0.02)
+
+
+def _listening(sock: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(sock))
+        except OSError:
+            return False
+    return True
 
 
 async def _appended(home: Path, ns: str, texts: list[str]) -> None:
@@ -513,32 +612,45 @@ async def _intact(home: Path, ns: str) -> list[str]:
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_url_env")
-async def test_embedded_server_repairs_an_aof_cut_inside_a_script_block(short_dir: Path) -> None:
+@pytest.mark.parametrize("pid_file", ["as-left", "names-a-live-process"])
+async def test_embedded_server_repairs_an_aof_cut_inside_a_script_block(
+    short_dir: Path, pid_file: str
+) -> None:
     """A hard kill that cuts the AOF inside the MULTI/EXEC block of an append's script: the
     next start repairs the file (the cut append is gone whole), and appends acknowledged after
     that restart survive the next crash, in order, with a clean chain and exact views.
 
     Without the repair Redis 7.0 loads the cut file by truncating it after the block's last
     whole command, leaving its MULTI open, and the next appends are written inside that block.
+    The left pid file may name a live process by then (pid reuse after a reboot): not being a
+    redis-server of the directory, it does not count as one running there.
     """
     home = short_dir / "emb"
     ns = _ns()
-    with _stopped_afterwards(home):
-        await _appended(home, ns, ["one", "two", "three"])
-        _kill_embedded(home)
-        incr = sorted((home / "appendonlydir").glob("*.incr.aof"))[-1]
-        data = incr.read_bytes()
-        last_block = data.rindex(b"MULTI")
-        assert data.endswith(b"EXEC\r\n") and last_block > 0
-        # Cut within the last block's final EXEC: a torn write, as a crash leaves it.
-        os.truncate(incr, len(data) - 6)
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        with _stopped_afterwards(home):
+            await _appended(home, ns, ["one", "two", "three"])
+            _kill_embedded(home)
+            incr = sorted((home / "appendonlydir").glob("*.incr.aof"))[-1]
+            data = incr.read_bytes()
+            last_block = data.rindex(b"MULTI")
+            assert data.endswith(b"EXEC\r\n") and last_block > 0
+            # Cut within the last block's final EXEC: a torn write, as a crash leaves it.
+            os.truncate(incr, len(data) - 6)
+            if pid_file == "names-a-live-process":
+                (home / "redis.pid").write_text(f"{bystander.pid}\n")
 
-        assert await _intact(home, ns) == ["one", "two"]  # the cut append is gone, whole
-        repaired = incr.read_bytes()
-        assert repaired.endswith(b"EXEC\r\n") and len(repaired) <= last_block
-        await _appended(home, ns, ["four", "five"])
-        _kill_embedded(home)
-        assert await _intact(home, ns) == ["one", "two", "four", "five"]
+            assert await _intact(home, ns) == ["one", "two"]  # the cut append is gone, whole
+            assert bystander.poll() is None
+            repaired = incr.read_bytes()
+            assert repaired.endswith(b"EXEC\r\n") and len(repaired) <= last_block
+            await _appended(home, ns, ["four", "five"])
+            _kill_embedded(home)
+            assert await _intact(home, ns) == ["one", "two", "four", "five"]
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=10)
 
 
 @pytest.mark.anyio
@@ -562,6 +674,179 @@ def test_stale_pid_file_is_not_trusted(short_dir: Path) -> None:
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+# A script that keeps the server busy (nothing else runs meanwhile) for ``ARGV[1]`` ms.
+_BUSY_SCRIPT = """
+local function now() local t = redis.call('TIME') return t[1] * 1000 + t[2] / 1000 end
+local stop = now() + tonumber(ARGV[1])
+while now() < stop do end
+return 1
+"""
+
+
+def _admin(home: Path) -> redis.Redis:
+    return redis.Redis(unix_socket_path=str(home / "redis.sock"), socket_timeout=10)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+@pytest.mark.parametrize("reply", ["none yet", "BUSY"])
+async def test_a_busy_embedded_server_is_used_and_never_replaced(
+    short_dir: Path, reply: str
+) -> None:
+    """While a script runs, the server accepts connections and answers nothing (then, past
+    busy-reply-threshold, BUSY): it is there, and a second server on its files would give two
+    writers the same seqs. The caller gets the running server's URL."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        url = embedded_url(home)
+        pid = _pid(home)
+        admin = _admin(home)
+        if reply == "BUSY":
+            admin.config_set("busy-reply-threshold", 100)
+        busy = threading.Thread(target=admin.eval, args=(_BUSY_SCRIPT, 0, 2500))
+        busy.start()
+        try:
+            time.sleep(0.3)
+            began = time.monotonic()
+            assert embedded_url(home) == url
+            assert time.monotonic() - began < 2.2  # did not wait for the script
+            assert _servers_in(home) == [pid]
+            assert _pid(home) == pid
+            assert (home / "redis.sock").is_socket()
+        finally:
+            busy.join(timeout=10)
+            admin.close()
+        async with await connect(embedded_dir=home, namespace=_ns()) as store:
+            assert isinstance(store, RedisEventStore)
+            assert (await store.client.info("server"))["process_id"] == pid
+
+
+def _refuse_commands(home: Path, reply: str) -> None:
+    """Make the embedded server under ``home`` answer PING with -``reply``."""
+    with _admin(home) as admin:
+        if reply == "NOAUTH":
+            admin.config_set("requirepass", "s3cret")
+            return
+        # MISCONF (as on a full disk): a failed RDB save with save points configured. The
+        # snapshot's rename fails on the directory in its way.
+        (home / "dump.rdb").mkdir()
+        admin.config_set("save", "3600 1")
+        admin.bgsave()
+        deadline = time.monotonic() + 10
+        while admin.info("persistence")["rdb_last_bgsave_status"] != "err":
+            assert time.monotonic() < deadline, "the snapshot did not fail"
+            time.sleep(0.02)
+
+
+@pytest.mark.usefixtures("no_url_env")
+@pytest.mark.parametrize("reply", ["NOAUTH", "MISCONF"])
+def test_an_embedded_server_refusing_commands_is_reported_and_stoppable(
+    short_dir: Path, reply: str
+) -> None:
+    """A server answering PING with an error is there: it is reported (not replaced by a second
+    server on the same files), and `stop_embedded` stops it."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        embedded_url(home)
+        pid = _pid(home)
+        _refuse_commands(home, reply)
+        with pytest.raises(StoreConnectionError, match=rf"{reply}.*not replaced"):
+            embedded_url(home)
+        assert _servers_in(home) == [pid]
+        assert _pid(home) == pid
+        if reply == "MISCONF":
+            (home / "dump.rdb").rmdir()  # the snapshot on shutdown can then be written
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(home / "redis.sock"))
+                s.sendall(b"PING\r\n")
+                assert s.recv(100).startswith(b"-MISCONF")  # still, as stop finds it
+        assert stop_embedded(home) is True
+        assert _gone(pid)
+
+
+@pytest.mark.usefixtures("no_url_env")
+def test_a_live_embedded_server_without_its_socket_is_not_replaced(short_dir: Path) -> None:
+    """Its pid file names a live redis-server of the directory: no second one is started."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        embedded_url(home)
+        pid = _pid(home)
+        (home / "redis.sock").unlink()
+        with pytest.raises(StoreConnectionError, match=rf"pid {pid}.*does not accept"):
+            embedded_url(home)
+        assert _servers_in(home) == [pid]
+        assert stop_embedded(home) is True
+
+
+@pytest.mark.usefixtures("no_url_env")
+def test_the_embedded_lock_never_blocks_for_long(short_dir: Path) -> None:
+    """A process holding the directory's lock (stalled mid-start) does not block callers: a
+    running server is used without the lock, and a wait to start one is bounded."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        url = embedded_url(home)
+        with open(home / "lock", "w") as holder:  # another open file: flock conflicts
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            found: list[str] = []
+            caller = threading.Thread(target=lambda: found.append(embedded_url(home)))
+            caller.start()
+            caller.join(timeout=5)
+            assert found == [url], "embedded_url waited for the lock while the server ran"
+            assert stop_embedded(home) is True
+            began = time.monotonic()
+            with pytest.raises(StoreConnectionError, match=r"held .*lock"):
+                embedded_url(home, lock_timeout=0.5)
+            assert time.monotonic() - began < 3
+        assert embedded_url(home) == url  # once the lock is free, it starts
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("lock-is-a-directory", "Is a directory"),
+        ("socket-is-a-directory", "is not a socket"),
+        ("under-proc", "No such file or directory"),
+    ],
+)
+async def test_an_unusable_embedded_directory_is_a_store_connection_error(
+    short_dir: Path, case: str, reason: str
+) -> None:
+    """Not a raw OSError (IsADirectoryError, FileNotFoundError, ...): the path and why."""
+    home = short_dir / "emb"
+    home.mkdir()
+    if case == "lock-is-a-directory":
+        (home / "lock").mkdir()
+        culprit = home / "lock"
+    elif case == "socket-is-a-directory":
+        (home / "redis.sock").mkdir()
+        culprit = home / "redis.sock"
+    else:
+        home = culprit = Path(f"/proc/{os.getpid()}/threadlog-test")
+    with _stopped_afterwards(home):
+        with pytest.raises(StoreConnectionError, match=re.escape(str(culprit))) as caught:
+            await connect(embedded_dir=home)
+        assert reason in str(caught.value)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_an_immutable_embedded_directory_is_a_store_connection_error(
+    short_dir: Path,
+) -> None:
+    home = short_dir / "emb"
+    home.mkdir(mode=0o755)
+    (home / "lock").touch()  # made by an earlier release: threadlog makes it 0700
+    if subprocess.run(["chattr", "+i", str(home)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with pytest.raises(StoreConnectionError, match=rf"{re.escape(str(home))}: .*permitted"):
+            await connect(embedded_dir=home)
+    finally:
+        subprocess.run(["chattr", "-i", str(home)], check=True)
 
 
 @pytest.mark.anyio
