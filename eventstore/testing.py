@@ -1264,6 +1264,47 @@ class EventStoreConformance:
         ]
         assert [e.schema_version for e in events] == [1, 2]
 
+    async def test_an_older_reader_is_told_the_stored_version_is_newer(self) -> None:
+        class NoteV1(Event, tag="testing.newer", frozen=True):
+            text: str
+
+        class NoteV2(Event, tag="testing.newer", frozen=True):
+            body: str
+            text: str = ""
+
+        old_registry = EventRegistry()
+        old_registry.register(NoteV1)
+        new_registry = EventRegistry()
+        new_registry.register(NoteV2, version=2, upcasters={1: lambda raw: {"body": raw["text"]}})
+        ns = "c" + uuid.uuid4().hex[:12]
+        writer = await self.make_store(ns, registry=new_registry)
+        try:
+            # One the old schema cannot decode, one it can (it has a "text"): both are newer.
+            await writer.append("t", [NoteV2(body="b"), NoteV2(body="b", text="t")])
+        finally:
+            await writer.close()
+        reader = await self.make_store(ns, registry=old_registry)
+        try:
+
+            async def attempt(how: str, seq: int) -> None:
+                if how == "read":
+                    await read_all(reader, "t", start=seq, stop=seq)
+                elif how == "read_batches":
+                    await _drain(reader.read_batches("t", start=seq, stop=seq))
+                else:
+                    await reader.fold_payloads("t", lambda rows: None, start=seq, stop=seq)
+
+            for seq in (1, 2):
+                for how in ("read", "read_batches", "fold_payloads"):
+                    with pytest.raises(CorruptEventError) as info:
+                        await attempt(how, seq)
+                    assert "stored version 2 of 'testing.newer' is newer than this code knows" in (
+                        str(info.value)
+                    ), (how, seq, str(info.value))
+                    assert info.value.unknown_type and info.value.seq == seq
+        finally:
+            await reader.close()
+
     # -- one chain key per thread ----------------------------------------------------------------
 
     async def _snapshot(self, store: EventStore, thread_id: str) -> tuple[Any, ...]:
@@ -1487,6 +1528,15 @@ class EventStoreConformance:
             reg.register(Clash)
         with pytest.raises(InvalidInputError):
             reg.register(Custom, version=3, upcasters={1: lambda r: r})
+        # Checked when registering, not when the first old event is read.
+        for version in ("2", 1.5, True, 0):
+            with pytest.raises(InvalidInputError, match="version must be an int"):
+                reg.register(Custom, version=version)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError, match="not callable"):
+            reg.register(Custom, version=2, upcasters={1: 5})  # type: ignore[dict-item]
+        with pytest.raises(InvalidInputError, match="mapping"):
+            reg.register(Custom, version=2, upcasters=[lambda r: r])  # type: ignore[arg-type]
+        assert reg.version_of(Custom(n=1)) == 1  # the refused registrations changed nothing
         store = await self.make_store("c" + uuid.uuid4().hex[:12], registry=reg)
         try:
             await store.append("t", [Custom(n=5)])
