@@ -10,6 +10,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self
 
+from ._errors import InvalidInputError
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_feed_count
 from ._gc import paused_collector
@@ -298,9 +299,19 @@ class EventStore(abc.ABC):
         *,
         backwards: bool = False,
     ) -> AsyncIterator[RecordedEvent]:
-        """Iterate the events recorded in ``since <= time <= until`` (datetimes or epoch ms)."""
-        since_ms = _to_ms(since)
-        until_ms = _to_ms(until)
+        """Iterate the events recorded in ``since <= time <= until``.
+
+        Each bound is an aware datetime, a naive one (read as local time, as
+        `datetime.timestamp` reads it: pass ``tzinfo=UTC`` for a UTC time), or an int of epoch
+        milliseconds; None is unbounded. Event times are the server's clock, in UTC
+        (`RecordedEvent.time`).
+
+        Raises:
+            InvalidInputError: a bound of another type (a str, a float), or a datetime out of
+                the range the platform can convert.
+        """
+        since_ms = _to_ms(since, "since")
+        until_ms = _to_ms(until, "until")
         start = 1 if since_ms is None else await self.seq_at(thread_id, since_ms - 1) + 1
         stop = None if until_ms is None else await self.seq_at(thread_id, until_ms)
         if stop is not None and stop < start:
@@ -554,7 +565,16 @@ class EventStore(abc.ABC):
         await self.close()
 
 
-def _to_ms(value: datetime | int | None) -> int | None:
-    if value is None or isinstance(value, int):
+def _to_ms(value: datetime | int | None, name: str) -> int | None:
+    """Epoch ms of a time given as a datetime or as epoch ms; a naive datetime is local time
+    (as `datetime.timestamp` and the command line's ``--since`` read it)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    return int(value.timestamp() * 1000)
+    if not isinstance(value, datetime):
+        raise InvalidInputError(
+            f"{name} must be a datetime or an int (epoch ms), not {type(value).__name__} {value!r}"
+        )
+    try:
+        return int(value.timestamp() * 1000)
+    except (OverflowError, OSError, ValueError) as exc:  # a time the platform cannot convert
+        raise InvalidInputError(f"{name} {value!r} is out of the range of times: {exc}") from None

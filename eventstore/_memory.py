@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -22,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     caller_key_field,
     chain_link,
+    damaged_time,
     decode_entry,
     encode_events,
     entry_fields,
@@ -95,6 +97,7 @@ from ._views import (
 )
 
 READ_BATCH = 512
+_DIGITS = re.compile(rb"[0-9]{1,20}")
 
 
 _MAX_ID_PART = 2**64 - 1
@@ -458,7 +461,24 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         if thread is None:
             return 0
-        return bisect.bisect_right(thread.times, int(time_ms))
+        # The search seq_at.lua makes, over the stored entries' times rather than the times
+        # this backend appended: damage written into the log is found, as on Redis.
+        lo, hi = 0, thread.version
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            i = bisect.bisect_left(thread.ids, (mid, 0))
+            if i == len(thread.ids):
+                hi = mid - 1
+                continue
+            raw = thread.entries[i].get(b"s")
+            if raw is None or _DIGITS.fullmatch(raw) is None:
+                entry_id = b"%d-%d" % thread.ids[i]
+                raise damaged_time(thread_id, entry_id, raw)
+            if int(raw) <= time_ms:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # -- views ----------------------------------------------------------------------------------
 

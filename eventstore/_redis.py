@@ -8,6 +8,7 @@ import contextlib
 import heapq
 import itertools
 import operator
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     EncodedEvent,
     caller_key_field,
+    damaged_time,
     decode_entry,
     decode_payload_rows,
     decode_rows,
@@ -45,6 +47,7 @@ from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
     CorruptEventError,
+    CorruptKeyError,
     EventStoreError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
@@ -81,7 +84,7 @@ from ._ids import (
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
+from ._keys import DEFAULT_PARTITIONS, MAX_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -334,6 +337,18 @@ def _damaged_version(thread_id: str, raw: Any, also: str = "") -> CorruptEventEr
     )  # fmt: skip
 
 
+def _recorded_partitions(key: str, recorded: Any) -> int:
+    """The partition count a namespace's settings hash records, or `CorruptKeyError`."""
+    raw = recorded if isinstance(recorded, bytes) else str(recorded).encode()
+    if re.fullmatch(rb"[0-9]{1,5}", raw) is None or not 1 <= int(raw) <= MAX_PARTITIONS:
+        raise CorruptKeyError(
+            key,
+            f"its partition count (field 'partitions') is {raw!r}, not a number in "
+            f"1..{MAX_PARTITIONS}; set it back to the count the namespace was created with",
+        )
+    return int(raw)
+
+
 def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
     """Raise `ConcurrencyError` unless a chunk's read of the thread's version matches."""
     actual = _meta_version(thread_id, version)
@@ -428,7 +443,9 @@ class RedisEventStore(EventStore):
         keys live. Raises `InvalidInputError` if ``explicit_partitions`` and the recorded count
         differs from this store's. With ``create=False`` (a reader's store) a namespace with no
         count recorded is left unrecorded: it has never been written, so it reads as empty
-        with any count, and a misspelt name leaves nothing behind.
+        with any count, and a misspelt name leaves nothing behind. Raises `CorruptKeyError`
+        when the recorded count is not a count (``abc``, ``0``): guessing one would put every
+        thread's keys somewhere else.
         """
         key = KeyLayout.config_key(self.namespace)
         recorded = await _call(self.client.hget(key, "partitions"))
@@ -445,7 +462,7 @@ class RedisEventStore(EventStore):
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
                 raise translate_redis_error(exc) from exc
             recorded = await _call(self.client.hget(key, "partitions"))
-        stored = int(recorded)
+        stored = _recorded_partitions(key, recorded)
         if stored != self.partitions:
             if explicit_partitions:
                 raise InvalidInputError(
@@ -865,8 +882,10 @@ class RedisEventStore(EventStore):
         validate_int(time_ms, "time_ms")
         keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
         reply = await _call(SEQ_AT(self.client, keys, [int(time_ms)]))
-        if isinstance(reply, list):  # {'meta', v}: the version is not a number
-            raise _damaged_version(thread_id, reply[1])
+        if isinstance(reply, list):
+            if reply[0] == b"entry":  # {'entry', id, s}: an entry's time is not a number
+                raise damaged_time(thread_id, reply[1], reply[2] if len(reply) > 2 else None)
+            raise _damaged_version(thread_id, reply[1])  # {'meta', v}
         return int(reply)
 
     # -- views ----------------------------------------------------------------------------------

@@ -77,6 +77,11 @@ async def read_all(store: EventStore, thread_id: str, **kwargs: Any) -> list[Rec
     return [e async for e in store.read(thread_id, **kwargs)]
 
 
+async def _read_between(store: EventStore, thread_id: str, **kwargs: Any) -> list[RecordedEvent]:
+    """Every event ``store.read_between`` yields, as a list."""
+    return [e async for e in store.read_between(thread_id, **kwargs)]
+
+
 async def _drain(batches: AsyncIterator[Any]) -> None:
     async for _ in batches:
         pass
@@ -133,6 +138,11 @@ class EventStoreConformance:
     async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
         """Remove the thread from its partition's thread index and nothing else, as an edit
         of that one key would (Redis: ``ZREM``)."""
+        raise NotImplementedError
+
+    async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
+        """Record ``version`` as the thread's version and change nothing else, as an edit of
+        its meta hash would (Redis: ``HSET`` of field ``v``)."""
         raise NotImplementedError
 
     @pytest.fixture
@@ -697,6 +707,50 @@ class EventStoreConformance:
                 await store.threads(before_ms=bad)
         with pytest.raises(InvalidInputError, match="start"):
             await store.read_list("t", "l", start=bad)
+
+    @pytest.mark.parametrize("bad", ["2026-01-01", 1.5e12, True, b"1"])
+    async def test_read_between_refuses_times_that_are_neither_datetimes_nor_ms(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        await store.append("t", [msg("a")])
+        with pytest.raises(InvalidInputError, match="since"):
+            await _read_between(store, "t", since=bad)
+        with pytest.raises(InvalidInputError, match="until"):
+            await _read_between(store, "t", until=bad)
+
+    async def test_read_between_reads_a_naive_datetime_as_local_time(
+        self, store: EventStore
+    ) -> None:
+        await store.append("t", [msg("a")])
+        (event,) = await read_all(store, "t")
+        # The event's time as a local wall-clock reading without a zone: as datetime.timestamp
+        # and the command line's --since read it (documented on read_between).
+        naive = event.time.astimezone().replace(tzinfo=None)
+        assert [e.seq for e in await _read_between(store, "t", since=naive, until=naive)] == [1]
+
+    async def test_seq_at_reports_an_entry_whose_time_is_not_a_number(
+        self, store: EventStore
+    ) -> None:
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("good", [msg("a")])
+        good = (await store.read_raw("good"))[0][1]
+        for i, bad in enumerate([b"soon", b"1e3", b"", None]):
+            thread = f"t{i}"
+            await store.append(thread, [msg("a")])
+            fields = {k: v for k, v in good.items() if k != b"s" or bad is not None}
+            if bad is not None:
+                fields[b"s"] = bad
+            await self.write_raw_entry(store, thread, "2-0", fields)
+            await self.set_version(store, thread, 2)
+            # As read reports it: the thread and the seq, never a silent 0 or 1.
+            with pytest.raises(CorruptEventError, match="field 's'") as info:
+                await store.seq_at(thread, 2**50)
+            assert (info.value.thread_id, info.value.seq) == (thread, 2), bad
+            with pytest.raises(CorruptEventError) as info:
+                await read_all(store, thread)
+            assert info.value.seq == 2
+            assert await store.seq_at(thread, 0) == 0  # the search never reached it
 
     # -- deletion -------------------------------------------------------------------------------
 

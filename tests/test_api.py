@@ -48,6 +48,7 @@ PUBLIC_NAMES = [
     "ConcurrencyError",
     "ConflictError",
     "CorruptEventError",
+    "CorruptKeyError",
     "DEFAULT_PARTITIONS",
     "EXISTS",
     "Event",
@@ -243,6 +244,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         ViewConflictError: lambda: ViewConflictError("t", "state", "field", 1, 2),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
+        eventstore.CorruptKeyError: lambda: eventstore.CorruptKeyError(
+            "tl:{ns:cfg}", "its partition count is b'abc'"
+        ),
         eventstore.UnstampedViewError: lambda: eventstore.UnstampedViewError(
             "t", "messages", "no stamp"
         ),
