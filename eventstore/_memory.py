@@ -35,7 +35,7 @@ from ._codec import (
     request_digest,
     version_satisfies,
 )
-from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo
+from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo, threads_cursor
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
@@ -549,20 +549,25 @@ class MemoryEventStore(EventStore):
             )
 
     async def threads(
-        self, *, limit: int | None = None, before_ms: int | None = None
+        self,
+        *,
+        limit: int | None = None,
+        before_ms: int | None = None,
+        after: ThreadInfo | tuple[int, str] | None = None,
     ) -> list[ThreadInfo]:
         self._check_open()
         validate_limit(limit)
-        if before_ms is not None:
-            validate_int(before_ms, "before_ms")
+        cursor = threads_cursor(before_ms, after)
         rows = (
             ThreadInfo(t, ms, partition_of(t, self.partitions))
             for t, ms in self._ns.index.items()
-            if before_ms is None or ms < before_ms
+            if cursor is None or (ms, t) < cursor
         )
-        key = lambda t: (-t.last_activity_ms, t.thread_id)  # noqa: E731
-        out = heapq.nsmallest(limit, rows, key=key) if limit is not None else sorted(rows, key=key)
-        return out
+        # Newest first, ties by thread id descending: the order ZREVRANGE gives on Redis.
+        key = lambda t: (t.last_activity_ms, t.thread_id)  # noqa: E731
+        if limit is not None:
+            return heapq.nlargest(limit, rows, key=key)
+        return sorted(rows, key=key, reverse=True)
 
     async def indexed(self, thread_id: str) -> bool:
         validate_thread_id(thread_id)

@@ -42,6 +42,7 @@ from ._contract import (
     ExpectedVersion,
     RawRange,
     ThreadInfo,
+    threads_cursor,
 )
 from ._errors import (
     ChainKeyMismatchError,
@@ -93,6 +94,7 @@ from ._scripts import (
     READ_VIEWS,
     SEQ_AT,
     SWAP_VIEWS,
+    THREADS_AFTER,
     TRIM_FEED,
     GroupCommit,
 )
@@ -347,6 +349,29 @@ def _recorded_partitions(key: str, recorded: Any) -> int:
             f"1..{MAX_PARTITIONS}; set it back to the count the namespace was created with",
         )
     return int(raw)
+
+
+def _index_rows(key: str, partition: int, rows: Any) -> list[ThreadInfo]:
+    """`ThreadInfo`s of a thread index's ``(member, score)`` rows; a member or
+    score threadlog cannot have written raises `CorruptKeyError` (nothing is skipped silently:
+    a listing with holes would pass for a whole one)."""
+    out = []
+    for member, score in rows:
+        try:
+            thread_id = validate_thread_id(member.decode("utf-8"))
+        except (UnicodeDecodeError, InvalidInputError):
+            raise CorruptKeyError(
+                key, f"it lists {member!r}, which is no thread id; remove it (ZREM)"
+            ) from None
+        ms = float(score)  # a float from redis-py, the text Redis formats in a script's reply
+        if not ms.is_integer():  # inf, nan, a fraction
+            raise CorruptKeyError(
+                key,
+                f"thread {thread_id!r} is listed with last activity {ms!r}, not a time in ms; "
+                "remove it (ZREM) and rebuild the thread, which lists it again",
+            )
+        out.append(ThreadInfo(thread_id, int(ms), partition))
+    return out
 
 
 def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
@@ -1209,26 +1234,39 @@ class RedisEventStore(EventStore):
     # -- listing --------------------------------------------------------------------------------
 
     async def threads(
-        self, *, limit: int | None = None, before_ms: int | None = None
+        self,
+        *,
+        limit: int | None = None,
+        before_ms: int | None = None,
+        after: ThreadInfo | tuple[int, str] | None = None,
     ) -> list[ThreadInfo]:
         validate_limit(limit)
-        if before_ms is not None:
-            validate_int(before_ms, "before_ms")
-        hi: Any = "+inf" if before_ms is None else f"({before_ms}"
+        cursor = threads_cursor(before_ms, after)
+        if limit == 0:
+            return []
         per_partition: list[list[ThreadInfo]] = []
         for p in range(self.partitions):
-            kwargs: dict[str, Any] = {"withscores": True}
-            if limit is not None:
-                kwargs.update(start=0, num=limit)
-            rows = await _call(
-                self.client.zrevrangebyscore(self.keys.index(p), hi, "-inf", **kwargs)
-            )
-            per_partition.append(
-                [ThreadInfo(m.decode("utf-8"), int(score), p) for m, score in rows]
-            )
-        merged = heapq.merge(*per_partition, key=lambda t: (-t.last_activity_ms, t.thread_id))
-        out = list(merged)
-        return out if limit is None else out[:limit]
+            key = self.keys.index(p)
+            rows: Any
+            if cursor is None or not cursor[1]:
+                # No thread id to resume after: a plain range by time.
+                hi = "+inf" if cursor is None else f"({cursor[0]}"
+                kwargs: dict[str, Any] = {"withscores": True}
+                if limit is not None:
+                    kwargs.update(start=0, num=limit)
+                rows = await _call(self.client.zrevrangebyscore(key, hi, "-inf", **kwargs))
+            else:
+                flat = await _call(
+                    THREADS_AFTER(self.client, [key], [cursor[0], cursor[1], limit or -1])
+                )
+                rows = zip(flat[0::2], flat[1::2], strict=True)
+            per_partition.append(_index_rows(key, p, rows))
+        # Each partition comes newest first, ties by thread id descending (ZREVRANGE's order:
+        # bytes, which for UTF-8 is the code points' order); the merge keeps that across them.
+        merged = heapq.merge(
+            *per_partition, key=lambda t: (t.last_activity_ms, t.thread_id), reverse=True
+        )
+        return list(merged if limit is None else itertools.islice(merged, limit))
 
     async def indexed(self, thread_id: str) -> bool:
         validate_thread_id(thread_id)

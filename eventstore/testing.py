@@ -140,6 +140,11 @@ class EventStoreConformance:
         of that one key would (Redis: ``ZREM``)."""
         raise NotImplementedError
 
+    async def set_last_activity(self, store: EventStore, thread_id: str, ms: int) -> None:
+        """List the thread in its partition's thread index as last active at ``ms`` and change
+        nothing else (Redis: ``ZADD``), so that many threads can share one millisecond."""
+        raise NotImplementedError
+
     async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
         """Record ``version`` as the thread's version and change nothing else, as an edit of
         its meta hash would (Redis: ``HSET`` of field ``v``)."""
@@ -629,6 +634,63 @@ class EventStoreConformance:
         assert [t.thread_id for t in await store.threads(limit=2)] == ["one", "three"]
         older = await store.threads(before_ms=listed[0].last_activity_ms)
         assert [t.thread_id for t in older] == ["three", "two"]
+
+    async def test_threads_page_exactly_through_threads_sharing_a_millisecond(
+        self, store: EventStore
+    ) -> None:
+        names = [f"t{i:02d}" for i in range(40)] + ["ä", "z", "Z", "a:b", "t1", "t100", "€"]
+        for name in names:
+            await store.append(name, [msg(name)])
+        base = 1_700_000_000_000
+        # Most threads in two milliseconds, a few on their own; every partition holds ties.
+        times = {n: base + (5 if i % 3 == 0 else 0 if i % 7 else -9) for i, n in enumerate(names)}
+        for name, ms in times.items():
+            await self.set_last_activity(store, name, ms)
+        # Newest first, ties by thread id descending (code points: the UTF-8 byte order).
+        expected = sorted(names, key=lambda n: (times[n], n), reverse=True)
+        listed = await store.threads()
+        assert [t.thread_id for t in listed] == expected
+        assert [t.last_activity_ms for t in listed] == [times[n] for n in expected]
+        for k in (1, 3, 10, len(names)):
+            assert [t.thread_id for t in await store.threads(limit=k)] == expected[:k]
+        for size in (1, 4, 7, 100):
+            seen: list[str] = []
+            cursor = None
+            while page := await store.threads(limit=size, after=cursor):
+                assert len(page) <= size
+                seen += [t.thread_id for t in page]
+                cursor = page[-1]
+            assert seen == expected, f"pages of {size}"
+        # A cursor as a pair, and one naming no listed thread (deleted, or moved on since).
+        i = expected.index("t10")
+        after_pair = await store.threads(after=(times["t10"], "t10"))
+        assert [t.thread_id for t in after_pair] == expected[i + 1 :]
+        await store.delete_thread("t10")
+        rest = await store.threads(limit=3, after=(times["t10"], "t10"))
+        assert [t.thread_id for t in rest] == expected[i + 1 : i + 4]
+        expected.remove("t10")
+        # before_ms keeps meaning "last active before", alone and with a cursor.
+        older = [n for n in expected if times[n] < base + 5]
+        assert [t.thread_id for t in await store.threads(before_ms=base + 5)] == older
+        assert [t.thread_id for t in await store.threads(before_ms=base + 5, after=listed[0])] == (
+            older
+        )
+        last_tie = older.index(next(n for n in older if times[n] == base)) + 2
+        cursor_info = (times[older[last_tie]], older[last_tie])
+        assert [
+            t.thread_id for t in await store.threads(before_ms=base + 5, after=cursor_info)
+        ] == older[last_tie + 1 :]
+        assert await store.threads(after=(base - 10, "zzz")) == []
+
+    @pytest.mark.parametrize(
+        "bad", [5, "t", (1, 2), (1.5, "t"), (True, "t"), (1, "bad{id}"), (1, "t", 3), [1, "t"]]
+    )
+    async def test_a_threads_cursor_that_is_not_one_is_refused(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        await store.append("t", [msg("a")])
+        with pytest.raises(InvalidInputError):
+            await store.threads(after=bad)
 
     async def test_stored_threads_come_from_the_keys_not_the_index(self, store: EventStore) -> None:
         odd = ["a:b", "log:x", "meta:y", "*", "100%", "ünï cödé", "view:messages:t"]

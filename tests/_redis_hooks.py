@@ -24,6 +24,11 @@ class RedisHooks:
         index = store.keys.index(store.keys.partition(thread_id))
         assert await store.client.zrem(index, thread_id) == 1
 
+    async def set_last_activity(self, store: EventStore, thread_id: str, ms: int) -> None:
+        assert isinstance(store, RedisEventStore)
+        index = store.keys.index(store.keys.partition(thread_id))
+        await store.client.zadd(index, {thread_id: ms})
+
     async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
         assert isinstance(store, RedisEventStore)
         await store.client.hset(store.keys.meta(thread_id), "v", version)

@@ -44,6 +44,10 @@ class TestMemoryEventStore(EventStoreConformance):
         assert isinstance(store, MemoryEventStore)
         del store.server.namespaces[store.namespace].index[thread_id]
 
+    async def set_last_activity(self, store: EventStore, thread_id: str, ms: int) -> None:
+        assert isinstance(store, MemoryEventStore)
+        store.server.namespaces[store.namespace].index[thread_id] = ms
+
     async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
         assert isinstance(store, MemoryEventStore)
         store.server.namespaces[store.namespace].threads[thread_id].version = version
@@ -89,3 +93,32 @@ async def test_a_damaged_partition_count_is_a_typed_error_naming_the_key(
         with pytest.raises(CorruptKeyError, match="partition count") as info:
             await connect(any_redis_url, namespace=ns, create_namespace=create)
         assert info.value.key == key and repr(recorded) in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_a_damaged_thread_index_is_a_typed_error_naming_the_key(any_redis_url: str) -> None:
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns, partitions=1) as store:
+        assert isinstance(store, RedisEventStore)
+        for name in ("a", "b", "c"):
+            await store.append(name, [msg(name)])
+        index = store.keys.index(0)
+        listed = await store.threads()
+        damage: list[tuple[bytes, float]] = [
+            (b"\xff\xfe", 5),  # no UTF-8
+            (b"bad{id}", 5),  # no thread id threadlog accepts
+            (b"d", float("inf")),
+            (b"d", float("-inf")),
+            (b"d", 1.5),
+        ]
+        for member, score in damage:
+            await store.client.zadd(index, {member: score})
+            listings: list[dict[str, Any]] = [{}, {"limit": 10}]
+            if score != float("inf"):  # (listings that reach below the newest thread)
+                listings += [{"after": listed[0]}, {"before_ms": 2**52}]
+            for kwargs in listings:
+                with pytest.raises(CorruptKeyError) as info:
+                    await store.threads(**kwargs)
+                assert info.value.key == index, (member, score)
+            await store.client.zrem(index, member)
+        assert await store.threads() == listed
