@@ -10,9 +10,11 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self
 
+from ._errors import InvalidInputError
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_feed_count
 from ._gc import paused_collector
+from ._ids import validate_int, validate_thread_id
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
 
 
@@ -302,9 +304,19 @@ class EventStore(abc.ABC):
         *,
         backwards: bool = False,
     ) -> AsyncIterator[RecordedEvent]:
-        """Iterate the events recorded in ``since <= time <= until`` (datetimes or epoch ms)."""
-        since_ms = _to_ms(since)
-        until_ms = _to_ms(until)
+        """Iterate the events recorded in ``since <= time <= until``.
+
+        Each bound is an aware datetime, a naive one (read as local time, as
+        `datetime.timestamp` reads it: pass ``tzinfo=UTC`` for a UTC time), or an int of epoch
+        milliseconds; None is unbounded. Event times are the server's clock, in UTC
+        (`RecordedEvent.time`).
+
+        Raises:
+            InvalidInputError: a bound of another type (a str, a float), or a datetime out of
+                the range the platform can convert.
+        """
+        since_ms = _to_ms(since, "since")
+        until_ms = _to_ms(until, "until")
         start = 1 if since_ms is None else await self.seq_at(thread_id, since_ms - 1) + 1
         stop = None if until_ms is None else await self.seq_at(thread_id, until_ms)
         if stop is not None and stop < start:
@@ -338,13 +350,28 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def threads(
-        self, *, limit: int | None = None, before_ms: int | None = None
+        self,
+        *,
+        limit: int | None = None,
+        before_ms: int | None = None,
+        after: ThreadInfo | tuple[int, str] | None = None,
     ) -> list[ThreadInfo]:
-        """Threads of the namespace, most recent activity first (optionally older than a time).
+        """Threads of the namespace, most recent activity first: by last activity (ms)
+        descending, then by thread id descending (code points, which is the UTF-8 byte order
+        Redis keeps), on every backend and across partitions.
+
+        ``before_ms`` lists only the threads last active before that time. ``after`` pages: pass
+        the last `ThreadInfo` of a page (or its ``(last_activity_ms, thread_id)``) and the next
+        page starts right after it, however many threads share its millisecond. Paging skips
+        and repeats nothing among threads that stay idle meanwhile; a thread active since
+        the first page moves to the front and is not listed by later pages.
 
         Raises:
             InvalidInputError: ``limit`` neither None nor an int >= 0, ``before_ms`` neither
-                None nor an int.
+                None nor an int, ``after`` neither None, a `ThreadInfo` nor an (int, thread id)
+                pair.
+            CorruptKeyError: the thread index holds a member that is no thread id or a score
+                that is no time in ms (changed from outside threadlog; Redis).
         """
 
     @abc.abstractmethod
@@ -558,7 +585,42 @@ class EventStore(abc.ABC):
         await self.close()
 
 
-def _to_ms(value: datetime | int | None) -> int | None:
-    if value is None or isinstance(value, int):
+def threads_cursor(before_ms: object, after: object) -> tuple[int, str] | None:
+    """Where a `EventStore.threads` listing starts, as the ``(ms, thread id)`` key its threads
+    must sort below (None: from the newest); ``before_ms`` is ``(before_ms, "")``, which every
+    thread of that millisecond sorts above. Refuses malformed arguments (`InvalidInputError`)."""
+    cursor: tuple[int, str] | None = None
+    if before_ms is not None:
+        validate_int(before_ms, "before_ms")
+        assert isinstance(before_ms, int)
+        cursor = (before_ms, "")
+    if after is not None:
+        if isinstance(after, ThreadInfo):
+            pair: object = (after.last_activity_ms, after.thread_id)
+        else:
+            pair = after
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise InvalidInputError(
+                f"after must be a ThreadInfo or a (last_activity_ms, thread_id) pair, not {after!r}"
+            )
+        ms, thread_id = pair
+        validate_int(ms, "after's last_activity_ms")
+        validate_thread_id(thread_id)
+        if cursor is None or (ms, thread_id) < cursor:
+            cursor = (ms, thread_id)
+    return cursor
+
+
+def _to_ms(value: datetime | int | None, name: str) -> int | None:
+    """Epoch ms of a time given as a datetime or as epoch ms; a naive datetime is local time
+    (as `datetime.timestamp` and the command line's ``--since`` read it)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    return int(value.timestamp() * 1000)
+    if not isinstance(value, datetime):
+        raise InvalidInputError(
+            f"{name} must be a datetime or an int (epoch ms), not {type(value).__name__} {value!r}"
+        )
+    try:
+        return int(value.timestamp() * 1000)
+    except (OverflowError, OSError, ValueError) as exc:  # a time the platform cannot convert
+        raise InvalidInputError(f"{name} {value!r} is out of the range of times: {exc}") from None

@@ -234,6 +234,24 @@ def _rebuild_corrupt_event_error(
     return cls(thread_id, seq, reason, unknown_type=unknown)
 
 
+class CorruptKeyError(EventStoreError):
+    """Raised when a key threadlog keeps for a whole namespace (its settings hash, a partition's
+    thread index) holds what threadlog never writes there: it was changed from outside
+    threadlog. Names the key and what is wrong; nothing is guessed in its place.
+
+    Not retryable, and no connection failure: the stored value stays wrong until it is put
+    right (the message says how).
+    """
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        super().__init__(f"key {key!r} is damaged: {detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key, self.detail))
+
+
 # -- operational: the server or the connection failed -------------------------------------------
 
 

@@ -74,7 +74,8 @@ class EventRegistry:
         """Register ``cls`` under its explicit tag at schema ``version``.
 
         Raises `InvalidInputError` if the class has no explicit string tag, if the tag is taken
-        by another class, or if an upcaster is missing for some version below ``version``.
+        by another class, if ``version`` is not an int >= 1, or if an upcaster is missing (or
+        not callable) for some version below ``version``.
         """
         if not (isinstance(cls, type) and issubclass(cls, Event)):
             raise InvalidInputError(f"{cls!r} is not an Event subclass")
@@ -86,13 +87,25 @@ class EventRegistry:
                 f"{cls.__name__} needs an explicit dotted tag, e.g. "
                 f'class {cls.__name__}(Event, tag="myapp.something_happened")'
             )
-        if version < 1:
-            raise InvalidInputError(f"{cls.__name__}: version must be >= 1")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise InvalidInputError(f"{cls.__name__}: version must be an int >= 1, not {version!r}")
+        if upcasters is not None and not isinstance(upcasters, Mapping):
+            raise InvalidInputError(
+                f"{cls.__name__}: upcasters must be a mapping of version to function, "
+                f"not {type(upcasters).__name__}"
+            )
         ups = dict(upcasters or {})
         missing = [v for v in range(1, version) if v not in ups]
         if missing:
             raise InvalidInputError(
                 f"{cls.__name__} is at version {version} but has no upcaster from {missing}"
+            )
+        # Checked here, not when the first old event is read: a reader would fail far from
+        # the registration that was wrong.
+        uncallable = [v for v in range(1, version) if not callable(ups[v])]
+        if uncallable:
+            raise InvalidInputError(
+                f"{cls.__name__}: the upcasters from {uncallable} are not callable"
             )
         with self._lock:
             known = self._types.get(tag)
@@ -150,9 +163,10 @@ class EventRegistry:
     def decode(self, data: bytes, version: int) -> Event:
         """Decode a stored payload written at ``version`` into its current class.
 
-        Raises `UnknownEventTypeError` for an unregistered tag and `EventValidationError` when
-        the bytes do not match the schema (or an upcaster fails on them); the caller adds
-        thread and seq.
+        Raises `UnknownEventTypeError` for an unregistered tag or a stored version above the
+        registered one (written by newer code: this reader, not the data, is behind), and
+        `EventValidationError` when the bytes do not match the schema (or an upcaster fails on
+        them); the caller adds thread and seq.
         """
         try:
             if version <= 0:
@@ -160,20 +174,20 @@ class EventRegistry:
             try:
                 event = self._union_decoder().decode(data)
             except msgspec.ValidationError as exc:
-                # Not valid as the current schema: unknown, damaged, or an older version.
+                # Not valid as the current schema: unknown, newer, damaged, or an older version.
                 info = self._info_of(msgspec.msgpack.decode(data))
-                if version >= info.version:
+                if version > info.version:
+                    # Said before the schema's complaint, which a newer schema explains.
+                    raise _newer(info, version) from None
+                if version == info.version:
                     raise EventValidationError(str(exc)) from None
                 return self._upcast(data, version)
             assert isinstance(event, Event)
-            current = self._types[event.event_type].version
-            if version == current:
+            info = self._types[event.event_type]
+            if version == info.version:
                 return event
-            if version > current:
-                raise EventValidationError(
-                    f"stored version {version} of {event.event_type!r} is newer than this code "
-                    f"knows ({current})"
-                )
+            if version > info.version:
+                raise _newer(info, version)
             return self._upcast(data, version)
         except msgspec.DecodeError as exc:
             raise EventValidationError(str(exc)) from None
@@ -205,6 +219,14 @@ class EventRegistry:
             return msgspec.convert(raw, info.cls)
         except msgspec.ValidationError as exc:
             raise EventValidationError(str(exc)) from None
+
+
+def _newer(info: _TypeInfo, version: int) -> UnknownEventTypeError:
+    tag = info.cls.__struct_config__.tag
+    return UnknownEventTypeError(
+        f"stored version {version} of {tag!r} is newer than this code knows ({info.version}): "
+        "read it with code that registers that version"
+    )
 
 
 def _union_of(classes: tuple[type[Event], ...]) -> Any:

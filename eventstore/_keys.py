@@ -33,6 +33,8 @@ ACL_COMMANDS: tuple[str, ...] = (
     "+ping", "+hsetnx", "+hget",
     # reads (plain, and MULTI/EXEC snapshots of several views), the change feed and its groups
     "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists", "+multi", "+exec",
+    # paging the thread index after a thread (`threads(after=...)`, a read script)
+    "+zcount", "+zrevrange",
     # audits: is a thread in the thread index. (Not +scan, which `stored_threads` sends: Redis
     # does not confine SCAN to the user's key pattern, so it would list every tenant's keys.)
     "+zscore",
@@ -52,10 +54,11 @@ ACL_READ_COMMANDS: tuple[str, ...] = (
     # connect() (it records nothing when it may not), plain reads and MULTI/EXEC snapshots
     "+ping", "+hget", "+xrange", "+xrevrange", "+zrevrangebyscore", "+hgetall", "+exists",
     "+multi", "+exec", "+lrange", "+llen", "+hlen", "+hmget", "+type", "+zscore",
+    "+zcount", "+zrevrange",
     # the change feed as it stands (`feed_info`, `feed_groups`): no group is written
     "+xinfo|stream", "+xinfo|groups", "+xpending",
-    # the read scripts (read_views, seq_at), by SHA and re-sent with EVAL; the commands they
-    # call are all above
+    # the read scripts (read_views, seq_at, threads_after), by SHA and re-sent with EVAL; the
+    # commands they call are all above
     "+evalsha", "+eval",
 )  # fmt: skip
 """What a read-only user (an auditor) needs: verify, check, show, replay and every read, but

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -22,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     caller_key_field,
     chain_link,
+    damaged_time,
     decode_entry,
     encode_events,
     entry_fields,
@@ -33,7 +35,7 @@ from ._codec import (
     request_digest,
     version_satisfies,
 )
-from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo
+from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo, threads_cursor
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
@@ -96,6 +98,7 @@ from ._views import (
 )
 
 READ_BATCH = 512
+_DIGITS = re.compile(rb"[0-9]{1,20}")
 
 
 _MAX_ID_PART = 2**64 - 1
@@ -463,7 +466,24 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         if thread is None:
             return 0
-        return bisect.bisect_right(thread.times, int(time_ms))
+        # The search seq_at.lua makes, over the stored entries' times rather than the times
+        # this backend appended: damage written into the log is found, as on Redis.
+        lo, hi = 0, thread.version
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            i = bisect.bisect_left(thread.ids, (mid, 0))
+            if i == len(thread.ids):
+                hi = mid - 1
+                continue
+            raw = thread.entries[i].get(b"s")
+            if raw is None or _DIGITS.fullmatch(raw) is None:
+                entry_id = b"%d-%d" % thread.ids[i]
+                raise damaged_time(thread_id, entry_id, raw)
+            if int(raw) <= time_ms:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -534,20 +554,25 @@ class MemoryEventStore(EventStore):
             )
 
     async def threads(
-        self, *, limit: int | None = None, before_ms: int | None = None
+        self,
+        *,
+        limit: int | None = None,
+        before_ms: int | None = None,
+        after: ThreadInfo | tuple[int, str] | None = None,
     ) -> list[ThreadInfo]:
         self._check_open()
         validate_limit(limit)
-        if before_ms is not None:
-            validate_int(before_ms, "before_ms")
+        cursor = threads_cursor(before_ms, after)
         rows = (
             ThreadInfo(t, ms, partition_of(t, self.partitions))
             for t, ms in self._ns.index.items()
-            if before_ms is None or ms < before_ms
+            if cursor is None or (ms, t) < cursor
         )
-        key = lambda t: (-t.last_activity_ms, t.thread_id)  # noqa: E731
-        out = heapq.nsmallest(limit, rows, key=key) if limit is not None else sorted(rows, key=key)
-        return out
+        # Newest first, ties by thread id descending: the order ZREVRANGE gives on Redis.
+        key = lambda t: (t.last_activity_ms, t.thread_id)  # noqa: E731
+        if limit is not None:
+            return heapq.nlargest(limit, rows, key=key)
+        return sorted(rows, key=key, reverse=True)
 
     async def indexed(self, thread_id: str) -> bool:
         validate_thread_id(thread_id)

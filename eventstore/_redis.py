@@ -8,6 +8,7 @@ import contextlib
 import heapq
 import itertools
 import operator
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     EncodedEvent,
     caller_key_field,
+    damaged_time,
     decode_payload_rows,
     decode_rows,
     encode_append,
@@ -39,11 +41,13 @@ from ._contract import (
     ExpectedVersion,
     RawRange,
     ThreadInfo,
+    threads_cursor,
 )
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
     CorruptEventError,
+    CorruptKeyError,
     EventStoreError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
@@ -81,7 +85,7 @@ from ._ids import (
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
+from ._keys import DEFAULT_PARTITIONS, MAX_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -90,6 +94,7 @@ from ._scripts import (
     READ_VIEWS,
     SEQ_AT,
     SWAP_VIEWS,
+    THREADS_AFTER,
     TRIM_FEED,
     GroupCommit,
 )
@@ -347,6 +352,41 @@ def _damaged_version(thread_id: str, raw: Any, also: str = "") -> CorruptEventEr
     )  # fmt: skip
 
 
+def _recorded_partitions(key: str, recorded: Any) -> int:
+    """The partition count a namespace's settings hash records, or `CorruptKeyError`."""
+    raw = recorded if isinstance(recorded, bytes) else str(recorded).encode()
+    if re.fullmatch(rb"[0-9]{1,5}", raw) is None or not 1 <= int(raw) <= MAX_PARTITIONS:
+        raise CorruptKeyError(
+            key,
+            f"its partition count (field 'partitions') is {raw!r}, not a number in "
+            f"1..{MAX_PARTITIONS}; set it back to the count the namespace was created with",
+        )
+    return int(raw)
+
+
+def _index_rows(key: str, partition: int, rows: Any) -> list[ThreadInfo]:
+    """`ThreadInfo`s of a thread index's ``(member, score)`` rows; a member or
+    score threadlog cannot have written raises `CorruptKeyError` (nothing is skipped silently:
+    a listing with holes would pass for a whole one)."""
+    out = []
+    for member, score in rows:
+        try:
+            thread_id = validate_thread_id(member.decode("utf-8"))
+        except (UnicodeDecodeError, InvalidInputError):
+            raise CorruptKeyError(
+                key, f"it lists {member!r}, which is no thread id; remove it (ZREM)"
+            ) from None
+        ms = float(score)  # a float from redis-py, the text Redis formats in a script's reply
+        if not ms.is_integer():  # inf, nan, a fraction
+            raise CorruptKeyError(
+                key,
+                f"thread {thread_id!r} is listed with last activity {ms!r}, not a time in ms; "
+                "remove it (ZREM) and rebuild the thread, which lists it again",
+            )
+        out.append(ThreadInfo(thread_id, int(ms), partition))
+    return out
+
+
 def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
     """Raise `ConcurrencyError` unless a chunk's read of the thread's version matches."""
     actual = _meta_version(thread_id, version)
@@ -441,7 +481,9 @@ class RedisEventStore(EventStore):
         keys live. Raises `InvalidInputError` if ``explicit_partitions`` and the recorded count
         differs from this store's. With ``create=False`` (a reader's store) a namespace with no
         count recorded is left unrecorded: it has never been written, so it reads as empty
-        with any count, and a misspelt name leaves nothing behind.
+        with any count, and a misspelt name leaves nothing behind. Raises `CorruptKeyError`
+        when the recorded count is not a count (``abc``, ``0``): guessing one would put every
+        thread's keys somewhere else.
         """
         key = KeyLayout.config_key(self.namespace)
         recorded = await _call(self.client.hget(key, "partitions"))
@@ -458,7 +500,7 @@ class RedisEventStore(EventStore):
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
                 raise translate_redis_error(exc) from exc
             recorded = await _call(self.client.hget(key, "partitions"))
-        stored = int(recorded)
+        stored = _recorded_partitions(key, recorded)
         if stored != self.partitions:
             if explicit_partitions:
                 raise InvalidInputError(
@@ -893,8 +935,10 @@ class RedisEventStore(EventStore):
         validate_int(time_ms, "time_ms")
         keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
         reply = await _call(SEQ_AT(self.client, keys, [int(time_ms)]))
-        if isinstance(reply, list):  # {'meta', v}: the version is not a number
-            raise _damaged_version(thread_id, reply[1])
+        if isinstance(reply, list):
+            if reply[0] == b"entry":  # {'entry', id, s}: an entry's time is not a number
+                raise damaged_time(thread_id, reply[1], reply[2] if len(reply) > 2 else None)
+            raise _damaged_version(thread_id, reply[1])  # {'meta', v}
         return int(reply)
 
     # -- views ----------------------------------------------------------------------------------
@@ -1218,26 +1262,39 @@ class RedisEventStore(EventStore):
     # -- listing --------------------------------------------------------------------------------
 
     async def threads(
-        self, *, limit: int | None = None, before_ms: int | None = None
+        self,
+        *,
+        limit: int | None = None,
+        before_ms: int | None = None,
+        after: ThreadInfo | tuple[int, str] | None = None,
     ) -> list[ThreadInfo]:
         validate_limit(limit)
-        if before_ms is not None:
-            validate_int(before_ms, "before_ms")
-        hi: Any = "+inf" if before_ms is None else f"({before_ms}"
+        cursor = threads_cursor(before_ms, after)
+        if limit == 0:
+            return []
         per_partition: list[list[ThreadInfo]] = []
         for p in range(self.partitions):
-            kwargs: dict[str, Any] = {"withscores": True}
-            if limit is not None:
-                kwargs.update(start=0, num=limit)
-            rows = await _call(
-                self.client.zrevrangebyscore(self.keys.index(p), hi, "-inf", **kwargs)
-            )
-            per_partition.append(
-                [ThreadInfo(m.decode("utf-8"), int(score), p) for m, score in rows]
-            )
-        merged = heapq.merge(*per_partition, key=lambda t: (-t.last_activity_ms, t.thread_id))
-        out = list(merged)
-        return out if limit is None else out[:limit]
+            key = self.keys.index(p)
+            rows: Any
+            if cursor is None or not cursor[1]:
+                # No thread id to resume after: a plain range by time.
+                hi = "+inf" if cursor is None else f"({cursor[0]}"
+                kwargs: dict[str, Any] = {"withscores": True}
+                if limit is not None:
+                    kwargs.update(start=0, num=limit)
+                rows = await _call(self.client.zrevrangebyscore(key, hi, "-inf", **kwargs))
+            else:
+                flat = await _call(
+                    THREADS_AFTER(self.client, [key], [cursor[0], cursor[1], limit or -1])
+                )
+                rows = zip(flat[0::2], flat[1::2], strict=True)
+            per_partition.append(_index_rows(key, p, rows))
+        # Each partition comes newest first, ties by thread id descending (ZREVRANGE's order:
+        # bytes, which for UTF-8 is the code points' order); the merge keeps that across them.
+        merged = heapq.merge(
+            *per_partition, key=lambda t: (t.last_activity_ms, t.thread_id), reverse=True
+        )
+        return list(merged if limit is None else itertools.islice(merged, limit))
 
     async def indexed(self, thread_id: str) -> bool:
         validate_thread_id(thread_id)

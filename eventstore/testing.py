@@ -79,6 +79,11 @@ async def read_all(store: EventStore, thread_id: str, **kwargs: Any) -> list[Rec
     return [e async for e in store.read(thread_id, **kwargs)]
 
 
+async def _read_between(store: EventStore, thread_id: str, **kwargs: Any) -> list[RecordedEvent]:
+    """Every event ``store.read_between`` yields, as a list."""
+    return [e async for e in store.read_between(thread_id, **kwargs)]
+
+
 async def _drain(batches: AsyncIterator[Any]) -> None:
     async for _ in batches:
         pass
@@ -135,6 +140,16 @@ class EventStoreConformance:
     async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
         """Remove the thread from its partition's thread index and nothing else, as an edit
         of that one key would (Redis: ``ZREM``)."""
+        raise NotImplementedError
+
+    async def set_last_activity(self, store: EventStore, thread_id: str, ms: int) -> None:
+        """List the thread in its partition's thread index as last active at ``ms`` and change
+        nothing else (Redis: ``ZADD``), so that many threads can share one millisecond."""
+        raise NotImplementedError
+
+    async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
+        """Record ``version`` as the thread's version and change nothing else, as an edit of
+        its meta hash would (Redis: ``HSET`` of field ``v``)."""
         raise NotImplementedError
 
     @pytest.fixture
@@ -670,6 +685,63 @@ class EventStoreConformance:
         older = await store.threads(before_ms=listed[0].last_activity_ms)
         assert [t.thread_id for t in older] == ["three", "two"]
 
+    async def test_threads_page_exactly_through_threads_sharing_a_millisecond(
+        self, store: EventStore
+    ) -> None:
+        names = [f"t{i:02d}" for i in range(40)] + ["ä", "z", "Z", "a:b", "t1", "t100", "€"]
+        for name in names:
+            await store.append(name, [msg(name)])
+        base = 1_700_000_000_000
+        # Most threads in two milliseconds, a few on their own; every partition holds ties.
+        times = {n: base + (5 if i % 3 == 0 else 0 if i % 7 else -9) for i, n in enumerate(names)}
+        for name, ms in times.items():
+            await self.set_last_activity(store, name, ms)
+        # Newest first, ties by thread id descending (code points: the UTF-8 byte order).
+        expected = sorted(names, key=lambda n: (times[n], n), reverse=True)
+        listed = await store.threads()
+        assert [t.thread_id for t in listed] == expected
+        assert [t.last_activity_ms for t in listed] == [times[n] for n in expected]
+        for k in (1, 3, 10, len(names)):
+            assert [t.thread_id for t in await store.threads(limit=k)] == expected[:k]
+        for size in (1, 4, 7, 100):
+            seen: list[str] = []
+            cursor = None
+            while page := await store.threads(limit=size, after=cursor):
+                assert len(page) <= size
+                seen += [t.thread_id for t in page]
+                cursor = page[-1]
+            assert seen == expected, f"pages of {size}"
+        # A cursor as a pair, and one naming no listed thread (deleted, or moved on since).
+        i = expected.index("t10")
+        after_pair = await store.threads(after=(times["t10"], "t10"))
+        assert [t.thread_id for t in after_pair] == expected[i + 1 :]
+        await store.delete_thread("t10")
+        rest = await store.threads(limit=3, after=(times["t10"], "t10"))
+        assert [t.thread_id for t in rest] == expected[i + 1 : i + 4]
+        expected.remove("t10")
+        # before_ms keeps meaning "last active before", alone and with a cursor.
+        older = [n for n in expected if times[n] < base + 5]
+        assert [t.thread_id for t in await store.threads(before_ms=base + 5)] == older
+        assert [t.thread_id for t in await store.threads(before_ms=base + 5, after=listed[0])] == (
+            older
+        )
+        last_tie = older.index(next(n for n in older if times[n] == base)) + 2
+        cursor_info = (times[older[last_tie]], older[last_tie])
+        assert [
+            t.thread_id for t in await store.threads(before_ms=base + 5, after=cursor_info)
+        ] == older[last_tie + 1 :]
+        assert await store.threads(after=(base - 10, "zzz")) == []
+
+    @pytest.mark.parametrize(
+        "bad", [5, "t", (1, 2), (1.5, "t"), (True, "t"), (1, "bad{id}"), (1, "t", 3), [1, "t"]]
+    )
+    async def test_a_threads_cursor_that_is_not_one_is_refused(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        await store.append("t", [msg("a")])
+        with pytest.raises(InvalidInputError):
+            await store.threads(after=bad)
+
     async def test_stored_threads_come_from_the_keys_not_the_index(self, store: EventStore) -> None:
         odd = ["a:b", "log:x", "meta:y", "*", "100%", "ünï cödé", "view:messages:t"]
         names = ["one", "two", *odd]
@@ -747,6 +819,50 @@ class EventStoreConformance:
                 await store.threads(before_ms=bad)
         with pytest.raises(InvalidInputError, match="start"):
             await store.read_list("t", "l", start=bad)
+
+    @pytest.mark.parametrize("bad", ["2026-01-01", 1.5e12, True, b"1"])
+    async def test_read_between_refuses_times_that_are_neither_datetimes_nor_ms(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        await store.append("t", [msg("a")])
+        with pytest.raises(InvalidInputError, match="since"):
+            await _read_between(store, "t", since=bad)
+        with pytest.raises(InvalidInputError, match="until"):
+            await _read_between(store, "t", until=bad)
+
+    async def test_read_between_reads_a_naive_datetime_as_local_time(
+        self, store: EventStore
+    ) -> None:
+        await store.append("t", [msg("a")])
+        (event,) = await read_all(store, "t")
+        # The event's time as a local wall-clock reading without a zone: as datetime.timestamp
+        # and the command line's --since read it (documented on read_between).
+        naive = event.time.astimezone().replace(tzinfo=None)
+        assert [e.seq for e in await _read_between(store, "t", since=naive, until=naive)] == [1]
+
+    async def test_seq_at_reports_an_entry_whose_time_is_not_a_number(
+        self, store: EventStore
+    ) -> None:
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("good", [msg("a")])
+        good = (await store.read_raw("good"))[0][1]
+        for i, bad in enumerate([b"soon", b"1e3", b"", None]):
+            thread = f"t{i}"
+            await store.append(thread, [msg("a")])
+            fields = {k: v for k, v in good.items() if k != b"s" or bad is not None}
+            if bad is not None:
+                fields[b"s"] = bad
+            await self.write_raw_entry(store, thread, "2-0", fields)
+            await self.set_version(store, thread, 2)
+            # As read reports it: the thread and the seq, never a silent 0 or 1.
+            with pytest.raises(CorruptEventError, match="field 's'") as info:
+                await store.seq_at(thread, 2**50)
+            assert (info.value.thread_id, info.value.seq) == (thread, 2), bad
+            with pytest.raises(CorruptEventError) as info:
+                await read_all(store, thread)
+            assert info.value.seq == 2
+            assert await store.seq_at(thread, 0) == 0  # the search never reached it
 
     # -- deletion -------------------------------------------------------------------------------
 
@@ -1327,6 +1443,47 @@ class EventStoreConformance:
         ]
         assert [e.schema_version for e in events] == [1, 2]
 
+    async def test_an_older_reader_is_told_the_stored_version_is_newer(self) -> None:
+        class NoteV1(Event, tag="testing.newer", frozen=True):
+            text: str
+
+        class NoteV2(Event, tag="testing.newer", frozen=True):
+            body: str
+            text: str = ""
+
+        old_registry = EventRegistry()
+        old_registry.register(NoteV1)
+        new_registry = EventRegistry()
+        new_registry.register(NoteV2, version=2, upcasters={1: lambda raw: {"body": raw["text"]}})
+        ns = "c" + uuid.uuid4().hex[:12]
+        writer = await self.make_store(ns, registry=new_registry)
+        try:
+            # One the old schema cannot decode, one it can (it has a "text"): both are newer.
+            await writer.append("t", [NoteV2(body="b"), NoteV2(body="b", text="t")])
+        finally:
+            await writer.close()
+        reader = await self.make_store(ns, registry=old_registry)
+        try:
+
+            async def attempt(how: str, seq: int) -> None:
+                if how == "read":
+                    await read_all(reader, "t", start=seq, stop=seq)
+                elif how == "read_batches":
+                    await _drain(reader.read_batches("t", start=seq, stop=seq))
+                else:
+                    await reader.fold_payloads("t", lambda rows: None, start=seq, stop=seq)
+
+            for seq in (1, 2):
+                for how in ("read", "read_batches", "fold_payloads"):
+                    with pytest.raises(CorruptEventError) as info:
+                        await attempt(how, seq)
+                    assert "stored version 2 of 'testing.newer' is newer than this code knows" in (
+                        str(info.value)
+                    ), (how, seq, str(info.value))
+                    assert info.value.unknown_type and info.value.seq == seq
+        finally:
+            await reader.close()
+
     # -- one chain key per thread ----------------------------------------------------------------
 
     async def _snapshot(self, store: EventStore, thread_id: str) -> tuple[Any, ...]:
@@ -1550,6 +1707,15 @@ class EventStoreConformance:
             reg.register(Clash)
         with pytest.raises(InvalidInputError):
             reg.register(Custom, version=3, upcasters={1: lambda r: r})
+        # Checked when registering, not when the first old event is read.
+        for version in ("2", 1.5, True, 0):
+            with pytest.raises(InvalidInputError, match="version must be an int"):
+                reg.register(Custom, version=version)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError, match="not callable"):
+            reg.register(Custom, version=2, upcasters={1: 5})  # type: ignore[dict-item]
+        with pytest.raises(InvalidInputError, match="mapping"):
+            reg.register(Custom, version=2, upcasters=[lambda r: r])  # type: ignore[arg-type]
+        assert reg.version_of(Custom(n=1)) == 1  # the refused registrations changed nothing
         store = await self.make_store("c" + uuid.uuid4().hex[:12], registry=reg)
         try:
             await store.append("t", [Custom(n=5)])

@@ -48,6 +48,7 @@ PUBLIC_NAMES = [
     "ConcurrencyError",
     "ConflictError",
     "CorruptEventError",
+    "CorruptKeyError",
     "DEFAULT_PARTITIONS",
     "EXISTS",
     "Event",
@@ -245,6 +246,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         eventstore.ThreadReplacedError: lambda: eventstore.ThreadReplacedError("t"),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
+        eventstore.CorruptKeyError: lambda: eventstore.CorruptKeyError(
+            "tl:{ns:cfg}", "its partition count is b'abc'"
+        ),
         eventstore.UnstampedViewError: lambda: eventstore.UnstampedViewError(
             "t", "messages", "no stamp"
         ),

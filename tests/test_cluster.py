@@ -39,6 +39,7 @@ from eventstore.servers import redis_cluster
 from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
 from projections.testing import ProjectionConformance
+from tests._redis_hooks import RedisHooks
 
 
 async def _cached_on(client: RedisCluster, sha: str) -> list[str]:
@@ -51,7 +52,7 @@ async def _cached_on(client: RedisCluster, sha: str) -> list[str]:
     return out
 
 
-class TestClusterEventStore(EventStoreConformance):
+class TestClusterEventStore(RedisHooks, EventStoreConformance):
     @pytest.fixture(autouse=True)
     def _cluster(self, cluster_url: str) -> None:
         self.url = cluster_url
@@ -69,21 +70,6 @@ class TestClusterEventStore(EventStoreConformance):
         # on the node serving the next call would hide a broken NOSCRIPT fallback.
         assert await store.client.script_flush()
         assert await _cached_on(store.client, APPEND.sha) == []
-
-    async def write_raw_entry(
-        self, store: EventStore, thread_id: str, entry_id: str, fields: dict[bytes, bytes]
-    ) -> None:
-        assert isinstance(store, RedisEventStore)
-        await store.client.xadd(store.keys.log(thread_id), fields, id=entry_id)
-
-    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
-        assert isinstance(store, RedisEventStore)
-        assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1
-
-    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
-        assert isinstance(store, RedisEventStore)
-        index = store.keys.index(store.keys.partition(thread_id))
-        assert await store.client.zrem(index, thread_id) == 1
 
 
 class TestClusterProjections(ProjectionConformance):

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
 
-from eventstore import EventStore, MemoryEventStore, MemoryServer, RedisEventStore, open_store
+from eventstore import (
+    CorruptKeyError,
+    EventStore,
+    KeyLayout,
+    MemoryEventStore,
+    MemoryServer,
+    RedisEventStore,
+    connect,
+    open_store,
+)
 from eventstore._connect import StoreSettings
-from eventstore.testing import EventStoreConformance
+from eventstore.testing import EventStoreConformance, msg
+from tests._redis_hooks import RedisHooks
 
 
 class TestMemoryEventStore(EventStoreConformance):
@@ -33,8 +44,16 @@ class TestMemoryEventStore(EventStoreConformance):
         assert isinstance(store, MemoryEventStore)
         del store.server.namespaces[store.namespace].index[thread_id]
 
+    async def set_last_activity(self, store: EventStore, thread_id: str, ms: int) -> None:
+        assert isinstance(store, MemoryEventStore)
+        store.server.namespaces[store.namespace].index[thread_id] = ms
 
-class TestRedisEventStore(EventStoreConformance):
+    async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
+        assert isinstance(store, MemoryEventStore)
+        store.server.namespaces[store.namespace].threads[thread_id].version = version
+
+
+class TestRedisEventStore(RedisHooks, EventStoreConformance):
     @pytest.fixture(autouse=True)
     def _redis(self, redis_url: str) -> None:
         self.url = redis_url
@@ -48,17 +67,58 @@ class TestRedisEventStore(EventStoreConformance):
         assert isinstance(store, RedisEventStore)
         await store.client.script_flush()
 
-    async def write_raw_entry(
-        self, store: EventStore, thread_id: str, entry_id: str, fields: dict[bytes, bytes]
-    ) -> None:
-        assert isinstance(store, RedisEventStore)
-        await store.client.xadd(store.keys.log(thread_id), fields, id=entry_id)
 
-    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
-        assert isinstance(store, RedisEventStore)
-        assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1
+# -- Redis's own: damage in the keys a whole namespace shares -----------------------------------
 
-    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
+
+@pytest.fixture(params=["redis", "cluster"])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """Standalone Redis, then Redis Cluster."""
+    url: str = request.getfixturevalue("redis_url" if request.param == "redis" else "cluster_url")
+    return url
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("recorded", [b"abc", b"0", b"-3", b"1e3", b"16385", b"99999999999999"])
+async def test_a_damaged_partition_count_is_a_typed_error_naming_the_key(
+    any_redis_url: str, recorded: bytes
+) -> None:
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns, partitions=2) as writer:
+        await writer.append("t", [msg("x")])
+        assert isinstance(writer, RedisEventStore)
+        key = KeyLayout.config_key(ns)
+        await writer.client.hset(key, "partitions", recorded)
+    for create in (True, False):
+        with pytest.raises(CorruptKeyError, match="partition count") as info:
+            await connect(any_redis_url, namespace=ns, create_namespace=create)
+        assert info.value.key == key and repr(recorded) in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_a_damaged_thread_index_is_a_typed_error_naming_the_key(any_redis_url: str) -> None:
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns, partitions=1) as store:
         assert isinstance(store, RedisEventStore)
-        index = store.keys.index(store.keys.partition(thread_id))
-        assert await store.client.zrem(index, thread_id) == 1
+        for name in ("a", "b", "c"):
+            await store.append(name, [msg(name)])
+        index = store.keys.index(0)
+        listed = await store.threads()
+        damage: list[tuple[bytes, float]] = [
+            (b"\xff\xfe", 5),  # no UTF-8
+            (b"bad{id}", 5),  # no thread id threadlog accepts
+            (b"d", float("inf")),
+            (b"d", float("-inf")),
+            (b"d", 1.5),
+        ]
+        for member, score in damage:
+            await store.client.zadd(index, {member: score})
+            listings: list[dict[str, Any]] = [{}, {"limit": 10}]
+            if score != float("inf"):  # (listings that reach below the newest thread)
+                listings += [{"after": listed[0]}, {"before_ms": 2**52}]
+            for kwargs in listings:
+                with pytest.raises(CorruptKeyError) as info:
+                    await store.threads(**kwargs)
+                assert info.value.key == index, (member, score)
+            await store.client.zrem(index, member)
+        assert await store.threads() == listed

@@ -37,6 +37,7 @@ from eventstore._connect import StoreSettings, redact
 from eventstore.servers import RedisServer, RedisServerError, TlsFiles, make_tls_files, redis_server
 from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
+from tests._redis_hooks import RedisHooks
 
 pytestmark = pytest.mark.anyio
 
@@ -97,7 +98,7 @@ def new_namespace() -> str:
 # -- the whole event-store contract, as a tenant's confined user ------------------------------
 
 
-class TestTenantConfinedEventStore(EventStoreConformance):
+class TestTenantConfinedEventStore(RedisHooks, EventStoreConformance):
     """Every inherited test as the ACL user of its namespace: every key the store touches lies
     under the tenant's pattern, and `TENANT_COMMANDS` is enough for every operation (but
     `stored_threads`: SCAN is not confined to a key pattern, so tenants are not granted it)."""
@@ -125,21 +126,6 @@ class TestTenantConfinedEventStore(EventStoreConformance):
     async def flush_scripts(self, store: EventStore) -> None:
         with admin(self.server) as c:  # SCRIPT FLUSH is not the tenant's to run
             c.script_flush()
-
-    async def write_raw_entry(
-        self, store: EventStore, thread_id: str, entry_id: str, fields: dict[bytes, bytes]
-    ) -> None:
-        assert isinstance(store, RedisEventStore)
-        await store.client.xadd(store.keys.log(thread_id), fields, id=entry_id)
-
-    async def forget_chain_key(self, store: EventStore, thread_id: str) -> None:
-        assert isinstance(store, RedisEventStore)
-        assert await store.client.hdel(store.keys.meta(thread_id), "f") == 1
-
-    async def unindex_thread(self, store: EventStore, thread_id: str) -> None:
-        assert isinstance(store, RedisEventStore)
-        index = store.keys.index(store.keys.partition(thread_id))
-        assert await store.client.zrem(index, thread_id) == 1
 
 
 # -- isolation at the Redis level -------------------------------------------------------------
