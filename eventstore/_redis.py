@@ -815,7 +815,15 @@ class RedisEventStore(EventStore):
             count = READ_BATCH if remaining is None else min(READ_BATCH, remaining)
             life, rows = await self._page(thread_id, lo_id, hi_id, count, backwards=backwards)
             first_life = _same_life(thread_id, first_life, life)
-            for event in decode_rows(thread_id, rows, self.registry):
+            try:
+                events = decode_rows(thread_id, rows, self.registry)
+            except CorruptEventError:
+                # The events before the damaged entry are still given, one at a time, then
+                # its error: a reader can step past it (read on from the next seq).
+                for row in rows:
+                    yield decode_rows(thread_id, [row], self.registry)[0]
+                raise
+            for event in events:
                 yield event
             if len(rows) < count:
                 return
