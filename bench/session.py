@@ -15,6 +15,11 @@ own native form (threadlog `Message`, SDK input items ``{"role", "content"}``, L
   ``RedisSession.get_items(limit=6)``; LangChain has no windowed read, so its side reads the
   whole 1,000-message history and slices it (timed with fewer ops, in its own pairing).
 
+The append row carries two informational floors: LangChain's own ``LPUSH``, packed once and
+sent with no client work, on asyncio streams and on a blocking socket. A floor plus the server
+time threadlog's append script spends over an ``LPUSH`` is the least any append running that
+script could take; the run prints whether that already exceeds LangChain's synchronous call.
+
 The load and window rows carry an informational "what-if" side: threadlog's own parsing over a
 plain ``LRANGE`` of the same view, i.e. what those reads would cost without the read script.
 
@@ -31,6 +36,7 @@ than ``RedisSession.add_items`` on the append row.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import sys
 import warnings
@@ -40,7 +46,7 @@ import hiredis
 import redis
 import redis.asyncio as aioredis
 from agents.extensions.memory.redis_session import RedisSession
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, message_to_dict
 
 from adapters import SessionStore, ThreadStore
 from eventstore import (
@@ -54,7 +60,7 @@ from eventstore import (
 )
 from eventstore._scripts import APPEND
 from eventstore._views import decode_view_result
-from eventstore._wire import pack_script_call
+from eventstore._wire import pack_command, pack_script_call
 from eventstore.servers import redis_server
 from projections import MessagesProjection, TranscriptProjection
 
@@ -118,6 +124,9 @@ SDK_WINDOW = "SDK get_items(limit=6)"
 LC_WINDOW = "LangChain messages[-6:] (sync)"
 LC_AWINDOW = "LangChain aget_messages()[-6:]"
 WHATIF_APPEND = "what-if: SessionStore.append, blocking I/O"
+FLOOR_AIO = "floor: packed LPUSH, asyncio round trip"
+FLOOR_SYNC = "floor: packed LPUSH, blocking round trip"
+FLOORS = (FLOOR_AIO, FLOOR_SYNC)
 PEERS = {SDK_ADD, LC_ADD, LC_AADD}  # the append sides that are not threadlog's own calls
 WHATIF_LOAD = "what-if: LRANGE + threadlog parse"
 WHATIF_WINDOW = "what-if: LRANGE + threadlog parse"
@@ -136,6 +145,7 @@ class BlockingAppends:
     def __init__(self, store: RedisEventStore, socket_path: str) -> None:
         self.store = store
         self.sessions = SessionStore(store)
+        self.socket_path = socket_path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(socket_path)
         self.reader = hiredis.Reader()
@@ -173,6 +183,60 @@ class BlockingAppends:
         self.sock.close()
 
 
+class RoundTrips:
+    """The floors of the append row: LangChain's own ``LPUSH`` (its key, its JSON bytes), packed
+    once, sent and its reply read with no client work at all. On asyncio streams it is the
+    least any asyncio caller pays for a round trip on this machine; on a blocking socket, the
+    least LangChain's synchronous call could pay. Beside them, every other side's time is its
+    round trip plus its client work plus its server time over an ``LPUSH``'s."""
+
+    def __init__(self, socket_path: str, value: bytes) -> None:
+        self.socket_path = socket_path
+        self.value = value
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(socket_path)
+        self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    def command(self, key: str) -> bytes:
+        return pack_command((b"LPUSH", key, self.value))
+
+    async def setup_aio(self, r: int, n: int) -> Op:
+        if self.stream is None:
+            self.stream = await asyncio.open_unix_connection(self.socket_path)
+        reader, writer = self.stream
+        command = self.command(f"floor-aio-{r}")
+
+        async def op() -> None:
+            writer.write(command)
+            # An LPUSH reply is one short line (":<length>\r\n"), read in one piece.
+            if not (await reader.readline()).startswith(b":"):
+                raise RuntimeError("LPUSH failed")
+
+        return op
+
+    async def setup_sync(self, r: int, n: int) -> Op:
+        sock, command = self.sock, self.command(f"floor-sync-{r}")
+
+        async def op() -> None:
+            sock.sendall(command)
+            if not sock.recv(64).startswith(b":"):
+                raise RuntimeError("LPUSH failed")
+
+        return op
+
+    async def teardown(self, r: int) -> None:
+        sock = self.sock
+        sock.sendall(pack_command((b"DEL", f"floor-aio-{r}", f"floor-sync-{r}")))
+        if not sock.recv(64).startswith(b":"):
+            raise RuntimeError("DEL failed")
+
+    async def aclose(self) -> None:
+        self.sock.close()
+        if self.stream is not None:
+            self.stream[1].close()
+            await self.stream[1].wait_closed()
+
+
 class SessionBench:
     """Every side, with the same 1,000 message texts in each store's own form."""
 
@@ -199,6 +263,10 @@ class SessionBench:
         self.lc_append = RedisChatMessageHistory("lc-append", url=url)
         self.lc_aappend = RedisChatMessageHistory("lc-aappend", url=url)
         self.sdk_1000 = RedisSession("sdk-1000", redis_client=sdk_client)
+        assert blocking.socket_path is not None
+        self.floors = RoundTrips(
+            blocking.socket_path, json.dumps(message_to_dict(self.lc_messages[0])).encode()
+        )
 
     async def populate(self) -> None:
         """The 1,000-message data each read row reads (the same texts on every side)."""
@@ -330,6 +398,8 @@ class SessionBench:
             Side(LC_ADD, self.setup_lc_add, self.teardown_lc_add),
             Side(LC_AADD, self.setup_lc_aadd, self.teardown_lc_aadd),
             Side(WHATIF_APPEND, self.setup_whatif_append, self.teardown_whatif_append),
+            Side(FLOOR_AIO, self.floors.setup_aio, self.floors.teardown),
+            Side(FLOOR_SYNC, self.floors.setup_sync, self.floors.teardown),
         ]
 
     # -- load ------------------------------------------------------------------------------
@@ -501,6 +571,7 @@ async def _run(
             )
         finally:
             bench.close()
+            await bench.floors.aclose()
             blocking.close()
             await blocking_store.close()
             await sdk_client.aclose()
@@ -568,6 +639,8 @@ def report(
         f"INFO (append; no such API, what a synchronous client path could reach): {LC_ADD} / "
         f"{WHATIF_APPEND} = {whatif_sync:.2f}x"
     )
+    floors = append_floors(append, profile["append"])
+    verdicts += floors["verdicts"]
     prof_rows = [
         profile_row(op, side, p) for op, sides in profile.items() for side, p in sides.items()
     ]
@@ -602,11 +675,50 @@ def report(
         },
         "targets": targets,
         "whatif_sync_append_vs_langchain_sync": round(whatif_sync, 3),
+        "append_floors": floors["figures"],
         "profile": profile,
         "environment": env,
         "tables": {"operations": rows, "profile": prof_rows},
         "verdicts": verdicts,
     }
+
+
+def append_floors(append: Comparison, profile: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the floors say about the LangChain (sync) row, from this run's own figures.
+
+    An append's time is at least a round trip with no client work (the floor) plus the server
+    time its script spends over the ``LPUSH`` LangChain sends (the profile), before any client
+    work. Whether that already exceeds LangChain's whole call decides if the row can be won.
+    """
+    p50 = {s.name: s.percentile_us(50) for s in append.sides}
+    script_extra = profile[TL_APPEND]["server_us_per_op"] - profile[LC_ADD]["server_us_per_op"]
+    langchain = p50[LC_ADD]
+    figures: dict[str, Any] = {
+        "langchain_sync_p50_us": round(langchain, 1),
+        "script_server_us_over_lpush": round(script_extra, 1),
+        "client_cpu_us": {
+            name: round(profile[name]["client_cpu_us_per_op"], 1)
+            for name in (TL_APPEND, WHATIF_APPEND, LC_ADD)
+        },
+    }
+    cpu = figures["client_cpu_us"]
+    verdicts = []
+    for floor, how in ((FLOOR_AIO, "an asyncio"), (FLOOR_SYNC, "a synchronous")):
+        least = p50[floor] + script_extra
+        room = langchain - least
+        figures[floor] = {"p50_us": round(p50[floor], 1), "least_append_p50_us": round(least, 1)}
+        if room <= 0:
+            outcome = f"no {how.split()[1]} append running this script can be faster"
+        else:
+            outcome = f"{room:.1f} us left for {how} path's client work"
+        verdicts.append(
+            f"INFO (append floor): {floor} {p50[floor]:.1f} us p50 + the append script's "
+            f"server time over an LPUSH's {script_extra:.1f} us = {least:.1f} us before any "
+            f"client work, against {LC_ADD} {langchain:.1f} us p50: {outcome} "
+            f"(client CPU per op in the profile: threadlog {cpu[TL_APPEND]:.1f} us from "
+            f"asyncio, {cpu[WHATIF_APPEND]:.1f} us blocking; LangChain {cpu[LC_ADD]:.1f} us)"
+        )
+    return {"figures": figures, "verdicts": verdicts}
 
 
 def run(
