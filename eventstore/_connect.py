@@ -36,12 +36,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ._aof import AofRepairError, repair_aof
 from ._codec import DEFAULT_MAX_EVENT_BYTES
 from ._contract import EventStore
-from ._errors import InvalidInputError, InvalidURLError, OperationalError, StoreConnectionError
+from ._errors import (
+    InvalidInputError,
+    InvalidURLError,
+    OperationalError,
+    StoreConnectionError,
+    UnsafeServerError,
+)
 from ._events import EventRegistry
 from ._ids import validate_namespace
 from ._keys import DEFAULT_PARTITIONS
 from ._memory import MemoryEventStore, MemoryServer
-from ._redis import RedisEventStore, _call
+from ._redis import RedisEventStore, _call, translate_redis_error
 
 log = logging.getLogger("threadlog")
 
@@ -377,6 +383,7 @@ async def open_store(
     )
     try:
         await _call(client.ping())
+        await _refuse_evicting_server(client, settings.url)
         await store.ensure_namespace(
             explicit_partitions=settings.partitions is not None, create=create_namespace
         )
@@ -389,6 +396,35 @@ async def open_store(
         await store.close()
         raise
     return store
+
+
+# Policies that delete any key under memory pressure. The volatile-* ones delete only keys with
+# a TTL; threadlog sets one only on the staging keys of a chunked view load, and the load checks
+# that each staging key still holds everything it was sent before it swaps it in.
+_EVICTING_POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
+
+
+async def _refuse_evicting_server(client: Any, url: str) -> None:
+    """`UnsafeServerError` when the server (any primary of a cluster) may evict any key.
+
+    Asked once, when a store opens (``INFO memory``): a policy changed later is not seen. A
+    user the server does not allow ``INFO`` (a tenant confined by ACL) opens unchecked.
+    """
+    try:
+        if isinstance(client, RedisCluster):
+            reply = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            # One node's reply is returned as it is; several come keyed by node name.
+            infos = list(reply.values()) if "maxmemory_policy" not in reply else [reply]
+        else:
+            infos = [await client.info("memory")]
+    except redis.exceptions.NoPermissionError:
+        return
+    except (redis.exceptions.RedisError, OSError) as exc:
+        raise translate_redis_error(exc) from exc
+    for info in infos:
+        policy = str(info.get("maxmemory_policy", "")) if isinstance(info, dict) else ""
+        if policy in _EVICTING_POLICIES:
+            raise UnsafeServerError(redact(url), policy)
 
 
 def _strip_url(message: str, url: str) -> str:

@@ -252,6 +252,28 @@ class CorruptKeyError(EventStoreError):
         return (type(self), (self.key, self.detail))
 
 
+# -- the server: set up to lose what threadlog writes -------------------------------------------
+
+
+class UnsafeServerError(EventStoreError):
+    """Raised when the Redis server is set up to delete what threadlog writes: an eviction
+    policy that removes any key under memory pressure (``maxmemory-policy allkeys-*``) would
+    drop logs, ledgers and feeds in silence. Nothing was written."""
+
+    def __init__(self, server: str, policy: str) -> None:
+        self.server = server
+        self.policy = policy
+        super().__init__(
+            f"redis at {server} evicts keys under memory pressure (maxmemory-policy {policy}): "
+            "threadlog's logs would be deleted without a trace. Set maxmemory-policy to "
+            "noeviction (appends then fail with an error when memory is full) or to a "
+            "volatile-* policy; nothing was written"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.server, self.policy))
+
+
 # -- operational: the server or the connection failed -------------------------------------------
 
 

@@ -123,6 +123,7 @@ PUBLIC_NAMES = [
     "TurnOpened",
     "TurnSettled",
     "UnknownEventTypeError",
+    "UnsafeServerError",
     "UnstampedViewError",
     "Usage",
     "ViewClear",
@@ -248,6 +249,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
         eventstore.CorruptKeyError: lambda: eventstore.CorruptKeyError(
             "tl:{ns:cfg}", "its partition count is b'abc'"
+        ),
+        eventstore.UnsafeServerError: lambda: eventstore.UnsafeServerError(
+            "unix:///tmp/r.sock", "allkeys-lru"
         ),
         eventstore.UnstampedViewError: lambda: eventstore.UnstampedViewError(
             "t", "messages", "no stamp"

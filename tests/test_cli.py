@@ -30,6 +30,7 @@ from typing import IO, Any, TypeVar
 import anyio
 import msgspec
 import pytest
+import redis
 
 import eventstore as es
 from adapters import ThreadStore, read_parquet_dir
@@ -281,6 +282,23 @@ def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> Non
         assert "cannot use redis at redis://alice:***@127.0.0.1" in line, line
         assert "s3cret" not in run.err + run.out
     assert time.monotonic() - started < 30
+
+
+def test_a_server_that_evicts_any_key_is_one_line_with_exit_code_2(redis_url: str) -> None:
+    namespace = fresh_namespace()
+    # Set and reset with redis-py: no threadlog store opens on the server while it evicts.
+    with redis.Redis.from_url(redis_url) as admin:
+        (before,) = admin.config_get("maxmemory-policy").values()
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        try:
+            for argv in (["threads"], ["demo"]):
+                line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
+                assert "maxmemory-policy allkeys-lru" in line and "nothing was written" in line
+        finally:
+            admin.config_set("maxmemory-policy", before)
+    # The refused demo wrote nothing: the namespace is still unknown, and a demo now runs.
+    assert "holds no namespace" in cli("threads", url=redis_url, namespace=namespace).err
+    assert cli("demo", url=redis_url, namespace=namespace).code == 0
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(redis_url: str) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from eventstore import (
     RedisEventStore,
     StoreConnectionError,
     StoreSettings,
+    UnsafeServerError,
     chain_link,
     connect,
     entry_digest,
@@ -276,6 +277,63 @@ async def test_connect_to_real_redis(redis_url: str) -> None:
         await store.append("t", [msg("hello")])
     async with await connect(_with_query(redis_url, f"namespace={ns}")) as again:
         assert await _texts(again, "t") == ["hello"]
+
+
+@contextlib.asynccontextmanager
+async def _eviction_policy(url: str, policy: str, *, one_node: bool = False) -> AsyncIterator[None]:
+    """The server at ``url`` (one primary of a cluster, with ``one_node``) set to ``policy``
+    for the block, then set back; set through a store of a namespace of its own."""
+    async with await connect(url, namespace=_ns()) as admin:
+        assert isinstance(admin, RedisEventStore)
+        client: Any = admin.client
+        nodes = {"target_nodes": client.get_primaries()[-1]} if one_node else {}
+        (before,) = (await client.config_get("maxmemory-policy", **nodes)).values()
+        await client.config_set("maxmemory-policy", policy, **nodes)
+        try:
+            yield
+        finally:
+            await client.config_set("maxmemory-policy", before, **nodes)
+
+
+async def _namespace_keys(url: str, ns: str) -> list[Any]:
+    async with await connect(url, namespace=_ns()) as other:
+        assert isinstance(other, RedisEventStore)
+        return [k async for k in other.client.scan_iter(match=f"tl:{{{ns}:*")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-lfu", "allkeys-random"])
+async def test_a_server_that_evicts_any_key_is_refused(redis_url: str, policy: str) -> None:
+    ns = _ns()
+    async with _eviction_policy(redis_url, policy):
+        with pytest.raises(UnsafeServerError) as caught:
+            await connect(redis_url, namespace=ns)
+    assert caught.value.policy == policy
+    assert f"maxmemory-policy {policy}" in str(caught.value)
+    assert "noeviction" in str(caught.value)
+    assert await _namespace_keys(redis_url, ns) == []  # nothing recorded, not even settings
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("policy", ["noeviction", "volatile-lru", "volatile-ttl"])
+async def test_a_server_that_evicts_only_keys_with_a_ttl_is_used(
+    redis_url: str, policy: str
+) -> None:
+    ns = _ns()
+    async with _eviction_policy(redis_url, policy), await connect(redis_url, namespace=ns) as store:
+        await store.append("t", [msg("kept")])
+        assert await _texts(store, "t") == ["kept"]
+
+
+@pytest.mark.anyio
+async def test_a_cluster_with_one_evicting_primary_is_refused(cluster_url: str) -> None:
+    ns = _ns()
+    async with _eviction_policy(cluster_url, "allkeys-lfu", one_node=True):
+        with pytest.raises(UnsafeServerError, match="allkeys-lfu"):
+            await connect(cluster_url, namespace=ns)
+    async with await connect(cluster_url, namespace=ns) as store:  # set back: used again
+        await store.append("t", [msg("kept")])
+        assert await _texts(store, "t") == ["kept"]
 
 
 @pytest.mark.anyio
