@@ -9,6 +9,9 @@ own native form (threadlog `Message`, SDK input items ``{"role", "content"}``, L
 * append one message: `SessionStore.append` (the transcript the load row reads; the baseline)
   and `ThreadStore.append_message` (the conversation the window row reads) beside
   ``RedisSession.add_items([item])`` and LangChain ``add_message`` / ``aadd_messages``;
+* append to 64 sessions at once (informational, no target): one message to each of 64
+  sessions, the calls started together, as an agent server appends for its open sessions;
+  LangChain's sync method runs them one after another (each call blocks the event loop);
 * load a 1,000-message transcript: `SessionStore.load` beside ``RedisSession.get_items()`` and
   LangChain ``messages`` / ``aget_messages()``;
 * the last 6 messages: `ThreadStore.list_messages(limit=6)` beside
@@ -95,20 +98,21 @@ with warnings.catch_warnings():
 N_MESSAGES = 1000
 WINDOW = 6
 TARGET_ADD_ITEMS = 3.0
+CONCURRENT = 64  # sessions appended to at once in the "many sessions" append row
 
 
 class Rows:
     """Rounds and ops per round of each row of a mode (flags may override rounds and ops)."""
 
     def __init__(
-        self, name: str, rounds: int, append: int, load: int, window: int, warmup: int
+        self, name: str, rounds: int, append: int, load: int, window: int, warmup: int, many: int
     ) -> None:
         self.name, self.rounds, self.append, self.load = name, rounds, append, load
-        self.window, self.warmup = window, warmup
+        self.window, self.warmup, self.many = window, warmup, many
 
 
-QUICK = Rows("quick", rounds=5, append=200, load=8, window=200, warmup=100)
-FULL = Rows("default", rounds=15, append=500, load=20, window=500, warmup=300)
+QUICK = Rows("quick", rounds=5, append=200, load=8, window=200, warmup=100, many=8)
+FULL = Rows("default", rounds=15, append=500, load=20, window=500, warmup=300, many=20)
 
 TL_APPEND = "threadlog SessionStore.append"
 TL_APPEND_MSG = "threadlog ThreadStore.append_message"
@@ -262,6 +266,7 @@ class SessionBench:
         self.lc_async = RedisChatMessageHistory("lc-1000", url=url)
         self.lc_append = RedisChatMessageHistory("lc-append", url=url)
         self.lc_aappend = RedisChatMessageHistory("lc-aappend", url=url)
+        self._lc_open: list[RedisChatMessageHistory] = []
         self.sdk_1000 = RedisSession("sdk-1000", redis_client=sdk_client)
         assert blocking.socket_path is not None
         self.floors = RoundTrips(
@@ -402,6 +407,101 @@ class SessionBench:
             Side(FLOOR_SYNC, self.floors.setup_sync, self.floors.teardown),
         ]
 
+    # -- append, many sessions at once ---------------------------------------------------
+    # An agent server appends for many sessions at once. One op: one message appended to each
+    # of CONCURRENT sessions, the calls started together (LangChain's sync method can only be
+    # called one after another: it blocks the event loop for each).
+
+    async def setup_tl_append_many(self, r: int, n: int) -> Op:
+        sessions, msgs = self.sessions, self.tl_messages
+        sids = [f"tl-many-{r}-{k}" for k in range(CONCURRENT)]
+        i = 0
+
+        async def op() -> None:
+            nonlocal i
+            m = [msgs[i % N_MESSAGES]]
+            await asyncio.gather(*(sessions.append(sid, m) for sid in sids))
+            i += 1
+
+        return op
+
+    async def teardown_tl_append_many(self, r: int) -> None:
+        for k in range(CONCURRENT):
+            await self.sessions.delete(f"tl-many-{r}-{k}")
+
+    async def setup_sdk_add_many(self, r: int, n: int) -> Op:
+        sessions = [
+            RedisSession(f"sdk-many-{r}-{k}", redis_client=self.sdk_client)
+            for k in range(CONCURRENT)
+        ]
+        items = self.sdk_items
+        i = 0
+
+        async def op() -> None:
+            nonlocal i
+            item = [items[i % N_MESSAGES]]
+            await asyncio.gather(*(s.add_items(item) for s in sessions))
+            i += 1
+
+        return op
+
+    async def teardown_sdk_add_many(self, r: int) -> None:
+        for k in range(CONCURRENT):
+            await RedisSession(f"sdk-many-{r}-{k}", redis_client=self.sdk_client).clear_session()
+
+    def _lc_many(self, r: int) -> list[RedisChatMessageHistory]:
+        """One history object per session, all on one client (one connection pool), as a
+        server holding many sessions would keep them (the class takes a URL, not a client)."""
+        histories = []
+        for k in range(CONCURRENT):
+            h = RedisChatMessageHistory(f"lc-many-{r}-{k}", url=self.url)
+            h.redis_client.close()  # its own client, never used: nothing was connected
+            h.redis_client = self.lc_append.redis_client
+            histories.append(h)
+        return histories
+
+    async def setup_lc_add_many(self, r: int, n: int) -> Op:
+        histories, msgs = self._lc_many(r), self.lc_messages
+        histories[0].redis_client.ping()
+        self._lc_open = histories
+        i = 0
+
+        async def op() -> None:
+            nonlocal i
+            m = msgs[i % N_MESSAGES]
+            for h in histories:
+                h.add_message(m)
+            i += 1
+
+        return op
+
+    async def setup_lc_aadd_many(self, r: int, n: int) -> Op:
+        histories, msgs = self._lc_many(r), self.lc_messages
+        histories[0].redis_client.ping()
+        self._lc_open = histories
+        i = 0
+
+        async def op() -> None:
+            nonlocal i
+            m = [msgs[i % N_MESSAGES]]
+            await asyncio.gather(*(h.aadd_messages(m) for h in histories))
+            i += 1
+
+        return op
+
+    async def teardown_lc_many(self, r: int) -> None:
+        for h in self._lc_open:
+            h.clear()
+        self._lc_open = []
+
+    def append_many_sides(self) -> list[Side]:
+        return [
+            Side(TL_APPEND, self.setup_tl_append_many, self.teardown_tl_append_many),
+            Side(SDK_ADD, self.setup_sdk_add_many, self.teardown_sdk_add_many),
+            Side(LC_ADD, self.setup_lc_add_many, self.teardown_lc_many),
+            Side(LC_AADD, self.setup_lc_aadd_many, self.teardown_lc_many),
+        ]
+
     # -- load ------------------------------------------------------------------------------
 
     async def tl_load(self) -> object:
@@ -465,6 +565,7 @@ async def _run(
         max((ops or base.append) // 20, 3) if ops else base.load,
         ops or base.window,
         base.warmup,
+        max((ops or base.append) // 25, 3) if ops else base.many,
     )
     env = environment()
     with redis_server() as server:
@@ -490,6 +591,13 @@ async def _run(
                 rounds=m.rounds,
                 ops=m.append,
                 warmup=m.warmup,
+                progress=progress,
+            )
+            append_many = await measure(
+                bench.append_many_sides(),
+                rounds=m.rounds,
+                ops=m.many,
+                warmup=3,
                 progress=progress,
             )
             load = await measure(
@@ -577,7 +685,7 @@ async def _run(
             await sdk_client.aclose()
             await store.close()
     env["loadavg_at_end"] = loadavg()
-    return report(m, append, load, window, window_lc, profile, env)
+    return report(m, append, append_many, load, window, window_lc, profile, env)
 
 
 def _versions() -> dict[str, str]:
@@ -589,6 +697,7 @@ def _versions() -> dict[str, str]:
 def report(
     m: Rows,
     append: Comparison,
+    append_many: Comparison,
     load: Comparison,
     window: Comparison,
     window_lc: Comparison,
@@ -596,6 +705,7 @@ def report(
     env: dict[str, Any],
 ) -> dict[str, Any]:
     rows = op_rows("append one message", append)
+    rows += op_rows(f"append to {CONCURRENT} sessions at once", append_many)
     rows += op_rows(f"load {N_MESSAGES:,}-message transcript", load)
     rows += op_rows("last 6 messages", window)
     rows += op_rows("last 6 messages (LangChain pairing)", window_lc)
@@ -639,6 +749,12 @@ def report(
         f"INFO (append; no such API, what a synchronous client path could reach): {LC_ADD} / "
         f"{WHATIF_APPEND} = {whatif_sync:.2f}x"
     )
+    for peer in (SDK_ADD, LC_ADD, LC_AADD):
+        value = paired_ratio(append_many, peer, TL_APPEND)
+        verdicts.append(
+            f"INFO (append to {CONCURRENT} sessions at once; no target): {peer} / {TL_APPEND} = "
+            f"{value:.2f}x"
+        )
     floors = append_floors(append, profile["append"])
     verdicts += floors["verdicts"]
     prof_rows = [
@@ -660,15 +776,18 @@ def report(
         "rounds": m.rounds,
         "ops_per_round": {
             "append": m.append,
+            "append_many": m.many,
             "load": m.load,
             "window": m.window,
             "window_langchain": m.load,
         },
         "messages": N_MESSAGES,
+        "concurrent": CONCURRENT,
         "message_chars": len(prose(0)),
         "ratio_convention": RATIO_NOTE,
         "operations": {
             "append": append.summary(),
+            "append_many": append_many.summary(),
             "load": load.summary(),
             "window": window.summary(),
             "window_langchain": window_lc.summary(),
@@ -735,7 +854,9 @@ def markdown(summary: dict[str, Any]) -> str:
     packages = ", ".join(f"{k} {v}" for k, v in env.get("packages", {}).items())
     out = [
         f"Mode `{summary['mode']}`: {summary['rounds']} rounds; ops per round: append "
-        f"{ops['append']}, load {ops['load']}, window {ops['window']} (LangChain pairing "
+        f"{ops['append']}, append to {summary.get('concurrent', CONCURRENT)} sessions at once "
+        f"{ops.get('append_many', '-')} (an op: one message to each), load {ops['load']}, "
+        f"window {ops['window']} (LangChain pairing "
         f"{ops['window_langchain']}); {summary['message_chars']}-character messages; redis "
         f"{env.get('redis_server')} on a unix socket, redis-py {env.get('redis_py')}, {packages}; "
         f"{env['cpus']} CPUs, load {env['loadavg_at_start']} at start.",
