@@ -56,7 +56,8 @@ class StoreSettings:
     """Everything needed to open a store; build it with `from_url`.
 
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
-    ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster).
+    ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster, whose
+    only database is 0: a path other than ``/`` or ``/0`` is refused).
     Query parameters ``namespace`` and ``partitions`` override the defaults, and so does
     ``socket_timeout`` on Redis; ``db`` (standalone Redis) and ``ssl_cert_reqs`` /
     ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go to redis-py. Any other
@@ -254,6 +255,13 @@ def _check_location(parts: SplitResult) -> None:
         return
     if scheme.endswith("+cluster"):
         _cluster_nodes(parts)
+        # redis-py's cluster client ignores the path: a /3 would silently write database 0.
+        db = parts.path.strip("/")
+        if db not in ("", "0"):
+            raise InvalidURLError(
+                f"the path of a cluster URL can only name database 0 (Redis Cluster has no "
+                f"other), not {db!r}: drop the path"
+            )
         return
     try:
         port = parts.port

@@ -157,6 +157,11 @@ def test_settings_are_frozen() -> None:
         "memory://?ssl_cert_reqs=none",
         "redis+cluster://h1:7000?db=1",
         "rediss+cluster://h1:7000?db=0",
+        # Redis Cluster has only database 0: a path naming another is refused, not ignored.
+        "redis+cluster://h1:7000/3",
+        "rediss+cluster://h1:7000,h2:7001/1",
+        "redis+cluster://h1:7000/x",
+        "redis+cluster://h1:7000/0/1",
         "unix:///tmp/r.sock?ssl_ca_certs=/ca.crt",
         # TLS values redis-py would only reject when connecting.
         "rediss://h?ssl_cert_reqs=bogus",
@@ -178,6 +183,9 @@ def test_bad_urls_raise_invalid_url_error(url: str) -> None:
         "rediss://h?ssl_cert_reqs=optional&ssl_certfile=/c.crt&ssl_keyfile=/c.key",
         "redis+cluster://h1:7000?socket_timeout=2&partitions=4",
         "rediss+cluster://h1:7000?ssl_cert_reqs=required",
+        "redis+cluster://h1:7000/",
+        "redis+cluster://h1:7000,h2:7001/0",
+        "rediss+cluster://h1:7000/0?ssl_cert_reqs=required",
         "memory://named?namespace=n&partitions=2",
     ],
 )
@@ -284,6 +292,20 @@ async def test_bad_url_is_refused_before_connecting() -> None:
         await connect("redis://h:99999")
     with pytest.raises(InvalidURLError):
         await connect("redis+cluster://h:1,h:x")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/3", "/x", "/0/1"])
+async def test_a_cluster_url_naming_a_database_is_refused_before_connecting(path: str) -> None:
+    """Redis Cluster has only database 0: ``/3`` was ignored, and the data went to database 0
+    of the cluster while the URL said 3. Refused (nothing listens on port 1: a check made only
+    when connecting would say so instead); the message names the path and why."""
+    url = f"redis+cluster://u:{PASSWORD}@127.0.0.1:1{path}"
+    with pytest.raises(InvalidURLError) as info:
+        await connect(url)
+    message = str(info.value)
+    assert repr(path.strip("/")) in message and "database 0" in message, message
+    assert PASSWORD not in message
 
 
 @pytest.mark.anyio
