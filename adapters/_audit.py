@@ -799,7 +799,9 @@ class Auditor:
 
     ``projector`` supplies the messages, state, records and transcript projections (default:
     the standard ones). ``secret`` is the key the integrity chain is checked with; None uses
-    the store's own (the one it appends with).
+    the store's own (the one it appends with). An empty secret is refused
+    (`InvalidInputError`): it is no key, and a chain without one is checked through a store
+    opened without one.
     """
 
     def __init__(

@@ -34,7 +34,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._aof import AofRepairError, repair_aof
-from ._codec import DEFAULT_MAX_EVENT_BYTES
+from ._codec import DEFAULT_MAX_EVENT_BYTES, check_secret
 from ._contract import EventStore
 from ._errors import InvalidInputError, InvalidURLError, OperationalError, StoreConnectionError
 from ._events import EventRegistry
@@ -212,10 +212,7 @@ def _check_setting(name: str, value: Any) -> None:
             raise InvalidInputError(f"namespace must be a string, not {type(value).__name__}")
         validate_namespace(value)
     elif name == "secret":
-        if value is not None and not isinstance(value, bytes):
-            raise InvalidInputError(
-                f"secret must be bytes (e.g. text.encode()), not {type(value).__name__}"
-            )
+        check_secret(value)  # bytes, never empty: None is no key
     elif name in ("socket_timeout", "connect_timeout"):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}")
@@ -318,7 +315,9 @@ async def connect(
 
     With no ``url`` and no ``THREADLOG_URL``, starts (or reuses) a private redis-server under
     ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend and logs
-    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain.
+    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
+    without either the chain is unkeyed. An empty secret, or ``THREADLOG_SECRET`` set to
+    nothing, is refused (`InvalidInputError`), not taken as no key.
     A namespace's partition count is recorded in Redis the first time a store opens it;
     ``create_namespace=False`` is for readers (audits, listings): a namespace never written
     is then left without any key, and reads as empty. Do not write through such a store.
@@ -326,7 +325,14 @@ async def connect(
     Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
     answer.
     """
-    if secret is None and os.environ.get(SECRET_ENV):
+    if secret is None and SECRET_ENV in os.environ:
+        if not os.environ[SECRET_ENV]:
+            # Set to nothing (a template whose key was never filled in) read as unset, and
+            # chains were written unkeyed while the deployment meant them keyed.
+            raise InvalidInputError(
+                f"{SECRET_ENV} is set but empty, which is no key: set it to the chain key, or "
+                "unset it to write and verify without one"
+            )
         secret = os.environ[SECRET_ENV].encode("utf-8")
     overrides = {
         "namespace": namespace,

@@ -23,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     caller_key_field,
     chain_link,
+    check_secret,
     damaged_time,
     decode_entry,
     encode_events,
@@ -246,7 +247,9 @@ class MemoryEventStore(EventStore):
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
         # The key the chain is linked with: derived for this namespace (`namespace_chain_key`).
-        self._secret = namespace_chain_key(secret, self.namespace) if secret else None
+        # An empty secret is refused, not taken as no key (`check_secret`).
+        key = check_secret(secret)
+        self._secret = None if key is None else namespace_chain_key(key, self.namespace)
         self._fingerprint = key_fingerprint(self._secret)
         self._closed = False
 

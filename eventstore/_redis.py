@@ -23,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     EncodedEvent,
     caller_key_field,
+    check_secret,
     damaged_time,
     decode_payload_rows,
     decode_rows,
@@ -436,7 +437,9 @@ class RedisEventStore(EventStore):
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
         # The key the chain is linked with: derived for this namespace (`namespace_chain_key`).
-        self._secret = namespace_chain_key(secret, self.namespace) if secret else None
+        # An empty secret is refused, not taken as no key (`check_secret`).
+        key = check_secret(secret)
+        self._secret = None if key is None else namespace_chain_key(key, self.namespace)
         # Sent with every append (in the memoized part of the command): the script refuses a
         # thread created with another key.
         self._fingerprint = key_fingerprint(self._secret).encode("ascii")

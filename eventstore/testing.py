@@ -1532,6 +1532,15 @@ class EventStoreConformance:
         done = await owner.append("t", [msg("z")], idempotency_key="k1")
         assert not done.duplicate and done.first_seq == before[0] + 1
 
+    @pytest.mark.parametrize("secret", [b"", "", "s3cret"], ids=repr)
+    async def test_an_empty_or_text_secret_is_refused(self, secret: Any) -> None:
+        """An empty secret is no key: taken as one, it wrote unkeyed links while its caller
+        believed the chain keyed (an unfilled ``THREADLOG_SECRET=${KEY}``, say). No key is
+        ``secret=None``; a str is refused as it always was (a TypeError before, on memory)."""
+        with pytest.raises(InvalidInputError, match="secret"):
+            store = await self.make_store("c" + uuid.uuid4().hex[:12], secret=secret)
+            await store.close()
+
     async def test_writer_without_the_threads_chain_key_is_refused(self) -> None:
         namespace = "c" + uuid.uuid4().hex[:12]
         keyed = await self.make_store(namespace, secret=b"s3cret")

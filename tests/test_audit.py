@@ -461,6 +461,20 @@ async def test_a_chain_secret_longer_than_blake2b_keys_works(
     )
 
 
+@pytest.mark.parametrize("secret", [b"", ""], ids=repr)
+async def test_an_empty_secret_is_refused_not_checked_as_a_key(
+    keyed: es.EventStore, secret: Any
+) -> None:
+    """``Auditor(store, secret=b"")`` checked with the key derived from an empty secret, while
+    a store given the same empty secret linked without one: the two disagreed about what the
+    empty secret meant. It means nothing: refused, as the stores refuse it. No key to check
+    with is a store opened without one (None: the store's own key)."""
+    with pytest.raises(es.InvalidInputError, match="secret"):
+        Auditor(keyed, secret=secret)
+    with pytest.raises(es.InvalidInputError, match="secret"):
+        es.namespace_chain_key(secret, keyed.namespace)
+
+
 async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> None:
     version = await populate(keyed)
     good = await Auditor(keyed, secret=SECRET).verify(T)

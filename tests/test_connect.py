@@ -209,6 +209,8 @@ def test_parameters_a_scheme_uses_are_accepted(url: str) -> None:
         {"partitions": True},
         {"namespace": ""},
         {"secret": "not-bytes"},
+        {"secret": b""},
+        {"secret": ""},
     ],
     ids=repr,
 )
@@ -420,6 +422,34 @@ async def test_threadlog_secret_keys_the_chain(monkeypatch: pytest.MonkeyPatch) 
     link = fields[b"h"].decode()
     assert link == chain_link("", 1, int(fields[b"s"]), keyed)
     assert link != chain_link("", 1, int(fields[b"s"]), unkeyed)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_an_empty_threadlog_secret_is_refused_not_taken_as_no_key(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``THREADLOG_SECRET=`` (a template whose key was not filled in) read as unset: the store
+    wrote unkeyed chains with nobody told. No key is the variable unset; empty is refused,
+    before anything connects or starts, and the message says both ways out."""
+    monkeypatch.setenv(SECRET_ENV, "")
+    with pytest.raises(InvalidInputError, match=SECRET_ENV) as info:
+        await connect("memory://")
+    assert "unset" in str(info.value)
+    with pytest.raises(InvalidInputError, match=SECRET_ENV):
+        await connect("redis://127.0.0.1:1")  # nothing listens there
+    home = short_dir / "emb"
+    with _stopped_afterwards(home), pytest.raises(InvalidInputError, match=SECRET_ENV):
+        await connect(embedded_dir=home)
+    assert not home.exists()
+    # An explicit secret wins over the variable, as it always did.
+    async with await connect("memory://", secret=b"k") as store:
+        await store.append("t", [msg("a")])
+        assert await store.chain_key_fingerprint("t") != "-"
+    monkeypatch.delenv(SECRET_ENV)
+    async with await connect("memory://") as store:
+        await store.append("t", [msg("a")])
+        assert await store.chain_key_fingerprint("t") == "-"
 
 
 # -- the embedded server ---------------------------------------------------------------------
