@@ -358,6 +358,24 @@ def damaged_time(thread_id: str, entry_id: bytes | str, raw: bytes | None) -> Co
     return CorruptEventError(thread_id, seq, f"malformed envelope: its time (field 's') is {what}")
 
 
+def missing_entry(thread_id: str, seq: int, version: int) -> CorruptEventError:
+    """The error for the entry of a seq the thread's version holds but its log does not, met
+    by a search over times (`EventStore.seq_at`): never stepped over, nor searched below."""
+    return CorruptEventError(
+        thread_id, seq, f"missing from the log, though the thread's version ({version}) holds "
+        "it: damaged (run 'verify')"
+    )  # fmt: skip
+
+
+def log_without_meta(thread_id: str) -> CorruptEventError:
+    """The error for a log that holds events while no meta hash records the thread's version
+    (deleted, or 0), met by `EventStore.seq_at`: it cannot say where the log ends."""
+    return CorruptEventError(
+        thread_id, None, "its log holds events but its meta hash (gone, or at version 0) "
+        "records none of them: damaged (run 'verify')"
+    )  # fmt: skip
+
+
 def decode_entry(
     thread_id: str,
     entry_id: bytes | str,

@@ -267,10 +267,18 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
-        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none.
+        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none
+        (or no such thread).
+
+        A binary search over seq: damage it meets is raised, never searched past (the answer
+        would come from the wrong events).
 
         Raises:
             InvalidInputError: ``time_ms`` is not an int (epoch ms).
+            CorruptEventError: an entry the search looks at is missing from the log though
+                the thread's version holds it, or its time is not a number (names the seq);
+                the log holds events but no meta hash records the thread's version; the
+                version is not a number.
         """
 
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:

@@ -32,6 +32,8 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    log_without_meta,
+    missing_entry,
     namespace_chain_key,
     request_digest,
     version_satisfies,
@@ -472,12 +474,14 @@ class MemoryEventStore(EventStore):
         # The search seq_at.lua makes, over the stored entries' times rather than the times
         # this backend appended: damage written into the log is found, as on Redis.
         lo, hi = 0, thread.version
+        if hi == 0 and thread.ids:
+            raise log_without_meta(thread_id)  # a log, and no version (a lost meta)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             i = bisect.bisect_left(thread.ids, (mid, 0))
-            if i == len(thread.ids):
-                hi = mid - 1
-                continue
+            if i == len(thread.ids) or thread.ids[i] != (mid, 0):
+                # Never answered from the entry after it, nor searched below it.
+                raise missing_entry(thread_id, mid, thread.version)
             raw = thread.entries[i].get(b"s")
             if raw is None or _DIGITS.fullmatch(raw) is None:
                 entry_id = b"%d-%d" % thread.ids[i]

@@ -32,6 +32,8 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    log_without_meta,
+    missing_entry,
     namespace_chain_key,
     parse_ledger_entry,
 )
@@ -949,6 +951,10 @@ class RedisEventStore(EventStore):
         if isinstance(reply, list):
             if reply[0] == b"entry":  # {'entry', id, s}: an entry's time is not a number
                 raise damaged_time(thread_id, reply[1], reply[2] if len(reply) > 2 else None)
+            if reply[0] == b"missing":  # {'missing', seq, v}: the version holds it, the log not
+                raise missing_entry(thread_id, int(reply[1]), int(reply[2]))
+            if reply[0] == b"nometa":  # a log, and no version: its meta hash is gone
+                raise log_without_meta(thread_id)
             raise _damaged_version(thread_id, reply[1])  # {'meta', v}
         return int(reply)
 
