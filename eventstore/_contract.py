@@ -288,6 +288,20 @@ class EventStore(abc.ABC):
         """
         return None
 
+    async def incarnation(self, thread_id: str) -> int | None:
+        """The life the thread is in: the `FeedEntry.incarnation` its changes carry, the same
+        across its appends and another each time it is created (deleted and written again
+        under its id); None when there is no such thread (or it records none: a thread
+        written before lives were recorded, or a backend that keeps none).
+
+        Lives never repeat, so a reader of several round trips that finds the same life before
+        its first and after its last read what one life held (as `Auditor.verify` does).
+
+        Raises:
+            CorruptEventError: the thread's meta records a life that is not a number.
+        """
+        return None
+
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         """The thread's version and the chain link its meta records as the head (the link of
         its last event), read together; None when it records none (no such thread, or a

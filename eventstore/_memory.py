@@ -405,6 +405,12 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         return thread.fingerprint if thread else None
 
+    async def incarnation(self, thread_id: str) -> int | None:
+        thread = self._thread(thread_id)
+        await anyio.lowlevel.checkpoint()
+        # A thread's views left after it was deleted are no thread (version 0), as on Redis.
+        return thread.incarnation if thread is not None and thread.version else None
+
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()

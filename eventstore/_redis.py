@@ -674,6 +674,19 @@ class RedisEventStore(EventStore):
         raw = await self._command("HGET", self.keys.meta(thread_id), "f")
         return raw.decode("ascii", "replace") if raw is not None else None
 
+    async def incarnation(self, thread_id: str) -> int | None:
+        validate_thread_id(thread_id)
+        n, v = await self._command("HMGET", self.keys.meta(thread_id), "n", "v")
+        if n is None or v is None:
+            return None  # no thread (a meta without 'v' is none), or one that records no life
+        try:
+            return int(n)
+        except ValueError:
+            raise CorruptEventError(
+                thread_id, None, f"its meta hash holds an unreadable incarnation (field 'n': "
+                f"{n!r}): damaged (run 'verify')"
+            ) from None  # fmt: skip
+
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         validate_thread_id(thread_id)
         v, h = await self._command("HMGET", self.keys.meta(thread_id), "v", "h")

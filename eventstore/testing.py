@@ -912,6 +912,27 @@ class EventStoreConformance:
         await store.delete_thread("gone")
         assert await store.seq_at("gone", 2**50) == 0
 
+    async def test_incarnation_names_the_threads_life(self, store: EventStore) -> None:
+        """The life a thread is in: the `FeedEntry.incarnation` of its changes, the same
+        across appends, another once it is deleted and written again, None without a thread.
+        A reader of several steps that sees the same life before and after read one life."""
+        assert await store.incarnation("t") is None
+        await store.append("t", [msg("a")])
+        life = await store.incarnation("t")
+        assert isinstance(life, int)
+        await store.append("t", [msg("b")])
+        assert await store.incarnation("t") == life
+        from ._keys import partition_of
+
+        partition = partition_of("t", store.partitions)
+        changes = [e for e in await store.read_feed(partition) if e.thread_id == "t"]
+        assert {e.incarnation for e in changes} == {life}
+        await store.delete_thread("t")
+        assert await store.incarnation("t") is None
+        await store.append("t", [msg("c")])
+        again = await store.incarnation("t")
+        assert again is not None and again != life
+
     # -- deletion -------------------------------------------------------------------------------
 
     async def test_delete_thread(self, store: EventStore) -> None:

@@ -22,7 +22,7 @@ from adapters import Auditor, UnverifiedLogError, Verdict, _audit
 from eventstore import _codec
 from eventstore._connect import StoreSettings
 from eventstore._memory import _Thread
-from projections import Projector, RebuildError
+from projections import Projector, RebuildBusyError, RebuildError
 
 pytestmark = pytest.mark.anyio
 
@@ -719,6 +719,104 @@ async def test_a_thread_deleted_while_the_namespace_is_audited_is_left_out(
     found = await auditor.check_all()
     assert deleted and set(found) == {T, "other"}
     assert all(f.ok for f in found.values()), found
+
+
+def replace_between_pages(
+    monkeypatch: pytest.MonkeyPatch, store: es.EventStore, texts: list[str], *, every: bool = False
+) -> list[int]:
+    """Make the store's next read of T's log return its page as it was read, then delete T
+    and write it again with ``texts`` (another life under the same id), before the next page
+    is read; with ``every``, after each page read. Returns the list of pages so replaced."""
+    original = store.read_raw
+    replaced: list[int] = []
+
+    async def read_then_replace(thread_id: str, **kwargs: Any) -> list[tuple[bytes, Fields]]:
+        rows = await original(thread_id, **kwargs)
+        if thread_id == T and rows and (every or not replaced):
+            replaced.append(len(rows))
+            projector = Projector(store)
+            await projector.delete_thread(T)
+            for text in texts:
+                await projector.append(T, [es.MessageAppended(message=user(text))])
+        return rows
+
+    monkeypatch.setattr(store, "read_raw", read_then_replace)
+    return replaced
+
+
+@pytest.mark.parametrize("again", [10, 3, 0], ids=["as long", "shorter", "deleted"])
+async def test_a_thread_replaced_between_two_pages_is_judged_in_one_life(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch, again: int
+) -> None:
+    """The log was read page by page with no check of the thread's life: deleted and written
+    again under its id after the first page, its verdict joined two lives (the new entries'
+    links do not follow the old ones: "modified"; a shorter new life: "deleted"; no new life:
+    "deleted" rather than gone). Each audit now reads in one life of the thread: the new one
+    is judged whole, a deleted one is missing."""
+    monkeypatch.setattr(_audit, "VERIFY_BATCH", 4)
+    projector = Projector(store)
+    new = [f"new {i}" for i in range(again)]
+    auditor = Auditor(store)
+
+    async def ten_old() -> list[int]:
+        """T with ten messages, in a life of its own; replaced after the audit's first page."""
+        monkeypatch.undo()
+        monkeypatch.setattr(_audit, "VERIFY_BATCH", 4)
+        await projector.delete_thread(T)
+        for i in range(10):
+            await projector.append(T, [es.MessageAppended(message=user(f"old {i}"))])
+        return replace_between_pages(monkeypatch, store, new)
+
+    replaced = await ten_old()
+    verdict = await auditor.verify(T)
+    assert replaced == [4], replaced  # after the first page of four
+    if again:
+        assert verdict.ok and (verdict.checked, verdict.version) == (again, again), verdict
+    else:
+        assert verdict.kind == "missing" and "it was deleted" in verdict.detail, verdict
+
+    replaced = await ten_old()
+    found = await auditor.check(T)
+    assert replaced == [4], replaced
+    if again:
+        assert found.ok and found.verdict.checked == again, found
+        assert found.report is not None and found.report.version == again
+    else:
+        assert found.verdict.kind == "missing" and found.report is None, found
+
+    replaced = await ten_old()
+    if again:
+        assert await auditor.rebuild(T) == again
+        assert await texts(projector) == new
+    else:
+        with pytest.raises(UnverifiedLogError) as info:
+            await auditor.rebuild(T)
+        assert info.value.verdict.kind == "missing"
+    assert replaced == [4], replaced
+
+
+async def test_a_thread_replaced_at_every_read_is_not_judged(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread deleted and written again while each attempt reads it gets no verdict (no
+    life was read whole): `ThreadReplacedError` after a bounded number of attempts, and
+    `RebuildBusyError` from rebuild, as `Projector.rebuild` says for a thread that keeps
+    changing."""
+    monkeypatch.setattr(_audit, "VERIFY_BATCH", 2)
+    projector = Projector(store)
+    for i in range(5):
+        await projector.append(T, [es.MessageAppended(message=user(f"old {i}"))])
+    replaced = replace_between_pages(monkeypatch, store, ["a", "b", "c"], every=True)
+    auditor = Auditor(store)
+    with pytest.raises(es.ThreadReplacedError):
+        await auditor.verify(T)
+    with pytest.raises(es.ThreadReplacedError):
+        await auditor.check(T)
+    with pytest.raises(RebuildBusyError):
+        await auditor.rebuild(T)
+    assert replaced
+    monkeypatch.undo()
+    assert (await auditor.verify(T)).ok
 
 
 async def test_rebuild_folds_exactly_the_entries_it_verified(
