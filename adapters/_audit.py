@@ -90,7 +90,8 @@ with this key (seq 0; one problem, not one per entry). ``missing``: there is no 
 (seq 0; the detail says whether the change feed records its deletion)."""
 
 _DAMAGED = "damaged"
-"""A thread's life as an audit sees it when its meta records one that is not a number."""
+"""A thread's life as an audit sees it when its meta hash cannot say (a life that is not a
+number, or a key of another type)."""
 
 VERIFY_BATCH = 2048
 """Stream entries read per round trip while verifying."""
@@ -977,8 +978,8 @@ class Auditor:
         perhaps written again under its id, meanwhile: read it again."""
         try:
             life: int | str | None = await self.store.incarnation(scan.verifier.thread_id)
-        except CorruptEventError:
-            life = _DAMAGED  # the scan reported it, or reads again and will
+        except (CorruptEventError, WrongKeyTypeError):
+            life = _DAMAGED  # a meta hash the scan reported as damaged, or reads again and will
         return life == scan.life
 
     async def _scan_more(self, scan: _Scan, stop: int) -> None:

@@ -795,6 +795,22 @@ async def test_a_thread_replaced_between_two_pages_is_judged_in_one_life(
     assert replaced == [4], replaced
 
 
+async def test_a_meta_hash_replaced_by_a_string_is_reported_not_raised(redis_url: str) -> None:
+    """The life an audit reads before and after the log comes from the meta hash: one that
+    is no hash (WRONGTYPE) is the damage the verdict reports, not an error of the audit."""
+    store = await es.open_store(StoreSettings.from_url(redis_url, namespace=uuid.uuid4().hex))
+    try:
+        assert isinstance(store, es.RedisEventStore)
+        await Projector(store).append(T, [es.MessageAppended(message=user("hi"))])
+        await store.client.delete(store.keys.meta(T))
+        await store.client.set(store.keys.meta(T), "hello")
+        verdict = await Auditor(store).verify(T)
+        assert verdict.kind == "undecodable" and "WRONGTYPE" in verdict.detail, verdict
+        assert (await Auditor(store).check(T)).verdict == verdict
+    finally:
+        await store.close()
+
+
 async def test_a_thread_replaced_at_every_read_is_not_judged(
     store: es.EventStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
