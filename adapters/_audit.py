@@ -1136,6 +1136,10 @@ class Auditor:
                 await projector.store_views(fold.folded())
             except ConcurrencyError:
                 continue  # appended to meanwhile: verify and fold again
+            if not await self._same_life(scan):
+                # Replaced between the last read and the write, which the version alone
+                # guards: what was written may be the old life's. Rebuild the new one.
+                continue
             return fold.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 

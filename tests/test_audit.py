@@ -795,6 +795,35 @@ async def test_a_thread_replaced_between_two_pages_is_judged_in_one_life(
     assert replaced == [4], replaced
 
 
+@pytest.mark.parametrize("trust_log", [False, True], ids=["verified", "trusted"])
+async def test_a_thread_replaced_just_before_rebuild_writes_gets_its_own_views(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch, trust_log: bool
+) -> None:
+    """Between the rebuild's last read and its write, the thread deleted and written again up
+    to the same version: the write (guarded by the version only) put the old life's views on
+    the new one. The life is read again after the write, and the new life rebuilt (by
+    `Auditor.rebuild`, and by `Projector.rebuild`, which ``trust_log`` runs)."""
+    projector = Projector(store)
+    auditor = Auditor(store)
+    for text in ("one", "two", "three"):
+        await projector.append(T, [es.MessageAppended(message=user(text))])
+    original = auditor.projector.store_views
+    replaced: list[bool] = []
+
+    async def replace_then_store(folded: Any) -> None:
+        if not replaced:
+            replaced.append(True)
+            await projector.delete_thread(T)
+            for text in ("uno", "dos", "tres"):
+                await projector.append(T, [es.MessageAppended(message=user(text))])
+        await original(folded)
+
+    monkeypatch.setattr(auditor.projector, "store_views", replace_then_store)
+    assert await auditor.rebuild(T, trust_log=trust_log) == 3
+    assert replaced and await texts(projector) == ["uno", "dos", "tres"]
+    assert (await auditor.check(T)).ok
+
+
 async def test_a_meta_hash_replaced_by_a_string_is_reported_not_raised(redis_url: str) -> None:
     """The life an audit reads before and after the log comes from the meta hash: one that
     is no hash (WRONGTYPE) is the damage the verdict reports, not an error of the audit."""
