@@ -34,6 +34,7 @@ from eventstore import (
     InvalidInputError,
     RecordedEvent,
     StateUpdated,
+    ThreadReplacedError,
     TranscriptAppended,
     TranscriptReplaced,
     TurnOpened,
@@ -87,6 +88,10 @@ but its partition's thread index does not list it (seq 0). ``wrong_key``: the th
 that it was written with another chain key than the check's, so its links cannot be judged
 with this key (seq 0; one problem, not one per entry). ``missing``: there is no such thread
 (seq 0; the detail says whether the change feed records its deletion)."""
+
+_DAMAGED = "damaged"
+"""A thread's life as an audit sees it when its meta hash cannot say (a life that is not a
+number, or a key of another type)."""
 
 VERIFY_BATCH = 2048
 """Stream entries read per round trip while verifying."""
@@ -280,7 +285,7 @@ class _Scan:
     """One read of a thread's log: the verifier every entry goes to, and the fold (if any)
     that folds the same entries."""
 
-    __slots__ = ("early", "fold", "fold_error", "last", "verifier")
+    __slots__ = ("early", "fold", "fold_error", "last", "life", "verifier")
 
     def __init__(self, verifier: _Verifier, fold: LogFold | None) -> None:
         self.verifier = verifier
@@ -288,6 +293,8 @@ class _Scan:
         self.fold_error: CorruptEventError | None = None
         self.early: Verdict | None = None
         self.last = 0  # the highest seq read so far
+        # The thread's life (`EventStore.incarnation`) when the scan began, or _DAMAGED.
+        self.life: int | str | None = _DAMAGED
 
     def feed(self, rows: _Rows) -> None:
         self.verifier.feed(rows)
@@ -799,7 +806,9 @@ class Auditor:
 
     ``projector`` supplies the messages, state, records and transcript projections (default:
     the standard ones). ``secret`` is the key the integrity chain is checked with; None uses
-    the store's own (the one it appends with).
+    the store's own (the one it appends with). An empty secret is refused
+    (`InvalidInputError`): it is no key, and a chain without one is checked through a store
+    opened without one.
     """
 
     def __init__(
@@ -842,10 +851,22 @@ class Auditor:
         records another chain key than this check's: its links cannot be judged) and
         ``missing`` (no such thread: the verdict is not ok, and says whether the change feed
         records a deletion). See the module docstring for what a key adds.
+
+        The verdict is of one life of the thread: read in pages, a thread deleted (and perhaps
+        written again under its id) meanwhile is read again, the new life whole (or found
+        missing), never judged from pages of two lives.
+
+        Raises:
+            ThreadReplacedError: the thread was replaced while each of several attempts
+                read it.
         """
         validate_thread_id(thread_id)
-        scan = await self._scan(thread_id)
-        return scan.early or await self._conclude(scan.verifier)
+        for _ in range(REBUILD_ATTEMPTS):
+            scan = await self._scan(thread_id)
+            verdict = scan.early or await self._conclude(scan.verifier)
+            if await self._same_life(scan):
+                return verdict
+        raise ThreadReplacedError(thread_id)
 
     async def check(self, thread_id: str) -> ThreadCheck:
         """Verify the thread's log and compare its views with the fold of that log.
@@ -853,13 +874,24 @@ class Auditor:
         One read of the log does both: the entries folded are the entries verified, so an
         edit made while the check runs cannot slip between the two. The views are compared
         (`Projector.compare`) only when the log verifies (`log_verified`); otherwise
-        `ThreadCheck.report` is None and the verdict says what is wrong with the log.
+        `ThreadCheck.report` is None and the verdict says what is wrong with the log. Log and
+        views are of one life of the thread, as in `verify` (which raises as this does).
         """
         validate_thread_id(thread_id)
+        for _ in range(REBUILD_ATTEMPTS):
+            found = await self._check_once(thread_id)
+            if found is not None:
+                return found
+        raise ThreadReplacedError(thread_id)
+
+    async def _check_once(self, thread_id: str) -> ThreadCheck | None:
+        """`check`, or None when the thread was replaced while it was read (read again)."""
         projector = self.projector
         fold = projector.start_fold(thread_id)
         scan = await self._scan(thread_id, fold)
         if scan.early is not None:
+            if not await self._same_life(scan):
+                return None
             return ThreadCheck(verdict=scan.early, report=None)
         snapshot: Materialized | None = None
         error: CorruptEventError | WrongKeyTypeError | None = None
@@ -872,6 +904,8 @@ class Auditor:
             # version the views were read at.
             await self._scan_more(scan, snapshot.version)
         verdict = await self._conclude(scan.verifier)
+        if not await self._same_life(scan):
+            return None  # the log, or the views, may be of another life of the thread
         if not log_verified(verdict):
             return ThreadCheck(verdict=verdict, report=None)
         error = error or scan.fold_error
@@ -892,6 +926,9 @@ class Auditor:
         verifier = scan.verifier
         try:
             try:
+                # The life first: every read after it is of that life if it is the same at
+                # the end (`_same_life`); lives never repeat.
+                scan.life = await store.incarnation(thread_id)
                 verifier.version = await store.version(thread_id)
             except CorruptEventError as exc:
                 scan.early = verifier.damaged_meta(exc)
@@ -934,6 +971,16 @@ class Auditor:
             wrong = leaf if isinstance(leaf, WrongKeyTypeError) else WrongKeyTypeError(leaf)
             scan.early = verifier.unreadable(wrong)
         return scan
+
+    async def _same_life(self, scan: _Scan) -> bool:
+        """Whether the thread is still in the life ``scan`` began in: then all it read (and
+        what was read after it) is of that one life. False when the thread was deleted, and
+        perhaps written again under its id, meanwhile: read it again."""
+        try:
+            life: int | str | None = await self.store.incarnation(scan.verifier.thread_id)
+        except (CorruptEventError, WrongKeyTypeError):
+            life = _DAMAGED  # a meta hash the scan reported as damaged, or reads again and will
+        return life == scan.life
 
     async def _scan_more(self, scan: _Scan, stop: int) -> None:
         """Continue a scan whose log grew: the entries after its last seq, up to ``stop``."""
@@ -1068,7 +1115,8 @@ class Auditor:
 
         Raises:
             UnverifiedLogError: the log fails verification.
-            RebuildBusyError: appends kept landing; the views were left as they were.
+            RebuildBusyError: appends kept landing, or the thread was deleted and written
+                again while each attempt read it; the views were left as they were.
         """
         validate_thread_id(thread_id)
         projector = self.projector
@@ -1078,6 +1126,8 @@ class Auditor:
             fold = projector.start_fold(thread_id)
             scan = await self._scan(thread_id, fold)
             verdict = scan.early or await self._conclude(scan.verifier)
+            if not await self._same_life(scan):
+                continue  # deleted (and perhaps written again) while it was read
             if not log_verified(verdict):
                 raise UnverifiedLogError(verdict)
             if scan.fold_error is not None:
@@ -1086,6 +1136,10 @@ class Auditor:
                 await projector.store_views(fold.folded())
             except ConcurrencyError:
                 continue  # appended to meanwhile: verify and fold again
+            if not await self._same_life(scan):
+                # Replaced between the last read and the write, which the version alone
+                # guards: what was written may be the old life's. Rebuild the new one.
+                continue
             return fold.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 

@@ -76,11 +76,42 @@ def chain_key(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=64).digest()
 
 
+def check_secret(secret: object) -> bytes | None:
+    """``secret`` if it is a chain secret (bytes, at least one), None for None (no key).
+
+    An empty secret is refused, not taken as no key: an empty ``THREADLOG_SECRET`` (a template
+    whose key was never filled in) wrote unkeyed chains while its deployment meant them keyed,
+    and an `Auditor` given it checked with a key derived from it. No key is None (the variable
+    unset), and only that.
+
+    Raises:
+        InvalidInputError: ``secret`` is empty, or not bytes (a str: encode it).
+    """
+    if secret is None:
+        return None
+    if not isinstance(secret, bytes):
+        raise InvalidInputError(
+            f"secret must be bytes (e.g. text.encode()), not {type(secret).__name__}"
+        )
+    if not secret:
+        raise InvalidInputError(
+            "the chain secret is empty, which is no key: give the key, or None for a chain "
+            "without one (THREADLOG_SECRET unset)"
+        )
+    return secret
+
+
 def namespace_chain_key(secret: bytes, namespace: str) -> bytes:
     """The key a namespace's chains are linked with: a BLAKE2b MAC of the namespace's name
     under the secret (`chain_key`). A thread copied into another namespace, which its writers
     may share the secret with, then verifies there as written with another key instead of
-    passing for one of its own. Stores derive it once; the secret itself never links."""
+    passing for one of its own. Stores derive it once; the secret itself never links.
+
+    Raises:
+        InvalidInputError: ``secret`` is empty or not bytes (`check_secret`).
+    """
+    if check_secret(secret) is None:
+        raise InvalidInputError("secret must be bytes (e.g. text.encode()), not NoneType")
     label = b"threadlog chain key v2 for namespace " + namespace.encode("utf-8")
     return hashlib.blake2b(label, digest_size=64, key=chain_key(secret)).digest()
 
@@ -325,6 +356,24 @@ def damaged_time(thread_id: str, entry_id: bytes | str, raw: bytes | None) -> Co
         seq = None
     what = "missing" if raw is None else f"{raw!r}, not a number"
     return CorruptEventError(thread_id, seq, f"malformed envelope: its time (field 's') is {what}")
+
+
+def missing_entry(thread_id: str, seq: int, version: int) -> CorruptEventError:
+    """The error for the entry of a seq the thread's version holds but its log does not, met
+    by a search over times (`EventStore.seq_at`): never stepped over, nor searched below."""
+    return CorruptEventError(
+        thread_id, seq, f"missing from the log, though the thread's version ({version}) holds "
+        "it: damaged (run 'verify')"
+    )  # fmt: skip
+
+
+def log_without_meta(thread_id: str) -> CorruptEventError:
+    """The error for a log that holds events while no meta hash records the thread's version
+    (deleted, or 0), met by `EventStore.seq_at`: it cannot say where the log ends."""
+    return CorruptEventError(
+        thread_id, None, "its log holds events but its meta hash (gone, or at version 0) "
+        "records none of them: damaged (run 'verify')"
+    )  # fmt: skip
 
 
 def decode_entry(

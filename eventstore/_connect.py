@@ -34,7 +34,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._aof import AofRepairError, repair_aof
-from ._codec import DEFAULT_MAX_EVENT_BYTES
+from ._codec import DEFAULT_MAX_EVENT_BYTES, check_secret
 from ._contract import EventStore
 from ._errors import (
     InvalidInputError,
@@ -62,7 +62,8 @@ class StoreSettings:
     """Everything needed to open a store; build it with `from_url`.
 
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
-    ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster).
+    ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster, whose
+    only database is 0: a path other than ``/`` or ``/0`` is refused).
     Query parameters ``namespace`` and ``partitions`` override the defaults, and so does
     ``socket_timeout`` on Redis; ``db`` (standalone Redis) and ``ssl_cert_reqs`` /
     ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go to redis-py. Any other
@@ -217,10 +218,7 @@ def _check_setting(name: str, value: Any) -> None:
             raise InvalidInputError(f"namespace must be a string, not {type(value).__name__}")
         validate_namespace(value)
     elif name == "secret":
-        if value is not None and not isinstance(value, bytes):
-            raise InvalidInputError(
-                f"secret must be bytes (e.g. text.encode()), not {type(value).__name__}"
-            )
+        check_secret(value)  # bytes, never empty: None is no key
     elif name in ("socket_timeout", "connect_timeout"):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}")
@@ -260,6 +258,13 @@ def _check_location(parts: SplitResult) -> None:
         return
     if scheme.endswith("+cluster"):
         _cluster_nodes(parts)
+        # redis-py's cluster client ignores the path: a /3 would silently write database 0.
+        db = parts.path.strip("/")
+        if db not in ("", "0"):
+            raise InvalidURLError(
+                f"the path of a cluster URL can only name database 0 (Redis Cluster has no "
+                f"other), not {db!r}: drop the path"
+            )
         return
     try:
         port = parts.port
@@ -316,7 +321,9 @@ async def connect(
 
     With no ``url`` and no ``THREADLOG_URL``, starts (or reuses) a private redis-server under
     ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend and logs
-    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain.
+    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
+    without either the chain is unkeyed. An empty secret, or ``THREADLOG_SECRET`` set to
+    nothing, is refused (`InvalidInputError`), not taken as no key.
     A namespace's partition count is recorded in Redis the first time a store opens it;
     ``create_namespace=False`` is for readers (audits, listings): a namespace never written
     is then left without any key, and reads as empty. Do not write through such a store.
@@ -324,7 +331,14 @@ async def connect(
     Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
     answer.
     """
-    if secret is None and os.environ.get(SECRET_ENV):
+    if secret is None and SECRET_ENV in os.environ:
+        if not os.environ[SECRET_ENV]:
+            # Set to nothing (a template whose key was never filled in) read as unset, and
+            # chains were written unkeyed while the deployment meant them keyed.
+            raise InvalidInputError(
+                f"{SECRET_ENV} is set but empty, which is no key: set it to the chain key, or "
+                "unset it to write and verify without one"
+            )
         secret = os.environ[SECRET_ENV].encode("utf-8")
     overrides = {
         "namespace": namespace,

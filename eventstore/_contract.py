@@ -267,16 +267,38 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
-        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none.
+        """The seq of the last event recorded at or before ``time_ms``; 0 if there is none
+        (or no such thread).
+
+        A binary search over seq: damage it meets is raised, never searched past (the answer
+        would come from the wrong events).
 
         Raises:
             InvalidInputError: ``time_ms`` is not an int (epoch ms).
+            CorruptEventError: an entry the search looks at is missing from the log though
+                the thread's version holds it, or its time is not a number (names the seq);
+                the log holds events but no meta hash records the thread's version; the
+                version is not a number.
         """
 
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:
         """The fingerprint of the chain key the thread was written with (``"-"``: written
         without one), or None when it records none: no such thread, a thread written before
         fingerprints were recorded (it adopts its next writer's), or a backend that keeps none.
+        """
+        return None
+
+    async def incarnation(self, thread_id: str) -> int | None:
+        """The life the thread is in: the `FeedEntry.incarnation` its changes carry, the same
+        across its appends and another each time it is created (deleted and written again
+        under its id); None when there is no such thread (or it records none: a thread
+        written before lives were recorded, or a backend that keeps none).
+
+        Lives never repeat, so a reader of several round trips that finds the same life before
+        its first and after its last read what one life held (as `Auditor.verify` does).
+
+        Raises:
+            CorruptEventError: the thread's meta records a life that is not a number.
         """
         return None
 

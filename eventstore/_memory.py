@@ -23,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     caller_key_field,
     chain_link,
+    check_secret,
     damaged_time,
     decode_entry,
     encode_events,
@@ -31,6 +32,8 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    log_without_meta,
+    missing_entry,
     namespace_chain_key,
     request_digest,
     version_satisfies,
@@ -246,7 +249,9 @@ class MemoryEventStore(EventStore):
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
         # The key the chain is linked with: derived for this namespace (`namespace_chain_key`).
-        self._secret = namespace_chain_key(secret, self.namespace) if secret else None
+        # An empty secret is refused, not taken as no key (`check_secret`).
+        key = check_secret(secret)
+        self._secret = None if key is None else namespace_chain_key(key, self.namespace)
         self._fingerprint = key_fingerprint(self._secret)
         self._closed = False
 
@@ -400,6 +405,12 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         return thread.fingerprint if thread else None
 
+    async def incarnation(self, thread_id: str) -> int | None:
+        thread = self._thread(thread_id)
+        await anyio.lowlevel.checkpoint()
+        # A thread's views left after it was deleted are no thread (version 0), as on Redis.
+        return thread.incarnation if thread is not None and thread.version else None
+
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
@@ -469,12 +480,14 @@ class MemoryEventStore(EventStore):
         # The search seq_at.lua makes, over the stored entries' times rather than the times
         # this backend appended: damage written into the log is found, as on Redis.
         lo, hi = 0, thread.version
+        if hi == 0 and thread.ids:
+            raise log_without_meta(thread_id)  # a log, and no version (a lost meta)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             i = bisect.bisect_left(thread.ids, (mid, 0))
-            if i == len(thread.ids):
-                hi = mid - 1
-                continue
+            if i == len(thread.ids) or thread.ids[i] != (mid, 0):
+                # Never answered from the entry after it, nor searched below it.
+                raise missing_entry(thread_id, mid, thread.version)
             raw = thread.entries[i].get(b"s")
             if raw is None or _DIGITS.fullmatch(raw) is None:
                 entry_id = b"%d-%d" % thread.ids[i]

@@ -23,6 +23,7 @@ from ._codec import (
     UNKEYED_FINGERPRINT,
     EncodedEvent,
     caller_key_field,
+    check_secret,
     damaged_time,
     decode_payload_rows,
     decode_rows,
@@ -31,6 +32,8 @@ from ._codec import (
     idempotency_key_for,
     idempotency_key_text,
     key_fingerprint,
+    log_without_meta,
+    missing_entry,
     namespace_chain_key,
     parse_ledger_entry,
 )
@@ -436,7 +439,9 @@ class RedisEventStore(EventStore):
         self.registry = registry or default_registry
         self.max_event_bytes = max_event_bytes
         # The key the chain is linked with: derived for this namespace (`namespace_chain_key`).
-        self._secret = namespace_chain_key(secret, self.namespace) if secret else None
+        # An empty secret is refused, not taken as no key (`check_secret`).
+        key = check_secret(secret)
+        self._secret = None if key is None else namespace_chain_key(key, self.namespace)
         # Sent with every append (in the memoized part of the command): the script refuses a
         # thread created with another key.
         self._fingerprint = key_fingerprint(self._secret).encode("ascii")
@@ -668,6 +673,19 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         raw = await self._command("HGET", self.keys.meta(thread_id), "f")
         return raw.decode("ascii", "replace") if raw is not None else None
+
+    async def incarnation(self, thread_id: str) -> int | None:
+        validate_thread_id(thread_id)
+        n, v = await self._command("HMGET", self.keys.meta(thread_id), "n", "v")
+        if n is None or v is None:
+            return None  # no thread (a meta without 'v' is none), or one that records no life
+        try:
+            return int(n)
+        except ValueError:
+            raise CorruptEventError(
+                thread_id, None, f"its meta hash holds an unreadable incarnation (field 'n': "
+                f"{n!r}): damaged (run 'verify')"
+            ) from None  # fmt: skip
 
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         validate_thread_id(thread_id)
@@ -946,6 +964,10 @@ class RedisEventStore(EventStore):
         if isinstance(reply, list):
             if reply[0] == b"entry":  # {'entry', id, s}: an entry's time is not a number
                 raise damaged_time(thread_id, reply[1], reply[2] if len(reply) > 2 else None)
+            if reply[0] == b"missing":  # {'missing', seq, v}: the version holds it, the log not
+                raise missing_entry(thread_id, int(reply[1]), int(reply[2]))
+            if reply[0] == b"nometa":  # a log, and no version: its meta hash is gone
+                raise log_without_meta(thread_id)
             raise _damaged_version(thread_id, reply[1])  # {'meta', v}
         return int(reply)
 

@@ -152,6 +152,11 @@ class EventStoreConformance:
         its meta hash would (Redis: ``HSET`` of field ``v``)."""
         raise NotImplementedError
 
+    async def delete_meta(self, store: EventStore, thread_id: str) -> None:
+        """Remove the thread's meta hash (its version, chain head, life and ledger) and
+        nothing else, leaving its log as it is (Redis: ``DEL`` of its meta key)."""
+        raise NotImplementedError
+
     @pytest.fixture
     async def store(self) -> AsyncIterator[EventStore]:
         store = await self.make_store("c" + uuid.uuid4().hex[:12])
@@ -864,6 +869,70 @@ class EventStoreConformance:
             assert info.value.seq == 2
             assert await store.seq_at(thread, 0) == 0  # the search never reached it
 
+    async def test_seq_at_reports_a_missing_entry_it_meets(self, store: EventStore) -> None:
+        """The search looked at the first entry at or after each seq it tried: a missing one
+        was stepped over (answered from the entry after it), or the search went on below it
+        as though the thread ended there. An entry the thread's version holds but the log
+        does not is damage, reported as such, with its seq."""
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("good", [msg("a")])
+        good = (await store.read_raw("good"))[0][1]
+        await store.append("hole", [msg("a")])  # seqs 1 and 3 of 3
+        await self.write_raw_entry(store, "hole", "3-0", dict(good))
+        await self.set_version(store, "hole", 3)
+        await store.append("short", [msg("a"), msg("b")])  # seqs 1 and 2 of 3
+        await self.set_version(store, "short", 3)
+        for thread, when, seq in [("hole", 2**50, 2), ("hole", 0, 2), ("short", 2**50, 3)]:
+            with pytest.raises(CorruptEventError, match="missing from the log") as info:
+                await store.seq_at(thread, when)
+            assert (info.value.thread_id, info.value.seq) == (thread, seq), (thread, when)
+        with pytest.raises(CorruptEventError, match="missing from the log"):
+            await _read_between(store, "hole", since=0)
+        assert await store.seq_at("short", 0) == 0  # the search never reached seq 3
+
+    async def test_seq_at_reports_a_log_without_its_meta_hash(self, store: EventStore) -> None:
+        """With the meta hash gone the search had no version to search below and answered 0
+        ("no event that old") for a log full of events: `read_between` then read nothing. A
+        log without a version is damage; a thread that never was, or was deleted, is 0."""
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("t", [msg("a"), msg("b")])
+        first, last = await read_all(store, "t")
+        await self.delete_meta(store, "t")
+        assert [e.seq for e in await read_all(store, "t")] == [1, 2]  # the log is still there
+        for when in (0, first.time_ms, last.time_ms + 1):
+            with pytest.raises(CorruptEventError, match="meta hash") as info:
+                await store.seq_at("t", when)
+            assert (info.value.thread_id, info.value.seq) == ("t", None)
+        with pytest.raises(CorruptEventError, match="meta hash"):
+            await _read_between(store, "t", since=first.time_ms)
+        assert await store.seq_at("never", 2**50) == 0
+        await store.append("gone", [msg("a")])
+        await store.delete_thread("gone")
+        assert await store.seq_at("gone", 2**50) == 0
+
+    async def test_incarnation_names_the_threads_life(self, store: EventStore) -> None:
+        """The life a thread is in: the `FeedEntry.incarnation` of its changes, the same
+        across appends, another once it is deleted and written again, None without a thread.
+        A reader of several steps that sees the same life before and after read one life."""
+        assert await store.incarnation("t") is None
+        await store.append("t", [msg("a")])
+        life = await store.incarnation("t")
+        assert isinstance(life, int)
+        await store.append("t", [msg("b")])
+        assert await store.incarnation("t") == life
+        from ._keys import partition_of
+
+        partition = partition_of("t", store.partitions)
+        changes = [e for e in await store.read_feed(partition) if e.thread_id == "t"]
+        assert {e.incarnation for e in changes} == {life}
+        await store.delete_thread("t")
+        assert await store.incarnation("t") is None
+        await store.append("t", [msg("c")])
+        again = await store.incarnation("t")
+        assert again is not None and again != life
+
     # -- deletion -------------------------------------------------------------------------------
 
     async def test_delete_thread(self, store: EventStore) -> None:
@@ -1531,6 +1600,15 @@ class EventStoreConformance:
         # The refused request did not burn its idempotency key: the thread's own writer can use it.
         done = await owner.append("t", [msg("z")], idempotency_key="k1")
         assert not done.duplicate and done.first_seq == before[0] + 1
+
+    @pytest.mark.parametrize("secret", [b"", "", "s3cret"], ids=repr)
+    async def test_an_empty_or_text_secret_is_refused(self, secret: Any) -> None:
+        """An empty secret is no key: taken as one, it wrote unkeyed links while its caller
+        believed the chain keyed (an unfilled ``THREADLOG_SECRET=${KEY}``, say). No key is
+        ``secret=None``; a str is refused as it always was (a TypeError before, on memory)."""
+        with pytest.raises(InvalidInputError, match="secret"):
+            store = await self.make_store("c" + uuid.uuid4().hex[:12], secret=secret)
+            await store.close()
 
     async def test_writer_without_the_threads_chain_key_is_refused(self) -> None:
         namespace = "c" + uuid.uuid4().hex[:12]

@@ -413,15 +413,22 @@ class Projector:
         decodes is not checked against the integrity chain). To rebuild only a log that
         verifies, use `adapters.Auditor.rebuild`, which verifies the chain first.
 
-        If appends land meanwhile, the fold is repeated (a bounded number of times), then
-        `RebuildBusyError` is raised and the views are left as they were.
+        If appends land meanwhile, or the thread is deleted and written again, the fold is
+        repeated (a bounded number of times), then `RebuildBusyError` is raised (appends
+        landing every time: the views were left as they were).
         """
         validate_thread_id(thread_id)
         for _ in range(REBUILD_ATTEMPTS):
             try:
+                # The thread's life before and after: the write is guarded by the version
+                # only, so a thread deleted and written again up to the same version after
+                # the fold would get the old life's views (lives never repeat).
+                life = await self.store.incarnation(thread_id)
                 version = await self.store.version(thread_id)
                 folded = await self._fold_to(thread_id, version)
                 await self.store_views(folded)
+                if await self.store.incarnation(thread_id) != life:
+                    continue  # what was written may be the old life's: rebuild the new one
             except (ConcurrencyError, ThreadReplacedError):
                 continue  # appended to, or deleted and written again, meanwhile
             return folded.version

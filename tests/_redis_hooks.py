@@ -32,3 +32,7 @@ class RedisHooks:
     async def set_version(self, store: EventStore, thread_id: str, version: int) -> None:
         assert isinstance(store, RedisEventStore)
         await store.client.hset(store.keys.meta(thread_id), "v", version)
+
+    async def delete_meta(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, RedisEventStore)
+        assert await store.client.delete(store.keys.meta(thread_id)) == 1

@@ -22,7 +22,7 @@ from adapters import Auditor, UnverifiedLogError, Verdict, _audit
 from eventstore import _codec
 from eventstore._connect import StoreSettings
 from eventstore._memory import _Thread
-from projections import Projector, RebuildError
+from projections import Projector, RebuildBusyError, RebuildError
 
 pytestmark = pytest.mark.anyio
 
@@ -461,6 +461,20 @@ async def test_a_chain_secret_longer_than_blake2b_keys_works(
     )
 
 
+@pytest.mark.parametrize("secret", [b"", ""], ids=repr)
+async def test_an_empty_secret_is_refused_not_checked_as_a_key(
+    keyed: es.EventStore, secret: Any
+) -> None:
+    """``Auditor(store, secret=b"")`` checked with the key derived from an empty secret, while
+    a store given the same empty secret linked without one: the two disagreed about what the
+    empty secret meant. It means nothing: refused, as the stores refuse it. No key to check
+    with is a store opened without one (None: the store's own key)."""
+    with pytest.raises(es.InvalidInputError, match="secret"):
+        Auditor(keyed, secret=secret)
+    with pytest.raises(es.InvalidInputError, match="secret"):
+        es.namespace_chain_key(secret, keyed.namespace)
+
+
 async def test_wrong_key_fails_every_entry_and_says_so(keyed: es.EventStore) -> None:
     version = await populate(keyed)
     good = await Auditor(keyed, secret=SECRET).verify(T)
@@ -705,6 +719,149 @@ async def test_a_thread_deleted_while_the_namespace_is_audited_is_left_out(
     found = await auditor.check_all()
     assert deleted and set(found) == {T, "other"}
     assert all(f.ok for f in found.values()), found
+
+
+def replace_between_pages(
+    monkeypatch: pytest.MonkeyPatch, store: es.EventStore, texts: list[str], *, every: bool = False
+) -> list[int]:
+    """Make the store's next read of T's log return its page as it was read, then delete T
+    and write it again with ``texts`` (another life under the same id), before the next page
+    is read; with ``every``, after each page read. Returns the list of pages so replaced."""
+    original = store.read_raw
+    replaced: list[int] = []
+
+    async def read_then_replace(thread_id: str, **kwargs: Any) -> list[tuple[bytes, Fields]]:
+        rows = await original(thread_id, **kwargs)
+        if thread_id == T and rows and (every or not replaced):
+            replaced.append(len(rows))
+            projector = Projector(store)
+            await projector.delete_thread(T)
+            for text in texts:
+                await projector.append(T, [es.MessageAppended(message=user(text))])
+        return rows
+
+    monkeypatch.setattr(store, "read_raw", read_then_replace)
+    return replaced
+
+
+@pytest.mark.parametrize("again", [10, 3, 0], ids=["as long", "shorter", "deleted"])
+async def test_a_thread_replaced_between_two_pages_is_judged_in_one_life(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch, again: int
+) -> None:
+    """The log was read page by page with no check of the thread's life: deleted and written
+    again under its id after the first page, its verdict joined two lives (the new entries'
+    links do not follow the old ones: "modified"; a shorter new life: "deleted"; no new life:
+    "deleted" rather than gone). Each audit now reads in one life of the thread: the new one
+    is judged whole, a deleted one is missing."""
+    monkeypatch.setattr(_audit, "VERIFY_BATCH", 4)
+    projector = Projector(store)
+    new = [f"new {i}" for i in range(again)]
+    auditor = Auditor(store)
+
+    async def ten_old() -> list[int]:
+        """T with ten messages, in a life of its own; replaced after the audit's first page."""
+        monkeypatch.undo()
+        monkeypatch.setattr(_audit, "VERIFY_BATCH", 4)
+        await projector.delete_thread(T)
+        for i in range(10):
+            await projector.append(T, [es.MessageAppended(message=user(f"old {i}"))])
+        return replace_between_pages(monkeypatch, store, new)
+
+    replaced = await ten_old()
+    verdict = await auditor.verify(T)
+    assert replaced == [4], replaced  # after the first page of four
+    if again:
+        assert verdict.ok and (verdict.checked, verdict.version) == (again, again), verdict
+    else:
+        assert verdict.kind == "missing" and "it was deleted" in verdict.detail, verdict
+
+    replaced = await ten_old()
+    found = await auditor.check(T)
+    assert replaced == [4], replaced
+    if again:
+        assert found.ok and found.verdict.checked == again, found
+        assert found.report is not None and found.report.version == again
+    else:
+        assert found.verdict.kind == "missing" and found.report is None, found
+
+    replaced = await ten_old()
+    if again:
+        assert await auditor.rebuild(T) == again
+        assert await texts(projector) == new
+    else:
+        with pytest.raises(UnverifiedLogError) as info:
+            await auditor.rebuild(T)
+        assert info.value.verdict.kind == "missing"
+    assert replaced == [4], replaced
+
+
+@pytest.mark.parametrize("trust_log", [False, True], ids=["verified", "trusted"])
+async def test_a_thread_replaced_just_before_rebuild_writes_gets_its_own_views(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch, trust_log: bool
+) -> None:
+    """Between the rebuild's last read and its write, the thread deleted and written again up
+    to the same version: the write (guarded by the version only) put the old life's views on
+    the new one. The life is read again after the write, and the new life rebuilt (by
+    `Auditor.rebuild`, and by `Projector.rebuild`, which ``trust_log`` runs)."""
+    projector = Projector(store)
+    auditor = Auditor(store)
+    for text in ("one", "two", "three"):
+        await projector.append(T, [es.MessageAppended(message=user(text))])
+    original = auditor.projector.store_views
+    replaced: list[bool] = []
+
+    async def replace_then_store(folded: Any) -> None:
+        if not replaced:
+            replaced.append(True)
+            await projector.delete_thread(T)
+            for text in ("uno", "dos", "tres"):
+                await projector.append(T, [es.MessageAppended(message=user(text))])
+        await original(folded)
+
+    monkeypatch.setattr(auditor.projector, "store_views", replace_then_store)
+    assert await auditor.rebuild(T, trust_log=trust_log) == 3
+    assert replaced and await texts(projector) == ["uno", "dos", "tres"]
+    assert (await auditor.check(T)).ok
+
+
+async def test_a_meta_hash_replaced_by_a_string_is_reported_not_raised(redis_url: str) -> None:
+    """The life an audit reads before and after the log comes from the meta hash: one that
+    is no hash (WRONGTYPE) is the damage the verdict reports, not an error of the audit."""
+    store = await es.open_store(StoreSettings.from_url(redis_url, namespace=uuid.uuid4().hex))
+    try:
+        assert isinstance(store, es.RedisEventStore)
+        await Projector(store).append(T, [es.MessageAppended(message=user("hi"))])
+        await store.client.delete(store.keys.meta(T))
+        await store.client.set(store.keys.meta(T), "hello")
+        verdict = await Auditor(store).verify(T)
+        assert verdict.kind == "undecodable" and "WRONGTYPE" in verdict.detail, verdict
+        assert (await Auditor(store).check(T)).verdict == verdict
+    finally:
+        await store.close()
+
+
+async def test_a_thread_replaced_at_every_read_is_not_judged(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread deleted and written again while each attempt reads it gets no verdict (no
+    life was read whole): `ThreadReplacedError` after a bounded number of attempts, and
+    `RebuildBusyError` from rebuild, as `Projector.rebuild` says for a thread that keeps
+    changing."""
+    monkeypatch.setattr(_audit, "VERIFY_BATCH", 2)
+    projector = Projector(store)
+    for i in range(5):
+        await projector.append(T, [es.MessageAppended(message=user(f"old {i}"))])
+    replaced = replace_between_pages(monkeypatch, store, ["a", "b", "c"], every=True)
+    auditor = Auditor(store)
+    with pytest.raises(es.ThreadReplacedError):
+        await auditor.verify(T)
+    with pytest.raises(es.ThreadReplacedError):
+        await auditor.check(T)
+    with pytest.raises(RebuildBusyError):
+        await auditor.rebuild(T)
+    assert replaced
+    monkeypatch.undo()
+    assert (await auditor.verify(T)).ok
 
 
 async def test_rebuild_folds_exactly_the_entries_it_verified(

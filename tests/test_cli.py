@@ -1896,3 +1896,17 @@ def test_check_and_rebuild_cover_the_langgraph_views(redis_url: str) -> None:
     assert rebuilt.code == 0, rebuilt
     again = cli("check", "lg:g1", url=redis_url, namespace=namespace)
     assert again.code == 0 and "OK" in again.out, again
+
+
+def test_an_empty_threadlog_secret_is_a_usage_error(redis_url: str) -> None:
+    """``THREADLOG_SECRET=`` (set, but to nothing) read as unset: a command wrote and verified
+    unkeyed chains while the deployment meant them keyed. Refused: exit 2, one line naming the
+    variable, and nothing written."""
+    namespace = fresh_namespace()
+    empty = child_env(THREADLOG_SECRET="")
+    for args in (["demo"], ["threads"], ["verify", "--all"]):
+        run = cli(*args, url=redis_url, namespace=namespace, env=empty)
+        line = assert_one_line_error(run, code=2)
+        assert "THREADLOG_SECRET" in line and "empty" in line, line
+    unset = cli("threads", url=redis_url, namespace=namespace)
+    assert unset.code == 2 and "no namespace" in unset.err, unset  # the demo wrote nothing

@@ -52,6 +52,14 @@ class TestMemoryEventStore(EventStoreConformance):
         assert isinstance(store, MemoryEventStore)
         store.server.namespaces[store.namespace].threads[thread_id].version = version
 
+    async def delete_meta(self, store: EventStore, thread_id: str) -> None:
+        assert isinstance(store, MemoryEventStore)
+        # What the Redis meta hash holds, gone; the entries (the log) stay.
+        thread = store.server.namespaces[store.namespace].threads[thread_id]
+        thread.version, thread.head, thread.created_ms = 0, "", 0
+        thread.incarnation, thread.fingerprint = 0, None
+        thread.ledger.clear()
+
 
 class TestRedisEventStore(RedisHooks, EventStoreConformance):
     @pytest.fixture(autouse=True)

@@ -158,6 +158,11 @@ def test_settings_are_frozen() -> None:
         "memory://?ssl_cert_reqs=none",
         "redis+cluster://h1:7000?db=1",
         "rediss+cluster://h1:7000?db=0",
+        # Redis Cluster has only database 0: a path naming another is refused, not ignored.
+        "redis+cluster://h1:7000/3",
+        "rediss+cluster://h1:7000,h2:7001/1",
+        "redis+cluster://h1:7000/x",
+        "redis+cluster://h1:7000/0/1",
         "unix:///tmp/r.sock?ssl_ca_certs=/ca.crt",
         # TLS values redis-py would only reject when connecting.
         "rediss://h?ssl_cert_reqs=bogus",
@@ -179,6 +184,9 @@ def test_bad_urls_raise_invalid_url_error(url: str) -> None:
         "rediss://h?ssl_cert_reqs=optional&ssl_certfile=/c.crt&ssl_keyfile=/c.key",
         "redis+cluster://h1:7000?socket_timeout=2&partitions=4",
         "rediss+cluster://h1:7000?ssl_cert_reqs=required",
+        "redis+cluster://h1:7000/",
+        "redis+cluster://h1:7000,h2:7001/0",
+        "rediss+cluster://h1:7000/0?ssl_cert_reqs=required",
         "memory://named?namespace=n&partitions=2",
     ],
 )
@@ -202,6 +210,8 @@ def test_parameters_a_scheme_uses_are_accepted(url: str) -> None:
         {"partitions": True},
         {"namespace": ""},
         {"secret": "not-bytes"},
+        {"secret": b""},
+        {"secret": ""},
     ],
     ids=repr,
 )
@@ -345,6 +355,20 @@ async def test_bad_url_is_refused_before_connecting() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/3", "/x", "/0/1"])
+async def test_a_cluster_url_naming_a_database_is_refused_before_connecting(path: str) -> None:
+    """Redis Cluster has only database 0: ``/3`` was ignored, and the data went to database 0
+    of the cluster while the URL said 3. Refused (nothing listens on port 1: a check made only
+    when connecting would say so instead); the message names the path and why."""
+    url = f"redis+cluster://u:{PASSWORD}@127.0.0.1:1{path}"
+    with pytest.raises(InvalidURLError) as info:
+        await connect(url)
+    message = str(info.value)
+    assert repr(path.strip("/")) in message and "database 0" in message, message
+    assert PASSWORD not in message
+
+
+@pytest.mark.anyio
 async def test_named_memory_store_is_shared_and_unnamed_is_private() -> None:
     name = f"memory://shared-{uuid.uuid4().hex[:8]}"
     async with await connect(name) as a, await connect(name) as b:
@@ -456,6 +480,34 @@ async def test_threadlog_secret_keys_the_chain(monkeypatch: pytest.MonkeyPatch) 
     link = fields[b"h"].decode()
     assert link == chain_link("", 1, int(fields[b"s"]), keyed)
     assert link != chain_link("", 1, int(fields[b"s"]), unkeyed)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_an_empty_threadlog_secret_is_refused_not_taken_as_no_key(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``THREADLOG_SECRET=`` (a template whose key was not filled in) read as unset: the store
+    wrote unkeyed chains with nobody told. No key is the variable unset; empty is refused,
+    before anything connects or starts, and the message says both ways out."""
+    monkeypatch.setenv(SECRET_ENV, "")
+    with pytest.raises(InvalidInputError, match=SECRET_ENV) as info:
+        await connect("memory://")
+    assert "unset" in str(info.value)
+    with pytest.raises(InvalidInputError, match=SECRET_ENV):
+        await connect("redis://127.0.0.1:1")  # nothing listens there
+    home = short_dir / "emb"
+    with _stopped_afterwards(home), pytest.raises(InvalidInputError, match=SECRET_ENV):
+        await connect(embedded_dir=home)
+    assert not home.exists()
+    # An explicit secret wins over the variable, as it always did.
+    async with await connect("memory://", secret=b"k") as store:
+        await store.append("t", [msg("a")])
+        assert await store.chain_key_fingerprint("t") != "-"
+    monkeypatch.delenv(SECRET_ENV)
+    async with await connect("memory://") as store:
+        await store.append("t", [msg("a")])
+        assert await store.chain_key_fingerprint("t") == "-"
 
 
 # -- the embedded server ---------------------------------------------------------------------

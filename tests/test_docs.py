@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import re
+import tomllib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -12,6 +16,7 @@ import pytest
 
 import eventstore as es
 from adapters import Exporter, ThreadStore
+from adapters.cli import UsageError, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
@@ -23,10 +28,138 @@ def blocks(path: Path, language: str) -> list[str]:
 
 def test_readme_python_runs(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THREADLOG_URL", redis_url)
+    monkeypatch.delenv("THREADLOG_SECRET", raising=False)
     (code,) = blocks(ROOT / "README.md", "python")
     # The example names a fixed namespace; give it a fresh one so reruns start clean.
-    code = code.replace('namespace="acme"', f'namespace="docs{uuid.uuid4().hex[:8]}"')
+    namespace = f"docs{uuid.uuid4().hex[:8]}"
+    assert code.count('namespace="acme"') == 1
+    code = code.replace('namespace="acme"', f'namespace="{namespace}"')
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+
+    # What the example says it did is what the store holds.
+    async def written() -> None:
+        async with await es.connect(redis_url, namespace=namespace) as store:
+            threads = ThreadStore(store)
+            history = await threads.list_messages("thread-1")
+            assert [(m.message.role, m.message.content) for m in history] == [
+                ("user", "hi"),
+                ("assistant", "hello"),
+            ]
+            (record,) = (await threads.context("thread-1", records=3)).records
+            assert record.outcome == "completed" and record.usage.output_tokens == 3
+            state = await threads.state("thread-1")
+            assert {name: block.value for name, block in state.items()} == {"plan": {"step": 1}}
+
+    anyio.run(written)
+
+
+# A placeholder of the README's command lines, and a value to try in its place.
+_PLACEHOLDERS = {"THREAD": "t", "N": "5", "FILE": "in.jsonl", "SESSION": "s", "NAME": "g"}
+
+
+def _command_lines() -> list[str]:
+    """The ``threadlog ...`` command lines of the README's sh blocks, comments dropped and
+    ``a  /  b`` lines split."""
+    lines = []
+    for block in blocks(ROOT / "README.md", "sh"):
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip()
+            lines += [part.strip() for part in re.split(r"\s+/\s+", line)]
+    return [line for line in lines if line.startswith("threadlog ")]
+
+
+def _variants(line: str) -> Iterator[list[str]]:
+    """Every argv a synopsis line stands for: ``[x]`` with and without x, ``a | b`` and
+    ``v1|v2`` each way, placeholders filled in."""
+    for argv in _expand(line.removeprefix("threadlog ")):
+        yield [_PLACEHOLDERS.get(word, word) for word in argv]
+
+
+def _expand(synopsis: str) -> Iterator[list[str]]:
+    groups: list[list[list[str]]] = []
+    pending_or = False
+    for token in re.findall(r"\[[^\]]*\]|\S+", synopsis):
+        if token == "|":
+            pending_or = True
+            continue
+        if token.startswith("["):
+            choices = [[], *_expand(token[1:-1])]
+        elif "|" in token:
+            choices = [[value] for value in token.split("|")]
+        else:
+            choices = [[token]]
+        if pending_or:
+            groups[-1] += choices
+            pending_or = False
+        else:
+            groups.append(choices)
+    for combination in itertools.product(*groups):
+        yield [word for choice in combination for word in choice]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("no subcommands")
+
+
+def test_every_readme_command_line_parses_as_shown() -> None:
+    """Each command of the README's command block exists and takes the options and arguments
+    it is shown with (each optional part with and without, each alternative); every command
+    the CLI has is shown there."""
+    lines = _command_lines()
+    assert len(lines) >= 15, lines
+    shown = set()
+    for line in lines:
+        for argv in _variants(line):
+            shown.add(argv[0])
+            try:
+                build_parser().parse_args(argv)
+            except UsageError as exc:
+                pytest.fail(f"README: {line!r} as {argv!r}: {exc}")
+    assert shown == set(_subparsers(build_parser())), "a command missing from the README"
+
+
+def test_readme_command_comments_name_only_options_their_line_shows() -> None:
+    """An option named in a command line's comment is in the line's synopsis too, where the
+    test above parses it (``rebuild ... # ... [--trust-log]`` showed it in the comment only)."""
+    for block in blocks(ROOT / "README.md", "sh"):
+        for line in block.splitlines():
+            synopsis, _, comment = line.partition("#")
+            if synopsis.strip().startswith("threadlog "):
+                hidden = set(re.findall(r"--[a-z][a-z-]*", comment)) - set(
+                    re.findall(r"--[a-z][a-z-]*", synopsis)
+                )
+                assert not hidden, f"README: {line.strip()!r} names {sorted(hidden)} in a comment"
+
+
+def test_every_option_the_readme_names_exists() -> None:
+    """An option the README names anywhere (``--skip-bad``, ``--workers N``) is an option of a
+    threadlog command, and ``--url``/``--namespace`` of every command but ``stop``, as it
+    says."""
+    text = (ROOT / "README.md").read_text().replace("mypy --strict", "mypy")
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+    commands = _subparsers(build_parser())
+    known = {o for p in commands.values() for a in p._actions for o in a.option_strings}
+    assert named and named <= known, sorted(named - known)
+    for name, sub in commands.items():
+        options = {o for a in sub._actions for o in a.option_strings}
+        assert ({"--url", "--namespace"} <= options) == (name != "stop"), name
+
+
+def test_readme_shell_commands_exist() -> None:
+    """``scripts/demo`` and ``scripts/test`` are there to run, and each extra the README
+    installs is one the package declares."""
+    for block in blocks(ROOT / "README.md", "sh"):
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("scripts/"):
+                script = ROOT / line.split()[0]
+                assert script.is_file() and script.stat().st_mode & 0o111, script
+            for extra in re.findall(r"threadlog\[([\w-]+)\]", line):
+                project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                assert extra in project["optional-dependencies"], extra
 
 
 def test_readme_duckdb_query_runs(tmp_path: Path) -> None:

@@ -5,9 +5,12 @@ KEYS[1] log stream     KEYS[2] meta hash
 ARGV[1] time in ms
 
 Times are non-decreasing along a thread, so a binary search over seq finds the answer in
-O(log n) XRANGE lookups inside one round trip. Returns 0 when no event is that old,
-{'meta', v} when the meta's version v is not a number, and {'entry', id, s} when an entry the
-search looks at has a time s (false: none) that is not a number (damaged, as `read` reports it).
+O(log n) XRANGE lookups inside one round trip. Returns 0 when no event is that old (or there is
+no thread). Damage the search meets is answered for the client to raise, never searched past:
+{'meta', v} when the meta's version v is not a number; {'nometa'} when the log holds events but
+no meta hash records a version (deleted, or 0); {'missing', seq, v} when the entry of a seq the
+version holds is not in the log; {'entry', id, s} when an entry's time s (false: none) is not a
+number (as `read` reports it).
 ]]
 
 local target = tonumber(ARGV[1])
@@ -16,25 +19,33 @@ local v = redis.call('HGET', KEYS[2], 'v') or '0'
 -- answered as {'meta', v} for the client to raise as such (a bare compare with nil would fail).
 if not string.match(v, '^%d+$') or #v > 20 then return {'meta', v} end
 local hi = tonumber(v)
+if hi == 0 then
+  -- No version: no thread, unless its log holds events (then its meta hash was lost, and a 0
+  -- would read as "no event that old" for a log full of them).
+  if #redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1) > 0 then return {'nometa'} end
+  return 0
+end
 local lo = 0  -- invariant: time(lo) <= target (seq 0 stands for "before everything")
--- The time of the first entry at or after seq (nil: none), or the entry's id and raw time
--- when that time is no number: digits only, as `decode_entry` reads it (tonumber would take
--- '1e3' or '0x10', or skip a missing field and answer silently from the wrong events).
+-- The time of the entry of seq, or nil and what is wrong with it: missing (the first entry
+-- after it would answer for it, or none for a log cut short), or a time that is no number:
+-- digits only, as `decode_entry` reads it (tonumber would take '1e3' or '0x10', or skip a
+-- missing field and answer silently from the wrong events).
 local function time_at(seq)
-  local entries = redis.call('XRANGE', KEYS[1], seq .. '-0', '+', 'COUNT', 1)
-  if #entries == 0 then return nil end
+  local id = seq .. '-0'
+  local entries = redis.call('XRANGE', KEYS[1], id, id)
+  if #entries == 0 then return nil, {'missing', seq, v} end
   local fields = entries[1][2]
   local s = false
   for i = 1, #fields, 2 do
     if fields[i] == 's' then s = fields[i + 1] break end
   end
-  if not s or not string.match(s, '^%d+$') or #s > 20 then return nil, {entries[1][1], s} end
+  if not s or not string.match(s, '^%d+$') or #s > 20 then return nil, {'entry', id, s} end
   return tonumber(s)
 end
 while lo < hi do
   local mid = math.floor((lo + hi + 1) / 2)
   local t, damaged = time_at(mid)
-  if damaged then return {'entry', damaged[1], damaged[2]} end
-  if t ~= nil and t <= target then lo = mid else hi = mid - 1 end
+  if damaged then return damaged end
+  if t <= target then lo = mid else hi = mid - 1 end
 end
 return lo
