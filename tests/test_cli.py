@@ -297,7 +297,7 @@ def test_a_server_that_evicts_any_key_is_one_line_with_exit_code_2(redis_url: st
         finally:
             admin.config_set("maxmemory-policy", before)
     # The refused demo wrote nothing: the namespace is still unknown, and a demo now runs.
-    assert "holds no namespace" in cli("threads", url=redis_url, namespace=namespace).err
+    assert f"no namespace {namespace!r}" in cli("threads", url=redis_url, namespace=namespace).err
     assert cli("demo", url=redis_url, namespace=namespace).code == 0
 
 
