@@ -343,7 +343,9 @@ class ThreadStore:
 
         A root turn opened with a request adds the user message to the conversation in the
         same atomic append, before context assembly. A child turn's parent must be a turn of
-        this thread. Re-opening the same ``turn_id`` is idempotent.
+        this thread. Re-opening the same ``turn_id`` is idempotent; an id minted by
+        ``new_turn_id`` (none given) must be a new, valid turn id: one already opened in the
+        thread raises `TurnConflictError` and writes nothing.
 
         To retry after an unknown outcome (a timeout: the turn may have been opened), pass the
         same ``turn_id``: mint it first (``turn_id = threads.new_turn_id()``) and reuse it. A
@@ -363,22 +365,38 @@ class ThreadStore:
             raise TurnNotFoundError(
                 f"parent turn {parent_turn_id!r} was not opened in thread {thread_id!r}"
             )
-        turn_id = turn_id or self.new_turn_id()
+        minted = turn_id is None
+        if turn_id is None:
+            turn_id = self.new_turn_id()
+            _check_turn_id(turn_id, "new_turn_id()")
         request = as_message(request_message) if request_message is not None else None
         opened = TurnOpened(
             turn_id=turn_id, parent_turn_id=parent_turn_id, grant=grant, request=request
         )
+        new = NewEvent(payload=opened, turn_id=turn_id)
         try:
-            await self.projector.append(
-                thread_id,
-                [NewEvent(payload=opened, turn_id=turn_id)],
-                idempotency_key=f"open:{turn_id}",
+            result = await self.projector.append(
+                thread_id, [new], idempotency_key=f"open:{turn_id}"
             )
         except IdempotencyKeyReusedError:
+            if minted:
+                raise _minted_twice(thread_id, turn_id) from None
             raise TurnConflictError(
                 f"turn {turn_id!r} was already opened in thread {thread_id!r} with other details"
             ) from None
+        if minted and result.duplicate and not await self._wrote(thread_id, result, new):
+            # A fresh id answered from the ledger is an id generator that repeats itself
+            # (a counter after a restart): taken as a re-open, this turn would be the old
+            # one, and its request message would be dropped.
+            raise _minted_twice(thread_id, turn_id)
         return turn_id
+
+    async def _wrote(self, thread_id: str, result: AppendResult, new: NewEvent) -> bool:
+        """Whether the append a duplicate ``result`` answers with is the one of ``new`` (a
+        lost reply retried by the connection) rather than another's under the same key."""
+        async for event in self.store.read(thread_id, start=result.first_seq, limit=1):
+            return event.id == new.id
+        return False
 
     async def settle_turn(
         self,
@@ -617,6 +635,13 @@ def _check_turn_id(turn_id: object, name: str = "turn_id") -> None:
             f"{name} {turn_id!r:.80} holds a control character {bad.group()!r} (not allowed, as "
             "in thread ids)"
         )
+
+
+def _minted_twice(thread_id: str, turn_id: str) -> TurnConflictError:
+    return TurnConflictError(
+        f"new_turn_id() returned {turn_id!r}, the id of a turn already opened in thread "
+        f"{thread_id!r}: a minted turn id must be new (nothing was written; ULIDs are)"
+    )
 
 
 def _first(pair: tuple[SortKey, TurnRecord]) -> SortKey:

@@ -284,6 +284,39 @@ async def test_turn_ids_are_injectable(store: es.EventStore) -> None:
     assert await store.version("t") == 3
 
 
+async def test_a_minted_turn_id_must_be_a_new_valid_turn_id(store: es.EventStore) -> None:
+    """An injected generator that repeats an id (a counter after a restart) is refused, not
+    taken as a re-open that drops the new turn's request; one that mints no valid turn id
+    (empty, control characters, not a str) writes nothing."""
+    ids = iter(["turn-1", "turn-1", "turn-1", "", "bad\x00", 7])
+    threads = ThreadStore(store, new_turn_id=lambda: next(ids))  # type: ignore[arg-type,return-value]
+    assert await threads.open_turn("t", request_message=user("hi")) == "turn-1"
+    for request in ("hi", "another question"):
+        with pytest.raises(TurnConflictError, match=r"new_turn_id\(\) returned 'turn-1'"):
+            await threads.open_turn("t", request_message=user(request))
+    for _ in range(3):
+        with pytest.raises(es.InvalidInputError, match=r"new_turn_id\(\)"):
+            await threads.open_turn("t")
+    assert await store.version("t") == 1
+    assert [r.turn_id for r in await threads.projector.turns("t")] == ["turn-1"]
+
+
+async def test_a_minted_turn_whose_append_was_sent_twice_opens_once(store: es.EventStore) -> None:
+    """A lost reply re-sent by the connection is answered from the ledger (duplicate) with
+    the very event sent: that open is this turn's, not a repeated id."""
+    threads = ThreadStore(store)
+    append = threads.projector.append
+
+    async def sent_twice(*args: Any, **kwargs: Any) -> es.AppendResult:
+        await append(*args, **kwargs)
+        return await append(*args, **kwargs)
+
+    threads.projector.append = sent_twice  # type: ignore[method-assign]
+    turn = await threads.open_turn("t", request_message=user("hi"))
+    assert await store.version("t") == 1
+    assert (await threads.turn("t", turn)) is not None
+
+
 async def test_a_window_larger_than_any_list_is_the_whole_history(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     for text in ("a", "b", "c"):
