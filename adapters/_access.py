@@ -8,7 +8,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from eventstore import EventStoreError
+from eventstore import EventStoreError, InvalidInputError
 
 Action = Literal["read", "write"]
 
@@ -138,10 +138,22 @@ async def authorize(
     namespace: str,
     thread_id: str | None,
 ) -> None:
-    """Raise `AccessDenied` unless ``policy`` allows the call."""
+    """Raise `AccessDenied` unless ``policy`` allows the call (`InvalidInputError` for a
+    ``principal`` that is neither a `Principal` nor None)."""
+    _check_principal(principal)
     # Only True allows: a policy that returns None or another truthy value by mistake denies.
     if await policy.allows(principal, action, namespace, thread_id) is not True:
         raise AccessDenied(principal, action, thread_id)
+
+
+def _check_principal(principal: object) -> None:
+    # A policy reads the principal's fields: a name or a dict in its place would make every
+    # policy fail with an AttributeError, and the default one let the call through unnoticed.
+    if principal is not None and not isinstance(principal, Principal):
+        raise InvalidInputError(
+            f"principal must be a Principal or None, not {type(principal).__name__}: "
+            f"{principal!r:.80}"
+        )
 
 
 async def authorize_view(
@@ -153,6 +165,7 @@ async def authorize_view(
 ) -> None:
     """Raise `AccessDenied` unless ``view`` is the reader view the policy confines the
     principal's state reads to (any view when it names none, or has no `reader_view`)."""
+    _check_principal(principal)
     confine = getattr(policy, "reader_view", None)
     if confine is None:
         return

@@ -948,6 +948,35 @@ async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> 
     assert await store.version("t") == 1
 
 
+async def test_a_principal_of_another_type_is_refused_and_writes_nothing(
+    store: es.EventStore,
+) -> None:
+    """A name or a dict passed as the principal: every policy would fail on it with an
+    AttributeError (and the default one let it through); it is bad input, refused first."""
+    owner = CallbackPolicy(lambda p, action, ns, thread: p is not None and p.id == "alice")
+    for policy in (None, TenantPolicy(), TenantPolicy(admin_role="admin"), owner):
+        threads = ThreadStore(store, policy=policy)
+        sessions = SessionStore(store, policy=policy)
+        bad_principals: list[Any] = ["alice", {"id": "alice", "tenant": store.namespace}]
+        for bad in bad_principals:
+            calls: list[Any] = [
+                threads.append_message("t", user("x"), principal=bad),
+                threads.list_messages("t", principal=bad),
+                threads.open_turn("t", principal=bad),
+                threads.update_state("t", "b", 1, turn_id=None, principal=bad),
+                threads.state("t", principal=bad),
+                threads.context("t", principal=bad),
+                threads.records(principal=bad),
+                threads.delete_thread("t", principal=bad),
+                sessions.append("t", [user("x")], principal=bad),
+                sessions.load("t", principal=bad),
+            ]
+            for call in calls:
+                with pytest.raises(es.InvalidInputError, match="principal must be a Principal"):
+                    await call
+    assert await store.version("t") == 0
+
+
 async def test_a_policy_can_confine_a_principal_to_a_reader_view(store: es.EventStore) -> None:
     """Reader views as a boundary: a principal the policy names a view for reads state
     through that view only; every other principal reads as before."""
