@@ -16,7 +16,9 @@ items; the log keeps every popped and cleared item for audit.
 * ``add_items`` retries a lost reply itself without adding twice; a caller that calls it again
   after it raised may add the items twice (see `ThreadlogSession.add_items`).
 * A cancelled ``add_items`` or ``clear_session`` runs to its end, then raises the cancellation,
-  as the SDK's own sessions do; a cancelled ``pop_item`` pops nothing.
+  as the SDK's own sessions do. A ``pop_item`` cancelled before its write pops nothing; once
+  its write is sent (Redis runs it whenever it gets to it), it waits for it, as the SDK's
+  ``SQLiteSession`` finishes a pop, and then raises the cancellation.
 * ``ttl`` is a retention period: a session idle (no write) for longer is deleted when it is next
   touched, and `sweep_idle_sessions` deletes the idle sessions nobody touches. Nothing uses
   Redis ``EXPIRE``, so events never vanish from under the thread index and the change feed.
@@ -346,8 +348,7 @@ class ThreadlogSession:
 
         Cancelling the call does not cut the append short, as with the SDK's own sessions:
         it runs to its end, then the cancellation is raised; the items were added unless
-        the append itself failed. (`pop_item` stays cancellable: a pop cut short pops
-        nothing, where one run to its end would lose the item it could not return.)
+        the append itself failed. (`pop_item` stays cancellable until its write is sent.)
         """
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
@@ -374,6 +375,12 @@ class ThreadlogSession:
 
         Raises `ConcurrencyError` only if other processes' writes kept changing the tail for
         `POP_TIMEOUT` seconds.
+
+        Cancelled while it reads the tail or waits to try again, it pops nothing. Cancelled
+        once its write is sent, it waits for that write, then raises the cancellation: the
+        item was popped (the log's `ItemPopped` names it) unless the write failed. A write
+        cannot be called back once sent, and returning earlier would leave the session to
+        change under the caller after the call ended.
         """
         await self._expire_if_idle()
         async with self._pop_lock:
@@ -391,7 +398,7 @@ class ThreadlogSession:
                 # it is stricter than "this entry is still the tail" only after an add and a pop
                 # that cancel out, and the view has no finer guard to offer.
                 try:
-                    await self._append([event], expected_version=snap.version)
+                    await _to_the_end(self._append([event], expected_version=snap.version))
                 except ConcurrencyError:
                     if time.monotonic() >= deadline:
                         raise

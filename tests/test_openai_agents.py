@@ -515,6 +515,53 @@ async def test_a_cancelled_add_or_clear_still_writes_as_the_sdk_sessions_do(
     assert await session.get_items() == []
 
 
+async def test_a_pop_cancelled_once_its_write_was_sent_finishes_it(
+    redis_url: str, namespace: str
+) -> None:
+    """A pop whose write reached Redis cannot be called back: the server runs it whenever it
+    gets to it. Cancelled then, the pop finishes its write before raising the cancellation
+    (as the SDK's SQLiteSession finishes a pop), so the session does not change under the
+    caller after the call has ended."""
+    store = await es.connect(redis_url, namespace=namespace)
+    admin = await es.connect(redis_url, namespace=namespace)
+    assert isinstance(admin, es.RedisEventStore)
+    try:
+        session = ThreadlogSession("cancelled-pop", store)
+        await session.add_items([user("a"), user("b")])
+        sent = anyio.Event()
+        append = session.projector.append
+
+        async def paused_append(*args: Any, **kwargs: Any) -> es.AppendResult:
+            # Redis holds writes (scripts included) for 400 ms: the pop's write is sent and
+            # waits there, where a cancellation finds it.
+            await admin.client.execute_command("CLIENT", "PAUSE", "400", "WRITE")
+            sent.set()
+            return await append(*args, **kwargs)
+
+        session.projector.append = paused_append  # type: ignore[method-assign]
+
+        async def cancel_once_sent(scope: anyio.CancelScope) -> None:
+            await sent.wait()
+            await anyio.sleep(0.1)
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as scope:
+                tg.start_soon(cancel_once_sent, scope)
+                await session.pop_item()
+                pytest.fail("the pop was not cancelled")
+        assert scope.cancelled_caught
+        when_cancelled = contents(await ThreadlogSession("cancelled-pop", store).get_items())
+        await anyio.sleep(0.6)  # the pause is over: a write still pending has landed
+        assert contents(await session.get_items()) == when_cancelled == ["a"]
+        events = [e async for e in store.read(session.thread_id)]
+        assert sum(isinstance(e.payload, ItemPopped) for e in events) == 1
+    finally:
+        await admin.client.execute_command("CLIENT", "UNPAUSE")
+        await admin.close()
+        await store.close()
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Shift the session module's clock: append milliseconds to ``clock[0]``."""
