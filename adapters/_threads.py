@@ -220,6 +220,10 @@ class ThreadStore:
 
     Every method takes an optional ``principal``; the access ``policy`` (default: allow all
     within the namespace) decides before anything is read or written.
+
+    ``new_turn_id`` mints the ids of turns opened without one (default: ULIDs). Each must be
+    new to its thread; `turn_tree` orders turns by id, which is the order they were opened
+    only for ids that sort by creation time, as ULIDs do (random UUIDs do not).
     """
 
     def __init__(
@@ -522,7 +526,8 @@ class ThreadStore:
     async def turn_tree(
         self, thread_id: str, *, principal: Principal | None = None
     ) -> list[TurnNode]:
-        """Root turns with their child turns."""
+        """Root turns with their child turns, each level in turn id order (the order the
+        turns were opened for ULID turn ids)."""
         await self._allow(principal, "read", thread_id)
         return await self.projector.turn_tree(thread_id)
 
