@@ -78,6 +78,7 @@ from eventstore import (
 )
 from projections import Projection, Projector
 
+from ._access import AccessPolicy, Action, AllowAll, Principal, authorize
 from ._framework_events import (
     ItemPopped,
     ItemsAdded,
@@ -190,6 +191,8 @@ def session_thread_id(session_id: str, *, prefix: str = DEFAULT_THREAD_PREFIX) -
     """
     if not isinstance(session_id, str) or not session_id:
         raise InvalidThreadIdError(f"session id must be a non-empty str, not {session_id!r}")
+    if not isinstance(prefix, str):
+        raise InvalidThreadIdError(f"thread prefix must be a str, not {prefix!r:.80}")
     return validate_thread_id(prefix + _escape(session_id))
 
 
@@ -287,6 +290,13 @@ class ThreadlogSession:
     it is next touched after being idle (no write) for longer than that; see
     `sweep_idle_sessions` for sessions nobody touches.
     Idleness compares this machine's clock with the server time of the last event.
+
+    ``policy`` and ``principal`` confine the session as `ThreadStore` and `SessionStore` are
+    confined (the SDK passes no principal, so the session carries the one it serves): every
+    call asks the policy first and raises `AccessDenied` before anything is read or written.
+    `get_items` reads, `add_items`, `clear_session` and `delete` write, and `pop_item` does
+    both (it returns the item it removes). The policy is asked about the session's thread
+    (``thread_id``, e.g. ``agents:user-123``).
     """
 
     session_settings: SessionSettings | None
@@ -299,6 +309,8 @@ class ThreadlogSession:
         ttl: float | timedelta | None = None,
         session_settings: SessionSettings | Mapping[str, Any] | None = None,
         thread_prefix: str = DEFAULT_THREAD_PREFIX,
+        policy: AccessPolicy | None = None,
+        principal: Principal | None = None,
     ) -> None:
         self.session_id = session_id
         self.store = store
@@ -307,6 +319,8 @@ class ThreadlogSession:
         self.session_settings = _session_settings(session_settings)
         self.projection = SessionItemsProjection()
         self.projector = Projector(store, [self.projection])
+        self.policy: AccessPolicy = policy or AllowAll()
+        self.principal = principal
         self._pop_lock = _pop_lock(store, self.thread_id)
         register_session_events(store.registry)
         # The latest time (ms) this object knows the session was written; while it is younger
@@ -326,6 +340,7 @@ class ThreadlogSession:
         """
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
             raise InvalidInputError(f"limit must be an int or None, not {limit!r}")
+        await self._allow("read")
         await self._expire_if_idle()
         n = limit
         if n is None and self.session_settings is not None:
@@ -353,6 +368,7 @@ class ThreadlogSession:
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
         stored = [_json_item(i, item) for i, item in enumerate(items)]
+        await self._allow("write")
         if not items:
             return
         await _to_the_end(self._add(stored))
@@ -382,6 +398,8 @@ class ThreadlogSession:
         cannot be called back once sent, and returning earlier would leave the session to
         change under the caller after the call ended.
         """
+        await self._allow("read")
+        await self._allow("write")
         await self._expire_if_idle()
         async with self._pop_lock:
             deadline = time.monotonic() + POP_TIMEOUT
@@ -413,6 +431,7 @@ class ThreadlogSession:
     async def clear_session(self) -> None:
         """Remove every item from the session; the log keeps them. A cancelled call clears
         all the same (see `add_items`)."""
+        await self._allow("write")
         await _to_the_end(self._clear())
 
     async def _clear(self) -> None:
@@ -425,10 +444,14 @@ class ThreadlogSession:
 
     async def delete(self) -> int:
         """Delete the session and its log for good; returns the version it had."""
+        await self._allow("write")
         self._active_ms = None
         return await self.store.delete_thread(self.thread_id, views=list(self.projection.views))
 
     # -- internals ----------------------------------------------------------------------------
+
+    async def _allow(self, action: Action) -> None:
+        await authorize(self.policy, self.principal, action, self.store.namespace, self.thread_id)
 
     def _decode(self, entry: ViewEntry) -> TResponseInputItem:
         try:

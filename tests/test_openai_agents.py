@@ -46,6 +46,7 @@ from openai.types.responses import (
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 
 import eventstore as es
+from adapters import AccessDenied, CallbackPolicy, Principal, TenantPolicy
 from adapters.openai_agents import (
     ITEMS_VIEW,
     ItemPopped,
@@ -560,6 +561,48 @@ async def test_a_pop_cancelled_once_its_write_was_sent_finishes_it(
         await admin.client.execute_command("CLIENT", "UNPAUSE")
         await admin.close()
         await store.close()
+
+
+async def test_an_access_policy_confines_a_session(store: es.EventStore) -> None:
+    """Sessions are confined as ThreadStore and SessionStore are: each call asks the policy
+    first, and a denied one reads and writes nothing."""
+    owners = {"agents:alice-chat": "alice"}
+
+    def decide(p: Principal | None, action: str, ns: str, thread: str | None) -> bool:
+        if p is None or owners.get(thread or "") != p.id:
+            return False
+        return action == "read" or "writer" in p.roles
+
+    policy = CallbackPolicy(decide)
+    alice = Principal(id="alice", roles=frozenset({"writer"}))
+    owner = ThreadlogSession("alice-chat", store, policy=policy, principal=alice)
+    await owner.add_items([user("a"), user("b")])
+    reader = ThreadlogSession("alice-chat", store, policy=policy, principal=Principal(id="alice"))
+    assert contents(await reader.get_items()) == ["a", "b"]
+    outsiders = [
+        ThreadlogSession("alice-chat", store, policy=policy, principal=Principal(id="mallory")),
+        ThreadlogSession("alice-chat", store, policy=policy),  # no principal at all
+        ThreadlogSession("alice-chat", store, policy=TenantPolicy(), principal=alice),
+    ]
+    for session in [*outsiders, reader]:
+        calls: list[Awaitable[Any]] = [
+            session.add_items([user("x")]),
+            session.pop_item(),  # it removes an item: a reader may not
+            session.clear_session(),
+            session.delete(),
+        ]
+        if session is not reader:
+            calls.append(session.get_items())
+        for call in calls:
+            with pytest.raises(AccessDenied):
+                await call
+    assert await store.version(owner.thread_id) == 1
+    assert contents(await owner.get_items()) == ["a", "b"]
+    assert await owner.pop_item() == user("b")
+    with pytest.raises(es.InvalidInputError, match="principal must be a Principal"):
+        await ThreadlogSession("alice-chat", store, principal="alice").get_items()  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidThreadIdError, match="prefix"):
+        ThreadlogSession("alice-chat", store, thread_prefix=5)  # type: ignore[arg-type]
 
 
 @pytest.fixture
