@@ -151,6 +151,25 @@ def test_reader_view_fields_must_be_a_tuple_of_names() -> None:
     assert ReaderView("planner", {"profile": ["name"]}).blocks  # type: ignore[dict-item]
 
 
+def test_a_state_schema_is_checked_as_it_is_declared() -> None:
+    """A lone string of block names would declare its letters; a second reader view of one
+    name would silently replace the first (a confined reader would see what the later one
+    shows); neither is taken, and malformed views are refused with a typed error."""
+    with pytest.raises(es.InvalidInputError, match="blocks"):
+        StateProjection(blocks="plan")
+    with pytest.raises(es.InvalidInputError, match="blocks"):
+        StateProjection(blocks=["plan", 7])  # type: ignore[list-item]
+    with pytest.raises(es.InvalidInputError, match="defined twice"):
+        StateProjection([ReaderView("planner", {"plan": None}), ReaderView("planner", {"x": None})])
+    for views in (["planner"], ReaderView("planner", {"plan": None})):
+        with pytest.raises(es.InvalidInputError, match="ReaderView"):
+            StateProjection(views)  # type: ignore[arg-type]
+    for blocks in (["plan"], None, "plan"):
+        with pytest.raises(es.InvalidInputError, match="mapping"):
+            ReaderView("planner", blocks)  # type: ignore[arg-type]
+    assert StateProjection(blocks=("plan",)).known_blocks == frozenset({"plan"})
+
+
 async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("a", request_message=user("hi"))
