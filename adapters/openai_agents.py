@@ -76,6 +76,7 @@ from eventstore import (
     ViewRead,
     validate_thread_id,
 )
+from eventstore._ids import validate_int
 from projections import Projection, Projector
 
 from ._access import AccessPolicy, Action, AllowAll, Principal, authorize
@@ -508,6 +509,10 @@ async def sweep_idle_sessions(
     """
     ttl_ms = _ttl_ms(ttl)
     assert ttl_ms is not None
+    if not isinstance(thread_prefix, str):
+        raise InvalidInputError(f"thread_prefix must be a str, not {thread_prefix!r:.80}")
+    if now_ms is not None:
+        validate_int(now_ms, "now_ms")
     cutoff = (now_ms if now_ms is not None else _now_ms()) - ttl_ms
     deleted: list[str] = []
     for info in await store.threads(before_ms=cutoff):

@@ -652,6 +652,12 @@ async def test_sweep_idle_sessions(store: es.EventStore) -> None:
     assert len(await fresh.get_items()) == 1
     assert await store.version("not-a-session") == 1
     assert await sweep_idle_sessions(store, 60) == []
+    # Bad arguments are refused before anything is listed or deleted (a TypeError before).
+    bad: list[dict[str, Any]] = [{"now_ms": "5"}, {"now_ms": 1.5}, {"thread_prefix": 5}]
+    for kwargs in bad:
+        with pytest.raises(es.InvalidInputError):
+            await sweep_idle_sessions(store, 60, **kwargs)
+    assert len(await fresh.get_items()) == 1
 
 
 async def test_private_registry_and_views(redis_url: str, namespace: str) -> None:
