@@ -74,8 +74,10 @@ class StateUpdate(msgspec.Struct, frozen=True):
 class Settlement(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of `settle_turn`: the record as stored and where the append landed.
 
-    ``duplicate`` is True when the turn had already been settled; ``record`` is then the first
-    settlement and nothing was written.
+    ``duplicate`` is True when the turn had already been settled by another call; ``record``
+    is then the first settlement and nothing was written. (A call whose append the
+    connection re-sent after a lost reply, answered from the ledger, wrote the settlement:
+    not a duplicate.)
     """
 
     record: TurnRecord
@@ -486,11 +488,14 @@ class ThreadStore:
             return await self._first_settlement(thread_id, turn_id, record)
         record = await self.projector.record(thread_id, turn_id)
         assert record is not None
+        # A duplicate whose record was written by this very event is this call's own write,
+        # answered from the ledger after the connection re-sent it (a lost reply): not a
+        # settlement someone else made first.
         return Settlement(
             record=record,
             first_seq=result.first_seq,
             last_seq=result.last_seq,
-            duplicate=result.duplicate,
+            duplicate=result.duplicate and record.event_id != events[-1].id,
         )
 
     async def _first_settlement(

@@ -320,7 +320,9 @@ async def test_a_minted_turn_id_must_be_a_new_valid_turn_id(store: es.EventStore
     assert [r.turn_id for r in await threads.projector.turns("t")] == ["turn-1"]
 
 
-async def test_a_minted_turn_whose_append_was_sent_twice_opens_once(store: es.EventStore) -> None:
+async def test_a_turn_whose_appends_were_sent_twice_opens_and_settles_once(
+    store: es.EventStore,
+) -> None:
     """A lost reply re-sent by the connection is answered from the ledger (duplicate) with
     the very event sent: that open is this turn's, not a repeated id."""
     threads = ThreadStore(store)
@@ -334,6 +336,12 @@ async def test_a_minted_turn_whose_append_was_sent_twice_opens_once(store: es.Ev
     turn = await threads.open_turn("t", request_message=user("hi"))
     assert await store.version("t") == 1
     assert (await threads.turn("t", turn)) is not None
+    # So does a settlement: this call wrote it, whatever the ledger answered the repeat.
+    settled = await threads.settle_turn("t", turn, outcome="completed", steps=1)
+    assert (settled.first_seq, settled.last_seq, settled.duplicate) == (2, 2, False)
+    again = await threads.settle_turn("t", turn, outcome="completed", steps=1)
+    assert again.duplicate and again.record == settled.record
+    assert await store.version("t") == 2
 
 
 async def test_a_window_larger_than_any_list_is_the_whole_history(store: es.EventStore) -> None:
