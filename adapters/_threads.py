@@ -428,8 +428,13 @@ class ThreadStore:
         nothing. A turn that was not opened in this thread is refused with `TurnNotFoundError`.
         ``usage``, ``timing``, ``error``, ``fallbacks`` and ``state_updates`` take their structs
         or the same as mappings of fields.
+
+        The policy must allow the principal to write the thread and to read it: the answer is
+        the turn's record as stored (its grant, and for a settled turn the first settlement,
+        whoever made it).
         """
         await self._allow(principal, "write", thread_id)
+        await self._allow(principal, "read", thread_id)
         _check_turn_id(turn_id)
         usage = _as_optional(usage, Usage, "usage")
         timing = _as_optional(timing, Timing, "timing")

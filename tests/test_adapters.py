@@ -975,6 +975,28 @@ async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> 
     assert await store.version("t") == 1
 
 
+async def test_settling_answers_with_stored_records_so_it_needs_read_access_too(
+    store: es.EventStore,
+) -> None:
+    """A principal allowed to write but not to read a thread (an ingestion service) must not
+    read another's settlement through settle_turn's answer."""
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t", grant={"max_cost_usd": 2.5})
+    await threads.settle_turn(
+        "t", turn, outcome="failed", error={"kind": "secret-failure", "message": "db password"}
+    )
+    open_turn = await threads.open_turn("t")
+    write_only = ThreadStore(
+        store, policy=CallbackPolicy(lambda p, action, ns, thread: action == "write")
+    )
+    for settling in (turn, open_turn):
+        with pytest.raises(AccessDenied, match="may not read"):
+            await write_only.settle_turn("t", settling, outcome="completed")
+    assert await store.version("t") == 3
+    record = await threads.turn("t", open_turn)
+    assert record is not None and record.is_open
+
+
 async def test_a_principal_of_another_type_is_refused_and_writes_nothing(
     store: es.EventStore,
 ) -> None:
