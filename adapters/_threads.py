@@ -275,6 +275,8 @@ class ThreadStore:
 
         A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
         An ``idempotency_key`` may not begin with ``open:`` or ``settle:`` (ThreadStore's own).
+        To retry after an unknown outcome (a timeout), pass the same ``idempotency_key`` on
+        both calls: without one, a retry of a call that did land adds the message twice.
         """
         _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
@@ -309,6 +311,10 @@ class ThreadStore:
         version (0: the block must not exist); otherwise `ViewConflictError` and nothing is
         written. Failure is not rollback: an update recorded before its turn fails stays.
         A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
+        To retry after an unknown outcome (a timeout), pass the same ``idempotency_key`` on
+        both calls: the retry of one that landed is then answered ``duplicate``, where without
+        a key it records the update again, or, with ``expected_block_version``, finds the
+        block moved by the first attempt and raises `ViewConflictError`.
         """
         if expected_block_version is not None:
             validate_count(expected_block_version, "expected_block_version")
