@@ -131,6 +131,17 @@ class CallbackPolicy:
         return verdict is True  # a callback that forgets to return (None) denies: fail closed
 
 
+def check_policy(policy: object) -> AccessPolicy:
+    """Return ``policy`` if it can be asked (an ``allows`` method), else raise
+    `InvalidInputError`: a store built with something else would fail on every call."""
+    if isinstance(policy, type) or not callable(getattr(policy, "allows", None)):
+        raise InvalidInputError(
+            "policy must be an AccessPolicy (an object with an async allows(principal, action, "
+            f"namespace, thread_id) method), not {type(policy).__name__}: {policy!r:.60}"
+        )
+    return policy  # type: ignore[return-value]
+
+
 async def authorize(
     policy: AccessPolicy,
     principal: Principal | None,

@@ -49,7 +49,14 @@ from projections import (
     TurnRecord,
 )
 
-from ._access import AccessPolicy, AllowAll, Principal, authorize, authorize_view
+from ._access import (
+    AccessPolicy,
+    AllowAll,
+    Principal,
+    authorize,
+    authorize_view,
+    check_policy,
+)
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
 RECORDS_READ_AHEAD = 32  # threads whose records are read at once by a cross-thread page
@@ -236,9 +243,19 @@ class ThreadStore:
         policy: AccessPolicy | None = None,
         new_turn_id: Callable[[], str] = new_ulid,
     ) -> None:
+        if not isinstance(store, EventStore):
+            raise InvalidInputError(f"store must be an EventStore, not {type(store).__name__}")
+        if state is not None and not isinstance(state, StateProjection):
+            raise InvalidInputError(
+                f"state must be a StateProjection or None, not {type(state).__name__}"
+            )
+        if not callable(new_turn_id):
+            raise InvalidInputError(
+                f"new_turn_id must be a function returning a new turn id, not {new_turn_id!r:.60}"
+            )
         self.store = store
         self.projector = Projector(store, state=state)
-        self.policy: AccessPolicy = policy or AllowAll()
+        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
         self.new_turn_id = new_turn_id
 
     async def _allow(self, principal: Principal | None, action: str, thread_id: str | None) -> None:

@@ -79,7 +79,7 @@ from eventstore import (
 from eventstore._ids import validate_int
 from projections import Projection, Projector
 
-from ._access import AccessPolicy, Action, AllowAll, Principal, authorize
+from ._access import AccessPolicy, Action, AllowAll, Principal, authorize, check_policy
 from ._framework_events import (
     ItemPopped,
     ItemsAdded,
@@ -313,6 +313,8 @@ class ThreadlogSession:
         policy: AccessPolicy | None = None,
         principal: Principal | None = None,
     ) -> None:
+        if not isinstance(store, EventStore):
+            raise InvalidInputError(f"store must be an EventStore, not {type(store).__name__}")
         self.session_id = session_id
         self.store = store
         self.thread_id = session_thread_id(session_id, prefix=thread_prefix)
@@ -320,7 +322,7 @@ class ThreadlogSession:
         self.session_settings = _session_settings(session_settings)
         self.projection = SessionItemsProjection()
         self.projector = Projector(store, [self.projection])
-        self.policy: AccessPolicy = policy or AllowAll()
+        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
         self.principal = principal
         self._pop_lock = _pop_lock(store, self.thread_id)
         register_session_events(store.registry)

@@ -997,6 +997,59 @@ async def test_settling_answers_with_stored_records_so_it_needs_read_access_too(
     assert record is not None and record.is_open
 
 
+class RuleTable(dict[str, str]):
+    """A policy as a table of thread -> owner: empty, it allows nobody anything."""
+
+    async def allows(
+        self, principal: Principal | None, action: str, namespace: str, thread_id: str | None
+    ) -> bool:
+        return principal is not None and self.get(thread_id or "") == principal.id
+
+
+async def test_a_policy_that_is_falsy_still_decides(store: es.EventStore) -> None:
+    """An empty rule table is falsy: taken for "no policy" (``policy or AllowAll()``), it let
+    every call through where it should deny them all."""
+    from adapters.openai_agents import ThreadlogSession
+
+    rules = RuleTable()
+    assert not rules
+    alice = Principal(id="alice")
+    threads = ThreadStore(store, policy=rules)
+    sessions = SessionStore(store, policy=rules)
+    agents = ThreadlogSession("t", store, policy=rules, principal=alice)
+    for call in (
+        threads.append_message("t", user("x"), principal=alice),
+        threads.list_messages("t", principal=alice),
+        sessions.append("t", [user("x")], principal=alice),
+        agents.add_items([{"role": "user", "content": "x"}]),
+    ):
+        with pytest.raises(AccessDenied):
+            await call
+    assert await store.version("t") == 0
+    rules["t"] = "alice"
+    await threads.append_message("t", user("x"), principal=alice)
+    assert await store.version("t") == 1
+
+
+async def test_stores_refuse_what_is_no_store_policy_or_schema(store: es.EventStore) -> None:
+    """Misconfiguration is refused when the store is built, with a typed error, instead of an
+    AttributeError on every later call."""
+    from adapters.openai_agents import ThreadlogSession
+
+    bad: list[Any] = [
+        lambda: ThreadStore("redis://localhost"),  # type: ignore[arg-type]
+        lambda: ThreadStore(store, policy="tenant"),  # type: ignore[arg-type]
+        lambda: ThreadStore(store, state=[PLANNER]),  # type: ignore[arg-type]
+        lambda: ThreadStore(store, new_turn_id="ulid"),  # type: ignore[arg-type]
+        lambda: SessionStore(store, policy=TenantPolicy),  # type: ignore[arg-type]  # the class
+        lambda: ThreadlogSession("s", "redis://localhost"),  # type: ignore[arg-type]
+        lambda: ThreadlogSession("s", store, policy=object()),  # type: ignore[arg-type]
+    ]
+    for build in bad:
+        with pytest.raises(es.InvalidInputError):
+            build()
+
+
 async def test_a_principal_of_another_type_is_refused_and_writes_nothing(
     store: es.EventStore,
 ) -> None:
