@@ -109,6 +109,16 @@ class CallbackPolicy:
         reader_view: Callable[[Principal | None, str, str], Awaitable[str | None] | str | None]
         | None = None,
     ) -> None:
+        if not callable(decide):
+            raise InvalidInputError(
+                f"decide must be a function (principal, action, namespace, thread_id) -> bool, "
+                f"not {decide!r:.60}"
+            )
+        if reader_view is not None and not callable(reader_view):
+            raise InvalidInputError(
+                "reader_view must be a function (principal, namespace, thread_id) -> view name "
+                f"or None, not {reader_view!r:.60}"
+            )
         self._decide = decide
         self._reader_view = reader_view
 

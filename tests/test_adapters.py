@@ -1044,6 +1044,8 @@ async def test_stores_refuse_what_is_no_store_policy_or_schema(store: es.EventSt
         lambda: SessionStore(store, policy=TenantPolicy),  # type: ignore[arg-type]  # the class
         lambda: ThreadlogSession("s", "redis://localhost"),  # type: ignore[arg-type]
         lambda: ThreadlogSession("s", store, policy=object()),  # type: ignore[arg-type]
+        lambda: CallbackPolicy(True),  # type: ignore[arg-type]
+        lambda: CallbackPolicy(lambda p, a, ns, t: True, reader_view="planner"),  # type: ignore[arg-type]
     ]
     for build in bad:
         with pytest.raises(es.InvalidInputError):
