@@ -224,6 +224,11 @@ class StateProjection(Projection[dict[str, Block]]):
 
     def reader_view(self, view: str) -> ReaderView:
         """The reader view called ``view``; raises `UnknownReaderViewError` if none is."""
+        if not isinstance(view, str):  # a list or a dict would fail as an unhashable key
+            raise UnknownReaderViewError(
+                f"a reader view is named by a str (or None: every block), not "
+                f"{type(view).__name__}: {view!r:.60}"
+            )
         try:
             return self.reader_views[view]
         except KeyError:

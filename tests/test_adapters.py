@@ -161,6 +161,9 @@ def test_a_state_schema_is_checked_as_it_is_declared() -> None:
         StateProjection(blocks=["plan", 7])  # type: ignore[list-item]
     with pytest.raises(es.InvalidInputError, match="defined twice"):
         StateProjection([ReaderView("planner", {"plan": None}), ReaderView("planner", {"x": None})])
+    for not_a_name in (["planner"], {"planner": None}, 5):
+        with pytest.raises(es.InvalidInputError, match="named by a str"):
+            StateProjection([PLANNER]).reader_view(not_a_name)  # type: ignore[arg-type]
     for views in (["planner"], ReaderView("planner", {"plan": None})):
         with pytest.raises(es.InvalidInputError, match="ReaderView"):
             StateProjection(views)  # type: ignore[arg-type]
