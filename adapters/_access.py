@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -42,6 +42,26 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant: str | None = None
     roles: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str):
+            raise InvalidInputError(f"principal id must be a str, not {self.id!r:.60}")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise InvalidInputError(
+                f"principal tenant must be a str or None, not {self.tenant!r:.60}"
+            )
+        roles: object = self.roles
+        # A str of roles would be searched as text: "admin" in "not-an-admin" is True.
+        if isinstance(roles, str | bytes) or not isinstance(roles, Iterable):
+            raise InvalidInputError(
+                f"principal roles must be a set of role names, not {type(roles).__name__}: "
+                f"{roles!r:.60}"
+            )
+        listed = list(roles)
+        if not all(isinstance(r, str) for r in listed):
+            raise InvalidInputError(f"principal roles must be str, not {listed!r:.60}")
+        names = frozenset(listed)
+        msgspec.structs.force_setattr(self, "roles", names)
 
 
 class AccessPolicy(Protocol):
@@ -85,6 +105,8 @@ class TenantPolicy:
     """
 
     def __init__(self, *, admin_role: str | None = None) -> None:
+        if admin_role is not None and not isinstance(admin_role, str):
+            raise InvalidInputError(f"admin_role must be a str or None, not {admin_role!r:.60}")
         self.admin_role = admin_role
 
     async def allows(

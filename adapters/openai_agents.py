@@ -510,7 +510,8 @@ async def sweep_idle_sessions(
     periodically (a cron job, a background task) for sessions nobody touches again.
     """
     ttl_ms = _ttl_ms(ttl)
-    assert ttl_ms is not None
+    if ttl_ms is None:
+        raise InvalidInputError("ttl must be a positive number of seconds or a timedelta, not None")
     if not isinstance(thread_prefix, str):
         raise InvalidInputError(f"thread_prefix must be a str, not {thread_prefix!r:.80}")
     if now_ms is not None:

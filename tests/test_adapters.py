@@ -1009,6 +1009,34 @@ class RuleTable(dict[str, str]):
         return principal is not None and self.get(thread_id or "") == principal.id
 
 
+async def test_principal_roles_are_names_not_text(store: es.EventStore) -> None:
+    """Roles given as one string were searched as text: with ``admin_role="admin"`` a
+    principal of another tenant whose roles read "not-an-admin" reached this tenant."""
+    await ThreadStore(store).append_message("t", user("secret"))
+    threads = ThreadStore(store, policy=TenantPolicy(admin_role="admin"))
+    with pytest.raises(es.InvalidInputError, match="roles"):
+        Principal(id="mallory", tenant="other", roles="not-an-admin")  # type: ignore[arg-type]
+    for bad in (
+        lambda: Principal(id="m", roles=["admin", 1]),  # type: ignore[arg-type]
+        lambda: Principal(id=5),  # type: ignore[arg-type]
+        lambda: Principal(id="m", tenant=["t"]),  # type: ignore[arg-type]
+        lambda: TenantPolicy(admin_role=["admin"]),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(es.InvalidInputError):
+            bad()
+    listed = Principal(id="ops", tenant="other", roles=["admin"])  # type: ignore[arg-type]
+    assert listed.roles == frozenset({"admin"})
+    assert len(await threads.list_messages("t", principal=listed)) == 1
+    with pytest.raises(AccessDenied):
+        await threads.list_messages(
+            "t", principal=Principal(id="m", tenant="other", roles=frozenset({"not-an-admin"}))
+        )
+    with pytest.raises(es.InvalidInputError, match="ttl"):
+        from adapters.openai_agents import sweep_idle_sessions
+
+        await sweep_idle_sessions(store, None)  # type: ignore[arg-type]
+
+
 async def test_a_policy_that_is_falsy_still_decides(store: es.EventStore) -> None:
     """An empty rule table is falsy: taken for "no policy" (``policy or AllowAll()``), it let
     every call through where it should deny them all."""
