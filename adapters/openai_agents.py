@@ -414,6 +414,9 @@ class ThreadlogSession:
                 if not tail:
                     return None
                 entry = tail[0]
+                # Decoded before the pop is written: an item that does not decode raises with
+                # the session as it was, rather than after it was removed.
+                item = self._decode(entry)
                 event = ItemPopped(added_seq=entry.seq, digest=item_digest(entry.value))
                 # The thread version is the guard: every event of a session moves the tail, so
                 # it is stricter than "this entry is still the tail" only after an add and a pop
@@ -429,7 +432,7 @@ class ThreadlogSession:
                     await anyio.sleep(random.uniform(0, pause))
                     attempt += 1
                     continue
-                return self._decode(entry)
+                return item
 
     async def clear_session(self) -> None:
         """Remove every item from the session; the log keeps them. A cancelled call clears

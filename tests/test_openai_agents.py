@@ -563,6 +563,28 @@ async def test_a_pop_cancelled_once_its_write_was_sent_finishes_it(
         await store.close()
 
 
+async def test_a_tail_item_that_does_not_decode_is_not_popped(
+    redis_url: str, namespace: str
+) -> None:
+    """A damaged item raises a typed error and stays where it is (run rebuild), instead of
+    being removed by the pop that then failed to return it."""
+    from eventstore._views import stamp_list_value
+
+    store = await es.connect(redis_url, namespace=namespace)
+    assert isinstance(store, es.RedisEventStore)
+    try:
+        session = ThreadlogSession("damaged", store)
+        await session.add_items([user("a"), user("b")])
+        key = store.keys.view(session.thread_id, ITEMS_VIEW)
+        await store.client.lset(key, -1, stamp_list_value(1, b"\xc1"))  # not msgpack
+        with pytest.raises(es.OperationalError, match="does not decode"):
+            await session.pop_item()
+        assert await store.version(session.thread_id) == 1
+        assert await store.client.llen(key) == 2
+    finally:
+        await store.close()
+
+
 async def test_an_access_policy_confines_a_session(store: es.EventStore) -> None:
     """Sessions are confined as ThreadStore and SessionStore are: each call asks the policy
     first, and a denied one reads and writes nothing."""
