@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, Protocol
 
 import msgspec
 
-from eventstore import EventStoreError
+from eventstore import EventStoreError, InvalidInputError
 
 Action = Literal["read", "write"]
 
@@ -42,6 +42,26 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant: str | None = None
     roles: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str):
+            raise InvalidInputError(f"principal id must be a str, not {self.id!r:.60}")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise InvalidInputError(
+                f"principal tenant must be a str or None, not {self.tenant!r:.60}"
+            )
+        roles: object = self.roles
+        # A str of roles would be searched as text: "admin" in "not-an-admin" is True.
+        if isinstance(roles, str | bytes) or not isinstance(roles, Iterable):
+            raise InvalidInputError(
+                f"principal roles must be a set of role names, not {type(roles).__name__}: "
+                f"{roles!r:.60}"
+            )
+        listed = list(roles)
+        if not all(isinstance(r, str) for r in listed):
+            raise InvalidInputError(f"principal roles must be str, not {listed!r:.60}")
+        names = frozenset(listed)
+        msgspec.structs.force_setattr(self, "roles", names)
 
 
 class AccessPolicy(Protocol):
@@ -85,6 +105,8 @@ class TenantPolicy:
     """
 
     def __init__(self, *, admin_role: str | None = None) -> None:
+        if admin_role is not None and not isinstance(admin_role, str):
+            raise InvalidInputError(f"admin_role must be a str or None, not {admin_role!r:.60}")
         self.admin_role = admin_role
 
     async def allows(
@@ -109,6 +131,16 @@ class CallbackPolicy:
         reader_view: Callable[[Principal | None, str, str], Awaitable[str | None] | str | None]
         | None = None,
     ) -> None:
+        if not callable(decide):
+            raise InvalidInputError(
+                f"decide must be a function (principal, action, namespace, thread_id) -> bool, "
+                f"not {decide!r:.60}"
+            )
+        if reader_view is not None and not callable(reader_view):
+            raise InvalidInputError(
+                "reader_view must be a function (principal, namespace, thread_id) -> view name "
+                f"or None, not {reader_view!r:.60}"
+            )
         self._decide = decide
         self._reader_view = reader_view
 
@@ -131,6 +163,17 @@ class CallbackPolicy:
         return verdict is True  # a callback that forgets to return (None) denies: fail closed
 
 
+def check_policy(policy: object) -> AccessPolicy:
+    """Return ``policy`` if it can be asked (an ``allows`` method), else raise
+    `InvalidInputError`: a store built with something else would fail on every call."""
+    if isinstance(policy, type) or not callable(getattr(policy, "allows", None)):
+        raise InvalidInputError(
+            "policy must be an AccessPolicy (an object with an async allows(principal, action, "
+            f"namespace, thread_id) method), not {type(policy).__name__}: {policy!r:.60}"
+        )
+    return policy  # type: ignore[return-value]
+
+
 async def authorize(
     policy: AccessPolicy,
     principal: Principal | None,
@@ -138,10 +181,22 @@ async def authorize(
     namespace: str,
     thread_id: str | None,
 ) -> None:
-    """Raise `AccessDenied` unless ``policy`` allows the call."""
+    """Raise `AccessDenied` unless ``policy`` allows the call (`InvalidInputError` for a
+    ``principal`` that is neither a `Principal` nor None)."""
+    _check_principal(principal)
     # Only True allows: a policy that returns None or another truthy value by mistake denies.
     if await policy.allows(principal, action, namespace, thread_id) is not True:
         raise AccessDenied(principal, action, thread_id)
+
+
+def _check_principal(principal: object) -> None:
+    # A policy reads the principal's fields: a name or a dict in its place would make every
+    # policy fail with an AttributeError, and the default one let the call through unnoticed.
+    if principal is not None and not isinstance(principal, Principal):
+        raise InvalidInputError(
+            f"principal must be a Principal or None, not {type(principal).__name__}: "
+            f"{principal!r:.80}"
+        )
 
 
 async def authorize_view(
@@ -153,6 +208,7 @@ async def authorize_view(
 ) -> None:
     """Raise `AccessDenied` unless ``view`` is the reader view the policy confines the
     principal's state reads to (any view when it names none, or has no `reader_view`)."""
+    _check_principal(principal)
     confine = getattr(policy, "reader_view", None)
     if confine is None:
         return

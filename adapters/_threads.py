@@ -49,7 +49,14 @@ from projections import (
     TurnRecord,
 )
 
-from ._access import AccessPolicy, AllowAll, Principal, authorize, authorize_view
+from ._access import (
+    AccessPolicy,
+    AllowAll,
+    Principal,
+    authorize,
+    authorize_view,
+    check_policy,
+)
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
 RECORDS_READ_AHEAD = 32  # threads whose records are read at once by a cross-thread page
@@ -74,8 +81,10 @@ class StateUpdate(msgspec.Struct, frozen=True):
 class Settlement(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of `settle_turn`: the record as stored and where the append landed.
 
-    ``duplicate`` is True when the turn had already been settled; ``record`` is then the first
-    settlement and nothing was written.
+    ``duplicate`` is True when the turn had already been settled by another call; ``record``
+    is then the first settlement and nothing was written. (A call whose append the
+    connection re-sent after a lost reply, answered from the ledger, wrote the settlement:
+    not a duplicate.)
     """
 
     record: TurnRecord
@@ -220,6 +229,10 @@ class ThreadStore:
 
     Every method takes an optional ``principal``; the access ``policy`` (default: allow all
     within the namespace) decides before anything is read or written.
+
+    ``new_turn_id`` mints the ids of turns opened without one (default: ULIDs). Each must be
+    new to its thread; `turn_tree` orders turns by id, which is the order they were opened
+    only for ids that sort by creation time, as ULIDs do (random UUIDs do not).
     """
 
     def __init__(
@@ -230,9 +243,19 @@ class ThreadStore:
         policy: AccessPolicy | None = None,
         new_turn_id: Callable[[], str] = new_ulid,
     ) -> None:
+        if not isinstance(store, EventStore):
+            raise InvalidInputError(f"store must be an EventStore, not {type(store).__name__}")
+        if state is not None and not isinstance(state, StateProjection):
+            raise InvalidInputError(
+                f"state must be a StateProjection or None, not {type(state).__name__}"
+            )
+        if not callable(new_turn_id):
+            raise InvalidInputError(
+                f"new_turn_id must be a function returning a new turn id, not {new_turn_id!r:.60}"
+            )
         self.store = store
         self.projector = Projector(store, state=state)
-        self.policy: AccessPolicy = policy or AllowAll()
+        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
         self.new_turn_id = new_turn_id
 
     async def _allow(self, principal: Principal | None, action: str, thread_id: str | None) -> None:
@@ -269,6 +292,8 @@ class ThreadStore:
 
         A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
         An ``idempotency_key`` may not begin with ``open:`` or ``settle:`` (ThreadStore's own).
+        To retry after an unknown outcome (a timeout), pass the same ``idempotency_key`` on
+        both calls: without one, a retry of a call that did land adds the message twice.
         """
         _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
@@ -303,6 +328,10 @@ class ThreadStore:
         version (0: the block must not exist); otherwise `ViewConflictError` and nothing is
         written. Failure is not rollback: an update recorded before its turn fails stays.
         A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
+        To retry after an unknown outcome (a timeout), pass the same ``idempotency_key`` on
+        both calls: the retry of one that landed is then answered ``duplicate``, where without
+        a key it records the update again, or, with ``expected_block_version``, finds the
+        block moved by the first attempt and raises `ViewConflictError`.
         """
         if expected_block_version is not None:
             validate_count(expected_block_version, "expected_block_version")
@@ -343,7 +372,9 @@ class ThreadStore:
 
         A root turn opened with a request adds the user message to the conversation in the
         same atomic append, before context assembly. A child turn's parent must be a turn of
-        this thread. Re-opening the same ``turn_id`` is idempotent.
+        this thread. Re-opening the same ``turn_id`` is idempotent; an id minted by
+        ``new_turn_id`` (none given) must be a new, valid turn id: one already opened in the
+        thread raises `TurnConflictError` and writes nothing.
 
         To retry after an unknown outcome (a timeout: the turn may have been opened), pass the
         same ``turn_id``: mint it first (``turn_id = threads.new_turn_id()``) and reuse it. A
@@ -363,22 +394,38 @@ class ThreadStore:
             raise TurnNotFoundError(
                 f"parent turn {parent_turn_id!r} was not opened in thread {thread_id!r}"
             )
-        turn_id = turn_id or self.new_turn_id()
+        minted = turn_id is None
+        if turn_id is None:
+            turn_id = self.new_turn_id()
+            _check_turn_id(turn_id, "new_turn_id()")
         request = as_message(request_message) if request_message is not None else None
         opened = TurnOpened(
             turn_id=turn_id, parent_turn_id=parent_turn_id, grant=grant, request=request
         )
+        new = NewEvent(payload=opened, turn_id=turn_id)
         try:
-            await self.projector.append(
-                thread_id,
-                [NewEvent(payload=opened, turn_id=turn_id)],
-                idempotency_key=f"open:{turn_id}",
+            result = await self.projector.append(
+                thread_id, [new], idempotency_key=f"open:{turn_id}"
             )
         except IdempotencyKeyReusedError:
+            if minted:
+                raise _minted_twice(thread_id, turn_id) from None
             raise TurnConflictError(
                 f"turn {turn_id!r} was already opened in thread {thread_id!r} with other details"
             ) from None
+        if minted and result.duplicate and not await self._wrote(thread_id, result, new):
+            # A fresh id answered from the ledger is an id generator that repeats itself
+            # (a counter after a restart): taken as a re-open, this turn would be the old
+            # one, and its request message would be dropped.
+            raise _minted_twice(thread_id, turn_id)
         return turn_id
+
+    async def _wrote(self, thread_id: str, result: AppendResult, new: NewEvent) -> bool:
+        """Whether the append a duplicate ``result`` answers with is the one of ``new`` (a
+        lost reply retried by the connection) rather than another's under the same key."""
+        async for event in self.store.read(thread_id, start=result.first_seq, limit=1):
+            return event.id == new.id
+        return False
 
     async def settle_turn(
         self,
@@ -404,8 +451,13 @@ class ThreadStore:
         nothing. A turn that was not opened in this thread is refused with `TurnNotFoundError`.
         ``usage``, ``timing``, ``error``, ``fallbacks`` and ``state_updates`` take their structs
         or the same as mappings of fields.
+
+        The policy must allow the principal to write the thread and to read it: the answer is
+        the turn's record as stored (its grant, and for a settled turn the first settlement,
+        whoever made it).
         """
         await self._allow(principal, "write", thread_id)
+        await self._allow(principal, "read", thread_id)
         _check_turn_id(turn_id)
         usage = _as_optional(usage, Usage, "usage")
         timing = _as_optional(timing, Timing, "timing")
@@ -464,11 +516,14 @@ class ThreadStore:
             return await self._first_settlement(thread_id, turn_id, record)
         record = await self.projector.record(thread_id, turn_id)
         assert record is not None
+        # A duplicate whose record was written by this very event is this call's own write,
+        # answered from the ledger after the connection re-sent it (a lost reply): not a
+        # settlement someone else made first.
         return Settlement(
             record=record,
             first_seq=result.first_seq,
             last_seq=result.last_seq,
-            duplicate=result.duplicate,
+            duplicate=result.duplicate and record.event_id != events[-1].id,
         )
 
     async def _first_settlement(
@@ -504,7 +559,8 @@ class ThreadStore:
     async def turn_tree(
         self, thread_id: str, *, principal: Principal | None = None
     ) -> list[TurnNode]:
-        """Root turns with their child turns."""
+        """Root turns with their child turns, each level in turn id order (the order the
+        turns were opened for ULID turn ids)."""
         await self._allow(principal, "read", thread_id)
         return await self.projector.turn_tree(thread_id)
 
@@ -617,6 +673,13 @@ def _check_turn_id(turn_id: object, name: str = "turn_id") -> None:
             f"{name} {turn_id!r:.80} holds a control character {bad.group()!r} (not allowed, as "
             "in thread ids)"
         )
+
+
+def _minted_twice(thread_id: str, turn_id: str) -> TurnConflictError:
+    return TurnConflictError(
+        f"new_turn_id() returned {turn_id!r}, the id of a turn already opened in thread "
+        f"{thread_id!r}: a minted turn id must be new (nothing was written; ULIDs are)"
+    )
 
 
 def _first(pair: tuple[SortKey, TurnRecord]) -> SortKey:

@@ -16,7 +16,9 @@ items; the log keeps every popped and cleared item for audit.
 * ``add_items`` retries a lost reply itself without adding twice; a caller that calls it again
   after it raised may add the items twice (see `ThreadlogSession.add_items`).
 * A cancelled ``add_items`` or ``clear_session`` runs to its end, then raises the cancellation,
-  as the SDK's own sessions do; a cancelled ``pop_item`` pops nothing.
+  as the SDK's own sessions do. A ``pop_item`` cancelled before its write pops nothing; once
+  its write is sent (Redis runs it whenever it gets to it), it waits for it, as the SDK's
+  ``SQLiteSession`` finishes a pop, and then raises the cancellation.
 * ``ttl`` is a retention period: a session idle (no write) for longer is deleted when it is next
   touched, and `sweep_idle_sessions` deletes the idle sessions nobody touches. Nothing uses
   Redis ``EXPIRE``, so events never vanish from under the thread index and the change feed.
@@ -74,8 +76,10 @@ from eventstore import (
     ViewRead,
     validate_thread_id,
 )
+from eventstore._ids import validate_int
 from projections import Projection, Projector
 
+from ._access import AccessPolicy, Action, AllowAll, Principal, authorize, check_policy
 from ._framework_events import (
     ItemPopped,
     ItemsAdded,
@@ -188,6 +192,8 @@ def session_thread_id(session_id: str, *, prefix: str = DEFAULT_THREAD_PREFIX) -
     """
     if not isinstance(session_id, str) or not session_id:
         raise InvalidThreadIdError(f"session id must be a non-empty str, not {session_id!r}")
+    if not isinstance(prefix, str):
+        raise InvalidThreadIdError(f"thread prefix must be a str, not {prefix!r:.80}")
     return validate_thread_id(prefix + _escape(session_id))
 
 
@@ -285,6 +291,13 @@ class ThreadlogSession:
     it is next touched after being idle (no write) for longer than that; see
     `sweep_idle_sessions` for sessions nobody touches.
     Idleness compares this machine's clock with the server time of the last event.
+
+    ``policy`` and ``principal`` confine the session as `ThreadStore` and `SessionStore` are
+    confined (the SDK passes no principal, so the session carries the one it serves): every
+    call asks the policy first and raises `AccessDenied` before anything is read or written.
+    `get_items` reads, `add_items`, `clear_session` and `delete` write, and `pop_item` does
+    both (it returns the item it removes). The policy is asked about the session's thread
+    (``thread_id``, e.g. ``agents:user-123``).
     """
 
     session_settings: SessionSettings | None
@@ -297,7 +310,11 @@ class ThreadlogSession:
         ttl: float | timedelta | None = None,
         session_settings: SessionSettings | Mapping[str, Any] | None = None,
         thread_prefix: str = DEFAULT_THREAD_PREFIX,
+        policy: AccessPolicy | None = None,
+        principal: Principal | None = None,
     ) -> None:
+        if not isinstance(store, EventStore):
+            raise InvalidInputError(f"store must be an EventStore, not {type(store).__name__}")
         self.session_id = session_id
         self.store = store
         self.thread_id = session_thread_id(session_id, prefix=thread_prefix)
@@ -305,6 +322,8 @@ class ThreadlogSession:
         self.session_settings = _session_settings(session_settings)
         self.projection = SessionItemsProjection()
         self.projector = Projector(store, [self.projection])
+        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
+        self.principal = principal
         self._pop_lock = _pop_lock(store, self.thread_id)
         register_session_events(store.registry)
         # The latest time (ms) this object knows the session was written; while it is younger
@@ -324,6 +343,7 @@ class ThreadlogSession:
         """
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
             raise InvalidInputError(f"limit must be an int or None, not {limit!r}")
+        await self._allow("read")
         await self._expire_if_idle()
         n = limit
         if n is None and self.session_settings is not None:
@@ -346,12 +366,12 @@ class ThreadlogSession:
 
         Cancelling the call does not cut the append short, as with the SDK's own sessions:
         it runs to its end, then the cancellation is raised; the items were added unless
-        the append itself failed. (`pop_item` stays cancellable: a pop cut short pops
-        nothing, where one run to its end would lose the item it could not return.)
+        the append itself failed. (`pop_item` stays cancellable until its write is sent.)
         """
         if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
             raise InvalidInputError("items must be a list of input items")
         stored = [_json_item(i, item) for i, item in enumerate(items)]
+        await self._allow("write")
         if not items:
             return
         await _to_the_end(self._add(stored))
@@ -374,7 +394,15 @@ class ThreadlogSession:
 
         Raises `ConcurrencyError` only if other processes' writes kept changing the tail for
         `POP_TIMEOUT` seconds.
+
+        Cancelled while it reads the tail or waits to try again, it pops nothing. Cancelled
+        once its write is sent, it waits for that write, then raises the cancellation: the
+        item was popped (the log's `ItemPopped` names it) unless the write failed. A write
+        cannot be called back once sent, and returning earlier would leave the session to
+        change under the caller after the call ended.
         """
+        await self._allow("read")
+        await self._allow("write")
         await self._expire_if_idle()
         async with self._pop_lock:
             deadline = time.monotonic() + POP_TIMEOUT
@@ -386,12 +414,15 @@ class ThreadlogSession:
                 if not tail:
                     return None
                 entry = tail[0]
+                # Decoded before the pop is written: an item that does not decode raises with
+                # the session as it was, rather than after it was removed.
+                item = self._decode(entry)
                 event = ItemPopped(added_seq=entry.seq, digest=item_digest(entry.value))
                 # The thread version is the guard: every event of a session moves the tail, so
                 # it is stricter than "this entry is still the tail" only after an add and a pop
                 # that cancel out, and the view has no finer guard to offer.
                 try:
-                    await self._append([event], expected_version=snap.version)
+                    await _to_the_end(self._append([event], expected_version=snap.version))
                 except ConcurrencyError:
                     if time.monotonic() >= deadline:
                         raise
@@ -401,11 +432,12 @@ class ThreadlogSession:
                     await anyio.sleep(random.uniform(0, pause))
                     attempt += 1
                     continue
-                return self._decode(entry)
+                return item
 
     async def clear_session(self) -> None:
         """Remove every item from the session; the log keeps them. A cancelled call clears
         all the same (see `add_items`)."""
+        await self._allow("write")
         await _to_the_end(self._clear())
 
     async def _clear(self) -> None:
@@ -418,10 +450,14 @@ class ThreadlogSession:
 
     async def delete(self) -> int:
         """Delete the session and its log for good; returns the version it had."""
+        await self._allow("write")
         self._active_ms = None
         return await self.store.delete_thread(self.thread_id, views=list(self.projection.views))
 
     # -- internals ----------------------------------------------------------------------------
+
+    async def _allow(self, action: Action) -> None:
+        await authorize(self.policy, self.principal, action, self.store.namespace, self.thread_id)
 
     def _decode(self, entry: ViewEntry) -> TResponseInputItem:
         try:
@@ -477,7 +513,12 @@ async def sweep_idle_sessions(
     periodically (a cron job, a background task) for sessions nobody touches again.
     """
     ttl_ms = _ttl_ms(ttl)
-    assert ttl_ms is not None
+    if ttl_ms is None:
+        raise InvalidInputError("ttl must be a positive number of seconds or a timedelta, not None")
+    if not isinstance(thread_prefix, str):
+        raise InvalidInputError(f"thread_prefix must be a str, not {thread_prefix!r:.80}")
+    if now_ms is not None:
+        validate_int(now_ms, "now_ms")
     cutoff = (now_ms if now_ms is not None else _now_ms()) - ttl_ms
     deleted: list[str] = []
     for info in await store.threads(before_ms=cutoff):

@@ -89,7 +89,9 @@ class TurnRecord(_RecordFields, frozen=True, kw_only=True):
 
 
 class TurnNode(msgspec.Struct, frozen=True, kw_only=True):
-    """A turn with its child turns, in the order they were opened."""
+    """A turn with its child turns, in turn id order: the order they were opened for turn ids
+    that sort by creation time (ULIDs), and not for others (random UUIDs, counters as text,
+    where "turn-10" sorts before "turn-9")."""
 
     record: TurnRecord
     children: list[TurnNode]

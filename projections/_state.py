@@ -86,6 +86,11 @@ class ReaderView(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         validate_view_name(self.name)
+        if not isinstance(self.blocks, Mapping):
+            raise InvalidInputError(
+                f"reader view {self.name!r}: blocks are a mapping of block name -> None or "
+                f"field names, not {type(self.blocks).__name__}: {self.blocks!r:.60}"
+            )
         for block, fields in self.blocks.items():
             if not isinstance(block, str):
                 raise InvalidInputError(f"reader view {self.name!r}: block names are strings")
@@ -126,7 +131,32 @@ class StateProjection(Projection[dict[str, Block]]):
     def __init__(
         self, views: Iterable[ReaderView] = (), *, blocks: Iterable[str] | None = None
     ) -> None:
-        self.reader_views: dict[str, ReaderView] = {v.name: v for v in views}
+        if isinstance(views, ReaderView) or not isinstance(views, Iterable):
+            raise InvalidInputError(
+                f"views must be a list of ReaderView, not {type(views).__name__}"
+            )
+        self.reader_views: dict[str, ReaderView] = {}
+        for v in views:
+            if not isinstance(v, ReaderView):
+                raise InvalidInputError(
+                    f"views must be a list of ReaderView, not of {type(v).__name__}: {v!r:.60}"
+                )
+            if v.name in self.reader_views:
+                # The later one would replace the first unseen: a reader confined to the view
+                # would be shown what the other definition selects.
+                raise InvalidInputError(f"reader view {v.name!r} is defined twice")
+            self.reader_views[v.name] = v
+        # A lone string would declare its letters as the blocks ("plan": p, l, a, n).
+        if blocks is not None:
+            if isinstance(blocks, str | bytes) or not isinstance(blocks, Iterable):
+                raise InvalidInputError(
+                    f"blocks must be a list of block names (str), not {blocks!r:.60}"
+                )
+            blocks = list(blocks)
+            if not all(isinstance(b, str) for b in blocks):
+                raise InvalidInputError(
+                    f"blocks must be a list of block names (str), not {blocks!r:.60}"
+                )
         declared = set(blocks or ())
         for v in self.reader_views.values():
             declared.update(v.blocks)
@@ -194,6 +224,11 @@ class StateProjection(Projection[dict[str, Block]]):
 
     def reader_view(self, view: str) -> ReaderView:
         """The reader view called ``view``; raises `UnknownReaderViewError` if none is."""
+        if not isinstance(view, str):  # a list or a dict would fail as an unhashable key
+            raise UnknownReaderViewError(
+                f"a reader view is named by a str (or None: every block), not "
+                f"{type(view).__name__}: {view!r:.60}"
+            )
         try:
             return self.reader_views[view]
         except KeyError:

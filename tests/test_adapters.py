@@ -151,6 +151,28 @@ def test_reader_view_fields_must_be_a_tuple_of_names() -> None:
     assert ReaderView("planner", {"profile": ["name"]}).blocks  # type: ignore[dict-item]
 
 
+def test_a_state_schema_is_checked_as_it_is_declared() -> None:
+    """A lone string of block names would declare its letters; a second reader view of one
+    name would silently replace the first (a confined reader would see what the later one
+    shows); neither is taken, and malformed views are refused with a typed error."""
+    with pytest.raises(es.InvalidInputError, match="blocks"):
+        StateProjection(blocks="plan")
+    with pytest.raises(es.InvalidInputError, match="blocks"):
+        StateProjection(blocks=["plan", 7])  # type: ignore[list-item]
+    with pytest.raises(es.InvalidInputError, match="defined twice"):
+        StateProjection([ReaderView("planner", {"plan": None}), ReaderView("planner", {"x": None})])
+    for not_a_name in (["planner"], {"planner": None}, 5):
+        with pytest.raises(es.InvalidInputError, match="named by a str"):
+            StateProjection([PLANNER]).reader_view(not_a_name)  # type: ignore[arg-type]
+    for views in (["planner"], ReaderView("planner", {"plan": None})):
+        with pytest.raises(es.InvalidInputError, match="ReaderView"):
+            StateProjection(views)  # type: ignore[arg-type]
+    for blocks in (["plan"], None, "plan"):
+        with pytest.raises(es.InvalidInputError, match="mapping"):
+            ReaderView("planner", blocks)  # type: ignore[arg-type]
+    assert StateProjection(blocks=("plan",)).known_blocks == frozenset({"plan"})
+
+
 async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("a", request_message=user("hi"))
@@ -282,6 +304,47 @@ async def test_turn_ids_are_injectable(store: es.EventStore) -> None:
     with pytest.raises(es.InvalidInputError, match="non-empty"):
         await threads.open_turn("t", turn_id="")
     assert await store.version("t") == 3
+
+
+async def test_a_minted_turn_id_must_be_a_new_valid_turn_id(store: es.EventStore) -> None:
+    """An injected generator that repeats an id (a counter after a restart) is refused, not
+    taken as a re-open that drops the new turn's request; one that mints no valid turn id
+    (empty, control characters, not a str) writes nothing."""
+    ids = iter(["turn-1", "turn-1", "turn-1", "", "bad\x00", 7])
+    threads = ThreadStore(store, new_turn_id=lambda: next(ids))  # type: ignore[arg-type,return-value]
+    assert await threads.open_turn("t", request_message=user("hi")) == "turn-1"
+    for request in ("hi", "another question"):
+        with pytest.raises(TurnConflictError, match=r"new_turn_id\(\) returned 'turn-1'"):
+            await threads.open_turn("t", request_message=user(request))
+    for _ in range(3):
+        with pytest.raises(es.InvalidInputError, match=r"new_turn_id\(\)"):
+            await threads.open_turn("t")
+    assert await store.version("t") == 1
+    assert [r.turn_id for r in await threads.projector.turns("t")] == ["turn-1"]
+
+
+async def test_a_turn_whose_appends_were_sent_twice_opens_and_settles_once(
+    store: es.EventStore,
+) -> None:
+    """A lost reply re-sent by the connection is answered from the ledger (duplicate) with
+    the very event sent: that open is this turn's, not a repeated id."""
+    threads = ThreadStore(store)
+    append = threads.projector.append
+
+    async def sent_twice(*args: Any, **kwargs: Any) -> es.AppendResult:
+        await append(*args, **kwargs)
+        return await append(*args, **kwargs)
+
+    threads.projector.append = sent_twice  # type: ignore[method-assign]
+    turn = await threads.open_turn("t", request_message=user("hi"))
+    assert await store.version("t") == 1
+    assert (await threads.turn("t", turn)) is not None
+    # So does a settlement: this call wrote it, whatever the ledger answered the repeat.
+    settled = await threads.settle_turn("t", turn, outcome="completed", steps=1)
+    assert (settled.first_seq, settled.last_seq, settled.duplicate) == (2, 2, False)
+    again = await threads.settle_turn("t", turn, outcome="completed", steps=1)
+    assert again.duplicate and again.record == settled.record
+    assert await store.version("t") == 2
 
 
 async def test_a_window_larger_than_any_list_is_the_whole_history(store: es.EventStore) -> None:
@@ -913,6 +976,140 @@ async def test_access_policy_denies_and_writes_nothing(store: es.EventStore) -> 
     with pytest.raises(AccessDenied):
         await forgetful.append_message("t", user("x"), principal=Principal(id="alice"))
     assert await store.version("t") == 1
+
+
+async def test_settling_answers_with_stored_records_so_it_needs_read_access_too(
+    store: es.EventStore,
+) -> None:
+    """A principal allowed to write but not to read a thread (an ingestion service) must not
+    read another's settlement through settle_turn's answer."""
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t", grant={"max_cost_usd": 2.5})
+    await threads.settle_turn(
+        "t", turn, outcome="failed", error={"kind": "secret-failure", "message": "db password"}
+    )
+    open_turn = await threads.open_turn("t")
+    write_only = ThreadStore(
+        store, policy=CallbackPolicy(lambda p, action, ns, thread: action == "write")
+    )
+    for settling in (turn, open_turn):
+        with pytest.raises(AccessDenied, match="may not read"):
+            await write_only.settle_turn("t", settling, outcome="completed")
+    assert await store.version("t") == 3
+    record = await threads.turn("t", open_turn)
+    assert record is not None and record.is_open
+
+
+class RuleTable(dict[str, str]):
+    """A policy as a table of thread -> owner: empty, it allows nobody anything."""
+
+    async def allows(
+        self, principal: Principal | None, action: str, namespace: str, thread_id: str | None
+    ) -> bool:
+        return principal is not None and self.get(thread_id or "") == principal.id
+
+
+async def test_principal_roles_are_names_not_text(store: es.EventStore) -> None:
+    """Roles given as one string were searched as text: with ``admin_role="admin"`` a
+    principal of another tenant whose roles read "not-an-admin" reached this tenant."""
+    await ThreadStore(store).append_message("t", user("secret"))
+    threads = ThreadStore(store, policy=TenantPolicy(admin_role="admin"))
+    with pytest.raises(es.InvalidInputError, match="roles"):
+        Principal(id="mallory", tenant="other", roles="not-an-admin")  # type: ignore[arg-type]
+    for bad in (
+        lambda: Principal(id="m", roles=["admin", 1]),  # type: ignore[arg-type]
+        lambda: Principal(id=5),  # type: ignore[arg-type]
+        lambda: Principal(id="m", tenant=["t"]),  # type: ignore[arg-type]
+        lambda: TenantPolicy(admin_role=["admin"]),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(es.InvalidInputError):
+            bad()
+    listed = Principal(id="ops", tenant="other", roles=["admin"])  # type: ignore[arg-type]
+    assert listed.roles == frozenset({"admin"})
+    assert len(await threads.list_messages("t", principal=listed)) == 1
+    with pytest.raises(AccessDenied):
+        await threads.list_messages(
+            "t", principal=Principal(id="m", tenant="other", roles=frozenset({"not-an-admin"}))
+        )
+    with pytest.raises(es.InvalidInputError, match="ttl"):
+        from adapters.openai_agents import sweep_idle_sessions
+
+        await sweep_idle_sessions(store, None)  # type: ignore[arg-type]
+
+
+async def test_a_policy_that_is_falsy_still_decides(store: es.EventStore) -> None:
+    """An empty rule table is falsy: taken for "no policy" (``policy or AllowAll()``), it let
+    every call through where it should deny them all."""
+    from adapters.openai_agents import ThreadlogSession
+
+    rules = RuleTable()
+    assert not rules
+    alice = Principal(id="alice")
+    threads = ThreadStore(store, policy=rules)
+    sessions = SessionStore(store, policy=rules)
+    agents = ThreadlogSession("t", store, policy=rules, principal=alice)
+    for call in (
+        threads.append_message("t", user("x"), principal=alice),
+        threads.list_messages("t", principal=alice),
+        sessions.append("t", [user("x")], principal=alice),
+        agents.add_items([{"role": "user", "content": "x"}]),
+    ):
+        with pytest.raises(AccessDenied):
+            await call
+    assert await store.version("t") == 0
+    rules["t"] = "alice"
+    await threads.append_message("t", user("x"), principal=alice)
+    assert await store.version("t") == 1
+
+
+async def test_stores_refuse_what_is_no_store_policy_or_schema(store: es.EventStore) -> None:
+    """Misconfiguration is refused when the store is built, with a typed error, instead of an
+    AttributeError on every later call."""
+    from adapters.openai_agents import ThreadlogSession
+
+    bad: list[Any] = [
+        lambda: ThreadStore("redis://localhost"),  # type: ignore[arg-type]
+        lambda: ThreadStore(store, policy="tenant"),  # type: ignore[arg-type]
+        lambda: ThreadStore(store, state=[PLANNER]),  # type: ignore[arg-type]
+        lambda: ThreadStore(store, new_turn_id="ulid"),  # type: ignore[arg-type]
+        lambda: SessionStore(store, policy=TenantPolicy),  # type: ignore[arg-type]  # the class
+        lambda: ThreadlogSession("s", "redis://localhost"),  # type: ignore[arg-type]
+        lambda: ThreadlogSession("s", store, policy=object()),  # type: ignore[arg-type]
+        lambda: CallbackPolicy(True),  # type: ignore[arg-type]
+        lambda: CallbackPolicy(lambda p, a, ns, t: True, reader_view="planner"),  # type: ignore[arg-type]
+    ]
+    for build in bad:
+        with pytest.raises(es.InvalidInputError):
+            build()
+
+
+async def test_a_principal_of_another_type_is_refused_and_writes_nothing(
+    store: es.EventStore,
+) -> None:
+    """A name or a dict passed as the principal: every policy would fail on it with an
+    AttributeError (and the default one let it through); it is bad input, refused first."""
+    owner = CallbackPolicy(lambda p, action, ns, thread: p is not None and p.id == "alice")
+    for policy in (None, TenantPolicy(), TenantPolicy(admin_role="admin"), owner):
+        threads = ThreadStore(store, policy=policy)
+        sessions = SessionStore(store, policy=policy)
+        bad_principals: list[Any] = ["alice", {"id": "alice", "tenant": store.namespace}]
+        for bad in bad_principals:
+            calls: list[Any] = [
+                threads.append_message("t", user("x"), principal=bad),
+                threads.list_messages("t", principal=bad),
+                threads.open_turn("t", principal=bad),
+                threads.update_state("t", "b", 1, turn_id=None, principal=bad),
+                threads.state("t", principal=bad),
+                threads.context("t", principal=bad),
+                threads.records(principal=bad),
+                threads.delete_thread("t", principal=bad),
+                sessions.append("t", [user("x")], principal=bad),
+                sessions.load("t", principal=bad),
+            ]
+            for call in calls:
+                with pytest.raises(es.InvalidInputError, match="principal must be a Principal"):
+                    await call
+    assert await store.version("t") == 0
 
 
 async def test_a_policy_can_confine_a_principal_to_a_reader_view(store: es.EventStore) -> None:

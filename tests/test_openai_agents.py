@@ -46,6 +46,7 @@ from openai.types.responses import (
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 
 import eventstore as es
+from adapters import AccessDenied, CallbackPolicy, Principal, TenantPolicy
 from adapters.openai_agents import (
     ITEMS_VIEW,
     ItemPopped,
@@ -515,6 +516,117 @@ async def test_a_cancelled_add_or_clear_still_writes_as_the_sdk_sessions_do(
     assert await session.get_items() == []
 
 
+async def test_a_pop_cancelled_once_its_write_was_sent_finishes_it(
+    redis_url: str, namespace: str
+) -> None:
+    """A pop whose write reached Redis cannot be called back: the server runs it whenever it
+    gets to it. Cancelled then, the pop finishes its write before raising the cancellation
+    (as the SDK's SQLiteSession finishes a pop), so the session does not change under the
+    caller after the call has ended."""
+    store = await es.connect(redis_url, namespace=namespace)
+    admin = await es.connect(redis_url, namespace=namespace)
+    assert isinstance(admin, es.RedisEventStore)
+    try:
+        session = ThreadlogSession("cancelled-pop", store)
+        await session.add_items([user("a"), user("b")])
+        sent = anyio.Event()
+        append = session.projector.append
+
+        async def paused_append(*args: Any, **kwargs: Any) -> es.AppendResult:
+            # Redis holds writes (scripts included) for 400 ms: the pop's write is sent and
+            # waits there, where a cancellation finds it.
+            await admin.client.execute_command("CLIENT", "PAUSE", "400", "WRITE")
+            sent.set()
+            return await append(*args, **kwargs)
+
+        session.projector.append = paused_append  # type: ignore[method-assign]
+
+        async def cancel_once_sent(scope: anyio.CancelScope) -> None:
+            await sent.wait()
+            await anyio.sleep(0.1)
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as scope:
+                tg.start_soon(cancel_once_sent, scope)
+                await session.pop_item()
+                pytest.fail("the pop was not cancelled")
+        assert scope.cancelled_caught
+        when_cancelled = contents(await ThreadlogSession("cancelled-pop", store).get_items())
+        await anyio.sleep(0.6)  # the pause is over: a write still pending has landed
+        assert contents(await session.get_items()) == when_cancelled == ["a"]
+        events = [e async for e in store.read(session.thread_id)]
+        assert sum(isinstance(e.payload, ItemPopped) for e in events) == 1
+    finally:
+        await admin.client.execute_command("CLIENT", "UNPAUSE")
+        await admin.close()
+        await store.close()
+
+
+async def test_a_tail_item_that_does_not_decode_is_not_popped(
+    redis_url: str, namespace: str
+) -> None:
+    """A damaged item raises a typed error and stays where it is (run rebuild), instead of
+    being removed by the pop that then failed to return it."""
+    from eventstore._views import stamp_list_value
+
+    store = await es.connect(redis_url, namespace=namespace)
+    assert isinstance(store, es.RedisEventStore)
+    try:
+        session = ThreadlogSession("damaged", store)
+        await session.add_items([user("a"), user("b")])
+        key = store.keys.view(session.thread_id, ITEMS_VIEW)
+        await store.client.lset(key, -1, stamp_list_value(1, b"\xc1"))  # not msgpack
+        with pytest.raises(es.OperationalError, match="does not decode"):
+            await session.pop_item()
+        assert await store.version(session.thread_id) == 1
+        assert await store.client.llen(key) == 2
+    finally:
+        await store.close()
+
+
+async def test_an_access_policy_confines_a_session(store: es.EventStore) -> None:
+    """Sessions are confined as ThreadStore and SessionStore are: each call asks the policy
+    first, and a denied one reads and writes nothing."""
+    owners = {"agents:alice-chat": "alice"}
+
+    def decide(p: Principal | None, action: str, ns: str, thread: str | None) -> bool:
+        if p is None or owners.get(thread or "") != p.id:
+            return False
+        return action == "read" or "writer" in p.roles
+
+    policy = CallbackPolicy(decide)
+    alice = Principal(id="alice", roles=frozenset({"writer"}))
+    owner = ThreadlogSession("alice-chat", store, policy=policy, principal=alice)
+    await owner.add_items([user("a"), user("b")])
+    reader = ThreadlogSession("alice-chat", store, policy=policy, principal=Principal(id="alice"))
+    assert contents(await reader.get_items()) == ["a", "b"]
+    outsiders = [
+        ThreadlogSession("alice-chat", store, policy=policy, principal=Principal(id="mallory")),
+        ThreadlogSession("alice-chat", store, policy=policy),  # no principal at all
+        ThreadlogSession("alice-chat", store, policy=TenantPolicy(), principal=alice),
+    ]
+    for session in [*outsiders, reader]:
+        calls: list[Awaitable[Any]] = [
+            session.add_items([user("x")]),
+            session.pop_item(),  # it removes an item: a reader may not
+            session.clear_session(),
+            session.delete(),
+        ]
+        if session is not reader:
+            calls.append(session.get_items())
+        for call in calls:
+            with pytest.raises(AccessDenied):
+                await call
+    assert await store.version(owner.thread_id) == 1
+    assert contents(await owner.get_items()) == ["a", "b"]
+    assert await owner.pop_item() == user("b")
+    with pytest.raises(es.InvalidInputError, match="principal must be a Principal"):
+        await ThreadlogSession("alice-chat", store, principal="alice").get_items()  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidThreadIdError, match="prefix"):
+        ThreadlogSession("alice-chat", store, thread_prefix=5)  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Shift the session module's clock: append milliseconds to ``clock[0]``."""
@@ -562,6 +674,12 @@ async def test_sweep_idle_sessions(store: es.EventStore) -> None:
     assert len(await fresh.get_items()) == 1
     assert await store.version("not-a-session") == 1
     assert await sweep_idle_sessions(store, 60) == []
+    # Bad arguments are refused before anything is listed or deleted (a TypeError before).
+    bad: list[dict[str, Any]] = [{"now_ms": "5"}, {"now_ms": 1.5}, {"thread_prefix": 5}]
+    for kwargs in bad:
+        with pytest.raises(es.InvalidInputError):
+            await sweep_idle_sessions(store, 60, **kwargs)
+    assert len(await fresh.get_items()) == 1
 
 
 async def test_private_registry_and_views(redis_url: str, namespace: str) -> None:
