@@ -306,23 +306,28 @@ class _Rows:
         self.payload_ends += [encode_into(p, data, -1) or len(data) for p in payloads]
         # Each derived column is one ``map`` of ``dict.get`` over the payloads: the loop runs
         # in C, where a Python loop over events with seven lookups cost ~0.7 us an event.
+        # An application's own event may use these field names for values of other types (an
+        # outcome that is a map, a tier that is a number): those stay in the payload only, as
+        # a column holds one type (Parquet refuses another, and would stop every run here).
         get = dict.get
-        self.type += map(get, payloads, repeat("type"))
+        self.type += _texts(list(map(get, payloads, repeat("type"))))
         turns = list(map(get, payloads, repeat("turn_id")))
-        if not all(turns):  # events that name their turn only in the metadata
+        if not all(t.__class__ is str and t for t in turns):
+            # Events that name their turn only in the metadata, or not as text.
             for i, turn in enumerate(turns):
-                if not turn:
+                if turn.__class__ is not str or not turn:
                     meta = metas[i]
-                    turns[i] = (meta.get("t") if meta.__class__ is dict else None) or None
+                    turn = meta.get("t") if meta.__class__ is dict else None
+                    turns[i] = turn if turn.__class__ is str and turn else None
         self.turn += turns
-        self.parent_turn += map(get, payloads, repeat("parent_turn_id"))
-        self.outcome += map(get, payloads, repeat("outcome"))
-        self.model_tier += map(get, payloads, repeat("model_tier"))
+        self.parent_turn += _texts(list(map(get, payloads, repeat("parent_turn_id"))))
+        self.outcome += _texts(list(map(get, payloads, repeat("outcome"))))
+        self.model_tier += _texts(list(map(get, payloads, repeat("model_tier"))))
         usages: list[Any] = list(map(get, payloads, repeat("usage")))
         if any(usages):
             usages = [u if u.__class__ is dict else _NO_USAGE for u in usages]
-            self.input_tokens += map(get, usages, repeat("input_tokens"))
-            self.output_tokens += map(get, usages, repeat("output_tokens"))
+            self.input_tokens += _counts(list(map(get, usages, repeat("input_tokens"))))
+            self.output_tokens += _counts(list(map(get, usages, repeat("output_tokens"))))
         else:
             self.input_tokens += repeat(None, len(usages))
             self.output_tokens += repeat(None, len(usages))
@@ -348,6 +353,28 @@ class _Rows:
         payload = {"type": "thread.deleted", "version": entry.last_seq}
         _json.encode_into(payload, self.payload, -1)
         self.payload_ends.append(len(self.payload))
+
+
+_TEXT_TYPES = {str, type(None)}
+_COUNT_TYPES = {int, type(None)}
+_INT64 = range(-(2**63), 2**63)
+
+
+def _texts(values: list[Any]) -> list[Any]:
+    """A text column's values: each str as it is, anything else null."""
+    if set(map(type, values)) <= _TEXT_TYPES:  # the rule, checked in C
+        return values
+    return [v if v.__class__ is str else None for v in values]
+
+
+def _counts(values: list[Any]) -> list[Any]:
+    """A whole-number column's values: each int that fits 64 bits, anything else null (a bool,
+    a fraction, text, a number beyond what the column holds)."""
+    if set(map(type, values)) <= _COUNT_TYPES:
+        numbers = [v for v in values if v is not None]
+        if not numbers or (min(numbers) in _INT64 and max(numbers) in _INT64):
+            return values
+    return [v if v.__class__ is int and v in _INT64 else None for v in values]
 
 
 @functools.lru_cache(maxsize=64)

@@ -955,3 +955,54 @@ async def test_a_run_reads_each_partitions_consumer_groups_once(
         assert store.group_reads == dict.fromkeys(range(store.partitions), 1)
     finally:
         await store.close()  # its client is the fixture's: closed there
+
+
+# -- the derived columns keep their types ------------------------------------------------------
+
+
+class _Scored(es.Event, tag="test_export.scored", frozen=True):
+    """An application's event whose field names are those the export derives columns from,
+    with values of other types (a score, a tier number, usage counted in fractions)."""
+
+    outcome: Any = None
+    model_tier: Any = None
+    usage: Any = None
+    turn_id: Any = None
+    parent_turn_id: Any = None
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_derived_columns_keep_their_types_whatever_an_event_holds(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    if "test_export.scored" not in es.registry:
+        es.registry.register(_Scored)
+    odd = [
+        _Scored(
+            outcome={"ok": True}, model_tier=3, turn_id=7, parent_turn_id=["x"],
+            usage={"input_tokens": 1.5, "output_tokens": "12"},
+        ),
+        _Scored(outcome=True, usage={"input_tokens": True, "output_tokens": 2**64 - 1}),
+        _Scored(usage=[1, 2]),
+        _Scored(outcome="won", model_tier="large", usage={"input_tokens": 4, "output_tokens": 5}),
+    ]  # fmt: skip
+    turn = "01J00000000000000000000000"  # the events' metadata names it
+    await redis_store.append("t", [es.NewEvent(payload=e, turn_id=turn) for e in odd])
+    result = await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    assert result.events == 4
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    # A value of another type stays in the payload only: a column never holds a number
+    # where its schema says text (Parquet refused the whole run: the directory was stuck),
+    # nor (NDJSON) text, a map or a fraction where it says a whole number.
+    derived = [
+        (r["outcome"], r["model_tier"], r["turn"], r["parent_turn"], r["input_tokens"],
+         r["output_tokens"])
+        for r in rows
+    ]  # fmt: skip
+    assert derived == [
+        (None, None, turn, None, None, None),
+        (None, None, turn, None, None, None),
+        (None, None, turn, None, None, None),
+        ("won", "large", turn, None, 4, 5),
+    ]
+    assert json.loads(rows[0]["payload"])["usage"] == {"input_tokens": 1.5, "output_tokens": "12"}
