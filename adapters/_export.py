@@ -310,7 +310,8 @@ class _Rows:
         # outcome that is a map, a tier that is a number): those stay in the payload only, as
         # a column holds one type (Parquet refuses another, and would stop every run here).
         get = dict.get
-        self.type += _texts(list(map(get, payloads, repeat("type"))))
+        types = _texts(list(map(get, payloads, repeat("type"))))
+        self.type += types
         turns = list(map(get, payloads, repeat("turn_id")))
         if not all(t.__class__ is str and t for t in turns):
             # Events that name their turn only in the metadata, or not as text.
@@ -324,10 +325,13 @@ class _Rows:
         self.outcome += _texts(list(map(get, payloads, repeat("outcome"))))
         self.model_tier += _texts(list(map(get, payloads, repeat("model_tier"))))
         usages: list[Any] = list(map(get, payloads, repeat("usage")))
-        if any(usages):
+        if any(usages) or _SETTLED in types:
             usages = [u if u.__class__ is dict else _NO_USAGE for u in usages]
-            self.input_tokens += _counts(list(map(get, usages, repeat("input_tokens"))))
-            self.output_tokens += _counts(list(map(get, usages, repeat("output_tokens"))))
+            # A turn record's `Usage` is stored without the counts left at their default, 0
+            # (omit_defaults): the record says 0 tokens, which null would turn into unknown.
+            zeros = [0 if t == _SETTLED else None for t in types]
+            self.input_tokens += _counts(list(map(get, usages, repeat("input_tokens"), zeros)))
+            self.output_tokens += _counts(list(map(get, usages, repeat("output_tokens"), zeros)))
         else:
             self.input_tokens += repeat(None, len(usages))
             self.output_tokens += repeat(None, len(usages))
@@ -355,6 +359,7 @@ class _Rows:
         self.payload_ends.append(len(self.payload))
 
 
+_SETTLED = "turn.settled"
 _TEXT_TYPES = {str, type(None)}
 _COUNT_TYPES = {int, type(None)}
 _INT64 = range(-(2**63), 2**63)

@@ -1006,3 +1006,29 @@ async def test_derived_columns_keep_their_types_whatever_an_event_holds(
         ("won", "large", turn, None, 4, 5),
     ]
     assert json.loads(rows[0]["payload"])["usage"] == {"input_tokens": 1.5, "output_tokens": "12"}
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_turn_records_token_counts_of_zero_are_exported_as_zero(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    def settled(turn: str, usage: es.Usage) -> es.TurnSettled:
+        return es.TurnSettled(turn_id=turn, outcome="completed", usage=usage)
+
+    # The log stores a count left at its default (0) as no field at all.
+    await redis_store.append(
+        "t",
+        [
+            settled("01J00000000000000000000001", es.Usage(input_tokens=10, output_tokens=0)),
+            settled("01J00000000000000000000002", es.Usage()),  # refused before the model
+            settled("01J00000000000000000000003", es.Usage(input_tokens=0, output_tokens=3)),
+            es.MessageAppended(message=es.Message(role="user", content="no turn record")),
+        ],
+    )
+    await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    # A turn record says how many tokens the turn used, none included: 0, not unknown (null
+    # fell out of avg() and count(), and "= 0" found none of the refused turns).
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [
+        (10, 0), (0, 0), (0, 3), (None, None),
+    ]  # fmt: skip
