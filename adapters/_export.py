@@ -764,6 +764,8 @@ class _Source(msgspec.Struct, frozen=True, kw_only=True):
     url: str | None = None
     """Where it was last exported from, password removed: for messages only (one data set can
     be reached by several URLs)."""
+    since_ms: int | None = None
+    """The time the directory started at (``since``): no event before it is exported into it."""
 
     def describe(self) -> str:
         where = f" at {self.url}" if self.url else ""
@@ -1119,7 +1121,6 @@ class Exporter:
     ) -> ExportResult:
         """The run on from the committed ``positions`` (the last part's ``number``); ``undo``
         (a new directory's run) is told where the export's group stood before it was touched."""
-        delivered = await self._claim_directory(positions)
         if since_ms is not None and positions:
             raise InvalidInputError(
                 f"since (--since) only starts a new export directory: {self.directory} "
@@ -1127,6 +1128,11 @@ class Exporter:
                 f"time would be skipped for good; run without it, or export to a new "
                 f"directory"
             )
+        delivered, start_ms = await self._claim_directory(positions, since_ms)
+        # A directory started at a time keeps it: a run that finishes an interrupted one reads
+        # the partitions that run did not reach from their start, where the events before the
+        # time are.
+        since_ms = start_ms
         await self._check_not_trimmed(positions, since_ms, delivered)
         for p in range(self.store.partitions):
             start = positions.get(p, "0-0")
@@ -1162,17 +1168,22 @@ class Exporter:
             await pipeline.run()
             result = state.result()
         result = msgspec.structs.replace(result, busy_partitions=busy)
-        if since_ms is not None and result.files and not result.events + result.tombstones:
+        empty = not result.events + result.tombstones
+        if since_ms is not None and not positions and result.files and empty:
             result = await self._discard_empty_run(result)
         return result
 
-    async def _claim_directory(self, positions: dict[int, str]) -> dict[int, str]:
+    async def _claim_directory(
+        self, positions: dict[int, str], since_ms: int | None
+    ) -> tuple[dict[int, str], int | None]:
         """Check that the directory holds this run's source, recording it in a new (or older)
-        directory, and settle the export name; raises `ExportSourceError` otherwise.
+        directory (with ``since_ms``, the time a new one starts at), and settle the export
+        name; raises `ExportSourceError` otherwise.
 
         Returns where the export's consumer group stands per partition that has it (read
         only for a directory with positions, else empty), for the run's later checks: read
-        once a run, as each read is an XINFO GROUPS and an XPENDING per group.
+        once a run, as each read is an XINFO GROUPS and an XPENDING per group; and the time the
+        directory starts at (its recorded one, once it has positions).
         """
         recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
         # A source binds a directory once it has positions: before that there is nothing a
@@ -1193,6 +1204,8 @@ class Exporter:
             store=await self.store.namespace_id(),
             name=name,
             url=redact(self.settings.url) if self.settings is not None else None,
+            # (An older directory with positions and no record started at no time.)
+            since_ms=bound.since_ms if bound is not None else None if positions else since_ms,
         )
         if bound is not None:
             _check_source(self.directory, bound, asked)
@@ -1212,7 +1225,7 @@ class Exporter:
             await self._check_positions(positions, delivered)
         if bound is None or (asked.url is not None and bound.url != asked.url):
             await anyio.to_thread.run_sync(_write_source, self.directory, asked)
-        return delivered
+        return delivered, asked.since_ms
 
     async def _group_positions(self) -> dict[int, str]:
         """The last entry delivered to the export's consumer group, per partition that has it."""

@@ -1032,3 +1032,45 @@ async def test_a_turn_records_token_counts_of_zero_are_exported_as_zero(
     assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [
         (10, 0), (0, 0), (0, 3), (None, None),
     ]  # fmt: skip
+
+
+async def test_since_holds_for_the_runs_that_finish_an_interrupted_one(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    from eventstore._keys import partition_of
+
+    def in_partition(p: int) -> str:
+        names = (f"t{i}" for i in range(10_000))
+        return next(t for t in names if partition_of(t, redis_store.partitions) == p)
+
+    early, late = in_partition(0), in_partition(3)
+    await redis_store.append(late, [msg("before")])
+    await anyio.sleep(0.01)
+    since = datetime.now(UTC)
+    await anyio.sleep(0.01)
+    await redis_store.append(early, [msg("after")])
+
+    class Crash(Exception):
+        pass
+
+    calls = []
+
+    def crash_on_the_second_chunk(rows: int) -> None:
+        calls.append(rows)
+        if len(calls) == 2:
+            raise Crash
+
+    # Partition 0's chunk commits a part; the run stops at partition 3's, before its position.
+    exporter = Exporter(redis_store, tmp_path, fmt="ndjson", rows_per_part=1)
+    with pytest.raises(Crash):
+        await exporter.run(since=since, progress=crash_on_the_second_chunk)
+    assert [r["thread"] for r in ndjson_rows(tmp_path)] == [early]
+    # The rerun (since is refused now: the directory has positions) finishes partition 3
+    # from its start, and the events there from before the time stay out of the directory.
+    await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    contents = [json.loads(r["payload"])["message"]["content"] for r in ndjson_rows(tmp_path)]
+    assert contents == ["after"]
+    await redis_store.append(late, [msg("later")])
+    await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    contents = [json.loads(r["payload"])["message"]["content"] for r in ndjson_rows(tmp_path)]
+    assert contents == ["after", "later"]
