@@ -794,6 +794,23 @@ def _write_source(directory: Path, source: _Source) -> None:
     _fsync_dir(directory)
 
 
+def _remove_made(directory: Path, made: list[Path]) -> None:
+    """Remove the directories a run made (``made``, outermost first) when it commits nothing,
+    so that a refused or empty run leaves no trace. Called with the run lock held: a run
+    that starts meanwhile fails to take it (or, once its file is gone, makes its own and the
+    directory is not empty any more, so it stays)."""
+    if not made:
+        return
+    for name in (_WORKERS_LOCK, _RUN_LOCK):
+        with contextlib.suppress(OSError):
+            (directory / name).unlink()
+    for path in reversed(made):
+        try:
+            path.rmdir()
+        except OSError:  # something else is in it: it stays, with whatever is there
+            return
+
+
 def _remove_source(directory: Path) -> None:
     path = directory / SOURCE_FILE
     if path.exists():
@@ -1044,23 +1061,28 @@ class Exporter:
         """
         if since is not None and not isinstance(since, datetime):
             raise InvalidInputError(f"since must be a datetime, not {since!r}")
-        await anyio.to_thread.run_sync(self._prepare_directory)
+        made = await anyio.to_thread.run_sync(self._prepare_directory)
         since_ms = int(since.timestamp() * 1000) if since is not None else None
         paused = self.pause_gc and gc.isenabled()
         if paused:
             gc.disable()
         try:
-            return await self._run(since_ms, progress)
+            return await self._run(since_ms, progress, made)
         finally:
             if paused:
                 gc.enable()
 
-    def _prepare_directory(self) -> None:
+    def _prepare_directory(self) -> list[Path]:
         """The output directory, made if missing; refused, with a clear error, when it is a
         file or already holds the other format's parts (a glob over one format would then
-        silently miss rows)."""
+        silently miss rows). Returns the directories it made, outermost first."""
         if self.directory.exists() and not self.directory.is_dir():
             raise InvalidInputError(f"cannot export to {self.directory}: it is not a directory")
+        made: list[Path] = []
+        missing = self.directory.absolute()
+        while not missing.exists() and missing != missing.parent:
+            made.insert(0, missing)
+            missing = missing.parent
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -1073,9 +1095,10 @@ class Exporter:
                 f"{self.directory} holds {other} parts; export {self.fmt} to another directory "
                 f"(each directory keeps one format, so its parts read as one table)"
             )
+        return made
 
     async def _run(
-        self, since_ms: int | None, progress: Callable[[int], None] | None
+        self, since_ms: int | None, progress: Callable[[int], None] | None, made: list[Path]
     ) -> ExportResult:
         with _run_lock(self.directory):
             await _fence_earlier_workers(self.directory)
@@ -1098,9 +1121,11 @@ class Exporter:
                         # Best effort: the error that stopped the run is the one to report.
                         with contextlib.suppress(EventStoreError, OSError):
                             await self._leave_new(undo)
+                        _remove_made(self.directory, made)
                 raise
             if not result.files:
                 await self._leave_new(undo)
+                _remove_made(self.directory, made)
             return result
 
     async def _leave_new(self, undo: _Undo) -> None:

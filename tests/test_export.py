@@ -1074,3 +1074,32 @@ async def test_since_holds_for_the_runs_that_finish_an_interrupted_one(
     await Exporter(redis_store, tmp_path, fmt="ndjson").run()
     contents = [json.loads(r["payload"])["message"]["content"] for r in ndjson_rows(tmp_path)]
     assert contents == ["after", "later"]
+
+
+async def test_a_run_that_commits_nothing_leaves_no_directory_it_made(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(redis_store, "t", 1)
+    future = datetime(2099, 1, 1, tzinfo=UTC)
+    # Nothing since the time: the directories it made (with its lock files) are gone again.
+    out = tmp_path / "made" / "out"
+    assert (await Exporter(redis_store, out).run(since=future)).files == []
+    assert list(tmp_path.iterdir()) == []
+    # A refused run (a feed trimmed before a new directory) leaves nothing either.
+    for p in range(redis_store.partitions):
+        await redis_store.trim_feed(p, max_age_ms=0)
+    with pytest.raises(ExportSourceError, match="trimmed"):
+        await Exporter(redis_store, out).run()
+    assert list(tmp_path.iterdir()) == []
+    # A directory that was there stays, as it was.
+    (tmp_path / "mine").mkdir()
+    assert (await Exporter(redis_store, tmp_path / "mine").run(since=future)).files == []
+    assert (tmp_path / "mine").is_dir()
+    # A run that commits a part keeps it, of course.
+    await anyio.sleep(0.01)
+    now = datetime.now(UTC)
+    await conversation(redis_store, "t", 1)
+    assert (await Exporter(redis_store, out).run(since=now)).files
+    assert sorted(p.name for p in out.glob("part-*")) == [
+        "part-00000001.parquet", "part-00000001.positions.json",
+    ]  # fmt: skip
