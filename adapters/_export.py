@@ -17,11 +17,13 @@ before the export catches up would otherwise have its new events read for the ol
 
 A run is three stages joined by one-slot queues, so each overlaps the others: reading (feed
 entries, then the log ranges they name, with `EventStore.read_raw_ranges`, a piece of at most
-about `PAGE` events per round trip), decoding (each piece as it arrives, column by column, no
-per-row objects, into the rows of its chunk), and writing a chunk at a time (in a worker
-thread: pyarrow encodes and compresses without holding the GIL). Memory stays bounded whatever
-the log's size: a chunk holds at most `CHUNK_EVENTS` events (or one append, when an append is
-larger), and at most two chunks wait between the stages.
+`PAGE` events, and about `READ_BYTES` of payload, per round trip), decoding (each piece as it
+arrives, column by column, no per-row objects, into the rows of its chunk), and writing a chunk
+at a time (in a worker thread: pyarrow encodes and compresses without holding the GIL). Memory
+stays bounded whatever the log's size and its events' size: a chunk holds at most
+`CHUNK_EVENTS` events (or one append, when an append is larger), its rows go to the writer in
+batches of about `ROWS_BYTES` of payload at most (its position only with the last), and at
+most two batches wait between the stages.
 
 With ``workers=N`` the partitions are shared out among N processes: the calling process and
 N - 1 worker processes it spawns, each opening its own connection from the store's settings
@@ -123,6 +125,14 @@ against ~185 MB peak, of which ~80 MB is the interpreter with pyarrow loaded), f
 of 4,096 rows instead of 8,192."""
 PAGE = 1024
 """Log entries per ``XRANGE``, and about the most a read hands to the decoder at once."""
+READ_BYTES = 4 << 20
+"""About the most payload bytes one read asks for: with large events (a tool result of
+hundreds of kB) a read takes fewer than `PAGE`, sized by the events decoded before it."""
+FIRST_READ = 64
+"""Events of a process's first reads, before it knows how large its events are."""
+ROWS_BYTES = 8 << 20
+"""Payload bytes of decoded rows that go to the writer at once, before their chunk ends (a
+chunk of `CHUNK_EVENTS` large events would otherwise be held whole, up to gigabytes)."""
 
 _PART_RE = re.compile(r"^part-(\d{8})\.(ndjson|parquet)$")
 _json = msgspec.json.Encoder()
@@ -496,12 +506,15 @@ class _Piece:
 
 
 class _Decoded:
-    __slots__ = ("last_id", "partition", "rows")
+    """Decoded rows of a chunk; ``final`` when they end it (its position is then reached)."""
 
-    def __init__(self, chunk: _Chunk, rows: _Rows) -> None:
+    __slots__ = ("final", "last_id", "partition", "rows")
+
+    def __init__(self, chunk: _Chunk, rows: _Rows, final: bool = True) -> None:
         self.partition = chunk.partition
         self.last_id = chunk.last_id
         self.rows = rows
+        self.final = final
 
 
 def _chunks(entries: list[FeedEntry], budget: int) -> Iterable[list[FeedEntry]]:
@@ -553,19 +566,24 @@ def _pages(entries: list[FeedEntry]) -> list[_Page]:
     return out
 
 
-def _reads(pages: list[_Page]) -> list[list[_Page]]:
-    """Pages grouped into reads of at most `PAGE` events (a page is never split): one round
-    trip each, small enough to be decoded while its entries are still in the CPU's caches."""
-    out: list[list[_Page]] = []
-    size = PAGE
-    for page in pages:
-        events = page[2] - page[1] + 1
-        if size + events > PAGE:
-            out.append([])
-            size = 0
-        out[-1].append(page)
+def _next_read(todo: list[_Page], budget: int) -> list[_Page]:
+    """Take the pages of the next read, of at most ``budget`` events, from ``todo`` (pages
+    in reverse order: taken from its end, in O(1) each). A page larger than the budget is
+    split; otherwise pages are kept whole."""
+    read: list[_Page] = []
+    size = 0
+    while todo:
+        thread, lo, hi, life = todo[-1]
+        events = hi - lo + 1
+        if read and size + events > budget:
+            break
+        if events > budget:  # a first page larger than the budget: its front part only
+            todo[-1] = (thread, lo + budget, hi, life)
+            read.append((thread, lo, lo + budget - 1, life))
+            break
+        read.append(todo.pop())
         size += events
-    return out
+    return read
 
 
 class _PartWriter:
@@ -1515,6 +1533,14 @@ class _Pipeline:
         self.guard = guard
         # (thread, life): lives whose deletion was found on the feed
         self._deletions: set[tuple[str, int]] = set()
+        # Payload bytes per event of the last piece decoded (None: none decoded yet).
+        self._event_bytes: int | None = None
+
+    def _read_budget(self) -> int:
+        """Events the next read may ask for: `PAGE`, fewer for large events (`READ_BYTES`)."""
+        if self._event_bytes is None:
+            return FIRST_READ
+        return max(1, min(PAGE, READ_BYTES // max(1, self._event_bytes)))
 
     async def run(self) -> None:
         read_send, read_receive = anyio.create_memory_object_stream[_Piece](1)
@@ -1544,10 +1570,13 @@ class _Pipeline:
                         chunk = _Chunk(p, run)
                         # A tombstone's chunk, or (damaged feed entries) one naming no seqs,
                         # still goes through as one empty piece: its position is reached.
-                        reads = [] if run[0].deleted else _reads(_pages(run))
-                        if not reads:
+                        todo = [] if run[0].deleted else _pages(run)[::-1]
+                        if not todo:
                             await send.send(_Piece(chunk, [], True))
-                        for i, pages in enumerate(reads, 1):
+                        while todo:
+                            # Sized by the events the decoder has seen so far: bounded in
+                            # bytes as well as in events.
+                            pages = _next_read(todo, self._read_budget())
                             # The decoder works on the previous piece meanwhile (the stream
                             # holds one), so the server answers this read during that work.
                             read: list[_ReadPage] = []
@@ -1555,7 +1584,7 @@ class _Pipeline:
                                 if not page and life is not None:
                                     await self._require_deletion(p, after, thread, life, lo)
                                 read.append((thread, lo, hi, page))
-                            await send.send(_Piece(chunk, read, i == len(reads)))
+                            await send.send(_Piece(chunk, read, not todo))
                     after = entries[-1].id
 
     async def _read_log(
@@ -1613,6 +1642,7 @@ class _Pipeline:
                 # collector's passes over them cost a quarter of the decode, for nothing.
                 paused = gc.isenabled()
                 gc.disable()
+                size, count = len(rows.payload), len(rows)
                 try:
                     for thread, lo, hi, entries in piece.pages:
                         _decode_page(rows, thread, lo, hi, entries, since_ms)
@@ -1620,8 +1650,14 @@ class _Pipeline:
                 finally:
                     if paused:
                         gc.enable()
+                if len(rows) > count:
+                    self._event_bytes = (len(rows.payload) - size) // (len(rows) - count)
                 if piece.last:
                     await send.send(_Decoded(chunk, rows))
+                    rows = _Rows()
+                elif len(rows.payload) >= ROWS_BYTES:
+                    # Large events: written before their chunk ends, its position not yet.
+                    await send.send(_Decoded(chunk, rows, final=False))
                     rows = _Rows()
 
     async def _write(self, receive: MemoryObjectReceiveStream[_Decoded]) -> None:
@@ -1642,6 +1678,10 @@ class _Pipeline:
                     await anyio.to_thread.run_sync(writer.write, item.rows)
                     state.tombstones += item.rows.tombstones
                     state.events += len(item.rows) - item.rows.tombstones
+                    if not item.final:  # more rows of its chunk follow, and only then a commit
+                        if progress is not None:
+                            progress(state.events + state.tombstones)
+                        continue
                     state.positions[item.partition] = item.last_id
                     chunks += 1
                     if self.collect and chunks % GC_EVERY_CHUNKS == 0:

@@ -1103,3 +1103,53 @@ async def test_a_run_that_commits_nothing_leaves_no_directory_it_made(
     assert sorted(p.name for p in out.glob("part-*")) == [
         "part-00000001.parquet", "part-00000001.positions.json",
     ]  # fmt: skip
+
+
+MEASURED_EXPORT = textwrap.dedent(
+    """
+    import resource, sys, anyio, eventstore as es
+    from adapters import Exporter
+
+    async def main():
+        store = await es.connect(sys.argv[1], namespace=sys.argv[2])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        exporter = Exporter(store, sys.argv[3], fmt=sys.argv[4])
+        exporter._prepare_directory()  # pyarrow and the writer's imports, before measuring
+        import pyarrow.parquet
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = await exporter.run()
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(result.events, grown // 1024)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_large_events_are_exported_in_bounded_memory(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path, fmt: str
+) -> None:
+    # 600 messages of 256 kB: 150 MB, one chunk by its event count (CHUNK_EVENTS). Read,
+    # decoded and written whole, it grew the process by as much again (and a chunk of 8,192
+    # events of 1 MiB, 8 GiB, could not be exported: the run failed the same way every time).
+    text = "é" * (128 * 1024)
+    for i in range(600):
+        await redis_store.append(f"t{i % 8}", [msg(f"{i} {text}")])
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURED_EXPORT)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(script), redis_url, redis_store.namespace, str(out), fmt],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    events, grown_mb = map(int, done.stdout.split())
+    assert events == 600
+    assert grown_mb < 80, f"the export grew by {grown_mb} MB"
+    rows = ndjson_rows(out) if fmt == "ndjson" else list(read_parquet_dir(out))
+    assert sorted(int(json.loads(r["payload"])["message"]["content"].split()[0]) for r in rows) == (
+        list(range(600))
+    )
+    assert all(json.loads(r["payload"])["message"]["content"].endswith(text) for r in rows)
+    for t in range(8):  # 150 MB less in the test server
+        await redis_store.delete_thread(f"t{t}")
