@@ -1015,8 +1015,18 @@ class Exporter:
             raise InvalidInputError("the export directory is empty; give a directory name")
         self.compression: Compression = compression or DEFAULT_COMPRESSION
         if name is not None:
-            validate_view_name(name)
-            validate_view_name(f"export-{name}")  # the group's name must fit too
+            try:
+                validate_view_name(name)
+                validate_view_name(f"export-{name}")  # the group's name must fit too
+            except InvalidInputError:
+                # Said as the export name it is, not as a view name (or as the group's name,
+                # which the caller did not give).
+                text = str(name)
+                shown = text if len(text) <= 64 else f"{text[:61]}..."
+                raise InvalidInputError(
+                    f"export name {shown!r} must be 1-{64 - len('export-')} characters of "
+                    "A-Z a-z 0-9 _ . - (its feed consumer group is export-<name>)"
+                ) from None
         self.adaptive = workers == "auto"
         if workers == "auto":
             shareable = isinstance(store, RedisEventStore) and settings is not None

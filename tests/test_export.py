@@ -1132,7 +1132,7 @@ async def test_large_events_are_exported_in_bounded_memory(
 ) -> None:
     # 600 messages of 256 kB: 150 MB, one chunk by its event count (CHUNK_EVENTS). Read,
     # decoded and written whole, it grew the process by as much again (and a chunk of 8,192
-    # events of 1 MiB, 8 GiB, could not be exported: the run failed the same way every time).
+    # events of 1 MiB would hold up to 8 GiB).
     text = "é" * (128 * 1024)
     for i in range(600):
         await redis_store.append(f"t{i % 8}", [msg(f"{i} {text}")])
@@ -1153,3 +1153,14 @@ async def test_large_events_are_exported_in_bounded_memory(
     assert all(json.loads(r["payload"])["message"]["content"].endswith(text) for r in rows)
     for t in range(8):  # 150 MB less in the test server
         await redis_store.delete_thread(f"t{t}")
+
+
+def test_a_bad_export_name_is_refused_as_an_export_name(tmp_path: Path) -> None:
+    store = es.MemoryEventStore()
+    # 60 characters: a good view name, but its group, export-<name>, is too long.
+    for bad, shown in (("a" * 60, "a" * 60), ("bad name", "bad name"), ("x" * 300, "x" * 61)):
+        with pytest.raises(es.InvalidInputError) as caught:
+            Exporter(store, tmp_path, name=bad)
+        assert str(caught.value).startswith(f"export name '{shown}")
+        assert "1-57 characters" in str(caught.value)
+    Exporter(store, tmp_path, name="a" * 57)
