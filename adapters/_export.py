@@ -937,9 +937,38 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     # run a partition belongs to one process, whose part numbers rise, and every run's parts
     # are numbered above every earlier run's.
     for _, sidecar in sorted(parts):
-        raw = json.loads(sidecar.read_text())
-        positions.update({int(k): v for k, v in raw.items()})
+        positions.update(_read_sidecar(sidecar))
     return (max(parts)[0] if parts else 0), positions
+
+
+def _read_sidecar(sidecar: Path) -> dict[int, str]:
+    """A committed part's positions; `ExportSourceError` naming the file when it is missing or
+    damaged (a directory copied without its sidecars, an edit): a run cannot know where the
+    directory stands, and guessing would export a hole or duplicates."""
+    part = sidecar.name[: -len(".positions.json")]
+    try:
+        raw = json.loads(sidecar.read_bytes())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        out = {int(k): v for k, v in raw.items()}
+        for k, v in out.items():
+            if k < 0:
+                raise ValueError(f"partition {k}")
+            parse_stream_id(v)
+    except FileNotFoundError:
+        raise ExportSourceError(
+            f"{sidecar.parent} has {part} without its positions ({sidecar.name}): the "
+            f"directory does not say how far it was exported; restore the file, or export "
+            f"to a new directory"
+        ) from None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {sidecar}: {exc.strerror or exc}") from None
+    except (ValueError, InvalidInputError) as exc:
+        raise ExportSourceError(
+            f"{sidecar} is damaged ({exc}): the directory does not say how far it was "
+            f"exported; restore the file, or export to a new directory"
+        ) from None
+    return out
 
 
 class Exporter:

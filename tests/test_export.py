@@ -1164,3 +1164,27 @@ def test_a_bad_export_name_is_refused_as_an_export_name(tmp_path: Path) -> None:
         assert str(caught.value).startswith(f"export name '{shown}")
         assert "1-57 characters" in str(caught.value)
     Exporter(store, tmp_path, name="a" * 57)
+
+
+async def test_a_missing_or_damaged_positions_file_is_refused_naming_it(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(redis_store, "t", 1)
+    await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    sidecar = tmp_path / "part-00000001.positions.json"
+    good = sidecar.read_bytes()
+    await conversation(redis_store, "t", 1)
+    # Each was an internal error (JSONDecodeError, AttributeError: exit 3 in the command).
+    for damaged, why in (
+        (b'{"0": ', "Expecting value"), (b'["x"]', "not a JSON object"),
+        (b'{"0": 5}', "not a stream id"), (b'{"a": "1-0"}', "invalid literal"),
+    ):  # fmt: skip
+        sidecar.write_bytes(damaged)
+        with pytest.raises(ExportSourceError, match=f"{sidecar} is damaged \\({why}"):
+            await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    sidecar.unlink()
+    with pytest.raises(ExportSourceError, match="has part-00000001 without its positions"):
+        await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    assert sorted(p.name for p in tmp_path.glob("part-*")) == ["part-00000001.ndjson"]
+    sidecar.write_bytes(good)  # restored: the run goes on from there
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
