@@ -1162,6 +1162,7 @@ class Exporter:
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
             if positions:
                 return await self._run_from(number, positions, since_ms, progress, None)
+            await self._check_parts_kept()
             # A new directory: a run refused, failed or with nothing to commit leaves it as it
             # found it, with no source recorded and the export's group as it was (none, or a
             # predecessor's at its position): a group left at 0-0 would hold every change of
@@ -1184,6 +1185,31 @@ class Exporter:
                 await self._leave_new(undo)
                 _remove_made(self.directory, made)
             return result
+
+    async def _check_parts_kept(self) -> None:
+        """Refuse a directory that has no part but records this source, whose group has read
+        changes: its parts were removed, moved or renamed (compressed: ``part-*.ndjson.gz``),
+        and a run would export every change again. (A first run that stopped before its first
+        commit leaves the record with the group where it started, which is no refusal.)"""
+        recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
+        if recorded is None or recorded.namespace != self.store.namespace:
+            return
+        if self.given_name not in (None, recorded.name):
+            return
+        if recorded.store != await self.store.namespace_id():
+            return
+        group = f"export-{recorded.name}"
+        for p in range(self.store.partitions):
+            for info in await self.store.feed_groups(p):
+                if info.name == group and parse_stream_id(info.last_delivered) > (0, 0):
+                    raise ExportSourceError(
+                        f"{self.directory} holds no part, but it recorded exporting "
+                        f"{recorded.describe()} under the name {recorded.name!r}, whose feed "
+                        f"group has read up to {info.last_delivered} in partition {p}: its "
+                        f"parts were removed, moved or renamed, and a run would export every "
+                        f"change again; put them back, export into a new directory, or "
+                        f"remove {SOURCE_FILE} to export everything into it again"
+                    )
 
     async def _leave_new(self, undo: _Undo) -> None:
         """Undo what a run into a new directory that committed nothing did."""

@@ -1188,3 +1188,27 @@ async def test_a_missing_or_damaged_positions_file_is_refused_naming_it(
     assert sorted(p.name for p in tmp_path.glob("part-*")) == ["part-00000001.ndjson"]
     sidecar.write_bytes(good)  # restored: the run goes on from there
     assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
+
+
+async def test_a_directory_whose_parts_were_removed_is_not_exported_again(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    import gzip
+
+    await conversation(redis_store, "t", 2)
+    first = await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    assert first.events == 6
+    # The user compresses the parts to keep them (or moves them to a warehouse): the directory
+    # no longer holds a part, but its source record and its group say what it exported.
+    for part in tmp_path.glob("part-*.ndjson"):
+        part.with_suffix(".ndjson.gz").write_bytes(gzip.compress(part.read_bytes()))
+        part.unlink()
+    await conversation(redis_store, "t", 1)
+    for _ in range(2):  # refused, and refused again: the record stays
+        with pytest.raises(ExportSourceError, match="holds no part"):
+            await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+        assert (tmp_path / SOURCE_FILE).exists()
+    assert list(tmp_path.glob("part-*.ndjson")) == []  # (every event again, before)
+    # Told to start over (the record removed, as with the whole directory), it does.
+    (tmp_path / SOURCE_FILE).unlink()
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 9
