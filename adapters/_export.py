@@ -914,9 +914,14 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     """The newest committed part number, and the position of every partition: the one the
     newest committed part that names the partition recorded (0 and {} for a fresh directory).
 
-    Also removes what a crashed run left: temporary files and sidecars without their part.
+    Also removes what a crashed run left: temporary files, and sidecars without their part
+    numbered above every committed part. One numbered below stays: its part was removed or
+    moved by hand (compressed, say), and is the directory's record if it is put back; one
+    left by a crash is harmless, as positions are read only for parts, and a part of its
+    number writes its own sidecar first.
     """
     parts: list[tuple[int, Path]] = []
+    orphans: list[tuple[int, Path]] = []
     for path in sorted(directory.iterdir()):
         name = path.name
         if name.startswith(".part-") and name.endswith(".tmp"):
@@ -925,12 +930,17 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
         if name.endswith(".positions.json"):
             part = name[: -len(".positions.json")]
             if not any((directory / f"{part}.{ext}").exists() for ext in ("ndjson", "parquet")):
-                path.unlink(missing_ok=True)
+                digits = part.removeprefix("part-")
+                orphans.append((int(digits) if digits.isdigit() else 0, path))
             continue
         match = _PART_RE.match(name)
         if match:
             sidecar = directory / f"part-{match.group(1)}.positions.json"
             parts.append((int(match.group(1)), sidecar))
+    newest = max(parts)[0] if parts else 0
+    for orphan, path in orphans:
+        if parts and orphan > newest:
+            path.unlink(missing_ok=True)
     positions: dict[int, str] = {}
     # A single-process run's sidecars name every partition; a parallel run's name only the
     # partitions of the process that wrote them. Merging in part order serves both: within a
@@ -938,7 +948,7 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     # are numbered above every earlier run's.
     for _, sidecar in sorted(parts):
         positions.update(_read_sidecar(sidecar))
-    return (max(parts)[0] if parts else 0), positions
+    return newest, positions
 
 
 def _read_sidecar(sidecar: Path) -> dict[int, str]:

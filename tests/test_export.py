@@ -1209,6 +1209,14 @@ async def test_a_directory_whose_parts_were_removed_is_not_exported_again(
             await Exporter(redis_store, tmp_path, fmt="ndjson").run()
         assert (tmp_path / SOURCE_FILE).exists()
     assert list(tmp_path.glob("part-*.ndjson")) == []  # (every event again, before)
+    # Put back, they continue where they ended: the refused runs kept their positions files
+    # (which were removed as a crash's leftovers).
+    for packed in tmp_path.glob("part-*.ndjson.gz"):
+        packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
+        packed.unlink()
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
     # Told to start over (the record removed, as with the whole directory), it does.
+    for part in tmp_path.glob("part-*.ndjson"):
+        part.unlink()
     (tmp_path / SOURCE_FILE).unlink()
     assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 9
