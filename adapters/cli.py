@@ -1793,6 +1793,12 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
     if not result.files:
         if args.since is not None:
             text = f"No event since {args.since.isoformat()} to export; {args.out} stays new."
+        elif not args.out.is_dir() or next(args.out.glob("part-*"), None) is None:
+            # No last run to speak of: the directory holds no part (or was never made).
+            text = (
+                f"Nothing to export: namespace {ctx.store.namespace!r} has no change to "
+                f"export; {args.out} was not written."
+            )
         else:
             text = f"Nothing new to export to {args.out} since the last run."
         ctx.out.print(Text(text))

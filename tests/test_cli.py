@@ -1154,6 +1154,23 @@ def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
     assert real.code == 0 and "Exported 1 event" in real.out, real
 
 
+def test_an_export_of_a_namespace_without_changes_says_so_for_a_new_directory(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+
+    async def nothing(store: es.EventStore) -> None:
+        pass
+
+    with_store(redis_url, namespace, nothing)  # the namespace is there, without a change
+    out = tmp_path / "out"
+    run = cli("export", "--out", str(out), url=redis_url, namespace=namespace)
+    # Not "nothing new since the last run": there was none, and the directory is not there.
+    assert run.code == 0 and "since the last run" not in run.out, run
+    assert "Nothing to export" in run.out and "was not written" in run.out, run
+    assert not out.exists()
+
+
 def test_an_export_refused_for_a_trimmed_feed_leaves_no_group_and_no_source(
     redis_url: str, tmp_path: Path
 ) -> None:
