@@ -1739,9 +1739,11 @@ class _Pipeline:
         state, progress = self.state, self.progress
         writer: _PartWriter | None = None
         chunks = 0
+        whole = True  # the rows written so far end a chunk
         try:
             async with receive:
                 async for item in receive:
+                    whole = item.final
                     if writer is None:
                         writer = _PartWriter(
                             self.directory,
@@ -1766,7 +1768,10 @@ class _Pipeline:
                     if writer.rows >= self.rows_per_part:
                         state.files.append(str(await self._commit(writer, state.positions)))
                         writer = None
-            if writer is not None:
+            # The stream ends mid-chunk only when the decoder failed (the task group cancels
+            # this stage too, but need not before it gets here): rows of a chunk whose position
+            # the part cannot record are never committed, a rerun would export them again.
+            if writer is not None and whole:
                 state.files.append(str(await self._commit(writer, state.positions)))
                 writer = None
         finally:

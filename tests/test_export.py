@@ -33,6 +33,7 @@ from adapters import (
     read_parquet_dir,
 )
 from adapters._export import (
+    FIRST_READ,
     PAGE,
     SOURCE_FILE,
     _fence_earlier_workers,
@@ -1220,3 +1221,31 @@ async def test_a_directory_whose_parts_were_removed_is_not_exported_again(
         part.unlink()
     (tmp_path / SOURCE_FILE).unlink()
     assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 9
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_damage_after_a_chunks_first_rows_were_written_commits_none_of_them(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    """Large events go to the writer before their chunk ends (`ROWS_BYTES`); damage later in
+    the chunk must not leave them in a committed part, whose position (the chunk before)
+    would have a rerun export them again."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    text = "x" * (256 * 1024)
+    await store.append("small", [msg("first")])  # a chunk of its own before the large ones
+    # The first read takes FIRST_READ events (16 MB, written at once), the next ones fewer.
+    damaged = FIRST_READ + 11
+    for lo in range(1, damaged, 10):
+        await store.append("long", [msg(f"{i} {text}") for i in range(lo, min(lo + 10, damaged))])
+    client, keys = store.client, store.keys
+    ((_, good),) = await store.read_raw("long", start=1, stop=1)
+    await client.xadd(keys.log("long"), {**good, b"d": b"\xc1not msgpack"}, id=f"{damaged}-0")
+    await client.hset(keys.meta("long"), "v", damaged)
+    life = await client.hget(keys.meta("long"), "n")
+    feed = {"t": "long", "f": damaged, "l": damaged, "n": life}
+    await client.xadd(keys.feed(keys.partition("long")), feed)
+    with pytest.raises(es.CorruptEventError):
+        await Exporter(store, tmp_path, fmt=fmt, batch=1000).run()  # type: ignore[arg-type]
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    assert {r["thread"] for r in rows} <= {"small"}, "rows of an unfinished chunk committed"
