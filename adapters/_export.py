@@ -607,6 +607,7 @@ class _PartWriter:
         self.rows = 0
         self._ndjson = open(self.tmp, "wb") if fmt == "ndjson" else None  # noqa: SIM115
         self._parquet: Any = None
+        self._sink: Any = None  # the file the Parquet writer writes, when it is ours to close
 
     def write(self, rows: _Rows) -> None:
         if not len(rows):
@@ -631,8 +632,24 @@ class _PartWriter:
         ]
         batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
         if self._parquet is None:
-            self._parquet = _parquet_writer(self.tmp, schema, self.compression)
+            self._parquet = self._parquet_writer(schema)
         self._parquet.write_batch(batch)
+
+    def _parquet_writer(self, schema: Any) -> Any:
+        try:
+            str(self.tmp).encode("utf-8")
+            sink: Any = self.tmp
+        except UnicodeEncodeError:
+            # A name that is not UTF-8 (Linux names are bytes): pyarrow takes a path for text
+            # (a URI) and cannot say it; a file it is handed needs no name.
+            sink = self._sink = open(self.tmp, "wb")  # noqa: SIM115
+        return _parquet_writer(sink, schema, self.compression)
+
+    def _close_parquet(self) -> None:
+        if self._parquet is not None:
+            self._parquet.close()
+        if self._sink is not None:
+            self._sink.close()
 
     def commit(self, positions: dict[int, str]) -> Path:
         if self._ndjson is not None:
@@ -641,8 +658,7 @@ class _PartWriter:
             self._ndjson.close()
         elif self._parquet is None:
             self.write_empty()
-        if self._parquet is not None:
-            self._parquet.close()
+        self._close_parquet()
         sidecar = self.final.with_suffix(".positions.json")
         _atomic_write(sidecar, json.dumps({str(k): v for k, v in positions.items()}).encode())
         with open(self.tmp, "rb") as f:
@@ -654,14 +670,13 @@ class _PartWriter:
     def write_empty(self) -> None:
         import pyarrow as pa
 
-        self._parquet = _parquet_writer(self.tmp, _parquet_schema(), self.compression)
+        self._parquet = self._parquet_writer(_parquet_schema())
         self._parquet.write_table(pa.Table.from_pylist([], schema=_parquet_schema()))
 
     def abort(self) -> None:
         if self._ndjson is not None:
             self._ndjson.close()
-        if self._parquet is not None:
-            self._parquet.close()
+        self._close_parquet()
         self.tmp.unlink(missing_ok=True)
 
 
@@ -684,7 +699,7 @@ class _NdjsonRow(msgspec.Struct, frozen=True):
     payload: str
 
 
-def _parquet_writer(path: Path, schema: Any, compression: Compression) -> Any:
+def _parquet_writer(path: Any, schema: Any, compression: Compression) -> Any:
     import pyarrow.parquet as pq
 
     # Dictionary encoding only where values repeat: on ids and payloads it is built, found
@@ -885,9 +900,10 @@ def _namespace_of_parts(directory: Path) -> str | None:
             elif path.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
-                part = pq.ParquetFile(path)
-                if part.metadata.num_rows:
-                    return str(part.read_row_group(0, columns=["namespace"])[0][0].as_py())
+                with open(path, "rb") as f:  # a file, not a name pyarrow may not take
+                    part = pq.ParquetFile(f)
+                    if part.metadata.num_rows:
+                        return str(part.read_row_group(0, columns=["namespace"])[0][0].as_py())
         except Exception:  # a part that does not say (damaged, edited): an older one may
             continue
     return None
@@ -2137,4 +2153,5 @@ def read_parquet_dir(directory: str | os.PathLike[str]) -> Iterable[dict[str, An
     import pyarrow.parquet as pq
 
     for path in sorted(Path(directory).glob("part-*.parquet")):
-        yield from pq.read_table(path).to_pylist()
+        with open(path, "rb") as f:  # a file, not a name pyarrow may not take
+            yield from pq.read_table(f).to_pylist()

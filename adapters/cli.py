@@ -1774,7 +1774,10 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)
     if args.json:
-        ctx.json(result)
+        # JSON text cannot hold a name's bytes that are not UTF-8 (Linux allows them): they
+        # are written as \xNN escapes rather than failing after the export.
+        files = [os.fsencode(f).decode("utf-8", "backslashreplace") for f in result.files]
+        ctx.json(msgspec.structs.replace(result, files=files))
         return
     asked = args.workers
     if isinstance(asked, int) and result.workers < asked:

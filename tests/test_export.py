@@ -1249,3 +1249,18 @@ async def test_damage_after_a_chunks_first_rows_were_written_commits_none_of_the
         await Exporter(store, tmp_path, fmt=fmt, batch=1000).run()  # type: ignore[arg-type]
     rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
     assert {r["thread"] for r in rows} <= {"small"}, "rows of an unfinished chunk committed"
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_directory_whose_name_is_not_utf8_is_exported_into(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    # Linux names are bytes: pyarrow took the part's path for text (a URI) and failed with
+    # UnicodeEncodeError, an internal error of the command.
+    out = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    await conversation(redis_store, "t", 1)
+    assert (await Exporter(redis_store, out, fmt=fmt).run()).events == 3  # type: ignore[arg-type]
+    await conversation(redis_store, "t", 1)
+    assert (await Exporter(redis_store, out, fmt=fmt).run()).events == 3  # type: ignore[arg-type]
+    rows = ndjson_rows(out) if fmt == "ndjson" else list(read_parquet_dir(out))
+    assert len(rows) == 6
