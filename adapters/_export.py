@@ -190,6 +190,10 @@ class ExportSourceError(InvalidInputError):
     written: a run into it would export a wrong set of events (nothing, or a hole)."""
 
 
+def _other_partitions(n: int) -> str:
+    return f"{n} other partition" if n == 1 else f"{n} other partitions"
+
+
 def _fmt_ms(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
 
@@ -1380,6 +1384,7 @@ class Exporter:
         group dropped meanwhile, or a new directory on a feed trimmed before it: reading on
         from what the feed still holds would leave a hole, silently.
         """
+        lacking: list[tuple[tuple[int, int], int, str]] = []  # trimmed to, partition, id
         for p in range(self.store.partitions):
             info = await self.store.feed_info(p)
             trimmed = parse_stream_id(info.trimmed_to)
@@ -1391,16 +1396,9 @@ class Exporter:
             if start is None:  # a partition this directory has not read yet: from the start
                 if since_ms is not None and trimmed[0] < since_ms:
                     continue  # every trimmed change is older than the run asks for
-                if trimmed <= (0, 0):
-                    continue
-                when = _fmt_ms(trimmed[0])
-                raise ExportSourceError(
-                    f"the change feed of partition {p} of namespace {self.store.namespace!r} "
-                    f"was trimmed up to {info.trimmed_to} ({when}): an export into "
-                    f"{self.directory} would start after it and lack every change before "
-                    f"(every event is still in its thread's log); pass a since time (--since) "
-                    f"after {when} to export what follows it"
-                )
+                if trimmed > (0, 0):
+                    lacking.append((trimmed, p, info.trimmed_to))
+                continue
             if trimmed > parse_stream_id(start):
                 raise ExportSourceError(
                     f"the change feed of partition {p} of namespace {self.store.namespace!r} "
@@ -1411,6 +1409,21 @@ class Exporter:
                     f"the export has read (threadlog trim-feed without --max-age), and start "
                     f"a new directory with --since"
                 )
+        if lacking:
+            # The time to pass is the one after the latest trim of them all: each partition's
+            # own, said first, was refused as it stood (a change of that millisecond may be
+            # gone) and left the partitions trimmed later refused still.
+            trimmed, p, trimmed_to = max(lacking)
+            when = _fmt_ms(trimmed[0])
+            others = len(lacking) - 1
+            also = f", and {_other_partitions(others)} up to before then" if others else ""
+            raise ExportSourceError(
+                f"the change feed of partition {p} of namespace {self.store.namespace!r} "
+                f"was trimmed up to {trimmed_to} ({when}){also}: an export into "
+                f"{self.directory} would start after it and lack every change before "
+                f"(every event is still in its thread's log); to export what follows, pass "
+                f"--since {_fmt_ms(trimmed[0] + 1)} or later"
+            )
 
     async def _check_positions(self, positions: dict[int, str], delivered: dict[int, str]) -> None:
         """Refuse positions the store contradicts: a position that is not on its partition's

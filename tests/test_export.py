@@ -1264,3 +1264,30 @@ async def test_a_directory_whose_name_is_not_utf8_is_exported_into(
     assert (await Exporter(redis_store, out, fmt=fmt).run()).events == 3  # type: ignore[arg-type]
     rows = ndjson_rows(out) if fmt == "ndjson" else list(read_parquet_dir(out))
     assert len(rows) == 6
+
+
+async def test_the_since_a_trimmed_feed_asks_for_is_one_that_is_accepted(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    import re
+
+    from eventstore._keys import partition_of
+
+    def in_partition(p: int) -> str:
+        names = (f"t{i}" for i in range(10_000))
+        return next(t for t in names if partition_of(t, redis_store.partitions) == p)
+
+    # Partitions trimmed up to different times: the first to be checked has the earliest.
+    await redis_store.append(in_partition(0), [msg("early")])
+    await anyio.sleep(0.02)
+    await redis_store.append(in_partition(3), [msg("later")])
+    await anyio.sleep(0.01)
+    for p in range(redis_store.partitions):
+        await redis_store.trim_feed(p, max_age_ms=0)
+    with pytest.raises(ExportSourceError, match="--since") as refused:
+        await Exporter(redis_store, tmp_path).run()
+    # The time the message names as the one to pass (it named partition 0's trim time, which
+    # was refused as it stood, and partition 3's after it).
+    asked = re.findall(r"\d{4}-\d\d-\d\dT[\d:.]+\+00:00", str(refused.value))[-1]
+    result = await Exporter(redis_store, tmp_path).run(since=datetime.fromisoformat(asked))
+    assert result.files == []
