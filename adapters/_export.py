@@ -17,11 +17,13 @@ before the export catches up would otherwise have its new events read for the ol
 
 A run is three stages joined by one-slot queues, so each overlaps the others: reading (feed
 entries, then the log ranges they name, with `EventStore.read_raw_ranges`, a piece of at most
-about `PAGE` events per round trip), decoding (each piece as it arrives, column by column, no
-per-row objects, into the rows of its chunk), and writing a chunk at a time (in a worker
-thread: pyarrow encodes and compresses without holding the GIL). Memory stays bounded whatever
-the log's size: a chunk holds at most `CHUNK_EVENTS` events (or one append, when an append is
-larger), and at most two chunks wait between the stages.
+`PAGE` events, and about `READ_BYTES` of payload, per round trip), decoding (each piece as it
+arrives, column by column, no per-row objects, into the rows of its chunk), and writing a chunk
+at a time (in a worker thread: pyarrow encodes and compresses without holding the GIL). Memory
+stays bounded whatever the log's size and its events' size: a chunk holds at most
+`CHUNK_EVENTS` events (or one append, when an append is larger), its rows go to the writer in
+batches of about `ROWS_BYTES` of payload at most (its position only with the last), and at
+most two batches wait between the stages.
 
 With ``workers=N`` the partitions are shared out among N processes: the calling process and
 N - 1 worker processes it spawns, each opening its own connection from the store's settings
@@ -123,6 +125,14 @@ against ~185 MB peak, of which ~80 MB is the interpreter with pyarrow loaded), f
 of 4,096 rows instead of 8,192."""
 PAGE = 1024
 """Log entries per ``XRANGE``, and about the most a read hands to the decoder at once."""
+READ_BYTES = 4 << 20
+"""About the most payload bytes one read asks for: with large events (a tool result of
+hundreds of kB) a read takes fewer than `PAGE`, sized by the events decoded before it."""
+FIRST_READ = 64
+"""Events of a process's first reads, before it knows how large its events are."""
+ROWS_BYTES = 8 << 20
+"""Payload bytes of decoded rows that go to the writer at once, before their chunk ends (a
+chunk of `CHUNK_EVENTS` large events would otherwise be held whole, up to gigabytes)."""
 
 _PART_RE = re.compile(r"^part-(\d{8})\.(ndjson|parquet)$")
 _json = msgspec.json.Encoder()
@@ -178,6 +188,10 @@ class ExportSourceError(InvalidInputError):
     namespace, another data set (another server, or this one flushed or restored from an older
     copy), or another export name; or when the feeds contradict its positions. Nothing is
     written: a run into it would export a wrong set of events (nothing, or a hole)."""
+
+
+def _other_partitions(n: int) -> str:
+    return f"{n} other partition" if n == 1 else f"{n} other partitions"
 
 
 def _fmt_ms(ms: int) -> str:
@@ -306,23 +320,32 @@ class _Rows:
         self.payload_ends += [encode_into(p, data, -1) or len(data) for p in payloads]
         # Each derived column is one ``map`` of ``dict.get`` over the payloads: the loop runs
         # in C, where a Python loop over events with seven lookups cost ~0.7 us an event.
+        # An application's own event may use these field names for values of other types (an
+        # outcome that is a map, a tier that is a number): those stay in the payload only, as
+        # a column holds one type (Parquet refuses another, and would stop every run here).
         get = dict.get
-        self.type += map(get, payloads, repeat("type"))
+        types = _texts(list(map(get, payloads, repeat("type"))))
+        self.type += types
         turns = list(map(get, payloads, repeat("turn_id")))
-        if not all(turns):  # events that name their turn only in the metadata
+        if not all(t.__class__ is str and t for t in turns):
+            # Events that name their turn only in the metadata, or not as text.
             for i, turn in enumerate(turns):
-                if not turn:
+                if turn.__class__ is not str or not turn:
                     meta = metas[i]
-                    turns[i] = (meta.get("t") if meta.__class__ is dict else None) or None
+                    turn = meta.get("t") if meta.__class__ is dict else None
+                    turns[i] = turn if turn.__class__ is str and turn else None
         self.turn += turns
-        self.parent_turn += map(get, payloads, repeat("parent_turn_id"))
-        self.outcome += map(get, payloads, repeat("outcome"))
-        self.model_tier += map(get, payloads, repeat("model_tier"))
+        self.parent_turn += _texts(list(map(get, payloads, repeat("parent_turn_id"))))
+        self.outcome += _texts(list(map(get, payloads, repeat("outcome"))))
+        self.model_tier += _texts(list(map(get, payloads, repeat("model_tier"))))
         usages: list[Any] = list(map(get, payloads, repeat("usage")))
-        if any(usages):
+        if any(usages) or _SETTLED in types:
             usages = [u if u.__class__ is dict else _NO_USAGE for u in usages]
-            self.input_tokens += map(get, usages, repeat("input_tokens"))
-            self.output_tokens += map(get, usages, repeat("output_tokens"))
+            # A turn record's `Usage` is stored without the counts left at their default, 0
+            # (omit_defaults): the record says 0 tokens, which null would turn into unknown.
+            zeros = [0 if t == _SETTLED else None for t in types]
+            self.input_tokens += _counts(list(map(get, usages, repeat("input_tokens"), zeros)))
+            self.output_tokens += _counts(list(map(get, usages, repeat("output_tokens"), zeros)))
         else:
             self.input_tokens += repeat(None, len(usages))
             self.output_tokens += repeat(None, len(usages))
@@ -348,6 +371,29 @@ class _Rows:
         payload = {"type": "thread.deleted", "version": entry.last_seq}
         _json.encode_into(payload, self.payload, -1)
         self.payload_ends.append(len(self.payload))
+
+
+_SETTLED = "turn.settled"
+_TEXT_TYPES = {str, type(None)}
+_COUNT_TYPES = {int, type(None)}
+_INT64 = range(-(2**63), 2**63)
+
+
+def _texts(values: list[Any]) -> list[Any]:
+    """A text column's values: each str as it is, anything else null."""
+    if set(map(type, values)) <= _TEXT_TYPES:  # the rule, checked in C
+        return values
+    return [v if v.__class__ is str else None for v in values]
+
+
+def _counts(values: list[Any]) -> list[Any]:
+    """A whole-number column's values: each int that fits 64 bits, anything else null (a bool,
+    a fraction, text, a number beyond what the column holds)."""
+    if set(map(type, values)) <= _COUNT_TYPES:
+        numbers = [v for v in values if v is not None]
+        if not numbers or (min(numbers) in _INT64 and max(numbers) in _INT64):
+            return values
+    return [v if v.__class__ is int and v in _INT64 else None for v in values]
 
 
 @functools.lru_cache(maxsize=64)
@@ -464,12 +510,15 @@ class _Piece:
 
 
 class _Decoded:
-    __slots__ = ("last_id", "partition", "rows")
+    """Decoded rows of a chunk; ``final`` when they end it (its position is then reached)."""
 
-    def __init__(self, chunk: _Chunk, rows: _Rows) -> None:
+    __slots__ = ("final", "last_id", "partition", "rows")
+
+    def __init__(self, chunk: _Chunk, rows: _Rows, final: bool = True) -> None:
         self.partition = chunk.partition
         self.last_id = chunk.last_id
         self.rows = rows
+        self.final = final
 
 
 def _chunks(entries: list[FeedEntry], budget: int) -> Iterable[list[FeedEntry]]:
@@ -521,19 +570,24 @@ def _pages(entries: list[FeedEntry]) -> list[_Page]:
     return out
 
 
-def _reads(pages: list[_Page]) -> list[list[_Page]]:
-    """Pages grouped into reads of at most `PAGE` events (a page is never split): one round
-    trip each, small enough to be decoded while its entries are still in the CPU's caches."""
-    out: list[list[_Page]] = []
-    size = PAGE
-    for page in pages:
-        events = page[2] - page[1] + 1
-        if size + events > PAGE:
-            out.append([])
-            size = 0
-        out[-1].append(page)
+def _next_read(todo: list[_Page], budget: int) -> list[_Page]:
+    """Take the pages of the next read, of at most ``budget`` events, from ``todo`` (pages
+    in reverse order: taken from its end, in O(1) each). A page larger than the budget is
+    split; otherwise pages are kept whole."""
+    read: list[_Page] = []
+    size = 0
+    while todo:
+        thread, lo, hi, life = todo[-1]
+        events = hi - lo + 1
+        if read and size + events > budget:
+            break
+        if events > budget:  # a first page larger than the budget: its front part only
+            todo[-1] = (thread, lo + budget, hi, life)
+            read.append((thread, lo, lo + budget - 1, life))
+            break
+        read.append(todo.pop())
         size += events
-    return out
+    return read
 
 
 class _PartWriter:
@@ -557,6 +611,7 @@ class _PartWriter:
         self.rows = 0
         self._ndjson = open(self.tmp, "wb") if fmt == "ndjson" else None  # noqa: SIM115
         self._parquet: Any = None
+        self._sink: Any = None  # the file the Parquet writer writes, when it is ours to close
 
     def write(self, rows: _Rows) -> None:
         if not len(rows):
@@ -581,8 +636,24 @@ class _PartWriter:
         ]
         batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
         if self._parquet is None:
-            self._parquet = _parquet_writer(self.tmp, schema, self.compression)
+            self._parquet = self._parquet_writer(schema)
         self._parquet.write_batch(batch)
+
+    def _parquet_writer(self, schema: Any) -> Any:
+        try:
+            str(self.tmp).encode("utf-8")
+            sink: Any = self.tmp
+        except UnicodeEncodeError:
+            # A name that is not UTF-8 (Linux names are bytes): pyarrow takes a path for text
+            # (a URI) and cannot say it; a file it is handed needs no name.
+            sink = self._sink = open(self.tmp, "wb")  # noqa: SIM115
+        return _parquet_writer(sink, schema, self.compression)
+
+    def _close_parquet(self) -> None:
+        if self._parquet is not None:
+            self._parquet.close()
+        if self._sink is not None:
+            self._sink.close()
 
     def commit(self, positions: dict[int, str]) -> Path:
         if self._ndjson is not None:
@@ -591,8 +662,7 @@ class _PartWriter:
             self._ndjson.close()
         elif self._parquet is None:
             self.write_empty()
-        if self._parquet is not None:
-            self._parquet.close()
+        self._close_parquet()
         sidecar = self.final.with_suffix(".positions.json")
         _atomic_write(sidecar, json.dumps({str(k): v for k, v in positions.items()}).encode())
         with open(self.tmp, "rb") as f:
@@ -604,14 +674,13 @@ class _PartWriter:
     def write_empty(self) -> None:
         import pyarrow as pa
 
-        self._parquet = _parquet_writer(self.tmp, _parquet_schema(), self.compression)
+        self._parquet = self._parquet_writer(_parquet_schema())
         self._parquet.write_table(pa.Table.from_pylist([], schema=_parquet_schema()))
 
     def abort(self) -> None:
         if self._ndjson is not None:
             self._ndjson.close()
-        if self._parquet is not None:
-            self._parquet.close()
+        self._close_parquet()
         self.tmp.unlink(missing_ok=True)
 
 
@@ -634,7 +703,7 @@ class _NdjsonRow(msgspec.Struct, frozen=True):
     payload: str
 
 
-def _parquet_writer(path: Path, schema: Any, compression: Compression) -> Any:
+def _parquet_writer(path: Any, schema: Any, compression: Compression) -> Any:
     import pyarrow.parquet as pq
 
     # Dictionary encoding only where values repeat: on ids and payloads it is built, found
@@ -732,6 +801,8 @@ class _Source(msgspec.Struct, frozen=True, kw_only=True):
     url: str | None = None
     """Where it was last exported from, password removed: for messages only (one data set can
     be reached by several URLs)."""
+    since_ms: int | None = None
+    """The time the directory started at (``since``): no event before it is exported into it."""
 
     def describe(self) -> str:
         where = f" at {self.url}" if self.url else ""
@@ -758,6 +829,23 @@ def _read_source(directory: Path) -> _Source | None:
 def _write_source(directory: Path, source: _Source) -> None:
     _atomic_write(directory / SOURCE_FILE, msgspec.json.format(msgspec.json.encode(source)))
     _fsync_dir(directory)
+
+
+def _remove_made(directory: Path, made: list[Path]) -> None:
+    """Remove the directories a run made (``made``, outermost first) when it commits nothing,
+    so that a refused or empty run leaves no trace. Called with the run lock held: a run
+    that starts meanwhile fails to take it (or, once its file is gone, makes its own and the
+    directory is not empty any more, so it stays)."""
+    if not made:
+        return
+    for name in (_WORKERS_LOCK, _RUN_LOCK):
+        with contextlib.suppress(OSError):
+            (directory / name).unlink()
+    for path in reversed(made):
+        try:
+            path.rmdir()
+        except OSError:  # something else is in it: it stays, with whatever is there
+            return
 
 
 def _remove_source(directory: Path) -> None:
@@ -816,9 +904,10 @@ def _namespace_of_parts(directory: Path) -> str | None:
             elif path.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
-                part = pq.ParquetFile(path)
-                if part.metadata.num_rows:
-                    return str(part.read_row_group(0, columns=["namespace"])[0][0].as_py())
+                with open(path, "rb") as f:  # a file, not a name pyarrow may not take
+                    part = pq.ParquetFile(f)
+                    if part.metadata.num_rows:
+                        return str(part.read_row_group(0, columns=["namespace"])[0][0].as_py())
         except Exception:  # a part that does not say (damaged, edited): an older one may
             continue
     return None
@@ -845,9 +934,14 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     """The newest committed part number, and the position of every partition: the one the
     newest committed part that names the partition recorded (0 and {} for a fresh directory).
 
-    Also removes what a crashed run left: temporary files and sidecars without their part.
+    Also removes what a crashed run left: temporary files, and sidecars without their part
+    numbered above every committed part. One numbered below stays: its part was removed or
+    moved by hand (compressed, say), and is the directory's record if it is put back; one
+    left by a crash is harmless, as positions are read only for parts, and a part of its
+    number writes its own sidecar first.
     """
     parts: list[tuple[int, Path]] = []
+    orphans: list[tuple[int, Path]] = []
     for path in sorted(directory.iterdir()):
         name = path.name
         if name.startswith(".part-") and name.endswith(".tmp"):
@@ -856,21 +950,55 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
         if name.endswith(".positions.json"):
             part = name[: -len(".positions.json")]
             if not any((directory / f"{part}.{ext}").exists() for ext in ("ndjson", "parquet")):
-                path.unlink(missing_ok=True)
+                digits = part.removeprefix("part-")
+                orphans.append((int(digits) if digits.isdigit() else 0, path))
             continue
         match = _PART_RE.match(name)
         if match:
             sidecar = directory / f"part-{match.group(1)}.positions.json"
             parts.append((int(match.group(1)), sidecar))
+    newest = max(parts)[0] if parts else 0
+    for orphan, path in orphans:
+        if parts and orphan > newest:
+            path.unlink(missing_ok=True)
     positions: dict[int, str] = {}
     # A single-process run's sidecars name every partition; a parallel run's name only the
     # partitions of the process that wrote them. Merging in part order serves both: within a
     # run a partition belongs to one process, whose part numbers rise, and every run's parts
     # are numbered above every earlier run's.
     for _, sidecar in sorted(parts):
-        raw = json.loads(sidecar.read_text())
-        positions.update({int(k): v for k, v in raw.items()})
-    return (max(parts)[0] if parts else 0), positions
+        positions.update(_read_sidecar(sidecar))
+    return newest, positions
+
+
+def _read_sidecar(sidecar: Path) -> dict[int, str]:
+    """A committed part's positions; `ExportSourceError` naming the file when it is missing or
+    damaged (a directory copied without its sidecars, an edit): a run cannot know where the
+    directory stands, and guessing would export a hole or duplicates."""
+    part = sidecar.name[: -len(".positions.json")]
+    try:
+        raw = json.loads(sidecar.read_bytes())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        out = {int(k): v for k, v in raw.items()}
+        for k, v in out.items():
+            if k < 0:
+                raise ValueError(f"partition {k}")
+            parse_stream_id(v)
+    except FileNotFoundError:
+        raise ExportSourceError(
+            f"{sidecar.parent} has {part} without its positions ({sidecar.name}): the "
+            f"directory does not say how far it was exported; restore the file, or export "
+            f"to a new directory"
+        ) from None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {sidecar}: {exc.strerror or exc}") from None
+    except (ValueError, InvalidInputError) as exc:
+        raise ExportSourceError(
+            f"{sidecar} is damaged ({exc}): the directory does not say how far it was "
+            f"exported; restore the file, or export to a new directory"
+        ) from None
+    return out
 
 
 class Exporter:
@@ -946,8 +1074,18 @@ class Exporter:
             raise InvalidInputError("the export directory is empty; give a directory name")
         self.compression: Compression = compression or DEFAULT_COMPRESSION
         if name is not None:
-            validate_view_name(name)
-            validate_view_name(f"export-{name}")  # the group's name must fit too
+            try:
+                validate_view_name(name)
+                validate_view_name(f"export-{name}")  # the group's name must fit too
+            except InvalidInputError:
+                # Said as the export name it is, not as a view name (or as the group's name,
+                # which the caller did not give).
+                text = str(name)
+                shown = text if len(text) <= 64 else f"{text[:61]}..."
+                raise InvalidInputError(
+                    f"export name {shown!r} must be 1-{64 - len('export-')} characters of "
+                    "A-Z a-z 0-9 _ . - (its feed consumer group is export-<name>)"
+                ) from None
         self.adaptive = workers == "auto"
         if workers == "auto":
             shareable = isinstance(store, RedisEventStore) and settings is not None
@@ -1010,23 +1148,28 @@ class Exporter:
         """
         if since is not None and not isinstance(since, datetime):
             raise InvalidInputError(f"since must be a datetime, not {since!r}")
-        await anyio.to_thread.run_sync(self._prepare_directory)
+        made = await anyio.to_thread.run_sync(self._prepare_directory)
         since_ms = int(since.timestamp() * 1000) if since is not None else None
         paused = self.pause_gc and gc.isenabled()
         if paused:
             gc.disable()
         try:
-            return await self._run(since_ms, progress)
+            return await self._run(since_ms, progress, made)
         finally:
             if paused:
                 gc.enable()
 
-    def _prepare_directory(self) -> None:
+    def _prepare_directory(self) -> list[Path]:
         """The output directory, made if missing; refused, with a clear error, when it is a
         file or already holds the other format's parts (a glob over one format would then
-        silently miss rows)."""
+        silently miss rows). Returns the directories it made, outermost first."""
         if self.directory.exists() and not self.directory.is_dir():
             raise InvalidInputError(f"cannot export to {self.directory}: it is not a directory")
+        made: list[Path] = []
+        missing = self.directory.absolute()
+        while not missing.exists() and missing != missing.parent:
+            made.insert(0, missing)
+            missing = missing.parent
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -1039,15 +1182,17 @@ class Exporter:
                 f"{self.directory} holds {other} parts; export {self.fmt} to another directory "
                 f"(each directory keeps one format, so its parts read as one table)"
             )
+        return made
 
     async def _run(
-        self, since_ms: int | None, progress: Callable[[int], None] | None
+        self, since_ms: int | None, progress: Callable[[int], None] | None, made: list[Path]
     ) -> ExportResult:
         with _run_lock(self.directory):
             await _fence_earlier_workers(self.directory)
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
             if positions:
                 return await self._run_from(number, positions, since_ms, progress, None)
+            await self._check_parts_kept()
             # A new directory: a run refused, failed or with nothing to commit leaves it as it
             # found it, with no source recorded and the export's group as it was (none, or a
             # predecessor's at its position): a group left at 0-0 would hold every change of
@@ -1064,10 +1209,37 @@ class Exporter:
                         # Best effort: the error that stopped the run is the one to report.
                         with contextlib.suppress(EventStoreError, OSError):
                             await self._leave_new(undo)
+                        _remove_made(self.directory, made)
                 raise
             if not result.files:
                 await self._leave_new(undo)
+                _remove_made(self.directory, made)
             return result
+
+    async def _check_parts_kept(self) -> None:
+        """Refuse a directory that has no part but records this source, whose group has read
+        changes: its parts were removed, moved or renamed (compressed: ``part-*.ndjson.gz``),
+        and a run would export every change again. (A first run that stopped before its first
+        commit leaves the record with the group where it started, which is no refusal.)"""
+        recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
+        if recorded is None or recorded.namespace != self.store.namespace:
+            return
+        if self.given_name not in (None, recorded.name):
+            return
+        if recorded.store != await self.store.namespace_id():
+            return
+        group = f"export-{recorded.name}"
+        for p in range(self.store.partitions):
+            for info in await self.store.feed_groups(p):
+                if info.name == group and parse_stream_id(info.last_delivered) > (0, 0):
+                    raise ExportSourceError(
+                        f"{self.directory} holds no part, but it recorded exporting "
+                        f"{recorded.describe()} under the name {recorded.name!r}, whose feed "
+                        f"group has read up to {info.last_delivered} in partition {p}: its "
+                        f"parts were removed, moved or renamed, and a run would export every "
+                        f"change again; put them back, export into a new directory, or "
+                        f"remove {SOURCE_FILE} to export everything into it again"
+                    )
 
     async def _leave_new(self, undo: _Undo) -> None:
         """Undo what a run into a new directory that committed nothing did."""
@@ -1087,7 +1259,6 @@ class Exporter:
     ) -> ExportResult:
         """The run on from the committed ``positions`` (the last part's ``number``); ``undo``
         (a new directory's run) is told where the export's group stood before it was touched."""
-        delivered = await self._claim_directory(positions)
         if since_ms is not None and positions:
             raise InvalidInputError(
                 f"since (--since) only starts a new export directory: {self.directory} "
@@ -1095,6 +1266,11 @@ class Exporter:
                 f"time would be skipped for good; run without it, or export to a new "
                 f"directory"
             )
+        delivered, start_ms = await self._claim_directory(positions, since_ms)
+        # A directory started at a time keeps it: a run that finishes an interrupted one reads
+        # the partitions that run did not reach from their start, where the events before the
+        # time are.
+        since_ms = start_ms
         await self._check_not_trimmed(positions, since_ms, delivered)
         for p in range(self.store.partitions):
             start = positions.get(p, "0-0")
@@ -1130,17 +1306,22 @@ class Exporter:
             await pipeline.run()
             result = state.result()
         result = msgspec.structs.replace(result, busy_partitions=busy)
-        if since_ms is not None and result.files and not result.events + result.tombstones:
+        empty = not result.events + result.tombstones
+        if since_ms is not None and not positions and result.files and empty:
             result = await self._discard_empty_run(result)
         return result
 
-    async def _claim_directory(self, positions: dict[int, str]) -> dict[int, str]:
+    async def _claim_directory(
+        self, positions: dict[int, str], since_ms: int | None
+    ) -> tuple[dict[int, str], int | None]:
         """Check that the directory holds this run's source, recording it in a new (or older)
-        directory, and settle the export name; raises `ExportSourceError` otherwise.
+        directory (with ``since_ms``, the time a new one starts at), and settle the export
+        name; raises `ExportSourceError` otherwise.
 
         Returns where the export's consumer group stands per partition that has it (read
         only for a directory with positions, else empty), for the run's later checks: read
-        once a run, as each read is an XINFO GROUPS and an XPENDING per group.
+        once a run, as each read is an XINFO GROUPS and an XPENDING per group; and the time the
+        directory starts at (its recorded one, once it has positions).
         """
         recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
         # A source binds a directory once it has positions: before that there is nothing a
@@ -1161,6 +1342,8 @@ class Exporter:
             store=await self.store.namespace_id(),
             name=name,
             url=redact(self.settings.url) if self.settings is not None else None,
+            # (An older directory with positions and no record started at no time.)
+            since_ms=bound.since_ms if bound is not None else None if positions else since_ms,
         )
         if bound is not None:
             _check_source(self.directory, bound, asked)
@@ -1180,7 +1363,7 @@ class Exporter:
             await self._check_positions(positions, delivered)
         if bound is None or (asked.url is not None and bound.url != asked.url):
             await anyio.to_thread.run_sync(_write_source, self.directory, asked)
-        return delivered
+        return delivered, asked.since_ms
 
     async def _group_positions(self) -> dict[int, str]:
         """The last entry delivered to the export's consumer group, per partition that has it."""
@@ -1201,6 +1384,7 @@ class Exporter:
         group dropped meanwhile, or a new directory on a feed trimmed before it: reading on
         from what the feed still holds would leave a hole, silently.
         """
+        lacking: list[tuple[tuple[int, int], int, str]] = []  # trimmed to, partition, id
         for p in range(self.store.partitions):
             info = await self.store.feed_info(p)
             trimmed = parse_stream_id(info.trimmed_to)
@@ -1212,16 +1396,9 @@ class Exporter:
             if start is None:  # a partition this directory has not read yet: from the start
                 if since_ms is not None and trimmed[0] < since_ms:
                     continue  # every trimmed change is older than the run asks for
-                if trimmed <= (0, 0):
-                    continue
-                when = _fmt_ms(trimmed[0])
-                raise ExportSourceError(
-                    f"the change feed of partition {p} of namespace {self.store.namespace!r} "
-                    f"was trimmed up to {info.trimmed_to} ({when}): an export into "
-                    f"{self.directory} would start after it and lack every change before "
-                    f"(every event is still in its thread's log); pass a since time (--since) "
-                    f"after {when} to export what follows it"
-                )
+                if trimmed > (0, 0):
+                    lacking.append((trimmed, p, info.trimmed_to))
+                continue
             if trimmed > parse_stream_id(start):
                 raise ExportSourceError(
                     f"the change feed of partition {p} of namespace {self.store.namespace!r} "
@@ -1232,6 +1409,21 @@ class Exporter:
                     f"the export has read (threadlog trim-feed without --max-age), and start "
                     f"a new directory with --since"
                 )
+        if lacking:
+            # The time to pass is the one after the latest trim of them all: each partition's
+            # own, said first, was refused as it stood (a change of that millisecond may be
+            # gone) and left the partitions trimmed later refused still.
+            trimmed, p, trimmed_to = max(lacking)
+            when = _fmt_ms(trimmed[0])
+            others = len(lacking) - 1
+            also = f", and {_other_partitions(others)} up to before then" if others else ""
+            raise ExportSourceError(
+                f"the change feed of partition {p} of namespace {self.store.namespace!r} "
+                f"was trimmed up to {trimmed_to} ({when}){also}: an export into "
+                f"{self.directory} would start after it and lack every change before "
+                f"(every event is still in its thread's log); to export what follows, pass "
+                f"--since {_fmt_ms(trimmed[0] + 1)} or later"
+            )
 
     async def _check_positions(self, positions: dict[int, str], delivered: dict[int, str]) -> None:
         """Refuse positions the store contradicts: a position that is not on its partition's
@@ -1445,6 +1637,14 @@ class _Pipeline:
         self.guard = guard
         # (thread, life): lives whose deletion was found on the feed
         self._deletions: set[tuple[str, int]] = set()
+        # Payload bytes per event of the last piece decoded (None: none decoded yet).
+        self._event_bytes: int | None = None
+
+    def _read_budget(self) -> int:
+        """Events the next read may ask for: `PAGE`, fewer for large events (`READ_BYTES`)."""
+        if self._event_bytes is None:
+            return FIRST_READ
+        return max(1, min(PAGE, READ_BYTES // max(1, self._event_bytes)))
 
     async def run(self) -> None:
         read_send, read_receive = anyio.create_memory_object_stream[_Piece](1)
@@ -1474,10 +1674,13 @@ class _Pipeline:
                         chunk = _Chunk(p, run)
                         # A tombstone's chunk, or (damaged feed entries) one naming no seqs,
                         # still goes through as one empty piece: its position is reached.
-                        reads = [] if run[0].deleted else _reads(_pages(run))
-                        if not reads:
+                        todo = [] if run[0].deleted else _pages(run)[::-1]
+                        if not todo:
                             await send.send(_Piece(chunk, [], True))
-                        for i, pages in enumerate(reads, 1):
+                        while todo:
+                            # Sized by the events the decoder has seen so far: bounded in
+                            # bytes as well as in events.
+                            pages = _next_read(todo, self._read_budget())
                             # The decoder works on the previous piece meanwhile (the stream
                             # holds one), so the server answers this read during that work.
                             read: list[_ReadPage] = []
@@ -1485,7 +1688,7 @@ class _Pipeline:
                                 if not page and life is not None:
                                     await self._require_deletion(p, after, thread, life, lo)
                                 read.append((thread, lo, hi, page))
-                            await send.send(_Piece(chunk, read, i == len(reads)))
+                            await send.send(_Piece(chunk, read, not todo))
                     after = entries[-1].id
 
     async def _read_log(
@@ -1543,6 +1746,7 @@ class _Pipeline:
                 # collector's passes over them cost a quarter of the decode, for nothing.
                 paused = gc.isenabled()
                 gc.disable()
+                size, count = len(rows.payload), len(rows)
                 try:
                     for thread, lo, hi, entries in piece.pages:
                         _decode_page(rows, thread, lo, hi, entries, since_ms)
@@ -1550,17 +1754,25 @@ class _Pipeline:
                 finally:
                     if paused:
                         gc.enable()
+                if len(rows) > count:
+                    self._event_bytes = (len(rows.payload) - size) // (len(rows) - count)
                 if piece.last:
                     await send.send(_Decoded(chunk, rows))
+                    rows = _Rows()
+                elif len(rows.payload) >= ROWS_BYTES:
+                    # Large events: written before their chunk ends, its position not yet.
+                    await send.send(_Decoded(chunk, rows, final=False))
                     rows = _Rows()
 
     async def _write(self, receive: MemoryObjectReceiveStream[_Decoded]) -> None:
         state, progress = self.state, self.progress
         writer: _PartWriter | None = None
         chunks = 0
+        whole = True  # the rows written so far end a chunk
         try:
             async with receive:
                 async for item in receive:
+                    whole = item.final
                     if writer is None:
                         writer = _PartWriter(
                             self.directory,
@@ -1572,6 +1784,10 @@ class _Pipeline:
                     await anyio.to_thread.run_sync(writer.write, item.rows)
                     state.tombstones += item.rows.tombstones
                     state.events += len(item.rows) - item.rows.tombstones
+                    if not item.final:  # more rows of its chunk follow, and only then a commit
+                        if progress is not None:
+                            progress(state.events + state.tombstones)
+                        continue
                     state.positions[item.partition] = item.last_id
                     chunks += 1
                     if self.collect and chunks % GC_EVERY_CHUNKS == 0:
@@ -1581,7 +1797,10 @@ class _Pipeline:
                     if writer.rows >= self.rows_per_part:
                         state.files.append(str(await self._commit(writer, state.positions)))
                         writer = None
-            if writer is not None:
+            # The stream ends mid-chunk only when the decoder failed (the task group cancels
+            # this stage too, but need not before it gets here): rows of a chunk whose position
+            # the part cannot record are never committed, a rerun would export them again.
+            if writer is not None and whole:
                 state.files.append(str(await self._commit(writer, state.positions)))
                 writer = None
         finally:
@@ -1947,4 +2166,5 @@ def read_parquet_dir(directory: str | os.PathLike[str]) -> Iterable[dict[str, An
     import pyarrow.parquet as pq
 
     for path in sorted(Path(directory).glob("part-*.parquet")):
-        yield from pq.read_table(path).to_pylist()
+        with open(path, "rb") as f:  # a file, not a name pyarrow may not take
+            yield from pq.read_table(f).to_pylist()

@@ -1774,7 +1774,10 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
     with ctx.progress("exporting", unit="events") as bar:
         result = await exporter.run(since=args.since, progress=bar.update)
     if args.json:
-        ctx.json(result)
+        # JSON text cannot hold a name's bytes that are not UTF-8 (Linux allows them): they
+        # are written as \xNN escapes rather than failing after the export.
+        files = [os.fsencode(f).decode("utf-8", "backslashreplace") for f in result.files]
+        ctx.json(msgspec.structs.replace(result, files=files))
         return
     asked = args.workers
     if isinstance(asked, int) and result.workers < asked:
@@ -1793,6 +1796,12 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
     if not result.files:
         if args.since is not None:
             text = f"No event since {args.since.isoformat()} to export; {args.out} stays new."
+        elif not args.out.is_dir() or next(args.out.glob("part-*"), None) is None:
+            # No last run to speak of: the directory holds no part (or was never made).
+            text = (
+                f"Nothing to export: namespace {ctx.store.namespace!r} has no change to "
+                f"export; {args.out} was not written."
+            )
         else:
             text = f"Nothing new to export to {args.out} since the last run."
         ctx.out.print(Text(text))

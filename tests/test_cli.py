@@ -1172,6 +1172,47 @@ def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
     assert real.code == 0 and "Exported 1 event" in real.out, real
 
 
+def test_an_export_of_a_namespace_without_changes_says_so_for_a_new_directory(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+
+    async def nothing(store: es.EventStore) -> None:
+        pass
+
+    with_store(redis_url, namespace, nothing)  # the namespace is there, without a change
+    out = tmp_path / "out"
+    run = cli("export", "--out", str(out), url=redis_url, namespace=namespace)
+    # Not "nothing new since the last run": there was none, and the directory is not there.
+    assert run.code == 0 and "since the last run" not in run.out, run
+    assert "Nothing to export" in run.out and "was not written" in run.out, run
+    assert not out.exists()
+
+
+def test_export_into_a_directory_whose_name_is_not_utf8(redis_url: str, tmp_path: Path) -> None:
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
+    out = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")  # a name Linux allows
+
+    def export(*args: str) -> Run:
+        argv = ["export", "--out", *args, "--url", redis_url, "--namespace", namespace]
+        done = subprocess.run([*CLI, *argv], env=child_env(), capture_output=True, timeout=60)
+        # The name's bytes come back as they are: read them as the file system's.
+        return Run(argv, done.returncode, os.fsdecode(done.stdout), os.fsdecode(done.stderr))
+
+    for fmt in ("parquet", "ndjson"):
+        target = f"{out}-{fmt}"
+        run = export(target, "--format", fmt)
+        assert run.code == 0 and run.out.startswith("Exported "), run  # (exit 3: parquet)
+        with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
+        # --json says the name as well as JSON can (it was an internal error, exit 3).
+        run = export(target, "--format", fmt, "--json")
+        assert run.code == 0, run
+        (part,) = run.json()["files"]
+        assert part.endswith(f"caf\\xe9-{fmt}/part-00000002.{fmt}"), part
+        assert run.json()["events"] == 1
+
+
 def test_an_export_refused_for_a_trimmed_feed_leaves_no_group_and_no_source(
     redis_url: str, tmp_path: Path
 ) -> None:

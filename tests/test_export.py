@@ -33,6 +33,7 @@ from adapters import (
     read_parquet_dir,
 )
 from adapters._export import (
+    FIRST_READ,
     PAGE,
     SOURCE_FILE,
     _fence_earlier_workers,
@@ -955,3 +956,338 @@ async def test_a_run_reads_each_partitions_consumer_groups_once(
         assert store.group_reads == dict.fromkeys(range(store.partitions), 1)
     finally:
         await store.close()  # its client is the fixture's: closed there
+
+
+# -- the derived columns keep their types ------------------------------------------------------
+
+
+class _Scored(es.Event, tag="test_export.scored", frozen=True):
+    """An application's event whose field names are those the export derives columns from,
+    with values of other types (a score, a tier number, usage counted in fractions)."""
+
+    outcome: Any = None
+    model_tier: Any = None
+    usage: Any = None
+    turn_id: Any = None
+    parent_turn_id: Any = None
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_derived_columns_keep_their_types_whatever_an_event_holds(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    if "test_export.scored" not in es.registry:
+        es.registry.register(_Scored)
+    odd = [
+        _Scored(
+            outcome={"ok": True}, model_tier=3, turn_id=7, parent_turn_id=["x"],
+            usage={"input_tokens": 1.5, "output_tokens": "12"},
+        ),
+        _Scored(outcome=True, usage={"input_tokens": True, "output_tokens": 2**64 - 1}),
+        _Scored(usage=[1, 2]),
+        _Scored(outcome="won", model_tier="large", usage={"input_tokens": 4, "output_tokens": 5}),
+    ]  # fmt: skip
+    turn = "01J00000000000000000000000"  # the events' metadata names it
+    await redis_store.append("t", [es.NewEvent(payload=e, turn_id=turn) for e in odd])
+    result = await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    assert result.events == 4
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    # A value of another type stays in the payload only: a column never holds a number
+    # where its schema says text (Parquet refused the whole run: the directory was stuck),
+    # nor (NDJSON) text, a map or a fraction where it says a whole number.
+    derived = [
+        (r["outcome"], r["model_tier"], r["turn"], r["parent_turn"], r["input_tokens"],
+         r["output_tokens"])
+        for r in rows
+    ]  # fmt: skip
+    assert derived == [
+        (None, None, turn, None, None, None),
+        (None, None, turn, None, None, None),
+        (None, None, turn, None, None, None),
+        ("won", "large", turn, None, 4, 5),
+    ]
+    assert json.loads(rows[0]["payload"])["usage"] == {"input_tokens": 1.5, "output_tokens": "12"}
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_turn_records_token_counts_of_zero_are_exported_as_zero(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    def settled(turn: str, usage: es.Usage) -> es.TurnSettled:
+        return es.TurnSettled(turn_id=turn, outcome="completed", usage=usage)
+
+    # The log stores a count left at its default (0) as no field at all.
+    await redis_store.append(
+        "t",
+        [
+            settled("01J00000000000000000000001", es.Usage(input_tokens=10, output_tokens=0)),
+            settled("01J00000000000000000000002", es.Usage()),  # refused before the model
+            settled("01J00000000000000000000003", es.Usage(input_tokens=0, output_tokens=3)),
+            es.MessageAppended(message=es.Message(role="user", content="no turn record")),
+        ],
+    )
+    await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    # A turn record says how many tokens the turn used, none included: 0, not unknown (null
+    # fell out of avg() and count(), and "= 0" found none of the refused turns).
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [
+        (10, 0), (0, 0), (0, 3), (None, None),
+    ]  # fmt: skip
+
+
+async def test_since_holds_for_the_runs_that_finish_an_interrupted_one(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    from eventstore._keys import partition_of
+
+    def in_partition(p: int) -> str:
+        names = (f"t{i}" for i in range(10_000))
+        return next(t for t in names if partition_of(t, redis_store.partitions) == p)
+
+    early, late = in_partition(0), in_partition(3)
+    await redis_store.append(late, [msg("before")])
+    await anyio.sleep(0.01)
+    since = datetime.now(UTC)
+    await anyio.sleep(0.01)
+    await redis_store.append(early, [msg("after")])
+
+    class Crash(Exception):
+        pass
+
+    calls = []
+
+    def crash_on_the_second_chunk(rows: int) -> None:
+        calls.append(rows)
+        if len(calls) == 2:
+            raise Crash
+
+    # Partition 0's chunk commits a part; the run stops at partition 3's, before its position.
+    exporter = Exporter(redis_store, tmp_path, fmt="ndjson", rows_per_part=1)
+    with pytest.raises(Crash):
+        await exporter.run(since=since, progress=crash_on_the_second_chunk)
+    assert [r["thread"] for r in ndjson_rows(tmp_path)] == [early]
+    # The rerun (since is refused now: the directory has positions) finishes partition 3
+    # from its start, and the events there from before the time stay out of the directory.
+    await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    contents = [json.loads(r["payload"])["message"]["content"] for r in ndjson_rows(tmp_path)]
+    assert contents == ["after"]
+    await redis_store.append(late, [msg("later")])
+    await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    contents = [json.loads(r["payload"])["message"]["content"] for r in ndjson_rows(tmp_path)]
+    assert contents == ["after", "later"]
+
+
+async def test_a_run_that_commits_nothing_leaves_no_directory_it_made(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(redis_store, "t", 1)
+    future = datetime(2099, 1, 1, tzinfo=UTC)
+    # Nothing since the time: the directories it made (with its lock files) are gone again.
+    out = tmp_path / "made" / "out"
+    assert (await Exporter(redis_store, out).run(since=future)).files == []
+    assert list(tmp_path.iterdir()) == []
+    # A refused run (a feed trimmed before a new directory) leaves nothing either.
+    for p in range(redis_store.partitions):
+        await redis_store.trim_feed(p, max_age_ms=0)
+    with pytest.raises(ExportSourceError, match="trimmed"):
+        await Exporter(redis_store, out).run()
+    assert list(tmp_path.iterdir()) == []
+    # A directory that was there stays, as it was.
+    (tmp_path / "mine").mkdir()
+    assert (await Exporter(redis_store, tmp_path / "mine").run(since=future)).files == []
+    assert (tmp_path / "mine").is_dir()
+    # A run that commits a part keeps it, of course.
+    await anyio.sleep(0.01)
+    now = datetime.now(UTC)
+    await conversation(redis_store, "t", 1)
+    assert (await Exporter(redis_store, out).run(since=now)).files
+    assert sorted(p.name for p in out.glob("part-*")) == [
+        "part-00000001.parquet", "part-00000001.positions.json",
+    ]  # fmt: skip
+
+
+MEASURED_EXPORT = textwrap.dedent(
+    """
+    import resource, sys, anyio, eventstore as es
+    from adapters import Exporter
+
+    async def main():
+        store = await es.connect(sys.argv[1], namespace=sys.argv[2])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        exporter = Exporter(store, sys.argv[3], fmt=sys.argv[4])
+        exporter._prepare_directory()  # pyarrow and the writer's imports, before measuring
+        import pyarrow.parquet
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = await exporter.run()
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(result.events, grown // 1024)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_large_events_are_exported_in_bounded_memory(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path, fmt: str
+) -> None:
+    # 600 messages of 256 kB: 150 MB, one chunk by its event count (CHUNK_EVENTS). Read,
+    # decoded and written whole, it grew the process by as much again (and a chunk of 8,192
+    # events of 1 MiB would hold up to 8 GiB).
+    text = "é" * (128 * 1024)
+    for i in range(600):
+        await redis_store.append(f"t{i % 8}", [msg(f"{i} {text}")])
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURED_EXPORT)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(script), redis_url, redis_store.namespace, str(out), fmt],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    events, grown_mb = map(int, done.stdout.split())
+    assert events == 600
+    assert grown_mb < 80, f"the export grew by {grown_mb} MB"
+    rows = ndjson_rows(out) if fmt == "ndjson" else list(read_parquet_dir(out))
+    assert sorted(int(json.loads(r["payload"])["message"]["content"].split()[0]) for r in rows) == (
+        list(range(600))
+    )
+    assert all(json.loads(r["payload"])["message"]["content"].endswith(text) for r in rows)
+    for t in range(8):  # 150 MB less in the test server
+        await redis_store.delete_thread(f"t{t}")
+
+
+def test_a_bad_export_name_is_refused_as_an_export_name(tmp_path: Path) -> None:
+    store = es.MemoryEventStore()
+    # 60 characters: a good view name, but its group, export-<name>, is too long.
+    for bad, shown in (("a" * 60, "a" * 60), ("bad name", "bad name"), ("x" * 300, "x" * 61)):
+        with pytest.raises(es.InvalidInputError) as caught:
+            Exporter(store, tmp_path, name=bad)
+        assert str(caught.value).startswith(f"export name '{shown}")
+        assert "1-57 characters" in str(caught.value)
+    Exporter(store, tmp_path, name="a" * 57)
+
+
+async def test_a_missing_or_damaged_positions_file_is_refused_naming_it(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(redis_store, "t", 1)
+    await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    sidecar = tmp_path / "part-00000001.positions.json"
+    good = sidecar.read_bytes()
+    await conversation(redis_store, "t", 1)
+    # Each was an internal error (JSONDecodeError, AttributeError: exit 3 in the command).
+    for damaged, why in (
+        (b'{"0": ', "Expecting value"), (b'["x"]', "not a JSON object"),
+        (b'{"0": 5}', "not a stream id"), (b'{"a": "1-0"}', "invalid literal"),
+    ):  # fmt: skip
+        sidecar.write_bytes(damaged)
+        with pytest.raises(ExportSourceError, match=f"{sidecar} is damaged \\({why}"):
+            await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    sidecar.unlink()
+    with pytest.raises(ExportSourceError, match="has part-00000001 without its positions"):
+        await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    assert sorted(p.name for p in tmp_path.glob("part-*")) == ["part-00000001.ndjson"]
+    sidecar.write_bytes(good)  # restored: the run goes on from there
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
+
+
+async def test_a_directory_whose_parts_were_removed_is_not_exported_again(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    import gzip
+
+    await conversation(redis_store, "t", 2)
+    first = await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+    assert first.events == 6
+    # The user compresses the parts to keep them (or moves them to a warehouse): the directory
+    # no longer holds a part, but its source record and its group say what it exported.
+    for part in tmp_path.glob("part-*.ndjson"):
+        part.with_suffix(".ndjson.gz").write_bytes(gzip.compress(part.read_bytes()))
+        part.unlink()
+    await conversation(redis_store, "t", 1)
+    for _ in range(2):  # refused, and refused again: the record stays
+        with pytest.raises(ExportSourceError, match="holds no part"):
+            await Exporter(redis_store, tmp_path, fmt="ndjson").run()
+        assert (tmp_path / SOURCE_FILE).exists()
+    assert list(tmp_path.glob("part-*.ndjson")) == []  # (every event again, before)
+    # Put back, they continue where they ended: the refused runs kept their positions files
+    # (which were removed as a crash's leftovers).
+    for packed in tmp_path.glob("part-*.ndjson.gz"):
+        packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
+        packed.unlink()
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
+    # Told to start over (the record removed, as with the whole directory), it does.
+    for part in tmp_path.glob("part-*.ndjson"):
+        part.unlink()
+    (tmp_path / SOURCE_FILE).unlink()
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 9
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_damage_after_a_chunks_first_rows_were_written_commits_none_of_them(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    """Large events go to the writer before their chunk ends (`ROWS_BYTES`); damage later in
+    the chunk must not leave them in a committed part, whose position (the chunk before)
+    would have a rerun export them again."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    text = "x" * (256 * 1024)
+    await store.append("small", [msg("first")])  # a chunk of its own before the large ones
+    # The first read takes FIRST_READ events (16 MB, written at once), the next ones fewer.
+    damaged = FIRST_READ + 11
+    for lo in range(1, damaged, 10):
+        await store.append("long", [msg(f"{i} {text}") for i in range(lo, min(lo + 10, damaged))])
+    client, keys = store.client, store.keys
+    ((_, good),) = await store.read_raw("long", start=1, stop=1)
+    await client.xadd(keys.log("long"), {**good, b"d": b"\xc1not msgpack"}, id=f"{damaged}-0")
+    await client.hset(keys.meta("long"), "v", damaged)
+    life = await client.hget(keys.meta("long"), "n")
+    feed = {"t": "long", "f": damaged, "l": damaged, "n": life}
+    await client.xadd(keys.feed(keys.partition("long")), feed)
+    with pytest.raises(es.CorruptEventError):
+        await Exporter(store, tmp_path, fmt=fmt, batch=1000).run()  # type: ignore[arg-type]
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    assert {r["thread"] for r in rows} <= {"small"}, "rows of an unfinished chunk committed"
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_directory_whose_name_is_not_utf8_is_exported_into(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    # Linux names are bytes: pyarrow took the part's path for text (a URI) and failed with
+    # UnicodeEncodeError, an internal error of the command.
+    out = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    await conversation(redis_store, "t", 1)
+    assert (await Exporter(redis_store, out, fmt=fmt).run()).events == 3  # type: ignore[arg-type]
+    await conversation(redis_store, "t", 1)
+    assert (await Exporter(redis_store, out, fmt=fmt).run()).events == 3  # type: ignore[arg-type]
+    rows = ndjson_rows(out) if fmt == "ndjson" else list(read_parquet_dir(out))
+    assert len(rows) == 6
+
+
+async def test_the_since_a_trimmed_feed_asks_for_is_one_that_is_accepted(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    import re
+
+    from eventstore._keys import partition_of
+
+    def in_partition(p: int) -> str:
+        names = (f"t{i}" for i in range(10_000))
+        return next(t for t in names if partition_of(t, redis_store.partitions) == p)
+
+    # Partitions trimmed up to different times: the first to be checked has the earliest.
+    await redis_store.append(in_partition(0), [msg("early")])
+    await anyio.sleep(0.02)
+    await redis_store.append(in_partition(3), [msg("later")])
+    await anyio.sleep(0.01)
+    for p in range(redis_store.partitions):
+        await redis_store.trim_feed(p, max_age_ms=0)
+    with pytest.raises(ExportSourceError, match="--since") as refused:
+        await Exporter(redis_store, tmp_path).run()
+    # The time the message names as the one to pass (it named partition 0's trim time, which
+    # was refused as it stood, and partition 3's after it).
+    asked = re.findall(r"\d{4}-\d\d-\d\dT[\d:.]+\+00:00", str(refused.value))[-1]
+    result = await Exporter(redis_store, tmp_path).run(since=datetime.fromisoformat(asked))
+    assert result.files == []
