@@ -1128,6 +1128,7 @@ class Exporter:
         self.rows_per_part = rows_per_part
         self.workers = count
         """The most processes a run uses (``"auto"``: for a large enough backlog)."""
+        self._ends: dict[int, str] = {}  # per partition, the feed id a run ends at
         self.settings = settings
         self.worker_timeout = float(worker_timeout)
         self.pause_gc = pause_gc
@@ -1138,7 +1139,9 @@ class Exporter:
         since: datetime | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> ExportResult:
-        """Export every change after the committed positions; returns what was written.
+        """Export every change after the committed positions, up to the newest change on the
+        feeds when the run starts (changes appended meanwhile are the next run's); returns
+        what was written.
 
         ``since`` starts a new directory at that time: events recorded before it are never
         exported into it (later runs continue from where this one ended). It is refused on a
@@ -1284,6 +1287,12 @@ class Exporter:
                     groups = await self.store.feed_groups(p)
                     undo.moved.update((p, g.last_delivered) for g in groups if g.name == self.group)
                 await self.store.advance_feed_group(p, self.group, start)
+        # Where the run ends: each feed's newest entry now. A run that read on until a feed was
+        # empty would never end while writers keep pace with it; what they append meanwhile
+        # is the next run's.
+        self._ends = {
+            p: (await self.store.feed_info(p)).last_id for p in range(self.store.partitions)
+        }
         workers = self.workers
         busy: int | None = None
         if workers > 1:
@@ -1522,6 +1531,7 @@ class Exporter:
             self.batch,
             self.rows_per_part,
             start=start,
+            end=self._ends,
             since_ms=since_ms,
             state=state,
             claim=claim,
@@ -1568,6 +1578,7 @@ class Exporter:
                     rows_per_part=self.rows_per_part,
                     since_ms=since_ms,
                     start=positions,
+                    end=self._ends,
                     parent_pid=os.getpid(),
                     timeout=self.worker_timeout,
                     compression=self.compression,
@@ -1611,6 +1622,7 @@ class _Pipeline:
         rows_per_part: int,
         *,
         start: dict[int, str],
+        end: dict[int, str],
         since_ms: int | None,
         state: _RunState,
         claim: Callable[[], Awaitable[int | None]],
@@ -1630,6 +1642,8 @@ class _Pipeline:
         self.batch = batch
         self.rows_per_part = rows_per_part
         self.start = start
+        self.end = {p: parse_stream_id(last) for p, last in end.items()}
+        """Per partition, the feed id the run ends at (none given: the feed's end)."""
         self.since_ms = since_ms
         self.state = state
         self.claim = claim
@@ -1664,8 +1678,13 @@ class _Pipeline:
         async with send:
             while (p := await self.claim()) is not None:
                 after = self.start.get(p, "0-0")
+                end = self.end.get(p)
                 while True:
                     entries = await self.store.read_feed(p, after=after, count=self.batch)
+                    reached = False
+                    if end is not None and entries and parse_stream_id(entries[-1].id) > end:
+                        entries = [e for e in entries if parse_stream_id(e.id) <= end]
+                        reached = True
                     if not entries:
                         break
                     for run in _chunks(entries, self.chunk_events):
@@ -1690,6 +1709,8 @@ class _Pipeline:
                                 read.append((thread, lo, hi, page))
                             await send.send(_Piece(chunk, read, not todo))
                     after = entries[-1].id
+                    if reached:
+                        break
 
     async def _read_log(
         self, pages: list[_Page]
@@ -1939,6 +1960,7 @@ class _WorkerJob:
     parent_pid: int
     timeout: float
     compression: Compression = DEFAULT_COMPRESSION
+    end: dict[int, str] | None = None
 
 
 class _Stopped(Exception):
@@ -2125,6 +2147,7 @@ async def _worker_run(job: _WorkerJob, conn: Connection, stopping: list[int]) ->
             job.batch,
             job.rows_per_part,
             start=job.start,
+            end=job.end or {},
             since_ms=job.since_ms,
             state=state,
             claim=claim,

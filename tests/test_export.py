@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -411,6 +412,60 @@ async def test_parallel_export_writes_exactly_the_rows_of_one_process(
     for p in range(store.partitions):
         groups = {g.name: g.last_delivered for g in await store.feed_groups(p)}
         assert groups["export-many"] == groups["export-one"]
+
+
+async def test_a_run_ends_at_the_changes_there_when_it_started(
+    redis_store: es.EventStore, redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Writers that keep pace with an export do not keep it running: what they append during
+    a run is the next run's, exported once."""
+    store = redis_store
+    for t in ("a", "b", "c", "d"):
+        await conversation(store, t, 5)
+    stop = threading.Event()
+    appended: list[int] = []
+
+    def writer() -> None:
+        # Another process's worth of appends, from a thread with a store of its own, for at
+        # most WRITER_S: the export would run until then if it read on until the feeds ran dry.
+        async def main() -> None:
+            async with await es.connect(redis_url, namespace=namespace) as other:
+                threads = ThreadStore(other)
+                deadline = time.monotonic() + WRITER_S
+                while not stop.is_set() and time.monotonic() < deadline:
+                    n = len(appended)
+                    await threads.append_message(f"w{n % 8}", {"role": "user", "content": f"m{n}"})
+                    appended.append(1)
+
+        anyio.run(main)
+
+    def slow_progress(rows: int) -> None:
+        time.sleep(0.01)  # the export falls behind the writer (which runs meanwhile)
+
+    thread = threading.Thread(target=writer)
+    exporter = Exporter(store, tmp_path / "out", fmt="ndjson", batch=4)
+    thread.start()
+    try:
+        with anyio.fail_after(10):
+            while not appended:
+                assert thread.is_alive(), "the writer failed"
+                await anyio.sleep(0.01)
+        with anyio.move_on_after(WRITER_S / 2) as waited:
+            first = await exporter.run(progress=slow_progress)
+        writer_still_running = thread.is_alive() and not stop.is_set()
+    finally:
+        stop.set()
+        thread.join()
+    assert not waited.cancelled_caught, "the run went on while the writer kept appending"
+    assert writer_still_running, "the writer stopped first: the test proves nothing"
+    assert first.events < len(await log_rows(store))  # it left the writer's later appends
+    second = await exporter.run()
+    rows = keyset(ndjson_rows(tmp_path / "out"))
+    assert second.events > 0 and first.events + second.events == len(rows)
+    assert len(set(rows)) == len(rows) and set(rows) == await log_rows(store)
+
+
+WRITER_S = 20.0
 
 
 async def test_a_killed_worker_is_reported_and_the_rerun_is_exact(
