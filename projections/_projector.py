@@ -251,8 +251,22 @@ class Projector:
     async def fold(self, thread_id: str, *, as_of: AsOf | None = None) -> Folded:
         """Fold the log (up to ``as_of``) through every projection."""
         validate_thread_id(thread_id)
-        stop = None if as_of is None else await self.seq_of(thread_id, as_of)
-        return await self._fold_to(thread_id, stop)
+        if as_of is None:
+            return await self._fold_to(thread_id, None)
+        for _ in range(REBUILD_ATTEMPTS):
+            # The point is found (a time search, the version) in one round trip and the log
+            # is folded in others: a thread deleted and written again in between would be
+            # folded up to a seq of its old life. The same life before and after (lives never
+            # repeat) says both were read in one.
+            life = await self.store.incarnation(thread_id)
+            stop = await self.seq_of(thread_id, as_of)
+            try:
+                folded = await self._fold_to(thread_id, stop)
+            except ThreadReplacedError:
+                continue
+            if await self.store.incarnation(thread_id) == life:
+                return folded
+        raise ThreadReplacedError(thread_id)
 
     async def _fold_to(self, thread_id: str, stop: int | None) -> Folded:
         fold = self.start_fold(thread_id)

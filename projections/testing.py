@@ -576,6 +576,45 @@ class ProjectionConformance:
         with pytest.raises(InvalidInputError):
             await projector.last("t", as_of=-1)
 
+    async def test_time_travel_never_mixes_two_lives_of_a_thread(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        # The point is found in one round trip (a time search, a version) and the log folded
+        # in the next ones: a thread deleted and written again in between must not be folded
+        # up to a seq of its old life, as if the new life's events were the past asked about.
+        for n in range(3):
+            await projector.append("t", [MessageAppended(message=message(f"old{n}"))])
+            await anyio.sleep(0.003)
+        (third,) = [e async for e in store.read("t", start=3)]
+        await anyio.sleep(0.003)
+
+        def recreate_after(name: str, new: int) -> None:
+            real = getattr(store, name)
+
+            async def answer_then_recreate(*args: Any) -> Any:
+                setattr(store, name, real)  # once
+                answer = await real(*args)
+                await projector.delete_thread("t")
+                news = [MessageAppended(message=message(f"new{n}")) for n in range(new)]
+                await projector.append("t", news)
+                return answer
+
+            setattr(store, name, answer_then_recreate)
+
+        # By time: at that moment, the thread's current life had recorded nothing yet.
+        recreate_after("seq_at", 4)
+        assert await projector.last("t", 50, as_of=third.time) == []
+        assert await projector.seq_of("t", third.time) == 0
+        # By seq: the life it is in now ends before seq 3 (its old life reached it).
+        await projector.delete_thread("t")
+        for n in range(3):
+            await projector.append("t", [MessageAppended(message=message(f"old{n}"))])
+        recreate_after("version", 2)
+        with pytest.raises(SeqBeyondVersionError) as info:
+            await projector.transcript("t", as_of=3)
+        assert (info.value.seq, info.value.version) == (3, 2)
+        assert _texts(await projector.last("t", 50, as_of=2)) == ["new0", "new1"]
+
     # -- rebuild and check ----------------------------------------------------------------------
 
     async def test_check_finds_deleted_views_and_rebuild_restores_them(
