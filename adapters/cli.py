@@ -1073,8 +1073,11 @@ class _Shown:
     transcript: list[TranscriptMessage]
 
 
-async def _read_thread(projector: Projector, thread: str, window: int, as_of: int | None) -> _Shown:
-    """The read models of a thread: current ones in one atomic read, past ones by a fold."""
+async def _read_thread(
+    projector: Projector, thread: str, window: int, as_of: AsOf | None
+) -> _Shown:
+    """The read models of a thread: current ones in one atomic read, past ones by a fold (which
+    finds the seq ``as_of`` stands for in the life of the thread it folds)."""
     sp, rp, tp = (
         projector.state_projection,
         projector.records_projection,
@@ -1118,17 +1121,24 @@ async def _as_of_seq(projector: Projector, thread: str, as_of: AsOf) -> int:
     try:
         return await projector.seq_of(thread, as_of)
     except SeqBeyondVersionError as exc:
-        raise UsageError(
-            f"--as-of {exc.seq}: thread {thread!r} ends at seq {exc.version}"
-        ) from None
+        raise _beyond(thread, exc) from None
+
+
+def _beyond(thread: str, exc: SeqBeyondVersionError) -> UsageError:
+    return UsageError(f"--as-of {exc.seq}: thread {thread!r} ends at seq {exc.version}")
 
 
 async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
     version = await _require_thread(ctx, thread)
     projector = ctx.projector
-    as_of = None if args.as_of is None else await _as_of_seq(projector, thread, args.as_of)
-    shown = await _read_thread(projector, thread, args.window, as_of)
+    try:
+        # The point is found by the fold itself: a seq found beforehand could be one of a
+        # life of the thread that was replaced before the fold read it.
+        shown = await _read_thread(projector, thread, args.window, args.as_of)
+    except SeqBeyondVersionError as exc:
+        raise _beyond(thread, exc) from None
+    as_of = None if args.as_of is None else shown.version
     whole_tree = RecordsProjection.tree(shown.turns)
     limit: int | None = args.turns or None
     tree = whole_tree[-limit:] if limit else whole_tree

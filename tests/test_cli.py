@@ -628,6 +628,53 @@ def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
     assert f"ends at seq {demo.version}" in assert_one_line_error(beyond)
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_show_as_of_a_time_folds_one_life_of_the_thread(
+    backend: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show --as-of TIME`` finds the seq, then folds: a thread deleted and written again in
+    between is shown as its current life stood then (nothing yet), never its new events up to
+    a seq of the old life."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from adapters import cli as cli_module
+
+    async def main() -> dict[str, Any]:
+        if backend == "memory":
+            store: es.EventStore = es.MemoryEventStore(namespace=fresh_namespace())
+        else:
+            url: str = request.getfixturevalue("redis_url")
+            store = await es.connect(url, namespace=fresh_namespace(), create_namespace=True)
+        async with store:
+            for n in range(3):
+                await store.append("t", [msg(f"old{n}")])
+                await anyio.sleep(0.003)
+            (last,) = [e async for e in store.read("t", start=3)]
+            await anyio.sleep(0.003)
+            real = store.seq_at
+
+            async def answer_then_recreate(thread_id: str, time_ms: int) -> int:
+                store.seq_at = real  # type: ignore[method-assign]
+                answer = await real(thread_id, time_ms)
+                await store.delete_thread("t")
+                await store.append("t", [msg(f"new{n}") for n in range(4)])
+                return answer
+
+            store.seq_at = answer_then_recreate  # type: ignore[method-assign]
+            iso = last.time.isoformat()
+            args = cli_module.build_parser().parse_args(["show", "t", "--as-of", iso, "--json"])
+            console = Console(file=StringIO())
+            where = cli_module.Where(url="memory://")
+            ctx = cli_module.Ctx(console, console, where, store, True, False)
+            await args.func(ctx, args)
+        return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+    shown = anyio.run(main)
+    assert shown["messages"] == [] and shown["version"] == 0 and shown["as_of"] == 0
+
+
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
     run = cli("replay", demo.thread, url=demo.url, namespace=demo.namespace)
     assert run.code == 0, run
