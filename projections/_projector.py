@@ -360,8 +360,19 @@ class Projector:
         _, (result,) = await self._read(thread_id, [rp.full_reads()[0]])
         return sorted(RecordsProjection.parse(thread_id, result), key=lambda r: r.turn_id)
 
-    async def record(self, thread_id: str, turn_id: str) -> TurnRecord | None:
-        """One turn's record, or None if the turn is unknown."""
+    async def record(
+        self, thread_id: str, turn_id: str, *, as_of: AsOf | None = None
+    ) -> TurnRecord | None:
+        """One turn's record, or None if the turn is unknown (or was, at ``as_of``)."""
+        if as_of is not None:
+            if not isinstance(turn_id, str):
+                raise InvalidInputError(f"turn_id must be a str, not {turn_id!r}")
+            rp = self.records_projection
+            folded = await self.fold(thread_id, as_of=as_of)
+            entry = folded.states[rp.name].entries().get(turn_id)
+            if entry is None:
+                return None
+            return rp.all_records(thread_id, RecordsState(turns={turn_id: entry}))[0]
         _, (result,) = await self._read(thread_id, [HashGet("turns", (turn_id,))])
         found = RecordsProjection.parse(thread_id, result)
         return found[0] if found else None
@@ -388,11 +399,29 @@ class Projector:
         n: int = DEFAULT_WINDOW,
         view: str | None = None,
         records: int = 0,
+        as_of: AsOf | None = None,
     ) -> Context:
-        """Messages window, a reader view and the latest records, in one round trip."""
+        """Messages window, a reader view and the latest records, in one round trip (with
+        ``as_of``: as they were at that past point, folded from the log)."""
         validate_count(n, "n")
         validate_count(records, "records")
         sp = self.state_projection
+        if as_of is not None:
+            if view is not None:
+                sp.reader_view(view)
+            folded = await self.fold(thread_id, as_of=as_of)
+            rp = self.records_projection
+            return Context(
+                thread_id=thread_id,
+                version=folded.version,
+                messages=MessagesProjection.window(folded.states[self.messages.name], n),
+                state=sp.select(folded.states[sp.name], view),
+                records=(
+                    rp.settled_records(thread_id, folded.states[rp.name], records)
+                    if records
+                    else []
+                ),
+            )
         reads: list[ViewRead] = [sp.read_for(view)]
         if n:
             reads.append(MessagesProjection.window_read(n))

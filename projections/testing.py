@@ -54,7 +54,14 @@ from eventstore import (
 
 from ._base import UnknownBlockError, UnknownReaderViewError
 from ._messages import StoredMessage
-from ._projector import AsOf, Projector, RebuildBusyError, RebuildError, SeqBeyondVersionError
+from ._projector import (
+    AsOf,
+    Context,
+    Projector,
+    RebuildBusyError,
+    RebuildError,
+    SeqBeyondVersionError,
+)
 from ._records import Anomaly, TurnNode, TurnRecord
 from ._state import Block, ReaderView, StateProjection
 from ._transcript import TranscriptMessage
@@ -575,6 +582,36 @@ class ProjectionConformance:
         assert await snapshot(projector, "t", as_of=later) == last_live
         with pytest.raises(InvalidInputError):
             await projector.last("t", as_of=-1)
+
+    async def test_context_and_record_as_of_a_past_point_are_what_was_read_then(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        # What an agent assembled its prompt from (`context`) and one turn's record, as they
+        # were at each past point: the reads an audit of a decision needs most.
+        points = await self._conversation(store, projector, "t")
+        for seq, when, live in points:
+            for at in (seq, when):
+                past = await projector.context("t", view=PLANNER.name, records=2, as_of=at)
+                assert past == Context(
+                    thread_id="t",
+                    version=seq,
+                    messages=live.window,
+                    state=live.planner,
+                    records=live.latest_records,
+                ), f"as_of={at}"
+                for turn in live.turns:
+                    assert await projector.record("t", turn.turn_id, as_of=at) == turn
+            bare = await projector.context("t", n=0, as_of=seq)
+            assert (bare.messages, bare.records, bare.state) == ([], [], live.state)
+        assert await projector.context("t", as_of=points[-1][0]) == await projector.context("t")
+        assert await projector.record("t", points[-1][2].turns[0].turn_id, as_of=0) is None
+        assert (await projector.context("t", as_of=0)).version == 0
+        with pytest.raises(SeqBeyondVersionError):
+            await projector.context("t", as_of=points[-1][0] + 1)
+        with pytest.raises(UnknownReaderViewError):
+            await projector.context("t", view="nobody", as_of=1)
+        with pytest.raises(InvalidInputError):
+            await projector.context("t", n=-1, as_of=1)
 
     async def test_time_travel_never_mixes_two_lives_of_a_thread(
         self, store: EventStore, projector: Projector
