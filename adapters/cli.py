@@ -659,6 +659,26 @@ def compact_json(value: Any, limit: int | None = None) -> str:
     return text
 
 
+def _escapes(keep: str) -> dict[int, str]:
+    """``str.translate`` table: every control character (C0, DEL, C1) but ``keep``, and the
+    bidi controls, to a visible escape (``\\x1b``, ``\\u202e``)."""
+    codes = [*range(0x20), *range(0x7F, 0xA0), 0x061C, 0x200E, 0x200F]
+    codes += [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+    return {c: ascii(chr(c))[1:-1] for c in codes if chr(c) not in keep}
+
+
+_ONE_LINE = _escapes("")
+_LINES = _escapes("\n\t")
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` as the terminal is to show it: what a thread holds was written by agents and
+    their users, and an escape sequence in it (clear the screen, move the cursor, rewrite a
+    line) or a bidi override would change what an auditor sees. Those come out escaped;
+    ``lines`` keeps newlines and tabs (a message shown in full)."""
+    return text.translate(_LINES if lines else _ONE_LINE)
+
+
 def short(text: str, limit: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -711,7 +731,7 @@ def outcome_style(status: str) -> str:
 def record_label(record: TurnRecord) -> Text:
     """One line describing a turn record, for the turn tree."""
     status = record.outcome or "open"
-    label = Text(record.turn_id + "  ")
+    label = Text(printable(record.turn_id) + "  ")
     label.append(status if record.outcome else "open (not settled)", style=outcome_style(status))
     details = []
     if record.outcome is not None:
@@ -724,9 +744,10 @@ def record_label(record: TurnRecord) -> Text:
     for fb in record.fallbacks:
         details.append(f"fallback {fb.from_tier}->{fb.to_tier}")
     if details:
-        label.append("  " + ", ".join(details), style="dim")
+        label.append(printable("  " + ", ".join(details)), style="dim")
     if record.error is not None:
-        label.append(f"\n{record.error.kind}: {record.error.message}", style="red")
+        error = f"{record.error.kind}: {record.error.message}"
+        label.append("\n" + printable(error, lines=True), style="red")
     return label
 
 
@@ -821,7 +842,7 @@ def messages_table(title: str, messages: Sequence[StoredMessage | TranscriptMess
         if isinstance(m, StoredMessage):
             row.append(short_id(m.turn_id))
         row.append(message_text(m.message))
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(Text(printable(cell, lines=True)) for cell in row))
     return table
 
 
@@ -833,7 +854,10 @@ def state_table(title: str, blocks: dict[str, Block]) -> Table:
     table.add_column("value", overflow="fold")
     for name, block in blocks.items():
         table.add_row(
-            Text(name), str(block.version), str(block.seq), Text(compact_json(block.value))
+            Text(printable(name)),
+            str(block.version),
+            str(block.seq),
+            Text(printable(compact_json(block.value))),
         )
     return table
 
@@ -875,14 +899,14 @@ def records_table(title: str, records: Sequence[TurnRecord]) -> Table:
         # markup ("[/]" in a turn id raises, "[red]" in a model tier is swallowed).
         table.add_row(
             str(r.seq),
-            Text(short_id(r.turn_id)),
-            Text(short_id(r.parent_turn_id)),
+            Text(printable(short_id(r.turn_id))),
+            Text(printable(short_id(r.parent_turn_id))),
             Text(status, style=outcome_style(status)),
             str(r.steps),
-            Text(r.model_tier or "-"),
+            Text(printable(r.model_tier or "-")),
             f"{r.usage.input_tokens:,}/{r.usage.output_tokens:,}",
             fmt_duration(r.timing.duration_ms) if r.timing.settled_ms else "-",
-            Text("; ".join(notes)),
+            Text(printable("; ".join(notes), lines=True)),
         )
     return table
 
@@ -1162,7 +1186,7 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
         return
     out = ctx.out
     head = Text("Thread ", style="bold")
-    head.append(thread)
+    head.append(printable(thread))
     head.append(f"  namespace {ctx.store.namespace}, version {version}")
     out.print(head)
     if as_of is not None:
@@ -1239,7 +1263,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
             continue
         line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
         line.append(f"{event.type:<{type_width}} ", style="cyan")
-        line.append(event_summary(event))
+        line.append(printable(event_summary(event)))
         models = (
             f"  [messages {len(step.messages)}, blocks {len(step.state)}, "
             f"turns {len(step.records)}, transcript {len(step.transcript)}]"

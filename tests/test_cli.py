@@ -40,6 +40,7 @@ from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
 from eventstore.servers import free_port, redis_server
 from eventstore.testing import msg
+from projections import Projector
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = (sys.executable, "-m", "adapters.cli")
@@ -673,6 +674,61 @@ def test_show_as_of_a_time_folds_one_life_of_the_thread(
 
     shown = anyio.run(main)
     assert shown["messages"] == [] and shown["version"] == 0 and shown["as_of"] == 0
+
+
+def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str) -> None:
+    """What a thread holds is written by agents and their users: an escape sequence in it must
+    not reach the auditor's terminal as one (clear the screen, rewrite a line, hide text), nor
+    a bidi override reorder what is shown. They are shown escaped; ``--json`` keeps them."""
+    namespace = fresh_namespace()
+    esc, rlo = "\x1b", "\u202e"
+    turn = es.new_ulid()
+
+    async def setup(store: es.EventStore) -> None:
+        projector = Projector(store)
+        text = f"hi {esc}[2J{esc}[H forged {rlo}txt\r\x07 end"
+        await projector.append(
+            "t", [es.MessageAppended(message=es.Message(role="user", content=text))]
+        )
+        await projector.append("t", [es.StateUpdated(block=f"notes{esc}[8m", value=f"v{esc}[31m")])
+        await projector.append(
+            "t",
+            [
+                es.TurnOpened(
+                    turn_id=turn, request=es.Message(role="user", content=f"do {esc}]0;title\x07")
+                ),
+                es.TurnSettled(
+                    turn_id=turn,
+                    outcome="failed",
+                    model_tier=f"big{esc}[1A",
+                    error=es.TurnError(kind="tool", message=f"boom{esc}[2K"),
+                ),
+            ],
+        )
+        await projector.append(
+            "t",
+            [
+                es.TranscriptReplaced(
+                    messages=[es.Message(role="system", content=f"sum{esc}c")],
+                    reason=f"cut{rlo}",
+                )
+            ],
+        )
+
+    with_store(redis_url, namespace, setup)
+    for args in (["replay", "t"], ["show", "t"], ["show", "t", "--as-of", "3"]):
+        run = cli(*args, url=redis_url, namespace=namespace)
+        assert run.code == 0, run
+        for raw in ("\x1b", "\u202e", "\x07", "\r"):
+            assert raw not in run.out, (args, raw, run.out)
+        assert "\\x1b[2J" in run.out or "\\x1b[2K" in run.out, run.out
+    rows = [
+        json.loads(line)
+        for line in cli(
+            "replay", "t", "--json", url=redis_url, namespace=namespace
+        ).out.splitlines()
+    ]
+    assert "\x1b[2J" in rows[0]["payload"]["message"]["content"]
 
 
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
