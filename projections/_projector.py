@@ -343,6 +343,8 @@ class Projector:
             validate_count(last, "last")
             if last == 0:
                 validate_thread_id(thread_id)
+                if as_of is not None:
+                    await self.seq_of(thread_id, as_of)  # a point past the end is still refused
                 return []
         rp = self.records_projection
         if as_of is not None:

@@ -582,6 +582,18 @@ class ProjectionConformance:
         assert await snapshot(projector, "t", as_of=later) == last_live
         with pytest.raises(InvalidInputError):
             await projector.last("t", as_of=-1)
+        # Asking for no records (or no messages) still asks about that point.
+        for read in (
+            lambda at: projector.records("t", last=0, as_of=at),
+            lambda at: projector.last("t", 0, as_of=at),
+            lambda at: projector.context("t", n=0, as_of=at),
+        ):
+            await read(last_seq)
+            with pytest.raises(SeqBeyondVersionError):
+                await read(last_seq + 1)
+            for bad in (-1, True, 1.5, "3"):
+                with pytest.raises(InvalidInputError):
+                    await read(bad)
 
     async def test_context_and_record_as_of_a_past_point_are_what_was_read_then(
         self, store: EventStore, projector: Projector
