@@ -233,7 +233,9 @@ class Projector:
             SeqBeyondVersionError: ``as_of`` is a seq the thread has not reached. A fold up to
                 it would answer with the thread as it is now, as if that were the past point
                 asked about; a time after the last event is fine (it means "now").
+            InvalidThreadIdError: ``thread_id`` is no thread id (whatever ``as_of`` is).
         """
+        validate_thread_id(thread_id)
         if isinstance(as_of, datetime):
             try:
                 ms = int(as_of.timestamp() * 1000)

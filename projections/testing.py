@@ -577,6 +577,9 @@ class ProjectionConformance:
             assert f"ends at seq {last_seq}" in str(info.value)
         with pytest.raises(SeqBeyondVersionError):
             await projector.seq_of("missing", 1)
+        for bad_thread in ("", 5):
+            with pytest.raises(InvalidInputError):
+                await projector.seq_of(bad_thread, 0)  # type: ignore[arg-type]
         assert await projector.seq_of("t", last_seq) == last_seq
         later = datetime.fromtimestamp(last_time.timestamp() + 3600, tz=last_time.tzinfo)
         assert await snapshot(projector, "t", as_of=later) == last_live
