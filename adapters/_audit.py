@@ -69,6 +69,7 @@ from projections import (
     TranscriptMessage,
     TurnRecord,
 )
+from projections._projector import missing_from_log
 
 DamageKind = Literal[
     "modified",
@@ -1214,9 +1215,11 @@ class Auditor:
                 return
             models = _Models(self, thread_id, steps=True)
             checked = as_of is None
+            seen = 0
             events = self.store.read(thread_id, stop=last)
             try:
                 async for event in events:
+                    seen = event.seq
                     if not checked:
                         # The first page came in the life the point was found in (lives
                         # never repeat), or the point was a seq of a life that is gone.
@@ -1230,8 +1233,11 @@ class Auditor:
                 aclose = getattr(events, "aclose", None)  # a generator left early: end it now
                 if aclose is not None:
                     await aclose()
-            if checked:
-                return
+            if checked or await self.store.incarnation(thread_id) == life:
+                if as_of is not None and last is not None and seen < last:
+                    # The point is a seq the version holds: the log lost entries at its end.
+                    raise missing_from_log(thread_id, seen + 1)
+                return  # replayed; or nothing to read, in the life the point was found in
         raise ThreadReplacedError(thread_id)
 
     async def diff(self, thread_id: str, a: AsOf, b: AsOf) -> Diff:
@@ -1252,9 +1258,11 @@ class Auditor:
             early: _Snapshot | None = None
             events = 0
             replaced = False
+            seen = 0
             try:
                 if hi > 0:
                     async for event in self.store.read(thread_id, stop=hi):
+                        seen = event.seq
                         if event.seq > lo:
                             if early is None:
                                 early = models.snapshot()
@@ -1264,6 +1272,8 @@ class Auditor:
             except ThreadReplacedError:
                 continue
             if await self.store.incarnation(thread_id) == life:
+                if seen < hi:  # a point the version holds, lost at the log's end
+                    raise missing_from_log(thread_id, seen + 1)
                 break
         else:
             raise ThreadReplacedError(thread_id)

@@ -19,7 +19,7 @@ import signal
 import sys
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -51,7 +51,7 @@ from projections import (
     TurnRecord,
 )
 
-from ._audit import Auditor, UnverifiedLogError, Verdict, _span
+from ._audit import Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
 from ._jsonl import ImportProgress, export_jsonl, read_import, transcript_to_export, write_import
@@ -1226,9 +1226,13 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
 
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
-    await _require_thread(ctx, thread)
+    version = await _require_thread(ctx, thread)
     if args.as_of is not None:  # refused before anything is printed when past the end
         await _as_of_seq(ctx.projector, thread, args.as_of)
+    # Without --as-of, up to the version there was when the replay began: a point the log
+    # must reach. Entries it lost at its end are then damage, said as a hole is (an open
+    # end would stop at the last entry there is without a word).
+    as_of: AsOf = version if args.as_of is None else args.as_of
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
@@ -1237,7 +1241,8 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     count = 0
     expected = args.start
     gaps = 0
-    async for step in auditor.replay(thread, start=args.start, stop=args.stop, as_of=args.as_of):
+    steps = auditor.replay(thread, start=args.start, stop=args.stop, as_of=as_of)
+    async for step in _replaced_if_shorter(thread, steps, given=args.as_of is not None):
         count += 1
         event = step.event
         if event.seq != expected:
@@ -1276,6 +1281,20 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         out.print("No events in that range.")
     if gaps:
         raise Failed
+
+
+async def _replaced_if_shorter(
+    thread: str, steps: AsyncIterator[ReplayStep], *, given: bool
+) -> AsyncIterator[ReplayStep]:
+    """``steps``; a version the replay began at that the thread no longer reaches (it was
+    deleted and written again since) is said as such, not as a past point asked for."""
+    try:
+        async for step in steps:
+            yield step
+    except SeqBeyondVersionError:
+        if given:
+            raise
+        raise es.ThreadReplacedError(thread) from None
 
 
 async def _feed_positions(

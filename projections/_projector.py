@@ -267,6 +267,10 @@ class Projector:
             except ThreadReplacedError:
                 continue
             if await self.store.incarnation(thread_id) == life:
+                if folded.version < stop:
+                    # Seqs the version holds that the log lost at its end: the state at the
+                    # last entry there is would pass for the point asked about.
+                    raise missing_from_log(thread_id, folded.version + 1)
                 return folded
         raise ThreadReplacedError(thread_id)
 
@@ -712,7 +716,12 @@ def _contiguous(
         if seq != expected:
             break
         expected += 1
-    raise CorruptEventError(thread_id, expected, "missing from the log (run 'verify')")
+    raise missing_from_log(thread_id, expected)
+
+
+def missing_from_log(thread_id: str, seq: int) -> CorruptEventError:
+    """The error for an entry of ``seq`` the thread's version holds and its log does not."""
+    return CorruptEventError(thread_id, seq, "missing from the log (run 'verify')")
 
 
 class SeqBeyondVersionError(InvalidInputError):

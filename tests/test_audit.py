@@ -1059,6 +1059,42 @@ async def test_replay_and_diff_never_mix_two_lives_of_a_thread(store: es.EventSt
         await auditor.diff(T, 0, 2)
 
 
+async def test_a_past_point_whose_last_entries_are_gone_is_damage_not_an_earlier_point(
+    store: es.EventStore,
+) -> None:
+    """The version holds seqs the log lost at its end (XDEL): time travel to them, and a
+    replay or diff up to them, raise `CorruptEventError` naming the first one missing, as a
+    hole in the middle does, instead of answering with the last entry there is as that
+    point."""
+    version = await populate(store)
+    raw = Raw(store)
+    for entry_id, _ in (await raw.entries())[-2:]:
+        await raw.xdel(entry_id)
+    projector, auditor = Projector(store), Auditor(store)
+    missing = version - 1
+    # (A time after them: the search over times meets a lost entry, and says so first.)
+    for at in (version, missing, datetime.now(UTC)):
+        by_seq = isinstance(at, int)
+        with pytest.raises(es.CorruptEventError) as info:
+            await projector.fold(T, as_of=at)
+        assert info.value.thread_id == T and info.value.seq in (missing, version)
+        assert info.value.seq == missing or not by_seq
+        with pytest.raises(es.CorruptEventError):
+            await projector.transcript(T, as_of=at)
+        seen: list[int] = []
+        with pytest.raises(es.CorruptEventError) as info:
+            async for step in auditor.replay(T, as_of=at):
+                seen.append(step.seq)
+        # What the log holds up to the loss is replayed before the error.
+        assert seen == (list(range(1, missing)) if by_seq else [])
+        with pytest.raises(es.CorruptEventError):
+            await auditor.diff(T, 1, at)
+    # The points the log still holds read as before.
+    assert (await projector.fold(T, as_of=missing - 1)).version == missing - 1
+    assert len([s async for s in auditor.replay(T, as_of=missing - 1)]) == missing - 1
+    assert (await auditor.diff(T, 1, missing - 1)).b == missing - 1
+
+
 async def test_tiny_read_batches_see_every_entry_once(
     store: es.EventStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -731,6 +731,34 @@ def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str
     assert "\x1b[2J" in rows[0]["payload"]["message"]["content"]
 
 
+def test_replay_and_show_report_entries_lost_at_the_end_of_a_log(redis_url: str) -> None:
+    """Entries the version holds but the log lost at its end (XDEL) are damage, as a hole in
+    the middle is: ``replay`` shows what is there, then says which seq is missing (exit 1);
+    ``show --as-of`` such a seq refuses to pass an earlier point off as it."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        for n in range(5):
+            await Projector(store).append("t", [msg(f"m{n}")])
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.xdel(store.keys.log("t"), "4-0", "5-0") == 2
+
+    with_store(redis_url, namespace, setup)
+    for extra in ([], ["--as-of", "5"], ["--to", "4"]):
+        run = cli("replay", "t", *extra, url=redis_url, namespace=namespace)
+        assert run.code == 1, run
+        assert [line.split()[0] for line in run.lines()] == ["#1", "#2", "#3"], run
+        assert "seq 4" in run.err and "missing from the log" in run.err, run
+        assert "Traceback" not in run.err
+    rows = cli("replay", "t", "--json", url=redis_url, namespace=namespace)
+    assert rows.code == 1 and [json.loads(r)["seq"] for r in rows.out.splitlines()] == [1, 2, 3]
+    for point in ("4", "5"):
+        shown = cli("show", "t", "--as-of", point, url=redis_url, namespace=namespace)
+        assert shown.code == 1 and "seq 4" in shown.err and not shown.out, shown
+    assert cli("show", "t", "--as-of", "3", url=redis_url, namespace=namespace).code == 0
+    assert cli("replay", "t", "--to", "3", url=redis_url, namespace=namespace).code == 0
+
+
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
     run = cli("replay", demo.thread, url=demo.url, namespace=demo.namespace)
     assert run.code == 0, run
