@@ -1204,6 +1204,13 @@ class Auditor:
         thread deleted and written again between finding the point and reading its first
         events is asked again (`ThreadReplacedError` after a few tries; once events were
         yielded, as `EventStore.read` raises it).
+
+        Damage: an entry that does not decode raises `CorruptEventError` where it is (the
+        steps before it were yielded), and so does the first seq up to ``as_of`` that the log
+        lost at its end. A hole in the middle of the log is stepped over, not raised: the
+        step after it has a seq that does not follow the one before, and its read models
+        lack the missing events (`threadlog replay` reports it, exit 1; `Projector` reads
+        ``as_of`` such a point raise).
         """
         validate_thread_id(thread_id)
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:

@@ -251,7 +251,15 @@ class Projector:
         return as_of
 
     async def fold(self, thread_id: str, *, as_of: AsOf | None = None) -> Folded:
-        """Fold the log (up to ``as_of``) through every projection."""
+        """Fold the log (up to ``as_of``) through every projection.
+
+        Raises:
+            SeqBeyondVersionError: ``as_of`` is a seq the thread has not reached.
+            CorruptEventError: an entry up to the point does not decode, or is missing from
+                the log (a hole, or seqs the version holds that the log lost at its end).
+            ThreadReplacedError: the thread was deleted and written again while each of a
+                few attempts read it (the point and the fold are read in one life).
+        """
         validate_thread_id(thread_id)
         if as_of is None:
             return await self._fold_to(thread_id, None)
