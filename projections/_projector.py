@@ -51,7 +51,9 @@ from ._state import Block, StateProjection
 from ._transcript import TranscriptMessage, TranscriptProjection
 
 AsOf = int | datetime
-"""A past point: a seq (``int``) or a wall-clock time (``datetime``)."""
+"""A past point: a seq (``int``, 0: before the first event) or a wall-clock time
+(``datetime``: the last event recorded at or before it, to the millisecond; a naive one is
+local time, as `datetime.timestamp` reads it: pass ``tzinfo=UTC`` for a UTC time)."""
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` while a namespace-wide job runs."""
