@@ -69,6 +69,7 @@ from projections import (
     TranscriptMessage,
     TurnRecord,
 )
+from projections._projector import missing_from_log
 
 DamageKind = Literal[
     "modified",
@@ -1198,18 +1199,53 @@ class Auditor:
 
         ``as_of`` (a seq or a datetime) caps ``stop``. Events before ``start`` are folded but
         not yielded; the fold is incremental, one projection step per event.
+
+        The point ``as_of`` stands for and the events are read in one life of the thread: a
+        thread deleted and written again between finding the point and reading its first
+        events is asked again (`ThreadReplacedError` after a few tries; once events were
+        yielded, as `EventStore.read` raises it).
+
+        Damage: an entry that does not decode raises `CorruptEventError` where it is (the
+        steps before it were yielded), and so does the first seq up to ``as_of`` that the log
+        lost at its end. A hole in the middle of the log is stepped over, not raised: the
+        step after it has a seq that does not follow the one before, and its read models
+        lack the missing events (`threadlog replay` reports it, exit 1; `Projector` reads
+        ``as_of`` such a point raise).
         """
         validate_thread_id(thread_id)
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:
             raise InvalidInputError(f"start must be a seq >= 1, not {start!r}")
-        last = await self._stop_for(thread_id, stop, as_of)
-        if last is not None and last < start:
-            return
-        models = _Models(self, thread_id, steps=True)
-        async for event in self.store.read(thread_id, stop=last):
-            models.apply(event)
-            if event.seq >= start:
-                yield models.step(event)
+        for _ in range(REBUILD_ATTEMPTS):
+            life = None if as_of is None else await self.store.incarnation(thread_id)
+            last = await self._stop_for(thread_id, stop, as_of)
+            if last is not None and last < start:
+                return
+            models = _Models(self, thread_id, steps=True)
+            checked = as_of is None
+            seen = 0
+            events = self.store.read(thread_id, stop=last)
+            try:
+                async for event in events:
+                    seen = event.seq
+                    if not checked:
+                        # The first page came in the life the point was found in (lives
+                        # never repeat), or the point was a seq of a life that is gone.
+                        if await self.store.incarnation(thread_id) != life:
+                            break
+                        checked = True
+                    models.apply(event)
+                    if event.seq >= start:
+                        yield models.step(event)
+            finally:
+                aclose = getattr(events, "aclose", None)  # a generator left early: end it now
+                if aclose is not None:
+                    await aclose()
+            if checked or await self.store.incarnation(thread_id) == life:
+                if as_of is not None and last is not None and seen < last:
+                    # The point is a seq the version holds: the log lost entries at its end.
+                    raise missing_from_log(thread_id, seen + 1)
+                return  # replayed; or nothing to read, in the life the point was found in
+        raise ThreadReplacedError(thread_id)
 
     async def diff(self, thread_id: str, a: AsOf, b: AsOf) -> Diff:
         """What changed in messages, state blocks, turn records and transcript from ``a`` to ``b``.
@@ -1218,21 +1254,36 @@ class Auditor:
         once, up to the later point.
         """
         validate_thread_id(thread_id)
-        seq_a = await self.projector.seq_of(thread_id, a)
-        seq_b = await self.projector.seq_of(thread_id, b)
-        lo, hi = sorted((seq_a, seq_b))
-        models = _Models(self, thread_id, steps=False)
-        early: _Snapshot | None = None
-        events = 0
-        replaced = False
-        if hi > 0:
-            async for event in self.store.read(thread_id, stop=hi):
-                if event.seq > lo:
-                    if early is None:
-                        early = models.snapshot()
-                    events += 1
-                    replaced = replaced or isinstance(event.payload, TranscriptReplaced)
-                models.apply(event)
+        for _ in range(REBUILD_ATTEMPTS):
+            # Both points and the events in one life of the thread: one deleted and written
+            # again meanwhile is asked again (lives never repeat).
+            life = await self.store.incarnation(thread_id)
+            seq_a = await self.projector.seq_of(thread_id, a)
+            seq_b = await self.projector.seq_of(thread_id, b)
+            lo, hi = sorted((seq_a, seq_b))
+            models = _Models(self, thread_id, steps=False)
+            early: _Snapshot | None = None
+            events = 0
+            replaced = False
+            seen = 0
+            try:
+                if hi > 0:
+                    async for event in self.store.read(thread_id, stop=hi):
+                        seen = event.seq
+                        if event.seq > lo:
+                            if early is None:
+                                early = models.snapshot()
+                            events += 1
+                            replaced = replaced or isinstance(event.payload, TranscriptReplaced)
+                        models.apply(event)
+            except ThreadReplacedError:
+                continue
+            if await self.store.incarnation(thread_id) == life:
+                if seen < hi:  # a point the version holds, lost at the log's end
+                    raise missing_from_log(thread_id, seen + 1)
+                break
+        else:
+            raise ThreadReplacedError(thread_id)
         late = models.snapshot()
         if early is None:
             early = late

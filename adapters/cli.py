@@ -19,7 +19,7 @@ import signal
 import sys
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -51,7 +51,7 @@ from projections import (
     TurnRecord,
 )
 
-from ._audit import Auditor, UnverifiedLogError, Verdict, _span
+from ._audit import Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
 from ._jsonl import ImportProgress, export_jsonl, read_import, transcript_to_export, write_import
@@ -659,6 +659,26 @@ def compact_json(value: Any, limit: int | None = None) -> str:
     return text
 
 
+def _escapes(keep: str) -> dict[int, str]:
+    """``str.translate`` table: every control character (C0, DEL, C1) but ``keep``, and the
+    bidi controls, to a visible escape (``\\x1b``, ``\\u202e``)."""
+    codes = [*range(0x20), *range(0x7F, 0xA0), 0x061C, 0x200E, 0x200F]
+    codes += [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+    return {c: ascii(chr(c))[1:-1] for c in codes if chr(c) not in keep}
+
+
+_ONE_LINE = _escapes("")
+_LINES = _escapes("\n\t")
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` as the terminal is to show it: what a thread holds was written by agents and
+    their users, and an escape sequence in it (clear the screen, move the cursor, rewrite a
+    line) or a bidi override would change what an auditor sees. Those come out escaped;
+    ``lines`` keeps newlines and tabs (a message shown in full)."""
+    return text.translate(_LINES if lines else _ONE_LINE)
+
+
 def short(text: str, limit: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -711,7 +731,7 @@ def outcome_style(status: str) -> str:
 def record_label(record: TurnRecord) -> Text:
     """One line describing a turn record, for the turn tree."""
     status = record.outcome or "open"
-    label = Text(record.turn_id + "  ")
+    label = Text(printable(record.turn_id) + "  ")
     label.append(status if record.outcome else "open (not settled)", style=outcome_style(status))
     details = []
     if record.outcome is not None:
@@ -724,9 +744,10 @@ def record_label(record: TurnRecord) -> Text:
     for fb in record.fallbacks:
         details.append(f"fallback {fb.from_tier}->{fb.to_tier}")
     if details:
-        label.append("  " + ", ".join(details), style="dim")
+        label.append(printable("  " + ", ".join(details)), style="dim")
     if record.error is not None:
-        label.append(f"\n{record.error.kind}: {record.error.message}", style="red")
+        error = f"{record.error.kind}: {record.error.message}"
+        label.append("\n" + printable(error, lines=True), style="red")
     return label
 
 
@@ -821,7 +842,7 @@ def messages_table(title: str, messages: Sequence[StoredMessage | TranscriptMess
         if isinstance(m, StoredMessage):
             row.append(short_id(m.turn_id))
         row.append(message_text(m.message))
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(Text(printable(cell, lines=True)) for cell in row))
     return table
 
 
@@ -833,7 +854,10 @@ def state_table(title: str, blocks: dict[str, Block]) -> Table:
     table.add_column("value", overflow="fold")
     for name, block in blocks.items():
         table.add_row(
-            Text(name), str(block.version), str(block.seq), Text(compact_json(block.value))
+            Text(printable(name)),
+            str(block.version),
+            str(block.seq),
+            Text(printable(compact_json(block.value))),
         )
     return table
 
@@ -875,14 +899,14 @@ def records_table(title: str, records: Sequence[TurnRecord]) -> Table:
         # markup ("[/]" in a turn id raises, "[red]" in a model tier is swallowed).
         table.add_row(
             str(r.seq),
-            Text(short_id(r.turn_id)),
-            Text(short_id(r.parent_turn_id)),
+            Text(printable(short_id(r.turn_id))),
+            Text(printable(short_id(r.parent_turn_id))),
             Text(status, style=outcome_style(status)),
             str(r.steps),
-            Text(r.model_tier or "-"),
+            Text(printable(r.model_tier or "-")),
             f"{r.usage.input_tokens:,}/{r.usage.output_tokens:,}",
             fmt_duration(r.timing.duration_ms) if r.timing.settled_ms else "-",
-            Text("; ".join(notes)),
+            Text(printable("; ".join(notes), lines=True)),
         )
     return table
 
@@ -1073,8 +1097,11 @@ class _Shown:
     transcript: list[TranscriptMessage]
 
 
-async def _read_thread(projector: Projector, thread: str, window: int, as_of: int | None) -> _Shown:
-    """The read models of a thread: current ones in one atomic read, past ones by a fold."""
+async def _read_thread(
+    projector: Projector, thread: str, window: int, as_of: AsOf | None
+) -> _Shown:
+    """The read models of a thread: current ones in one atomic read, past ones by a fold (which
+    finds the seq ``as_of`` stands for in the life of the thread it folds)."""
     sp, rp, tp = (
         projector.state_projection,
         projector.records_projection,
@@ -1118,17 +1145,24 @@ async def _as_of_seq(projector: Projector, thread: str, as_of: AsOf) -> int:
     try:
         return await projector.seq_of(thread, as_of)
     except SeqBeyondVersionError as exc:
-        raise UsageError(
-            f"--as-of {exc.seq}: thread {thread!r} ends at seq {exc.version}"
-        ) from None
+        raise _beyond(thread, exc) from None
+
+
+def _beyond(thread: str, exc: SeqBeyondVersionError) -> UsageError:
+    return UsageError(f"--as-of {exc.seq}: thread {thread!r} ends at seq {exc.version}")
 
 
 async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
     version = await _require_thread(ctx, thread)
     projector = ctx.projector
-    as_of = None if args.as_of is None else await _as_of_seq(projector, thread, args.as_of)
-    shown = await _read_thread(projector, thread, args.window, as_of)
+    try:
+        # The point is found by the fold itself: a seq found beforehand could be one of a
+        # life of the thread that was replaced before the fold read it.
+        shown = await _read_thread(projector, thread, args.window, args.as_of)
+    except SeqBeyondVersionError as exc:
+        raise _beyond(thread, exc) from None
+    as_of = None if args.as_of is None else shown.version
     whole_tree = RecordsProjection.tree(shown.turns)
     limit: int | None = args.turns or None
     tree = whole_tree[-limit:] if limit else whole_tree
@@ -1152,7 +1186,7 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
         return
     out = ctx.out
     head = Text("Thread ", style="bold")
-    head.append(thread)
+    head.append(printable(thread))
     head.append(f"  namespace {ctx.store.namespace}, version {version}")
     out.print(head)
     if as_of is not None:
@@ -1192,9 +1226,13 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
 
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
-    await _require_thread(ctx, thread)
+    version = await _require_thread(ctx, thread)
     if args.as_of is not None:  # refused before anything is printed when past the end
         await _as_of_seq(ctx.projector, thread, args.as_of)
+    # Without --as-of, up to the version there was when the replay began: a point the log
+    # must reach. Entries it lost at its end are then damage, said as a hole is (an open
+    # end would stop at the last entry there is without a word).
+    as_of: AsOf = version if args.as_of is None else args.as_of
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
     auditor = Auditor(ctx.store)
@@ -1203,7 +1241,8 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     count = 0
     expected = args.start
     gaps = 0
-    async for step in auditor.replay(thread, start=args.start, stop=args.stop, as_of=args.as_of):
+    steps = auditor.replay(thread, start=args.start, stop=args.stop, as_of=as_of)
+    async for step in _replaced_if_shorter(thread, steps, given=args.as_of is not None):
         count += 1
         event = step.event
         if event.seq != expected:
@@ -1229,7 +1268,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
             continue
         line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
         line.append(f"{event.type:<{type_width}} ", style="cyan")
-        line.append(event_summary(event))
+        line.append(printable(event_summary(event)))
         models = (
             f"  [messages {len(step.messages)}, blocks {len(step.state)}, "
             f"turns {len(step.records)}, transcript {len(step.transcript)}]"
@@ -1242,6 +1281,20 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         out.print("No events in that range.")
     if gaps:
         raise Failed
+
+
+async def _replaced_if_shorter(
+    thread: str, steps: AsyncIterator[ReplayStep], *, given: bool
+) -> AsyncIterator[ReplayStep]:
+    """``steps``; a version the replay began at that the thread no longer reaches (it was
+    deleted and written again since) is said as such, not as a past point asked for."""
+    try:
+        async for step in steps:
+            yield step
+    except SeqBeyondVersionError:
+        if given:
+            raise
+        raise es.ThreadReplacedError(thread) from None
 
 
 async def _feed_positions(

@@ -10,7 +10,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self
 
-from ._errors import InvalidInputError
+from ._errors import InvalidInputError, ThreadReplacedError
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_feed_count
 from ._gc import paused_collector
@@ -333,18 +333,44 @@ class EventStore(abc.ABC):
         milliseconds; None is unbounded. Event times are the server's clock, in UTC
         (`RecordedEvent.time`).
 
+        The seqs the bounds stand for and the events are read in one life of the thread: a
+        thread deleted and written again in between is asked again.
+
         Raises:
             InvalidInputError: a bound of another type (a str, a float), or a datetime out of
                 the range the platform can convert.
+            ThreadReplacedError: the thread was deleted (and written again) while each of a
+                few attempts read it, or, as `read` raises it, once events were yielded.
         """
         since_ms = _to_ms(since, "since")
         until_ms = _to_ms(until, "until")
-        start = 1 if since_ms is None else await self.seq_at(thread_id, since_ms - 1) + 1
-        stop = None if until_ms is None else await self.seq_at(thread_id, until_ms)
-        if stop is not None and stop < start:
+        if since_ms is None and until_ms is None:
+            async for event in self.read(thread_id, backwards=backwards):
+                yield event
             return
-        async for event in self.read(thread_id, start=start, stop=stop, backwards=backwards):
-            yield event
+        for _ in range(_LIFE_ATTEMPTS):
+            # The bounds are searched in round trips of their own: the same life before the
+            # searches and after the first events were read (lives never repeat) says the
+            # events are of the life the bounds were found in.
+            life = await self.incarnation(thread_id)
+            start = 1 if since_ms is None else await self.seq_at(thread_id, since_ms - 1) + 1
+            stop = None if until_ms is None else await self.seq_at(thread_id, until_ms)
+            events: AsyncIterator[RecordedEvent] | None = None
+            first: RecordedEvent | None = None
+            if stop is None or stop >= start:
+                events = self.read(thread_id, start=start, stop=stop, backwards=backwards)
+                first = await anext(events, None)
+            if await self.incarnation(thread_id) != life:
+                if events is not None:
+                    await _close(events)
+                continue
+            if events is None or first is None:
+                return
+            yield first
+            async for event in events:
+                yield event
+            return
+        raise ThreadReplacedError(thread_id)
 
     @abc.abstractmethod
     async def read_list(
@@ -631,6 +657,17 @@ def threads_cursor(before_ms: object, after: object) -> tuple[int, str] | None:
         if cursor is None or (ms, thread_id) < cursor:
             cursor = (ms, thread_id)
     return cursor
+
+
+_LIFE_ATTEMPTS = 5
+"""How often `EventStore.read_between` asks again when the thread was replaced meanwhile."""
+
+
+async def _close(events: AsyncIterator[Any]) -> None:
+    """End a read left early (an async generator's ``aclose``)."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def _to_ms(value: datetime | int | None, name: str) -> int | None:

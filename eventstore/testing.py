@@ -327,6 +327,46 @@ class EventStoreConformance:
         assert _texts(until_back) == ["middle-2", "middle-1", "early"]
         assert await store.seq_at("missing", 10**15) == 0
 
+    async def test_read_by_time_never_mixes_two_lives_of_a_thread(self, store: EventStore) -> None:
+        # The seqs a time range stands for are found before the events are read: a thread
+        # deleted and written again in between must not be read between seqs of its old life.
+        for n in range(3):
+            await store.append("t", [msg(f"old{n}")])
+            await anyio.sleep(0.003)
+        old = await read_all(store, "t")
+        await anyio.sleep(0.003)
+        real = store.seq_at
+        calls = 0
+
+        async def answer_then_recreate(thread_id: str, time_ms: int) -> int:
+            nonlocal calls
+            calls += 1
+            answer = await real(thread_id, time_ms)
+            if calls == 1:
+                await store.delete_thread("t")
+                await store.append("t", [msg(f"new{n}") for n in range(5)])
+            return answer
+
+        store.seq_at = answer_then_recreate  # type: ignore[method-assign]
+        # Every event of the new life came after the old one's last: all since, none until.
+        since = [e async for e in store.read_between("t", since=old[2].time)]
+        assert _texts(since) == [f"new{n}" for n in range(5)]
+        calls = 0
+        await store.delete_thread("t")
+        for n in range(3):
+            await store.append("t", [msg(f"old{n}")])
+        old = await read_all(store, "t")
+        await anyio.sleep(0.003)
+        assert [e async for e in store.read_between("t", until=old[2].time)] == []
+        calls = 0
+        await store.delete_thread("t")
+        for n in range(3):
+            await store.append("t", [msg(f"old{n}")])
+        old = await read_all(store, "t")
+        await anyio.sleep(0.003)
+        both = [e async for e in store.read_between("t", old[1].time, old[2].time_ms + 60_000)]
+        assert _texts(both) == [f"new{n}" for n in range(5)]
+
     # -- expected versions ---------------------------------------------------------------------
 
     @pytest.mark.parametrize(

@@ -51,7 +51,9 @@ from ._state import Block, StateProjection
 from ._transcript import TranscriptMessage, TranscriptProjection
 
 AsOf = int | datetime
-"""A past point: a seq (``int``) or a wall-clock time (``datetime``)."""
+"""A past point: a seq (``int``, 0: before the first event) or a wall-clock time
+(``datetime``: the last event recorded at or before it, to the millisecond; a naive one is
+local time, as `datetime.timestamp` reads it: pass ``tzinfo=UTC`` for a UTC time)."""
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` while a namespace-wide job runs."""
@@ -233,7 +235,9 @@ class Projector:
             SeqBeyondVersionError: ``as_of`` is a seq the thread has not reached. A fold up to
                 it would answer with the thread as it is now, as if that were the past point
                 asked about; a time after the last event is fine (it means "now").
+            InvalidThreadIdError: ``thread_id`` is no thread id (whatever ``as_of`` is).
         """
+        validate_thread_id(thread_id)
         if isinstance(as_of, datetime):
             try:
                 ms = int(as_of.timestamp() * 1000)
@@ -249,10 +253,36 @@ class Projector:
         return as_of
 
     async def fold(self, thread_id: str, *, as_of: AsOf | None = None) -> Folded:
-        """Fold the log (up to ``as_of``) through every projection."""
+        """Fold the log (up to ``as_of``) through every projection.
+
+        Raises:
+            SeqBeyondVersionError: ``as_of`` is a seq the thread has not reached.
+            CorruptEventError: an entry up to the point does not decode, or is missing from
+                the log (a hole, or seqs the version holds that the log lost at its end).
+            ThreadReplacedError: the thread was deleted and written again while each of a
+                few attempts read it (the point and the fold are read in one life).
+        """
         validate_thread_id(thread_id)
-        stop = None if as_of is None else await self.seq_of(thread_id, as_of)
-        return await self._fold_to(thread_id, stop)
+        if as_of is None:
+            return await self._fold_to(thread_id, None)
+        for _ in range(REBUILD_ATTEMPTS):
+            # The point is found (a time search, the version) in one round trip and the log
+            # is folded in others: a thread deleted and written again in between would be
+            # folded up to a seq of its old life. The same life before and after (lives never
+            # repeat) says both were read in one.
+            life = await self.store.incarnation(thread_id)
+            stop = await self.seq_of(thread_id, as_of)
+            try:
+                folded = await self._fold_to(thread_id, stop)
+            except ThreadReplacedError:
+                continue
+            if await self.store.incarnation(thread_id) == life:
+                if folded.version < stop:
+                    # Seqs the version holds that the log lost at its end: the state at the
+                    # last entry there is would pass for the point asked about.
+                    raise missing_from_log(thread_id, folded.version + 1)
+                return folded
+        raise ThreadReplacedError(thread_id)
 
     async def _fold_to(self, thread_id: str, stop: int | None) -> Folded:
         fold = self.start_fold(thread_id)
@@ -329,6 +359,8 @@ class Projector:
             validate_count(last, "last")
             if last == 0:
                 validate_thread_id(thread_id)
+                if as_of is not None:
+                    await self.seq_of(thread_id, as_of)  # a point past the end is still refused
                 return []
         rp = self.records_projection
         if as_of is not None:
@@ -346,8 +378,19 @@ class Projector:
         _, (result,) = await self._read(thread_id, [rp.full_reads()[0]])
         return sorted(RecordsProjection.parse(thread_id, result), key=lambda r: r.turn_id)
 
-    async def record(self, thread_id: str, turn_id: str) -> TurnRecord | None:
-        """One turn's record, or None if the turn is unknown."""
+    async def record(
+        self, thread_id: str, turn_id: str, *, as_of: AsOf | None = None
+    ) -> TurnRecord | None:
+        """One turn's record, or None if the turn is unknown (or was, at ``as_of``)."""
+        if as_of is not None:
+            if not isinstance(turn_id, str):
+                raise InvalidInputError(f"turn_id must be a str, not {turn_id!r}")
+            rp = self.records_projection
+            folded = await self.fold(thread_id, as_of=as_of)
+            entry = folded.states[rp.name].entries().get(turn_id)
+            if entry is None:
+                return None
+            return rp.all_records(thread_id, RecordsState(turns={turn_id: entry}))[0]
         _, (result,) = await self._read(thread_id, [HashGet("turns", (turn_id,))])
         found = RecordsProjection.parse(thread_id, result)
         return found[0] if found else None
@@ -374,11 +417,29 @@ class Projector:
         n: int = DEFAULT_WINDOW,
         view: str | None = None,
         records: int = 0,
+        as_of: AsOf | None = None,
     ) -> Context:
-        """Messages window, a reader view and the latest records, in one round trip."""
+        """Messages window, a reader view and the latest records, in one round trip (with
+        ``as_of``: as they were at that past point, folded from the log)."""
         validate_count(n, "n")
         validate_count(records, "records")
         sp = self.state_projection
+        if as_of is not None:
+            if view is not None:
+                sp.reader_view(view)
+            folded = await self.fold(thread_id, as_of=as_of)
+            rp = self.records_projection
+            return Context(
+                thread_id=thread_id,
+                version=folded.version,
+                messages=MessagesProjection.window(folded.states[self.messages.name], n),
+                state=sp.select(folded.states[sp.name], view),
+                records=(
+                    rp.settled_records(thread_id, folded.states[rp.name], records)
+                    if records
+                    else []
+                ),
+            )
         reads: list[ViewRead] = [sp.read_for(view)]
         if n:
             reads.append(MessagesProjection.window_read(n))
@@ -665,7 +726,12 @@ def _contiguous(
         if seq != expected:
             break
         expected += 1
-    raise CorruptEventError(thread_id, expected, "missing from the log (run 'verify')")
+    raise missing_from_log(thread_id, expected)
+
+
+def missing_from_log(thread_id: str, seq: int) -> CorruptEventError:
+    """The error for an entry of ``seq`` the thread's version holds and its log does not."""
+    return CorruptEventError(thread_id, seq, "missing from the log (run 'verify')")
 
 
 class SeqBeyondVersionError(InvalidInputError):

@@ -54,7 +54,14 @@ from eventstore import (
 
 from ._base import UnknownBlockError, UnknownReaderViewError
 from ._messages import StoredMessage
-from ._projector import AsOf, Projector, RebuildBusyError, RebuildError, SeqBeyondVersionError
+from ._projector import (
+    AsOf,
+    Context,
+    Projector,
+    RebuildBusyError,
+    RebuildError,
+    SeqBeyondVersionError,
+)
 from ._records import Anomaly, TurnNode, TurnRecord
 from ._state import Block, ReaderView, StateProjection
 from ._transcript import TranscriptMessage
@@ -570,11 +577,95 @@ class ProjectionConformance:
             assert f"ends at seq {last_seq}" in str(info.value)
         with pytest.raises(SeqBeyondVersionError):
             await projector.seq_of("missing", 1)
+        for bad_thread in ("", 5):
+            with pytest.raises(InvalidInputError):
+                await projector.seq_of(bad_thread, 0)  # type: ignore[arg-type]
         assert await projector.seq_of("t", last_seq) == last_seq
         later = datetime.fromtimestamp(last_time.timestamp() + 3600, tz=last_time.tzinfo)
         assert await snapshot(projector, "t", as_of=later) == last_live
         with pytest.raises(InvalidInputError):
             await projector.last("t", as_of=-1)
+        # Asking for no records (or no messages) still asks about that point.
+        for read in (
+            lambda at: projector.records("t", last=0, as_of=at),
+            lambda at: projector.last("t", 0, as_of=at),
+            lambda at: projector.context("t", n=0, as_of=at),
+        ):
+            await read(last_seq)
+            with pytest.raises(SeqBeyondVersionError):
+                await read(last_seq + 1)
+            for bad in (-1, True, 1.5, "3"):
+                with pytest.raises(InvalidInputError):
+                    await read(bad)
+
+    async def test_context_and_record_as_of_a_past_point_are_what_was_read_then(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        # What an agent assembled its prompt from (`context`) and one turn's record, as they
+        # were at each past point: the reads an audit of a decision needs most.
+        points = await self._conversation(store, projector, "t")
+        for seq, when, live in points:
+            for at in (seq, when):
+                past = await projector.context("t", view=PLANNER.name, records=2, as_of=at)
+                assert past == Context(
+                    thread_id="t",
+                    version=seq,
+                    messages=live.window,
+                    state=live.planner,
+                    records=live.latest_records,
+                ), f"as_of={at}"
+                for turn in live.turns:
+                    assert await projector.record("t", turn.turn_id, as_of=at) == turn
+            bare = await projector.context("t", n=0, as_of=seq)
+            assert (bare.messages, bare.records, bare.state) == ([], [], live.state)
+        assert await projector.context("t", as_of=points[-1][0]) == await projector.context("t")
+        assert await projector.record("t", points[-1][2].turns[0].turn_id, as_of=0) is None
+        assert (await projector.context("t", as_of=0)).version == 0
+        with pytest.raises(SeqBeyondVersionError):
+            await projector.context("t", as_of=points[-1][0] + 1)
+        with pytest.raises(UnknownReaderViewError):
+            await projector.context("t", view="nobody", as_of=1)
+        with pytest.raises(InvalidInputError):
+            await projector.context("t", n=-1, as_of=1)
+
+    async def test_time_travel_never_mixes_two_lives_of_a_thread(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        # The point is found in one round trip (a time search, a version) and the log folded
+        # in the next ones: a thread deleted and written again in between must not be folded
+        # up to a seq of its old life, as if the new life's events were the past asked about.
+        for n in range(3):
+            await projector.append("t", [MessageAppended(message=message(f"old{n}"))])
+            await anyio.sleep(0.003)
+        (third,) = [e async for e in store.read("t", start=3)]
+        await anyio.sleep(0.003)
+
+        def recreate_after(name: str, new: int) -> None:
+            real = getattr(store, name)
+
+            async def answer_then_recreate(*args: Any) -> Any:
+                setattr(store, name, real)  # once
+                answer = await real(*args)
+                await projector.delete_thread("t")
+                news = [MessageAppended(message=message(f"new{n}")) for n in range(new)]
+                await projector.append("t", news)
+                return answer
+
+            setattr(store, name, answer_then_recreate)
+
+        # By time: at that moment, the thread's current life had recorded nothing yet.
+        recreate_after("seq_at", 4)
+        assert await projector.last("t", 50, as_of=third.time) == []
+        assert await projector.seq_of("t", third.time) == 0
+        # By seq: the life it is in now ends before seq 3 (its old life reached it).
+        await projector.delete_thread("t")
+        for n in range(3):
+            await projector.append("t", [MessageAppended(message=message(f"old{n}"))])
+        recreate_after("version", 2)
+        with pytest.raises(SeqBeyondVersionError) as info:
+            await projector.transcript("t", as_of=3)
+        assert (info.value.seq, info.value.version) == (3, 2)
+        assert _texts(await projector.last("t", 50, as_of=2)) == ["new0", "new1"]
 
     # -- rebuild and check ----------------------------------------------------------------------
 

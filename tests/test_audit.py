@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 
@@ -22,7 +23,7 @@ from adapters import Auditor, UnverifiedLogError, Verdict, _audit
 from eventstore import _codec
 from eventstore._connect import StoreSettings
 from eventstore._memory import _Thread
-from projections import Projector, RebuildBusyError, RebuildError
+from projections import Projector, RebuildBusyError, RebuildError, SeqBeyondVersionError
 
 pytestmark = pytest.mark.anyio
 
@@ -1017,6 +1018,81 @@ async def test_diff_shows_a_transcript_replace(store: es.EventStore) -> None:
     assert d.messages_added == [] and d.state_changed == {} and d.records_changed == {}
     everything = await Auditor(store).diff(T, 0, datetime.now(UTC))
     assert everything.b == version and everything.events == version
+
+
+def _recreate_after(store: es.EventStore, name: str, thread: str, texts: list[str]) -> None:
+    """The next call of ``store.<name>`` answers, then ``thread`` is deleted and written again
+    with ``texts`` (a new life), before the caller reads on."""
+    real = getattr(store, name)
+
+    async def answer_then_recreate(*args: Any) -> Any:
+        setattr(store, name, real)  # once
+        answer = await real(*args)
+        await Projector(store).delete_thread(thread)
+        news = [es.MessageAppended(message=es.Message(role="user", content=t)) for t in texts]
+        await Projector(store).append(thread, news)
+        return answer
+
+    setattr(store, name, answer_then_recreate)
+
+
+async def test_replay_and_diff_never_mix_two_lives_of_a_thread(store: es.EventStore) -> None:
+    """The point is found (a time search, the version) before the log is read: a thread
+    deleted and written again in between is replayed in one life, never its new events up to a
+    seq of its old life."""
+    version = await populate(store)
+    (last,) = [e async for e in store.read(T, start=version)]
+    moment = last.time
+    await anyio.sleep(0.005)
+    auditor = Auditor(store)
+    _recreate_after(store, "seq_at", T, ["new0", "new1", "new2"])
+    assert [s.seq async for s in auditor.replay(T, as_of=moment)] == []
+    # By seq: the life the thread is in now ends at seq 3.
+    _recreate_after(store, "version", T, ["new0", "new1", "new2"])
+    with pytest.raises(SeqBeyondVersionError):
+        [s async for s in auditor.replay(T, as_of=5)]
+    _recreate_after(store, "seq_at", T, ["new0", "new1", "new2"])
+    d = await auditor.diff(T, 0, datetime.now(UTC) - timedelta(milliseconds=10))
+    assert (d.a, d.b, d.events) == (0, 0, 0) and d.empty
+    _recreate_after(store, "version", T, ["other"])
+    with pytest.raises(SeqBeyondVersionError):
+        await auditor.diff(T, 0, 2)
+
+
+async def test_a_past_point_whose_last_entries_are_gone_is_damage_not_an_earlier_point(
+    store: es.EventStore,
+) -> None:
+    """The version holds seqs the log lost at its end (XDEL): time travel to them, and a
+    replay or diff up to them, raise `CorruptEventError` naming the first one missing, as a
+    hole in the middle does, instead of answering with the last entry there is as that
+    point."""
+    version = await populate(store)
+    raw = Raw(store)
+    for entry_id, _ in (await raw.entries())[-2:]:
+        await raw.xdel(entry_id)
+    projector, auditor = Projector(store), Auditor(store)
+    missing = version - 1
+    # (A time after them: the search over times meets a lost entry, and says so first.)
+    for at in (version, missing, datetime.now(UTC)):
+        by_seq = isinstance(at, int)
+        with pytest.raises(es.CorruptEventError) as info:
+            await projector.fold(T, as_of=at)
+        assert info.value.thread_id == T and info.value.seq in (missing, version)
+        assert info.value.seq == missing or not by_seq
+        with pytest.raises(es.CorruptEventError):
+            await projector.transcript(T, as_of=at)
+        seen: list[int] = []
+        with pytest.raises(es.CorruptEventError) as info:
+            async for step in auditor.replay(T, as_of=at):
+                seen.append(step.seq)
+        # What the log holds up to the loss is replayed before the error.
+        assert seen == (list(range(1, missing)) if by_seq else [])
+        with pytest.raises(es.CorruptEventError):
+            await auditor.diff(T, 1, at)
+    # The points the log still holds read as before.
+    assert (await projector.fold(T, as_of=missing - 1)).version == missing - 1
+    assert len([s async for s in auditor.replay(T, as_of=missing - 1)]) == missing - 1
+    assert (await auditor.diff(T, 1, missing - 1)).b == missing - 1
 
 
 async def test_tiny_read_batches_see_every_entry_once(

@@ -40,6 +40,7 @@ from eventstore._feed import parse_stream_id
 from eventstore._keys import KeyLayout
 from eventstore.servers import free_port, redis_server
 from eventstore.testing import msg
+from projections import Projector
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = (sys.executable, "-m", "adapters.cli")
@@ -626,6 +627,136 @@ def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
         namespace=demo.namespace,
     )
     assert f"ends at seq {demo.version}" in assert_one_line_error(beyond)
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_show_as_of_a_time_folds_one_life_of_the_thread(
+    backend: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show --as-of TIME`` finds the seq, then folds: a thread deleted and written again in
+    between is shown as its current life stood then (nothing yet), never its new events up to
+    a seq of the old life."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from adapters import cli as cli_module
+
+    async def main() -> dict[str, Any]:
+        if backend == "memory":
+            store: es.EventStore = es.MemoryEventStore(namespace=fresh_namespace())
+        else:
+            url: str = request.getfixturevalue("redis_url")
+            store = await es.connect(url, namespace=fresh_namespace(), create_namespace=True)
+        async with store:
+            for n in range(3):
+                await store.append("t", [msg(f"old{n}")])
+                await anyio.sleep(0.003)
+            (last,) = [e async for e in store.read("t", start=3)]
+            await anyio.sleep(0.003)
+            real = store.seq_at
+
+            async def answer_then_recreate(thread_id: str, time_ms: int) -> int:
+                store.seq_at = real  # type: ignore[method-assign]
+                answer = await real(thread_id, time_ms)
+                await store.delete_thread("t")
+                await store.append("t", [msg(f"new{n}") for n in range(4)])
+                return answer
+
+            store.seq_at = answer_then_recreate  # type: ignore[method-assign]
+            iso = last.time.isoformat()
+            args = cli_module.build_parser().parse_args(["show", "t", "--as-of", iso, "--json"])
+            console = Console(file=StringIO())
+            where = cli_module.Where(url="memory://")
+            ctx = cli_module.Ctx(console, console, where, store, True, False)
+            await args.func(ctx, args)
+        return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+    shown = anyio.run(main)
+    assert shown["messages"] == [] and shown["version"] == 0 and shown["as_of"] == 0
+
+
+def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str) -> None:
+    """What a thread holds is written by agents and their users: an escape sequence in it must
+    not reach the auditor's terminal as one (clear the screen, rewrite a line, hide text), nor
+    a bidi override reorder what is shown. They are shown escaped; ``--json`` keeps them."""
+    namespace = fresh_namespace()
+    esc, rlo = "\x1b", "\u202e"
+    turn = es.new_ulid()
+
+    async def setup(store: es.EventStore) -> None:
+        projector = Projector(store)
+        text = f"hi {esc}[2J{esc}[H forged {rlo}txt\r\x07 end"
+        await projector.append(
+            "t", [es.MessageAppended(message=es.Message(role="user", content=text))]
+        )
+        await projector.append("t", [es.StateUpdated(block=f"notes{esc}[8m", value=f"v{esc}[31m")])
+        await projector.append(
+            "t",
+            [
+                es.TurnOpened(
+                    turn_id=turn, request=es.Message(role="user", content=f"do {esc}]0;title\x07")
+                ),
+                es.TurnSettled(
+                    turn_id=turn,
+                    outcome="failed",
+                    model_tier=f"big{esc}[1A",
+                    error=es.TurnError(kind="tool", message=f"boom{esc}[2K"),
+                ),
+            ],
+        )
+        await projector.append(
+            "t",
+            [
+                es.TranscriptReplaced(
+                    messages=[es.Message(role="system", content=f"sum{esc}c")],
+                    reason=f"cut{rlo}",
+                )
+            ],
+        )
+
+    with_store(redis_url, namespace, setup)
+    for args in (["replay", "t"], ["show", "t"], ["show", "t", "--as-of", "3"]):
+        run = cli(*args, url=redis_url, namespace=namespace)
+        assert run.code == 0, run
+        for raw in ("\x1b", "\u202e", "\x07", "\r"):
+            assert raw not in run.out, (args, raw, run.out)
+        assert "\\x1b[2J" in run.out or "\\x1b[2K" in run.out, run.out
+    rows = [
+        json.loads(line)
+        for line in cli(
+            "replay", "t", "--json", url=redis_url, namespace=namespace
+        ).out.splitlines()
+    ]
+    assert "\x1b[2J" in rows[0]["payload"]["message"]["content"]
+
+
+def test_replay_and_show_report_entries_lost_at_the_end_of_a_log(redis_url: str) -> None:
+    """Entries the version holds but the log lost at its end (XDEL) are damage, as a hole in
+    the middle is: ``replay`` shows what is there, then says which seq is missing (exit 1);
+    ``show --as-of`` such a seq refuses to pass an earlier point off as it."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        for n in range(5):
+            await Projector(store).append("t", [msg(f"m{n}")])
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.xdel(store.keys.log("t"), "4-0", "5-0") == 2
+
+    with_store(redis_url, namespace, setup)
+    for extra in ([], ["--as-of", "5"], ["--to", "4"]):
+        run = cli("replay", "t", *extra, url=redis_url, namespace=namespace)
+        assert run.code == 1, run
+        assert [line.split()[0] for line in run.lines()] == ["#1", "#2", "#3"], run
+        assert "seq 4" in run.err and "missing from the log" in run.err, run
+        assert "Traceback" not in run.err
+    rows = cli("replay", "t", "--json", url=redis_url, namespace=namespace)
+    assert rows.code == 1 and [json.loads(r)["seq"] for r in rows.out.splitlines()] == [1, 2, 3]
+    for point in ("4", "5"):
+        shown = cli("show", "t", "--as-of", point, url=redis_url, namespace=namespace)
+        assert shown.code == 1 and "seq 4" in shown.err and not shown.out, shown
+    assert cli("show", "t", "--as-of", "3", url=redis_url, namespace=namespace).code == 0
+    assert cli("replay", "t", "--to", "3", url=redis_url, namespace=namespace).code == 0
 
 
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
