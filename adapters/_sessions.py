@@ -229,8 +229,15 @@ class SessionStore:
         """Apply a `SessionUpdate` (see `session_update`); returns the new version.
 
         The expected version is ``expected_version`` if given, else the update's own (that of
-        the `Transcript` it was computed from), else this task's remembered one.
+        the `Transcript` it was computed from), else this task's remembered one. Anything
+        but a `SessionUpdate` (the messages themselves, the loaded `Transcript`) is refused
+        with `InvalidInputError`: `append` and `replace` take messages.
         """
+        if not isinstance(update, SessionUpdate):
+            raise InvalidInputError(
+                "update must be a SessionUpdate (session_update(before, result)), not "
+                f"{type(update).__name__}: to write messages as they are, use append or replace"
+            )
         if expected_version is None:
             expected_version = update.expected_version
         if update.mode == "append":

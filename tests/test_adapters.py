@@ -431,6 +431,30 @@ async def test_turn_ids_and_message_lists_are_checked_with_plain_words(
     assert await threads.open_turn("t", turn_id="x" * 256) == "x" * 256
 
 
+async def test_saving_what_is_not_a_session_update_is_refused_with_plain_words(
+    store: es.EventStore,
+) -> None:
+    """`save` takes what `session_update` returns; the messages themselves, or the loaded
+    `Transcript`, are refused as invalid input (not an AttributeError) and write nothing."""
+    sessions = SessionStore(store)
+    await sessions.append("s", [{"role": "user", "content": "a"}])
+    loaded = await sessions.load("s")
+    for wrong, named in [
+        ([{"role": "user", "content": "b"}], "list"),
+        (loaded, "Transcript"),
+        ({"mode": "append", "messages": []}, "dict"),
+        (None, "NoneType"),
+    ]:
+        with pytest.raises(
+            es.InvalidInputError,
+            match=rf"^update must be a SessionUpdate \(session_update\(before, result\)\), "
+            rf"not {named}",
+        ):
+            await sessions.save("s", wrong)  # type: ignore[arg-type]
+    assert await store.version("s") == 1
+    assert await sessions.save("s", session_update(loaded, [*loaded.messages, user("b")])) == 2
+
+
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
     namespace = "a" + uuid.uuid4().hex[:12]
     a_store = await es.connect(redis_url, namespace=namespace)
