@@ -317,19 +317,27 @@ async def connect(
     embedded_dir: Path | None = None,
     create_namespace: bool = True,
 ) -> EventStore:
-    """Open an event store.
+    """Open an event store: ``async with await connect(...) as store:``, or `close` it.
 
+    ``url``: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS),
+    ``unix:///path/to/redis.sock``, ``redis+cluster://host:port,host:port`` or
+    ``memory://[name]`` (in this process only); ``?namespace=`` in the URL or ``namespace``
+    here (default ``default``) names the tenant whose keys the store reads and writes.
     With no ``url`` and no ``THREADLOG_URL``, starts (or reuses) a private redis-server under
-    ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend and logs
-    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
+    ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend;
+    starting one, or falling back, is logged as a WARNING on the ``threadlog`` logger (stderr
+    when logging is not configured). That server keeps running after the process exits:
+    `stop_embedded` stops it.
+
+    ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
     without either the chain is unkeyed. An empty secret, or ``THREADLOG_SECRET`` set to
     nothing, is refused (`InvalidInputError`), not taken as no key.
     A namespace's partition count is recorded in Redis the first time a store opens it;
     ``create_namespace=False`` is for readers (audits, listings): a namespace never written
     is then left without any key, and reads as empty. Do not write through such a store.
 
-    Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
-    answer.
+    Raises `InvalidURLError` for a bad URL, `StoreConnectionError` if the server does not
+    answer, and `UnsafeServerError` for a server that may evict any key.
     """
     if secret is None and SECRET_ENV in os.environ:
         if not os.environ[SECRET_ENV]:
@@ -570,7 +578,9 @@ def embedded_url(
     """A URL for the private redis-server under ``directory``, started if needed.
 
     ``on_start(directory)`` is called when this call started the server (it keeps running
-    after the process exits: `stop_embedded` stops it). The directory is private to its owner
+    after the process exits: `stop_embedded` stops it); without one, starting it is logged
+    as a WARNING on the ``threadlog`` logger, which a program that configured no logging
+    sees on stderr. The directory is private to its owner
     (mode 0700) and the server's files are created 0600: they hold every conversation.
     Falls back to ``memory://`` (with a logged notice) when no redis-server binary exists.
 
@@ -660,9 +670,19 @@ def _embedded_url(
                 f"(move it away, or set {URL_ENV})"
             )
         _start_server(binary, directory, sock)
-        if on_start is not None:
-            on_start(directory)
+        (on_start or _notice_started)(directory)
     return url
+
+
+def _notice_started(directory: Path) -> None:
+    """Say that a server was started: it outlives this process, and its files hold data."""
+    log.warning(
+        "threadlog: started an embedded redis-server in %s (no URL given and %s unset); it "
+        "keeps running after this process exits: eventstore.stop_embedded() or "
+        "'threadlog stop' stops it, and its data stays there",
+        directory,
+        URL_ENV,
+    )
 
 
 def _socket_path(directory: Path) -> Path:
@@ -764,7 +784,6 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if _ping(sock) == "+PONG":
-            log.info("threadlog: started embedded redis-server at %s", sock)
             return
         if _exited(pidfile):
             break

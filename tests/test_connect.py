@@ -600,6 +600,33 @@ async def test_embedded_server_is_started_reused_and_stopped(short_dir: Path) ->
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_url_env")
+async def test_starting_the_embedded_server_is_said_where_a_program_sees_it(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server outlives the process: a program that never configured logging is told (a
+    WARNING reaches stderr through logging's last resort) where it runs and how to stop it.
+    Reusing it says nothing; a caller with its own ``on_start`` (the CLI) says it its way."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home), caplog.at_level(logging.INFO, logger="threadlog"):
+        async with await connect(embedded_dir=home, namespace=_ns()):
+            pass
+        notices = [r for r in caplog.records if r.name == "threadlog"]
+        assert [r.levelno for r in notices] == [logging.WARNING]
+        text = notices[0].getMessage()
+        assert str(home.resolve()) in text and "stop_embedded" in text and URL_ENV in text
+        caplog.clear()
+        async with await connect(embedded_dir=home, namespace=_ns()):
+            pass
+        assert not [r for r in caplog.records if r.name == "threadlog"]
+        assert stop_embedded(home) is True
+        started: list[Path] = []
+        embedded_url(home, on_start=started.append)
+        assert started == [home.resolve()]
+        assert not [r for r in caplog.records if r.name == "threadlog"]
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
 async def test_embedded_default_lives_in_dot_threadlog(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
