@@ -329,6 +329,10 @@ async def connect(
     when logging is not configured). That server keeps running after the process exits:
     `stop_embedded` stops it.
 
+    A store on Redis belongs to the event loop it was opened in: open one per loop (each
+    ``asyncio.run`` or ``anyio.run`` is a new loop), inside it; used from a loop that has
+    closed since, it raises `StoreClosedError`.
+
     ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
     without either the chain is unkeyed. An empty secret, or ``THREADLOG_SECRET`` set to
     nothing, is refused (`InvalidInputError`), not taken as no key.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import re
@@ -16,6 +18,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from eventstore import (
     MemoryEventStore,
     MessageAppended,
     RedisEventStore,
+    StoreClosedError,
     StoreConnectionError,
     StoreSettings,
     UnsafeServerError,
@@ -1006,6 +1010,43 @@ async def test_without_redis_server_falls_back_to_memory_with_a_notice(
     assert "in-memory" in notices[0].getMessage()
     assert URL_ENV in notices[0].getMessage()
     assert not (home / "redis.pid").exists()
+
+
+def test_a_store_used_after_its_event_loop_closed_says_so(redis_url: str) -> None:
+    """``store = asyncio.run(connect(...))`` then ``asyncio.run(use(store))``: the store's
+    connections belong to the first loop. Every call from the second (not only the first one,
+    then working by chance) is `StoreClosedError` saying why; closing it is quiet."""
+    namespace = _ns()
+
+    async def opened() -> EventStore:
+        store = await connect(redis_url, namespace=namespace)
+        await store.append("t", [msg("a")])
+        return store
+
+    stores = [asyncio.run(opened())]
+
+    async def use() -> None:
+        await stores[0].version("t")
+
+    async def write() -> None:
+        await stores[0].append("t", [msg("b")])
+
+    for call in (use, use, write, use):
+        with pytest.raises(StoreClosedError, match=r"event loop .* closed.*open the store in"):
+            asyncio.run(call())
+    asyncio.run(stores[0].close())
+    # The first loop closed with the store's connections open (the mistake this test makes on
+    # purpose): collected, they are reported unclosed, as in a program that does it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        stores.clear()
+        gc.collect()
+
+    async def check() -> None:
+        async with await connect(redis_url, namespace=namespace) as again:
+            assert await _texts(again, "t") == ["a"]
+
+    asyncio.run(check())
 
 
 def test_settings_repr_hides_password_and_secret() -> None:
