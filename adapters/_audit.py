@@ -70,6 +70,8 @@ from projections import (
     TurnRecord,
 )
 
+from ._checks import require_store
+
 DamageKind = Literal[
     "modified",
     "inserted",
@@ -818,7 +820,7 @@ class Auditor:
         *,
         secret: bytes | None = None,
     ) -> None:
-        self.store = store
+        self.store = require_store(store, "Auditor")
         self.projector = projector or Projector(store)
         if self.projector.store is not store:
             raise InvalidInputError("the projector must be bound to the auditor's store")

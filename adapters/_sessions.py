@@ -35,6 +35,7 @@ from eventstore import (
 from projections import Projector, TranscriptMessage
 
 from ._access import AccessPolicy, AllowAll, Principal, authorize
+from ._checks import require_store
 from ._threads import as_messages
 
 
@@ -144,7 +145,7 @@ class SessionStore:
     """
 
     def __init__(self, store: EventStore, *, policy: AccessPolicy | None = None) -> None:
-        self.store = store
+        self.store = require_store(store, "SessionStore")
         self.projector = Projector(store)
         self.policy: AccessPolicy = policy or AllowAll()
         # session id -> version, as this task last loaded or wrote it. Never changed in place:

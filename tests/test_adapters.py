@@ -17,6 +17,7 @@ import pytest
 import eventstore as es
 from adapters import (
     AccessDenied,
+    Auditor,
     CallbackPolicy,
     ImportProgress,
     JsonlImportError,
@@ -453,6 +454,25 @@ async def test_saving_what_is_not_a_session_update_is_refused_with_plain_words(
             await sessions.save("s", wrong)  # type: ignore[arg-type]
     assert await store.version("s") == 1
     assert await sessions.save("s", session_update(loaded, [*loaded.messages, user("b")])) == 2
+
+
+async def test_a_store_not_awaited_is_refused_when_the_adapter_is_made(redis_url: str) -> None:
+    """``SessionStore(es.connect(url))`` (no await) is refused at once, saying to await it,
+    not with an AttributeError of the coroutine at the first call; so is any non-store."""
+    pending = es.connect(redis_url, namespace="a" + uuid.uuid4().hex[:12])
+    try:
+        for make in (SessionStore, Auditor):
+            with pytest.raises(
+                es.InvalidInputError,
+                match=rf"^{make.__name__} needs an EventStore \(from eventstore.connect\), not "
+                r"coroutine: await it",
+            ):
+                make(pending)  # type: ignore[arg-type]
+            with pytest.raises(es.InvalidInputError, match=r"needs an EventStore .*, not str$"):
+                make(redis_url)  # type: ignore[arg-type]
+    finally:
+        async with await pending:
+            pass
 
 
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
