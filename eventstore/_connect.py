@@ -314,7 +314,7 @@ async def connect(
     secret: bytes | None = None,
     socket_timeout: float | None = None,
     max_batch: int | None = None,
-    embedded_dir: Path | None = None,
+    embedded_dir: str | os.PathLike[str] | None = None,
     create_namespace: bool = True,
 ) -> EventStore:
     """Open an event store: ``async with await connect(...) as store:``, or `close` it.
@@ -574,7 +574,7 @@ def _redis_client(settings: StoreSettings) -> Any:
 
 
 def embedded_url(
-    directory: Path,
+    directory: str | os.PathLike[str],
     *,
     on_start: Callable[[Path], None] | None = None,
     lock_timeout: float = 30.0,
@@ -604,7 +604,7 @@ def embedded_url(
             URL_ENV,
         )
         return "memory://"
-    directory = directory.resolve()
+    directory = Path(directory).resolve()
     try:
         return _embedded_url(binary, directory, on_start, lock_timeout)
     except StoreConnectionError:
@@ -850,14 +850,18 @@ def _repair_after_crash(directory: Path, sock: Path) -> None:
     pidfile.unlink(missing_ok=True)
 
 
-def stop_embedded(directory: Path = EMBEDDED_DIR, *, timeout: float = 10.0) -> bool:
-    """Stop the embedded server started under ``directory`` and wait (bounded) until it is gone.
+def stop_embedded(
+    directory: str | os.PathLike[str] = EMBEDDED_DIR, *, timeout: float = 10.0
+) -> bool:
+    """Stop the embedded server started under ``directory`` (default: ``.threadlog`` of the
+    current directory, where `connect` starts it) and wait (bounded) until it is gone. Its
+    data stays; the next `connect` without a URL starts it again.
 
     True if a server was running there and has stopped, busy or refusing commands as it may
-    be. The pid file alone is not trusted: after a crash or a reboot it may name an unrelated
-    process, so it must name a redis-server serving the directory (`_serving_pid`).
+    be; False if none was. The pid file alone is not trusted: after a crash or a reboot it may
+    name an unrelated process, so it must name a redis-server serving the directory.
     """
-    directory = directory.resolve()
+    directory = Path(directory).resolve()
     sock = _socket_path(directory)
     pid = _serving_pid(directory, sock)
     if pid is None:

@@ -631,6 +631,18 @@ async def test_starting_the_embedded_server_is_said_where_a_program_sees_it(
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_url_env")
+async def test_the_embedded_directory_may_be_given_as_a_string(short_dir: Path) -> None:
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        async with await connect(embedded_dir=str(home), namespace=_ns()) as store:
+            assert isinstance(store, RedisEventStore)
+        assert embedded_url(str(home)) == f"unix://{home.resolve() / 'redis.sock'}"
+        assert stop_embedded(str(home)) is True
+        assert stop_embedded(str(home)) is False
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
 async def test_embedded_default_lives_in_dot_threadlog(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
