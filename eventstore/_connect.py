@@ -365,7 +365,10 @@ async def connect(
         if value is not None:
             _check_setting(name, value)
     if url is None:
-        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
+        url = os.environ.get(URL_ENV) or None
+        if url is None:
+            # Blocking work (a lock wait, starting a daemon, polling its socket): off the loop.
+            url = await asyncio.to_thread(embedded_url, embedded_dir or EMBEDDED_DIR)
     settings = StoreSettings.from_url(url, **overrides)
     return await open_store(settings, registry=registry, create_namespace=create_namespace)
 

@@ -933,6 +933,39 @@ def test_a_live_embedded_server_without_its_socket_is_not_replaced(short_dir: Pa
         assert stop_embedded(home) is True
 
 
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_connect_waits_for_the_embedded_server_without_blocking_the_loop(
+    short_dir: Path,
+) -> None:
+    """Starting the embedded server (or waiting for another process starting it) is blocking
+    work: connect() does it off the event loop, so a runtime's other tasks keep running."""
+    home = short_dir / "emb"
+    home.mkdir(mode=0o700)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    with _stopped_afterwards(home), open(home / "lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another process starting it, for 0.5 s
+
+        async def release() -> None:
+            await anyio.sleep(0.5)
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            tg.start_soon(release)
+            async with await connect(embedded_dir=home, namespace=_ns()) as store:
+                assert isinstance(store, RedisEventStore)
+            tg.cancel_scope.cancel()
+    assert ticks >= 10, f"the loop ran {ticks} times while connect() waited 0.5 s or more"
+
+
 @pytest.mark.usefixtures("no_url_env")
 def test_the_embedded_lock_never_blocks_for_long(short_dir: Path) -> None:
     """A process holding the directory's lock (stalled mid-start) does not block callers: a
