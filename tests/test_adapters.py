@@ -475,6 +475,31 @@ async def test_a_store_not_awaited_is_refused_when_the_adapter_is_made(redis_url
             pass
 
 
+async def test_jsonl_files_take_the_event_store_itself_and_refuse_other_things(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    """``import_jsonl(store, ...)`` with the store `connect` returned (not a SessionStore)
+    works as with ``SessionStore(store)``; anything else is refused with plain words, not an
+    AttributeError from inside."""
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_bytes(b'{"role":"user","content":"hi"}\n')
+    report = await import_jsonl(store, path, "s")
+    assert (report.imported, report.version) == (1, 1)
+    assert await export_jsonl(store, "s", out) == 1
+    assert out.read_bytes() == path.read_bytes()
+    threads = ThreadStore(store)
+    with pytest.raises(
+        es.InvalidInputError,
+        match=r"^import_jsonl needs a SessionStore or an EventStore, not ThreadStore",
+    ):
+        await import_jsonl(threads, path, "s2")  # type: ignore[arg-type]
+    with pytest.raises(
+        es.InvalidInputError, match=r"^export_jsonl needs a SessionStore or an EventStore"
+    ):
+        await export_jsonl(threads, "s", out)  # type: ignore[arg-type]
+    assert await store.version("s2") == 0
+
+
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
     namespace = "a" + uuid.uuid4().hex[:12]
     a_store = await es.connect(redis_url, namespace=namespace)
