@@ -500,6 +500,26 @@ async def test_jsonl_files_take_the_event_store_itself_and_refuse_other_things(
     assert await store.version("s2") == 0
 
 
+async def test_a_message_missing_its_role_or_content_is_told_so(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    cases: list[tuple[dict[str, object], str]] = [
+        (
+            {"role": "user"},
+            r"^a message needs content \(a string or a list of parts\); it has none",
+        ),
+        ({"content": "hi"}, r"^a message needs a role \(one of system, user, assistant, tool\)"),
+        (
+            {"role": "user", "content": 5},
+            r"^message content must be a string or a list of parts, not int",
+        ),
+        ({"role": "bot", "content": "hi"}, r"^message role must be one of .*, not 'bot'"),
+    ]
+    for message, said in cases:
+        with pytest.raises(es.MessageFormatError, match=said):
+            await threads.append_message("t", message)
+    assert await store.version("t") == 0
+
+
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:
     namespace = "a" + uuid.uuid4().hex[:12]
     a_store = await es.connect(redis_url, namespace=namespace)
