@@ -51,6 +51,7 @@ from eventstore._codec import (
     key_fingerprint,
     namespace_chain_key,
 )
+from eventstore._contract import require_store
 from eventstore._events import EventMeta
 from projections import (
     REBUILD_ATTEMPTS,
@@ -69,8 +70,6 @@ from projections import (
     TranscriptMessage,
     TurnRecord,
 )
-
-from ._checks import require_store
 
 DamageKind = Literal[
     "modified",

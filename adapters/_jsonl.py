@@ -35,6 +35,7 @@ from eventstore import (
     TranscriptAppended,
     TranscriptReplaced,
 )
+from eventstore._contract import require_store
 
 from ._access import Principal
 from ._files import temp_beside
@@ -182,11 +183,12 @@ def _sessions_of(sessions: object, caller: str) -> SessionStore:
     is (as `connect` returned it); anything else is `InvalidInputError`."""
     if isinstance(sessions, SessionStore):
         return sessions
-    if isinstance(sessions, EventStore):
-        return SessionStore(sessions)
-    raise InvalidInputError(
-        f"{caller} needs a SessionStore or an EventStore, not {type(sessions).__name__}"
-    )
+    try:
+        return SessionStore(require_store(sessions, caller))
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"{caller} needs a SessionStore or an EventStore, not {type(sessions).__name__}"
+        ) from None
 
 
 async def import_jsonl(

@@ -32,10 +32,10 @@ from eventstore import (
     validate_thread_id,
     version_satisfies,
 )
+from eventstore._contract import require_store
 from projections import Projector, TranscriptMessage
 
 from ._access import AccessPolicy, AllowAll, Principal, authorize
-from ._checks import require_store
 from ._threads import as_messages
 
 
