@@ -1,4 +1,9 @@
-"""threadlog's adapters: the runtime Store, the session store, JSONL files and access control."""
+"""threadlog's adapters: the runtime Store, the session store, JSONL files and access control.
+
+Each takes an open `eventstore.EventStore` (``await eventstore.connect(...)``):
+``ThreadStore(store)`` for a conversation's turns, messages and state blocks,
+``SessionStore(store)`` for model-message transcripts (``load`` / ``save(session_update(...))``).
+"""
 
 from ._access import (
     AccessDenied,

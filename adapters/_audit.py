@@ -51,6 +51,7 @@ from eventstore._codec import (
     key_fingerprint,
     namespace_chain_key,
 )
+from eventstore._contract import require_store
 from eventstore._events import EventMeta
 from projections import (
     REBUILD_ATTEMPTS,
@@ -644,6 +645,7 @@ class _Verifier:
         mismatch = None if self.fingerprint_edited else self._key_mismatch()
         key_matches = None if self.recorded_key is None else mismatch is None
         problems, omitted = self.problems, self.omitted
+        explained_by_key = False
         if mismatch is not None and self.link_failures:
             # The thread records another key than this check's: its links fail because of
             # the key, not because of N edits. One problem says so; what a key cannot explain
@@ -657,6 +659,7 @@ class _Verifier:
             problems = [first] + [p for i, p in enumerate(problems) if i not in self.link_indexes]
             omitted -= self.link_omitted
             mismatch = None  # said by the problem itself
+            explained_by_key = True  # no guessing at the failures' cause below
         if first is None:
             detail = f"{self.checked} events verified, chain intact"
             detail += " (keyed)" if self.secret is not None else " (unkeyed)"
@@ -669,7 +672,8 @@ class _Verifier:
             detail = first.detail
             total = len(self.problems) + self.omitted
             if (
-                self.checked > 1
+                not explained_by_key
+                and self.checked > 1
                 and total >= self.checked
                 and all(p.kind == "modified" for p in self.problems)
             ):
@@ -819,7 +823,7 @@ class Auditor:
         *,
         secret: bytes | None = None,
     ) -> None:
-        self.store = store
+        self.store = require_store(store, "Auditor")
         self.projector = projector or Projector(store)
         if self.projector.store is not store:
             raise InvalidInputError("the projector must be bound to the auditor's store")

@@ -28,12 +28,14 @@ import anyio.to_thread
 import msgspec
 
 from eventstore import (
+    EventStore,
     InvalidInputError,
     Message,
     MessageFormatError,
     TranscriptAppended,
     TranscriptReplaced,
 )
+from eventstore._contract import require_store
 
 from ._access import Principal
 from ._files import temp_beside
@@ -176,8 +178,21 @@ def _too_large(number: int, message: Message, stored: int, limit: int) -> JsonlL
     return JsonlLineError(number, reason, too_large=True)
 
 
+def _sessions_of(sessions: object, caller: str) -> SessionStore:
+    """A `SessionStore` for ``sessions``: itself, or one over an `EventStore` passed as it
+    is (as `connect` returned it); anything else is `InvalidInputError`."""
+    if isinstance(sessions, SessionStore):
+        return sessions
+    try:
+        return SessionStore(require_store(sessions, caller))
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"{caller} needs a SessionStore or an EventStore, not {type(sessions).__name__}"
+        ) from None
+
+
 async def import_jsonl(
-    sessions: SessionStore,
+    sessions: SessionStore | EventStore,
     path: str | os.PathLike[str],
     session_id: str,
     *,
@@ -194,7 +209,9 @@ async def import_jsonl(
     A large file is written in several appends (each atomic). ``progress`` is called
     before each one and once after the last, with what is written so far; an exception it
     raises stops the import there and propagates (what was written stays written).
+    ``sessions`` is a `SessionStore` (its access policy applies) or an `EventStore`.
     """
+    sessions = _sessions_of(sessions, "import_jsonl")
     messages, errors = await read_import(sessions, path, skip_bad=skip_bad)
     return await write_import(
         sessions, messages, errors, session_id, principal=principal, progress=progress
@@ -317,7 +334,7 @@ def _write_atomically(path: Path, chunks: list[bytes]) -> None:
 
 
 async def export_jsonl(
-    sessions: SessionStore,
+    sessions: SessionStore | EventStore,
     session_id: str,
     path: str | os.PathLike[str],
     *,
@@ -326,7 +343,9 @@ async def export_jsonl(
     """Write the session's current transcript as JSONL (atomically); returns the line count.
 
     Raises `NoTranscriptError` (nothing written) for a session with no transcript.
+    ``sessions`` is a `SessionStore` (its access policy applies) or an `EventStore`.
     """
+    sessions = _sessions_of(sessions, "export_jsonl")
     transcript = await transcript_to_export(sessions, session_id, principal=principal)
     chunks = [m.to_json_bytes() + b"\n" for m in transcript.messages]
     await anyio.to_thread.run_sync(_write_atomically, Path(path), chunks)

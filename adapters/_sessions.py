@@ -32,6 +32,7 @@ from eventstore import (
     validate_thread_id,
     version_satisfies,
 )
+from eventstore._contract import require_store
 from projections import Projector, TranscriptMessage
 
 from ._access import AccessPolicy, AllowAll, Principal, authorize, check_policy
@@ -144,7 +145,7 @@ class SessionStore:
     """
 
     def __init__(self, store: EventStore, *, policy: AccessPolicy | None = None) -> None:
-        self.store = store
+        self.store = require_store(store, "SessionStore")
         self.projector = Projector(store)
         # `is None`, not `or`: a policy that is falsy (an empty rule table) denies, not allows.
         self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
@@ -230,8 +231,15 @@ class SessionStore:
         """Apply a `SessionUpdate` (see `session_update`); returns the new version.
 
         The expected version is ``expected_version`` if given, else the update's own (that of
-        the `Transcript` it was computed from), else this task's remembered one.
+        the `Transcript` it was computed from), else this task's remembered one. Anything
+        but a `SessionUpdate` (the messages themselves, the loaded `Transcript`) is refused
+        with `InvalidInputError`: `append` and `replace` take messages.
         """
+        if not isinstance(update, SessionUpdate):
+            raise InvalidInputError(
+                "update must be a SessionUpdate (session_update(before, result)), not "
+                f"{type(update).__name__}: to write messages as they are, use append or replace"
+            )
         if expected_version is None:
             expected_version = update.expected_version
         if update.mode == "append":

@@ -2231,6 +2231,30 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    """The checks of a command line that need no store, made before one is opened: a command
+    that cannot run says so without starting the embedded server (which then keeps running)
+    or waiting for an unreachable ``--url`` first. The commands check again as they run."""
+    if hasattr(args, "all") and hasattr(args, "thread"):
+        _target(args)
+    if args.command == "export" and args.compression is not None and args.fmt != "parquet":
+        raise UsageError(
+            f"--compression applies to --format parquet only; {args.fmt} parts are written "
+            "uncompressed (see 'threadlog export --help')"
+        )
+    if args.command == "drop-group":
+        es.validate_group(args.name)
+    if args.command == "import-jsonl":
+        es.validate_thread_id(args.session)
+        # Looked at, not opened: a pipe (``<(...)``) must keep its data for the import.
+        try:
+            os.stat(args.file)
+        except OSError as exc:
+            raise es.InvalidInputError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+        if not os.access(args.file, os.R_OK):
+            raise es.InvalidInputError(f"cannot read {args.file}: Permission denied")
+
+
 def _fail(message: str, code: int) -> int:
     sys.stderr.write(f"threadlog: {_one_line(message)}\n")
     sys.stderr.flush()
@@ -2252,6 +2276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespace = getattr(args, "namespace", None)
         if namespace is not None:  # refused before an embedded server is started for nothing
             es.validate_namespace(namespace)
+        _preflight(args)
         where = resolve_where(getattr(args, "url", None))
         anyio.run(_run, args, where)
     except KeyboardInterrupt:

@@ -1,5 +1,9 @@
 """threadlog's event store: per-thread event logs on Redis Streams, with an in-memory twin.
 
+Start with ``store = await eventstore.connect(url)`` (see `connect`; ``async with`` closes
+it), then hand the store to ``adapters.ThreadStore`` (conversations, state, turns) or
+``adapters.SessionStore`` (transcripts). Every error threadlog raises is an `EventStoreError`.
+
 Everything public is re-exported here; the underscored modules are implementation.
 """
 

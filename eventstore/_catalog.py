@@ -296,6 +296,8 @@ def _message_from_json(obj: Any) -> Message:
     if not isinstance(obj, dict):
         raise MessageFormatError(f"a message must be a JSON object, not {type(obj).__name__}")
     role = obj.get("role")
+    if "role" not in obj:
+        raise MessageFormatError(f"a message needs a role (one of {', '.join(ROLES)}); it has none")
     if role not in ROLES:
         raise MessageFormatError(f"message role must be one of {', '.join(ROLES)}, not {role!r}")
     content = obj.get("content")
@@ -304,8 +306,14 @@ def _message_from_json(obj: Any) -> Message:
         parts = content
     elif isinstance(content, list):
         parts = [_part_from_json(p) for p in content]  # type: ignore[misc]
+    elif "content" not in obj:
+        raise MessageFormatError(
+            "a message needs content (a string or a list of parts); it has none"
+        )
     else:
-        raise MessageFormatError("message content must be a string or a list of parts")
+        raise MessageFormatError(
+            f"message content must be a string or a list of parts, not {type(content).__name__}"
+        )
     msg_id = obj.get("id")
     options = obj.get("providerOptions")
     # An explicit null id or providerOptions is kept among the unknown fields (role and content

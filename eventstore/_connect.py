@@ -314,22 +314,34 @@ async def connect(
     secret: bytes | None = None,
     socket_timeout: float | None = None,
     max_batch: int | None = None,
-    embedded_dir: Path | None = None,
+    embedded_dir: str | os.PathLike[str] | None = None,
     create_namespace: bool = True,
 ) -> EventStore:
-    """Open an event store.
+    """Open an event store: ``async with await connect(...) as store:``, or `close` it.
 
+    ``url``: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS),
+    ``unix:///path/to/redis.sock``, ``redis+cluster://host:port,host:port`` or
+    ``memory://[name]`` (in this process only); ``?namespace=`` in the URL or ``namespace``
+    here (default ``default``) names the tenant whose keys the store reads and writes.
     With no ``url`` and no ``THREADLOG_URL``, starts (or reuses) a private redis-server under
-    ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend and logs
-    a notice saying so. ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
+    ``./.threadlog/`` when the binary exists, else falls back to the in-memory backend;
+    starting one, or falling back, is logged as a WARNING on the ``threadlog`` logger (stderr
+    when logging is not configured). That server keeps running after the process exits:
+    `stop_embedded` stops it.
+
+    A store on Redis belongs to the event loop it was opened in: open one per loop (each
+    ``asyncio.run`` or ``anyio.run`` is a new loop), inside it; used from a loop that has
+    closed since, it raises `StoreClosedError`.
+
+    ``secret`` (default: ``THREADLOG_SECRET``) keys the integrity chain;
     without either the chain is unkeyed. An empty secret, or ``THREADLOG_SECRET`` set to
     nothing, is refused (`InvalidInputError`), not taken as no key.
     A namespace's partition count is recorded in Redis the first time a store opens it;
     ``create_namespace=False`` is for readers (audits, listings): a namespace never written
     is then left without any key, and reads as empty. Do not write through such a store.
 
-    Raises `InvalidURLError` for a bad URL and `StoreConnectionError` if the server does not
-    answer.
+    Raises `InvalidURLError` for a bad URL, `StoreConnectionError` if the server does not
+    answer, and `UnsafeServerError` for a server that may evict any key.
     """
     if secret is None and SECRET_ENV in os.environ:
         if not os.environ[SECRET_ENV]:
@@ -353,7 +365,10 @@ async def connect(
         if value is not None:
             _check_setting(name, value)
     if url is None:
-        url = os.environ.get(URL_ENV) or embedded_url(embedded_dir or EMBEDDED_DIR)
+        url = os.environ.get(URL_ENV) or None
+        if url is None:
+            # Blocking work (a lock wait, starting a daemon, polling its socket): off the loop.
+            url = await asyncio.to_thread(embedded_url, embedded_dir or EMBEDDED_DIR)
     settings = StoreSettings.from_url(url, **overrides)
     return await open_store(settings, registry=registry, create_namespace=create_namespace)
 
@@ -562,7 +577,7 @@ def _redis_client(settings: StoreSettings) -> Any:
 
 
 def embedded_url(
-    directory: Path,
+    directory: str | os.PathLike[str],
     *,
     on_start: Callable[[Path], None] | None = None,
     lock_timeout: float = 30.0,
@@ -570,7 +585,9 @@ def embedded_url(
     """A URL for the private redis-server under ``directory``, started if needed.
 
     ``on_start(directory)`` is called when this call started the server (it keeps running
-    after the process exits: `stop_embedded` stops it). The directory is private to its owner
+    after the process exits: `stop_embedded` stops it); without one, starting it is logged
+    as a WARNING on the ``threadlog`` logger, which a program that configured no logging
+    sees on stderr. The directory is private to its owner
     (mode 0700) and the server's files are created 0600: they hold every conversation.
     Falls back to ``memory://`` (with a logged notice) when no redis-server binary exists.
 
@@ -590,7 +607,7 @@ def embedded_url(
             URL_ENV,
         )
         return "memory://"
-    directory = directory.resolve()
+    directory = Path(directory).resolve()
     try:
         return _embedded_url(binary, directory, on_start, lock_timeout)
     except StoreConnectionError:
@@ -660,9 +677,19 @@ def _embedded_url(
                 f"(move it away, or set {URL_ENV})"
             )
         _start_server(binary, directory, sock)
-        if on_start is not None:
-            on_start(directory)
+        (on_start or _notice_started)(directory)
     return url
+
+
+def _notice_started(directory: Path) -> None:
+    """Say that a server was started: it outlives this process, and its files hold data."""
+    log.warning(
+        "threadlog: started an embedded redis-server in %s (no URL given and %s unset); it "
+        "keeps running after this process exits: eventstore.stop_embedded() or "
+        "'threadlog stop' stops it, and its data stays there",
+        directory,
+        URL_ENV,
+    )
 
 
 def _socket_path(directory: Path) -> Path:
@@ -764,7 +791,6 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if _ping(sock) == "+PONG":
-            log.info("threadlog: started embedded redis-server at %s", sock)
             return
         if _exited(pidfile):
             break
@@ -827,14 +853,18 @@ def _repair_after_crash(directory: Path, sock: Path) -> None:
     pidfile.unlink(missing_ok=True)
 
 
-def stop_embedded(directory: Path = EMBEDDED_DIR, *, timeout: float = 10.0) -> bool:
-    """Stop the embedded server started under ``directory`` and wait (bounded) until it is gone.
+def stop_embedded(
+    directory: str | os.PathLike[str] = EMBEDDED_DIR, *, timeout: float = 10.0
+) -> bool:
+    """Stop the embedded server started under ``directory`` (default: ``.threadlog`` of the
+    current directory, where `connect` starts it) and wait (bounded) until it is gone. Its
+    data stays; the next `connect` without a URL starts it again.
 
     True if a server was running there and has stopped, busy or refusing commands as it may
-    be. The pid file alone is not trusted: after a crash or a reboot it may name an unrelated
-    process, so it must name a redis-server serving the directory (`_serving_pid`).
+    be; False if none was. The pid file alone is not trusted: after a crash or a reboot it may
+    name an unrelated process, so it must name a redis-server serving the directory.
     """
-    directory = directory.resolve()
+    directory = Path(directory).resolve()
     sock = _socket_path(directory)
     pid = _serving_pid(directory, sock)
     if pid is None:

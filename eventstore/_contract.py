@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -683,3 +684,23 @@ def _to_ms(value: datetime | int | None, name: str) -> int | None:
         return int(value.timestamp() * 1000)
     except (OverflowError, OSError, ValueError) as exc:  # a time the platform cannot convert
         raise InvalidInputError(f"{name} {value!r} is out of the range of times: {exc}") from None
+
+
+def require_store(store: object, owner: str) -> EventStore:
+    """``store``, unless it cannot be an event store: then `InvalidInputError` saying what it
+    is. Most often that is the coroutine of a ``connect(...)`` that was not awaited, which
+    would otherwise fail later, at first use, as an AttributeError of the coroutine. Checked
+    by shape, not by class: a proxy of a store (instrumentation, a test's) is one."""
+    if isinstance(store, EventStore):
+        return store
+    if inspect.isawaitable(store) or not all(
+        hasattr(store, name) for name in ("namespace", "append", "read_views")
+    ):
+        hint = ""
+        if inspect.isawaitable(store):
+            hint = ": await it (store = await eventstore.connect(...))"
+        raise InvalidInputError(
+            f"{owner} needs an EventStore (from eventstore.connect), not "
+            f"{type(store).__name__}{hint}"
+        )
+    return store  # type: ignore[return-value]

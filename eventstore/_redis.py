@@ -449,6 +449,8 @@ class RedisEventStore(EventStore):
         self._is_cluster = isinstance(client, RedisCluster)
         self._owns_client = owns_client
         self._closed = False
+        # The event loop the store's connections belong to: the first one it was used in.
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Chunks of a view load are packed here and sent on a pool connection where that is
         # exactly what redis-py would send: a standalone client on RESP2 with a pool. Packing
         # each value through redis-py's generic per-argument encoder costs more than the rest
@@ -470,11 +472,32 @@ class RedisEventStore(EventStore):
         # thread id -> what its appends send (`_memo_thread`)
         self._append_keys: dict[str, tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]] = {}
 
+    def _check_usable(self) -> None:
+        """`StoreClosedError` when the store is closed, or when its event loop is.
+
+        The connections belong to the loop the store was first used in: used from another
+        after that one closed (``asyncio.run`` twice), a call would fail inside redis-py
+        (``RuntimeError: Event loop is closed``) and the next would reconnect by chance.
+        """
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # the client property, read outside any loop (tooling)
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop and self._loop.is_closed():
+            raise StoreClosedError(
+                "this store was opened in an event loop that has closed since (each "
+                "asyncio.run or anyio.run is a new loop): open the store in the loop that "
+                "uses it"
+            )
+
     @property
     def client(self) -> Any:
         """The underlying redis-py client (for tests and tooling)."""
-        if self._closed:
-            raise StoreClosedError("the store is closed")
+        self._check_usable()
         return self._client
 
     async def ensure_namespace(
@@ -591,8 +614,7 @@ class RedisEventStore(EventStore):
                     args += self._op_args(thread_id, op, index)
                 keys = index.keys
             call = (keys, args)
-        if self._closed:
-            raise StoreClosedError("the store is closed")
+        self._check_usable()
         try:
             reply = await self._group_commit.submit(thread_keys[0], call)
         # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
@@ -708,8 +730,7 @@ class RedisEventStore(EventStore):
         connections when there are some. Error replies raise translated."""
         if self._held is None:
             return await _call(self.client.execute_command(*parts))
-        if self._closed:
-            raise StoreClosedError("the store is closed")
+        self._check_usable()
         (reply,) = await _call(self._held.exchange(pack_command(parts), 1))
         if isinstance(reply, Exception):
             raise translate_redis_error(reply) from reply
@@ -802,8 +823,7 @@ class RedisEventStore(EventStore):
     async def _raw_replies(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Replies to ``commands`` sent as one pipeline, as hiredis builds them (no reply
         callbacks: entries stay flat lists); error replies in their commands' places."""
-        if self._closed:
-            raise StoreClosedError("the store is closed")
+        self._check_usable()
         if self._held is not None:
             payload = b"".join([pack_command(c) for c in commands])
             return await _call(self._held.exchange(payload, len(commands)))
@@ -1058,8 +1078,7 @@ class RedisEventStore(EventStore):
             for command in commands:
                 pipe.execute_command(*command)
             return list(await _call(pipe.execute(raise_on_error=False)))
-        if self._closed:
-            raise StoreClosedError("the store is closed")
+        self._check_usable()
         payload = b"".join([_MULTI, *(pack_command(c) for c in commands), _EXEC])
         replies = await _call(self._held.exchange(payload, len(commands) + 2))
         executed = replies[-1]
@@ -1620,6 +1639,9 @@ class RedisEventStore(EventStore):
         if self._closed:
             return
         self._closed = True
+        if self._loop is not None and self._loop.is_closed():
+            # Its connections died with their loop; closing them here would fail.
+            return
         with contextlib.suppress(rex.RedisError, OSError):
             if self._held is not None:
                 await self._held.close()

@@ -36,6 +36,7 @@ from eventstore import (
     validate_consumer,
     validate_view_name,
 )
+from eventstore._contract import require_store
 from eventstore._feed import parse_stream_id
 from eventstore._ids import validate_count
 
@@ -97,7 +98,8 @@ class ProjectionRunner:
     distinct names, as nothing is delivered to a name.
 
     Raises:
-        InvalidInputError: a bad projection name or consumer name, ``partitions`` not distinct
+        InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited), a
+            bad projection name or consumer name, ``partitions`` not distinct
             ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
             not a number >= 0, ``accept_trimmed_feed`` or ``backfill`` not a bool. Nothing is
             registered.
@@ -115,6 +117,7 @@ class ProjectionRunner:
         accept_trimmed_feed: bool = False,
         backfill: bool = False,
     ) -> None:
+        store = require_store(store, "ProjectionRunner")
         validate_view_name(projection.name)
         validate_consumer(consumer)
         validate_count(batch_size, "batch_size", minimum=1)

@@ -17,6 +17,7 @@ import pytest
 import eventstore as es
 from adapters import (
     AccessDenied,
+    Auditor,
     CallbackPolicy,
     ImportProgress,
     JsonlImportError,
@@ -492,6 +493,94 @@ async def test_turn_ids_and_message_lists_are_checked_with_plain_words(
         session_update([one], one)  # type: ignore[arg-type]
     assert await store.version("t") == 0 and await store.version("s") == 0
     assert await threads.open_turn("t", turn_id="x" * 256) == "x" * 256
+
+
+async def test_saving_what_is_not_a_session_update_is_refused_with_plain_words(
+    store: es.EventStore,
+) -> None:
+    """`save` takes what `session_update` returns; the messages themselves, or the loaded
+    `Transcript`, are refused as invalid input (not an AttributeError) and write nothing."""
+    sessions = SessionStore(store)
+    await sessions.append("s", [{"role": "user", "content": "a"}])
+    loaded = await sessions.load("s")
+    for wrong, named in [
+        ([{"role": "user", "content": "b"}], "list"),
+        (loaded, "Transcript"),
+        ({"mode": "append", "messages": []}, "dict"),
+        (None, "NoneType"),
+    ]:
+        with pytest.raises(
+            es.InvalidInputError,
+            match=rf"^update must be a SessionUpdate \(session_update\(before, result\)\), "
+            rf"not {named}",
+        ):
+            await sessions.save("s", wrong)  # type: ignore[arg-type]
+    assert await store.version("s") == 1
+    assert await sessions.save("s", session_update(loaded, [*loaded.messages, user("b")])) == 2
+
+
+async def test_a_store_not_awaited_is_refused_when_the_adapter_is_made(redis_url: str) -> None:
+    """``SessionStore(es.connect(url))`` (no await) is refused at once, saying to await it,
+    not with an AttributeError of the coroutine at the first call; so is any non-store."""
+    pending = es.connect(redis_url, namespace="a" + uuid.uuid4().hex[:12])
+    try:
+        for make in (SessionStore, Auditor):
+            with pytest.raises(
+                es.InvalidInputError,
+                match=rf"^{make.__name__} needs an EventStore \(from eventstore.connect\), not "
+                r"coroutine: await it",
+            ):
+                make(pending)  # type: ignore[arg-type]
+            with pytest.raises(es.InvalidInputError, match=r"needs an EventStore .*, not str$"):
+                make(redis_url)  # type: ignore[arg-type]
+    finally:
+        async with await pending:
+            pass
+
+
+async def test_jsonl_files_take_the_event_store_itself_and_refuse_other_things(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    """``import_jsonl(store, ...)`` with the store `connect` returned (not a SessionStore)
+    works as with ``SessionStore(store)``; anything else is refused with plain words, not an
+    AttributeError from inside."""
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_bytes(b'{"role":"user","content":"hi"}\n')
+    report = await import_jsonl(store, path, "s")
+    assert (report.imported, report.version) == (1, 1)
+    assert await export_jsonl(store, "s", out) == 1
+    assert out.read_bytes() == path.read_bytes()
+    threads = ThreadStore(store)
+    with pytest.raises(
+        es.InvalidInputError,
+        match=r"^import_jsonl needs a SessionStore or an EventStore, not ThreadStore",
+    ):
+        await import_jsonl(threads, path, "s2")  # type: ignore[arg-type]
+    with pytest.raises(
+        es.InvalidInputError, match=r"^export_jsonl needs a SessionStore or an EventStore"
+    ):
+        await export_jsonl(threads, "s", out)  # type: ignore[arg-type]
+    assert await store.version("s2") == 0
+
+
+async def test_a_message_missing_its_role_or_content_is_told_so(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    cases: list[tuple[dict[str, object], str]] = [
+        (
+            {"role": "user"},
+            r"^a message needs content \(a string or a list of parts\); it has none",
+        ),
+        ({"content": "hi"}, r"^a message needs a role \(one of system, user, assistant, tool\)"),
+        (
+            {"role": "user", "content": 5},
+            r"^message content must be a string or a list of parts, not int",
+        ),
+        ({"role": "bot", "content": "hi"}, r"^message role must be one of .*, not 'bot'"),
+    ]
+    for message, said in cases:
+        with pytest.raises(es.MessageFormatError, match=said):
+            await threads.append_message("t", message)
+    assert await store.version("t") == 0
 
 
 async def test_two_instances_interleave_on_one_thread(redis_url: str) -> None:

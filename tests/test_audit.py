@@ -530,6 +530,23 @@ async def test_verify_says_when_the_thread_was_written_with_or_without_a_key(
     assert (await Auditor(plain).verify("plain")).key_matches is True
 
 
+async def test_a_wrong_key_verdict_does_not_also_guess_at_copied_entries(
+    keyed: es.EventStore,
+) -> None:
+    """The thread's recorded key explains why every link fails; the verdict says that alone,
+    not also "every entry fails under the key the thread records: copied or renamed?", which
+    is false (they verify under that key) and sends the reader after a forgery."""
+    await populate(keyed)
+    plain = await twin(keyed, None)
+    await plain.append("plain", [es.MessageAppended(message=user("hi"))] * 2)
+    for auditor, thread in ((Auditor(plain), T), (Auditor(keyed), "plain")):
+        verdict = await auditor.verify(thread)
+        assert_damage(verdict, 0, "wrong_key")
+        assert "every entry fails" not in verdict.detail, verdict.detail
+        assert "copied or renamed" not in verdict.detail, verdict.detail
+    assert (await Auditor(plain).verify("plain")).ok and (await Auditor(keyed).verify(T)).ok
+
+
 async def test_a_writer_without_the_key_is_refused_so_verify_stays_clean(
     keyed: es.EventStore,
 ) -> None:

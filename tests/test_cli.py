@@ -428,6 +428,33 @@ def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_pat
     assert not (tmp_path / ".threadlog").exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["verify"], "give a THREAD or --all"),
+        (["check"], "give a THREAD or --all"),
+        (["rebuild", "t", "--all"], "give a THREAD or --all, not both"),
+        (["export", "--format", "ndjson", "--compression", "zstd", "--out", "x"], "--compression"),
+        (["drop-group", "no spaces"], "group name 'no spaces'"),
+        (["import-jsonl", "missing.jsonl", "s"], "cannot read missing.jsonl"),
+        (["import-jsonl", "in.jsonl", ""], "thread id must not be empty"),
+    ],
+)
+def test_usage_errors_are_refused_before_an_embedded_server_is_started(
+    tmp_path: Path, argv: list[str], said: str
+) -> None:
+    """A command line that cannot run says so without starting (and leaving running) the
+    embedded server, or waiting for an unreachable --url, first."""
+    (tmp_path / "in.jsonl").write_text('{"role":"user","content":"hi"}\n')
+    env = child_env(THREADLOG_URL=None)
+    try:
+        run = cli(*argv, cwd=tmp_path, env=env)
+    finally:
+        es.stop_embedded(tmp_path / ".threadlog")  # had one started after all, it stops here
+    assert said in assert_one_line_error(run)
+    assert not (tmp_path / ".threadlog").exists()
+
+
 def test_stop_help_lists_no_store_options() -> None:
     run = cli("stop", "--help")
     assert run.code == 0, run

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import re
@@ -16,6 +18,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from eventstore import (
     MemoryEventStore,
     MessageAppended,
     RedisEventStore,
+    StoreClosedError,
     StoreConnectionError,
     StoreSettings,
     UnsafeServerError,
@@ -600,6 +604,45 @@ async def test_embedded_server_is_started_reused_and_stopped(short_dir: Path) ->
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("no_url_env")
+async def test_starting_the_embedded_server_is_said_where_a_program_sees_it(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server outlives the process: a program that never configured logging is told (a
+    WARNING reaches stderr through logging's last resort) where it runs and how to stop it.
+    Reusing it says nothing; a caller with its own ``on_start`` (the CLI) says it its way."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home), caplog.at_level(logging.INFO, logger="threadlog"):
+        async with await connect(embedded_dir=home, namespace=_ns()):
+            pass
+        notices = [r for r in caplog.records if r.name == "threadlog"]
+        assert [r.levelno for r in notices] == [logging.WARNING]
+        text = notices[0].getMessage()
+        assert str(home.resolve()) in text and "stop_embedded" in text and URL_ENV in text
+        caplog.clear()
+        async with await connect(embedded_dir=home, namespace=_ns()):
+            pass
+        assert not [r for r in caplog.records if r.name == "threadlog"]
+        assert stop_embedded(home) is True
+        started: list[Path] = []
+        embedded_url(home, on_start=started.append)
+        assert started == [home.resolve()]
+        assert not [r for r in caplog.records if r.name == "threadlog"]
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_the_embedded_directory_may_be_given_as_a_string(short_dir: Path) -> None:
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        async with await connect(embedded_dir=str(home), namespace=_ns()) as store:
+            assert isinstance(store, RedisEventStore)
+        assert embedded_url(str(home)) == f"unix://{home.resolve() / 'redis.sock'}"
+        assert stop_embedded(str(home)) is True
+        assert stop_embedded(str(home)) is False
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
 async def test_embedded_default_lives_in_dot_threadlog(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -890,6 +933,39 @@ def test_a_live_embedded_server_without_its_socket_is_not_replaced(short_dir: Pa
         assert stop_embedded(home) is True
 
 
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_connect_waits_for_the_embedded_server_without_blocking_the_loop(
+    short_dir: Path,
+) -> None:
+    """Starting the embedded server (or waiting for another process starting it) is blocking
+    work: connect() does it off the event loop, so a runtime's other tasks keep running."""
+    home = short_dir / "emb"
+    home.mkdir(mode=0o700)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    with _stopped_afterwards(home), open(home / "lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another process starting it, for 0.5 s
+
+        async def release() -> None:
+            await anyio.sleep(0.5)
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            tg.start_soon(release)
+            async with await connect(embedded_dir=home, namespace=_ns()) as store:
+                assert isinstance(store, RedisEventStore)
+            tg.cancel_scope.cancel()
+    assert ticks >= 10, f"the loop ran {ticks} times while connect() waited 0.5 s or more"
+
+
 @pytest.mark.usefixtures("no_url_env")
 def test_the_embedded_lock_never_blocks_for_long(short_dir: Path) -> None:
     """A process holding the directory's lock (stalled mid-start) does not block callers: a
@@ -979,6 +1055,43 @@ async def test_without_redis_server_falls_back_to_memory_with_a_notice(
     assert "in-memory" in notices[0].getMessage()
     assert URL_ENV in notices[0].getMessage()
     assert not (home / "redis.pid").exists()
+
+
+def test_a_store_used_after_its_event_loop_closed_says_so(redis_url: str) -> None:
+    """``store = asyncio.run(connect(...))`` then ``asyncio.run(use(store))``: the store's
+    connections belong to the first loop. Every call from the second (not only the first one,
+    then working by chance) is `StoreClosedError` saying why; closing it is quiet."""
+    namespace = _ns()
+
+    async def opened() -> EventStore:
+        store = await connect(redis_url, namespace=namespace)
+        await store.append("t", [msg("a")])
+        return store
+
+    stores = [asyncio.run(opened())]
+
+    async def use() -> None:
+        await stores[0].version("t")
+
+    async def write() -> None:
+        await stores[0].append("t", [msg("b")])
+
+    for call in (use, use, write, use):
+        with pytest.raises(StoreClosedError, match=r"event loop .* closed.*open the store in"):
+            asyncio.run(call())
+    asyncio.run(stores[0].close())
+    # The first loop closed with the store's connections open (the mistake this test makes on
+    # purpose): collected, they are reported unclosed, as in a program that does it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        stores.clear()
+        gc.collect()
+
+    async def check() -> None:
+        async with await connect(redis_url, namespace=namespace) as again:
+            assert await _texts(again, "t") == ["a"]
+
+    asyncio.run(check())
 
 
 def test_settings_repr_hides_password_and_secret() -> None:

@@ -89,6 +89,20 @@ async def test_a_runner_with_an_unusable_consumer_name_is_refused_at_once(
     assert await store.feed_groups(0) == []  # no group was registered
 
 
+async def test_a_runner_given_a_store_not_awaited_is_refused_at_once(redis_url: str) -> None:
+    pending = es.connect(redis_url, namespace="r" + uuid.uuid4().hex[:12])
+    try:
+        with pytest.raises(
+            es.InvalidInputError,
+            match=r"^ProjectionRunner needs an EventStore \(from eventstore.connect\), not "
+            r"coroutine: await it",
+        ):
+            ProjectionRunner(pending, UsageProjection(), consumer="c")  # type: ignore[arg-type]
+    finally:
+        async with await pending:
+            pass
+
+
 async def test_a_thread_deleted_and_created_again_is_counted_in_each_life_once(
     store: es.EventStore,
 ) -> None:
