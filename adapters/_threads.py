@@ -17,6 +17,7 @@ import anyio
 import msgspec
 
 from eventstore import (
+    OUTCOMES,
     AppendResult,
     ConflictError,
     EventStore,
@@ -38,6 +39,7 @@ from eventstore import (
     validate_count,
     validate_thread_id,
 )
+from eventstore._contract import require_store
 from projections import (
     DEFAULT_WINDOW,
     Block,
@@ -187,6 +189,16 @@ def _as_struct(value: object, type_: type[S], name: str) -> S:
     if isinstance(value, type_):
         return value
     if isinstance(value, Mapping):
+        # A misspelt field ({"input": 12} for input_tokens) would otherwise be dropped in
+        # silence, and the record keep its default (0 tokens) as if that had been said.
+        known = [f.encode_name for f in msgspec.structs.fields(type_)]
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise InvalidInputError(
+                f"{name}: unknown field{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(k) for k in unknown)} ({type_.__name__} has "
+                f"{', '.join(known)})"
+            )
         try:
             return msgspec.convert(dict(value), type_)
         except msgspec.ValidationError as exc:
@@ -243,8 +255,7 @@ class ThreadStore:
         policy: AccessPolicy | None = None,
         new_turn_id: Callable[[], str] = new_ulid,
     ) -> None:
-        if not isinstance(store, EventStore):
-            raise InvalidInputError(f"store must be an EventStore, not {type(store).__name__}")
+        store = require_store(store, "ThreadStore")
         if state is not None and not isinstance(state, StateProjection):
             raise InvalidInputError(
                 f"state must be a StateProjection or None, not {type(state).__name__}"
@@ -459,6 +470,10 @@ class ThreadStore:
         await self._allow(principal, "write", thread_id)
         await self._allow(principal, "read", thread_id)
         _check_turn_id(turn_id)
+        if outcome not in OUTCOMES:
+            raise InvalidInputError(
+                f"outcome must be one of {', '.join(OUTCOMES)}, not {outcome!r:.60}"
+            )
         usage = _as_optional(usage, Usage, "usage")
         timing = _as_optional(timing, Timing, "timing")
         error = _as_optional(error, TurnError, "error")

@@ -76,6 +76,7 @@ from eventstore import (
     ViewRead,
     validate_thread_id,
 )
+from eventstore._contract import require_store
 from eventstore._ids import validate_int
 from projections import Projection, Projector
 
@@ -313,8 +314,7 @@ class ThreadlogSession:
         policy: AccessPolicy | None = None,
         principal: Principal | None = None,
     ) -> None:
-        if not isinstance(store, EventStore):
-            raise InvalidInputError(f"store must be an EventStore, not {type(store).__name__}")
+        store = require_store(store, "ThreadlogSession")
         self.session_id = session_id
         self.store = store
         self.thread_id = session_thread_id(session_id, prefix=thread_prefix)

@@ -1172,6 +1172,51 @@ async def test_stores_refuse_what_is_no_store_policy_or_schema(store: es.EventSt
             build()
 
 
+def test_a_store_not_awaited_is_refused_saying_so() -> None:
+    from adapters.openai_agents import ThreadlogSession
+
+    pending = es.connect("memory://")
+    try:
+        for build in (lambda: ThreadStore(pending), lambda: ThreadlogSession("s", pending)):  # type: ignore[arg-type]
+            with pytest.raises(es.InvalidInputError, match="await it"):
+                build()
+    finally:
+        pending.close()  # never awaited, on purpose: closed without a warning
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "unknown"),
+    [
+        ("usage", {"input": 12, "output_tokens": 3}, "'input'"),
+        ("timing", {"start_ms": 5}, "'start_ms'"),
+        ("error", {"kind": "x", "msg": "y"}, "'msg'"),
+        ("fallbacks", [{"from": "big", "tier": "small"}], "'tier'"),
+    ],
+)
+async def test_a_misspelt_field_of_a_settlement_is_refused_not_dropped(
+    store: es.EventStore, argument: str, value: Any, unknown: str
+) -> None:
+    """{"input": 12} for input_tokens used to be dropped, and the record said 0 tokens."""
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t", request_message={"role": "user", "content": "q"})
+    version = await store.version("t")
+    with pytest.raises(es.InvalidInputError, match=unknown) as caught:
+        await threads.settle_turn("t", turn, outcome="completed", **{argument: value})
+    assert argument in str(caught.value)
+    assert await store.version("t") == version  # nothing written: the turn is still open
+    record = await threads.projector.record("t", turn)
+    assert record is not None and record.is_open
+
+
+async def test_an_unknown_outcome_is_refused_naming_the_outcomes(store: es.EventStore) -> None:
+    threads = ThreadStore(store)
+    turn = await threads.open_turn("t")
+    version = await store.version("t")
+    with pytest.raises(es.InvalidInputError, match="outcome must be one of completed, failed"):
+        await threads.settle_turn("t", turn, outcome="done")  # type: ignore[arg-type]
+    assert await store.version("t") == version
+
+
 async def test_a_principal_of_another_type_is_refused_and_writes_nothing(
     store: es.EventStore,
 ) -> None:
