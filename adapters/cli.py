@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
 import difflib
+import io
 import os
 import re
 import shlex
@@ -2261,12 +2263,32 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _tolerant_output(*, json_lines: bool) -> None:
+    """Text the output's encoding cannot hold (a message in Chinese on a latin-1 or ASCII
+    terminal) is written escaped (``\\u4e16``), never a crash half-way through a command;
+    JSON lines go out as UTF-8 whatever the locale says, as JSON is exchanged."""
+    for stream in (sys.stdout, sys.stderr):
+        if not isinstance(stream, io.TextIOWrapper):
+            continue  # replaced (a test's buffer): its owner decides
+        try:
+            utf8 = codecs.lookup(stream.encoding).name == "utf-8"
+        except LookupError:
+            utf8 = False
+        if utf8:
+            continue
+        if stream is sys.stdout and json_lines:
+            stream.reconfigure(encoding="utf-8")
+        else:
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
     parser = build_parser()
     command: str | None = None
     try:
         args = parser.parse_args(argv)
+        _tolerant_output(json_lines=bool(getattr(args, "json", False)))
         command = args.command
         if command is None:
             names = ", ".join(_command_names(parser))

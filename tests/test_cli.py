@@ -302,6 +302,28 @@ def test_a_server_that_evicts_any_key_is_one_line_with_exit_code_2(redis_url: st
     assert cli("demo", url=redis_url, namespace=namespace).code == 0
 
 
+def test_output_an_encoding_cannot_hold_is_escaped_and_json_is_utf8(redis_url: str) -> None:
+    """On a latin-1 or ASCII terminal, a message in Chinese stopped replay half-way with an
+    internal error (exit 3)."""
+    namespace = fresh_namespace()
+    text = "hello \u2192 \u4e16\u754c \U0001f389"  # no letter latin-1 has beyond ASCII
+
+    async def setup(store: es.EventStore) -> None:
+        await ThreadStore(store).append_message("t", {"role": "user", "content": text})
+
+    with_store(redis_url, namespace, setup)
+    for encoding in ("ascii", "latin-1"):
+        env = child_env(PYTHONIOENCODING=encoding)
+        for argv in (["replay", "t"], ["show", "t"]):
+            run = cli(*argv, url=redis_url, namespace=namespace, env=env)
+            assert run.code == 0 and "Traceback" not in run.err, run
+            assert "\\u4e16\\u754c" in run.out, run.out
+        run = cli("replay", "t", "--json", url=redis_url, namespace=namespace, env=env)
+        assert run.code == 0, run
+        contents = [json.dumps(row) for row in map(json.loads, run.lines())]
+        assert any(json.dumps(text)[1:-1] in row for row in contents), run.out
+
+
 def test_a_reader_that_goes_away_ends_the_command_quietly(redis_url: str) -> None:
     """``threadlog replay T | head -1``: exit 141 (SIGPIPE's code), nothing on stderr."""
     namespace = fresh_namespace()
