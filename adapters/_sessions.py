@@ -50,14 +50,15 @@ class Transcript(msgspec.Struct, frozen=True, kw_only=True):
 class SessionUpdate(msgspec.Struct, frozen=True, kw_only=True):
     """What to write after a turn: ``append`` the new tail, or ``replace`` the transcript.
 
-    ``expected_version`` is the version of the `Transcript` it was computed from (None when
-    it was computed from bare messages): `SessionStore.save` writes only if the session is
-    still at that version.
+    ``expected_version`` and ``session_id`` are those of the `Transcript` it was computed
+    from (None when it was computed from bare messages): `SessionStore.save` writes only to
+    that session, and only if it is still at that version.
     """
 
     mode: Literal["append", "replace"]
     messages: list[Message]
     expected_version: int | None = None
+    session_id: str | None = None
 
 
 def session_update(
@@ -69,12 +70,19 @@ def session_update(
     Given the `Transcript` that `SessionStore.load` returned as ``before``, the update carries
     its version, and saving it fails with `ConcurrencyError` if the session changed since.
     """
-    version = before.version if isinstance(before, Transcript) else None
-    old = as_messages(before.messages if isinstance(before, Transcript) else before, "before")
+    loaded = before if isinstance(before, Transcript) else None
+    version = loaded.version if loaded is not None else None
+    session = loaded.session_id if loaded is not None else None
+    old = as_messages(loaded.messages if loaded is not None else before, "before")
     new = as_messages(result, "result")
     if len(new) >= len(old) and all(_same(a, b) for a, b in zip(old, new, strict=False)):
-        return SessionUpdate(mode="append", messages=new[len(old) :], expected_version=version)
-    return SessionUpdate(mode="replace", messages=new, expected_version=version)
+        return SessionUpdate(
+            mode="append",
+            messages=new[len(old) :],
+            expected_version=version,
+            session_id=session,
+        )
+    return SessionUpdate(mode="replace", messages=new, expected_version=version, session_id=session)
 
 
 _EVENT_SLACK = 4096  # what an event adds to its messages: type tag, reason, array headers
@@ -239,6 +247,13 @@ class SessionStore:
             raise InvalidInputError(
                 "update must be a SessionUpdate (session_update(before, result)), not "
                 f"{type(update).__name__}: to write messages as they are, use append or replace"
+            )
+        if update.session_id is not None and update.session_id != session_id:
+            # Its tail and its version are another session's: appended here, the tail would
+            # land after messages it was never compared with (whenever the versions agree).
+            raise InvalidInputError(
+                f"this update was computed from session {update.session_id!r}'s transcript, "
+                f"not {session_id!r}'s; nothing was written"
             )
         if expected_version is None:
             expected_version = update.expected_version

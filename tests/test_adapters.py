@@ -667,6 +667,25 @@ async def test_saving_nothing_still_checks_an_explicit_expected_version(
     assert await store.version("s") == 2
 
 
+async def test_an_update_is_saved_only_to_the_session_it_was_computed_from(
+    store: es.EventStore,
+) -> None:
+    """Two sessions at the same version: an update computed from one's transcript and saved
+    to the other would append its tail there, after messages it was never compared with."""
+    sessions = SessionStore(store)
+    await sessions.append("s1", [user("a1"), assistant("b1")])
+    await sessions.append("s2", [user("a2"), assistant("b2")])
+    loaded = await sessions.load("s1")
+    update = session_update(loaded, [*loaded.messages, user("c1")])
+    assert update.session_id == "s1"
+    with pytest.raises(es.InvalidInputError, match="session 's1'"):
+        await sessions.save("s2", update)
+    assert [m.text for m in (await sessions.load("s2")).messages] == ["a2", "b2"]
+    await sessions.save("s1", update)
+    assert [m.text for m in (await sessions.load("s1")).messages] == ["a1", "b1", "c1"]
+    assert session_update([user("x")], [user("x"), user("y")]).session_id is None
+
+
 async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     before = [user("a"), assistant("b")]
     extended = session_update(before, [*before, user("c")])
