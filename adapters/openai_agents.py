@@ -22,7 +22,8 @@ items; the log keeps every popped and cleared item for audit.
 * ``ttl`` is a retention period: a session idle (no write) for longer is deleted when it is next
   touched, and `sweep_idle_sessions` deletes the idle sessions nobody touches. Nothing uses
   Redis ``EXPIRE``, so events never vanish from under the thread index and the change feed.
-  The idle check and the delete are two steps: a write landing between them is deleted too.
+  The delete is made only if the session is still at the version the idle check read: a write
+  landing between the two keeps the session.
 
 Usage::
 
@@ -273,10 +274,23 @@ def _pop_lock(store: EventStore, thread_id: str) -> anyio.Lock:
     return lock
 
 
-async def _last_event_ms(store: EventStore, thread_id: str) -> int | None:
+async def _last_event(store: EventStore, thread_id: str) -> tuple[int, int] | None:
+    """The seq and time (ms) of the thread's last event; None for no thread."""
     async for event in store.read(thread_id, backwards=True, limit=1):
-        return event.time_ms
+        return event.seq, event.time_ms
     return None
+
+
+async def _delete_if_still(store: EventStore, thread_id: str, version: int) -> bool:
+    """Delete an idle session if nothing was written to it since it was found idle (at
+    ``version``); False when a write came first: it is no longer idle, and kept."""
+    try:
+        await store.delete_thread(
+            thread_id, views=list(SessionItemsProjection.views), expected_version=version
+        )
+    except ConcurrencyError:
+        return False
+    return True
 
 
 # -- the session ------------------------------------------------------------------------------
@@ -492,11 +506,13 @@ class ThreadlogSession:
         now = _now_ms()
         if self._active_ms is not None and now - self._active_ms < self.ttl_ms:
             return
-        last = await _last_event_ms(self.store, self.thread_id)
-        if last is not None and now - last > self.ttl_ms:
-            await self.store.delete_thread(self.thread_id, views=list(self.projection.views))
-            last = None
-        self._active_ms = last
+        last = await _last_event(self.store, self.thread_id)
+        if last is not None and now - last[1] > self.ttl_ms:
+            if await _delete_if_still(self.store, self.thread_id, last[0]):
+                self._active_ms = None
+                return
+            last = await _last_event(self.store, self.thread_id)  # written meanwhile
+        self._active_ms = last[1] if last is not None else None
 
 
 async def sweep_idle_sessions(
@@ -524,11 +540,11 @@ async def sweep_idle_sessions(
     for info in await store.threads(before_ms=cutoff):
         if not info.thread_id.startswith(thread_prefix):
             continue
-        last = await _last_event_ms(store, info.thread_id)
-        if last is None or last >= cutoff:
+        last = await _last_event(store, info.thread_id)
+        if last is None or last[1] >= cutoff:
             continue
-        await store.delete_thread(info.thread_id, views=list(SessionItemsProjection.views))
-        deleted.append(info.thread_id)
+        if await _delete_if_still(store, info.thread_id, last[0]):
+            deleted.append(info.thread_id)
     return deleted
 
 

@@ -442,12 +442,21 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
+    async def delete_thread(
+        self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
+    ) -> int:
         """Delete the thread: its log, meta, idempotency ledger and the named views.
 
         The change feed records a tombstone (so exports and consumers learn of it) and the
         thread leaves the thread index. Returns the version the thread had (0: no thread).
         An append after deletion starts a new thread at seq 1.
+
+        With ``expected_version``, only a thread at that version is deleted, in the same
+        atomic step: a thread written since the caller looked at it is kept.
+
+        Raises:
+            ConcurrencyError: the thread is not at ``expected_version``; nothing is deleted.
+            InvalidInputError: ``expected_version`` not None or an int >= 0.
         """
 
     # -- the change feed -----------------------------------------------------------------------

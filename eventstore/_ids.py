@@ -100,6 +100,15 @@ def validate_limit(limit: object, name: str = "limit") -> None:
         validate_count(limit, name)
 
 
+def validate_expected_deletion(expected_version: object) -> str:
+    """A deletion's expected version as the delete script takes it: "" for none (any), else
+    its digits; `InvalidInputError` unless None or an int >= 0."""
+    if expected_version is None:
+        return ""
+    validate_count(expected_version, "expected_version")
+    return str(expected_version)
+
+
 def validate_int(value: object, name: str) -> None:
     """Refuse a value that is not an int (a time in ms, a list index): `InvalidInputError`
     naming the argument. Any sign: what a negative one means is the caller's business."""

@@ -68,6 +68,7 @@ from ._feed import (
 from ._ids import (
     new_ulid,
     validate_count,
+    validate_expected_deletion,
     validate_int,
     validate_limit,
     validate_namespace,
@@ -600,11 +601,18 @@ class MemoryEventStore(EventStore):
         # with views only (deleted without naming them) has neither.
         return sorted(t for t, th in self._ns.threads.items() if th.ids or th.version)
 
-    async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
+    async def delete_thread(
+        self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
+    ) -> int:
         thread = self._thread(thread_id)
         for view in views:
             validate_view_name(view)
+        validate_expected_deletion(expected_version)
         await anyio.lowlevel.checkpoint()
+        thread = self._thread(thread_id)  # as it is now, after the checkpoint
+        actual = thread.version if thread is not None else 0
+        if expected_version is not None and actual != expected_version:
+            raise ConcurrencyError(thread_id, expected_version, actual)
         if thread is None:
             return 0
         # Like DEL on the named keys only: views not named survive, as they would in Redis.

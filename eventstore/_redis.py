@@ -82,6 +82,7 @@ from ._gc import paused_collector
 from ._ids import (
     new_ulid,
     validate_count,
+    validate_expected_deletion,
     validate_int,
     validate_limit,
     validate_seq_range,
@@ -1386,11 +1387,17 @@ class RedisEventStore(EventStore):
             raise translate_redis_error(exc) from exc
         return sorted(found)
 
-    async def delete_thread(self, thread_id: str, *, views: Sequence[str] = ()) -> int:
+    async def delete_thread(
+        self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
+    ) -> int:
         validate_thread_id(thread_id)
+        expected = validate_expected_deletion(expected_version)
         keys = list(self.keys.thread_keys(thread_id))
         keys += [self.keys.view(thread_id, v) for v in dict.fromkeys(views)]
-        return int(await _call(DELETE_THREAD(self.client, keys, [thread_id])))
+        reply = await _call(DELETE_THREAD(self.client, keys, [thread_id, expected]))
+        if isinstance(reply, list):  # {"conflict", actual}
+            raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+        return int(reply)
 
     # -- the change feed ------------------------------------------------------------------------
 

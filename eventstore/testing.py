@@ -992,6 +992,30 @@ class EventStoreConformance:
         assert (again.first_seq, again.duplicate) == (1, False)
         assert _texts(await read_all(store, "other")) == ["x"]
 
+    async def test_delete_thread_at_an_expected_version(self, store: EventStore) -> None:
+        """A deletion decided on a version (a session found idle) keeps a thread written
+        since: ConcurrencyError, and nothing deleted, not even a tombstone on the feed."""
+        from ._keys import partition_of
+
+        await store.append("t", [msg("a"), msg("b")], view_ops=[ListPush("l", (b"a",))])
+        p = partition_of("t", store.partitions)
+        feed_before = await store.read_feed(p)
+        with pytest.raises(ConcurrencyError) as caught:
+            await store.delete_thread("t", views=["l"], expected_version=1)
+        assert (caught.value.expected, caught.value.actual) == (1, 2)
+        assert _texts(await read_all(store, "t")) == ["a", "b"]
+        assert (await store.read_views("t", [ListRange("l")])).results != [[]]
+        assert await store.read_feed(p) == feed_before
+        assert [t.thread_id for t in await store.threads()] == ["t"]
+        for bad in (-1, "2", True, 1.0):
+            with pytest.raises(InvalidInputError):
+                await store.delete_thread("t", expected_version=bad)  # type: ignore[arg-type]
+        assert await store.delete_thread("t", views=["l"], expected_version=2) == 2
+        assert await store.version("t") == 0
+        assert await store.delete_thread("t", expected_version=0) == 0  # no thread: at 0
+        with pytest.raises(ConcurrencyError):
+            await store.delete_thread("never", expected_version=3)
+
     # -- the change feed ------------------------------------------------------------------------
 
     async def _partition_with_two_threads(self, store: EventStore) -> tuple[int, str, str]:

@@ -682,6 +682,42 @@ async def test_sweep_idle_sessions(store: es.EventStore) -> None:
     assert len(await fresh.get_items()) == 1
 
 
+async def test_a_session_written_after_it_was_found_idle_is_kept(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idle check and the delete are two steps: a write landing between them used to be
+    deleted with the session."""
+    session = ThreadlogSession("busy", store)
+    await session.add_items([user("x")])
+    real_read = store.read
+    written: list[int] = []
+
+    async def read_then_write(thread_id: str, **kwargs: Any) -> Any:
+        events = [event async for event in real_read(thread_id, **kwargs)]
+        if kwargs.get("backwards") and not written:  # the idle check, read: now a write
+            written.append(1)
+            await ThreadlogSession("busy", store).add_items([user("y")])
+        for event in events:
+            yield event
+
+    monkeypatch.setattr(store, "read", read_then_write)
+    far = int(time.time() * 1000) + 3_600_000
+    assert await sweep_idle_sessions(store, 60, now_ms=far) == []
+    assert written == [1]
+    monkeypatch.undo()
+    assert [cast(Any, i)["content"] for i in await session.get_items()] == ["x", "y"]
+
+    # The same through the session's own ttl: a write between its check and its delete.
+    expiring = ThreadlogSession("busy", store, ttl=0.001)
+    await anyio.sleep(0.01)
+    written.clear()
+    monkeypatch.setattr(store, "read", read_then_write)
+    items = await expiring.get_items()
+    monkeypatch.undo()
+    assert written == [1]
+    assert [cast(Any, i)["content"] for i in items] == ["x", "y", "y"]
+
+
 async def test_private_registry_and_views(redis_url: str, namespace: str) -> None:
     registry = es.EventRegistry()
     store = await es.connect(redis_url, namespace=namespace, registry=registry)
