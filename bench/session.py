@@ -43,6 +43,7 @@ import json
 import socket
 import sys
 import warnings
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import hiredis
@@ -415,35 +416,26 @@ class SessionBench:
     async def setup_tl_append_many(self, r: int, n: int) -> Op:
         sessions, msgs = self.sessions, self.tl_messages
         sids = [f"tl-many-{r}-{k}" for k in range(CONCURRENT)]
-        i = 0
 
-        async def op() -> None:
-            nonlocal i
-            m = [msgs[i % N_MESSAGES]]
-            await asyncio.gather(*(sessions.append(sid, m) for sid in sids))
-            i += 1
+        async def each(i: int) -> None:
+            await asyncio.gather(*(sessions.append(sid, [msgs[i]]) for sid in sids))
 
-        return op
+        return cycling(each)
 
     async def teardown_tl_append_many(self, r: int) -> None:
         for k in range(CONCURRENT):
             await self.sessions.delete(f"tl-many-{r}-{k}")
 
     async def setup_sdk_add_many(self, r: int, n: int) -> Op:
+        client, items = self.sdk_client, self.sdk_items
         sessions = [
-            RedisSession(f"sdk-many-{r}-{k}", redis_client=self.sdk_client)
-            for k in range(CONCURRENT)
+            RedisSession(f"sdk-many-{r}-{k}", redis_client=client) for k in range(CONCURRENT)
         ]
-        items = self.sdk_items
-        i = 0
 
-        async def op() -> None:
-            nonlocal i
-            item = [items[i % N_MESSAGES]]
-            await asyncio.gather(*(s.add_items(item) for s in sessions))
-            i += 1
+        async def each(i: int) -> None:
+            await asyncio.gather(*(s.add_items([items[i]]) for s in sessions))
 
-        return op
+        return cycling(each)
 
     async def teardown_sdk_add_many(self, r: int) -> None:
         for k in range(CONCURRENT):
@@ -458,36 +450,26 @@ class SessionBench:
             h.redis_client.close()  # its own client, never used: nothing was connected
             h.redis_client = self.lc_append.redis_client
             histories.append(h)
+        histories[0].redis_client.ping()
+        self._lc_open = histories
         return histories
 
     async def setup_lc_add_many(self, r: int, n: int) -> Op:
         histories, msgs = self._lc_many(r), self.lc_messages
-        histories[0].redis_client.ping()
-        self._lc_open = histories
-        i = 0
 
-        async def op() -> None:
-            nonlocal i
-            m = msgs[i % N_MESSAGES]
+        async def each(i: int) -> None:
             for h in histories:
-                h.add_message(m)
-            i += 1
+                h.add_message(msgs[i])
 
-        return op
+        return cycling(each)
 
     async def setup_lc_aadd_many(self, r: int, n: int) -> Op:
         histories, msgs = self._lc_many(r), self.lc_messages
-        histories[0].redis_client.ping()
-        self._lc_open = histories
-        i = 0
 
-        async def op() -> None:
-            nonlocal i
-            m = [msgs[i % N_MESSAGES]]
-            await asyncio.gather(*(h.aadd_messages(m) for h in histories))
-            i += 1
+        async def each(i: int) -> None:
+            await asyncio.gather(*(h.aadd_messages([msgs[i]]) for h in histories))
 
-        return op
+        return cycling(each)
 
     async def teardown_lc_many(self, r: int) -> None:
         for h in self._lc_open:
@@ -545,6 +527,18 @@ class SessionBench:
     def close(self) -> None:
         for h in (self.lc, self.lc_async, self.lc_append, self.lc_aappend):
             h.redis_client.close()
+
+
+def cycling(call: Callable[[int], Awaitable[None]]) -> Op:
+    """An op that calls ``call(i)`` with the index of the next message to send, in turn."""
+    i = 0
+
+    async def op() -> None:
+        nonlocal i
+        await call(i % N_MESSAGES)
+        i += 1
+
+    return op
 
 
 def fixed(op: Op) -> Any:

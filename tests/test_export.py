@@ -79,6 +79,12 @@ def ndjson_rows(directory: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def thread_in_partition(store: es.EventStore, partition: int) -> str:
+    """A thread id of the store's namespace that falls in ``partition``."""
+    names = (f"t{i}" for i in range(10_000))
+    return next(t for t in names if es.partition_of(t, store.partitions) == partition)
+
+
 def keyset(rows: list[dict[str, Any]]) -> list[tuple[str, int, str, str]]:
     return [
         (r["thread"], r["seq"], r["id"], r["type"]) for r in rows if r["type"] != "thread.deleted"
@@ -1093,13 +1099,8 @@ async def test_a_turn_records_token_counts_of_zero_are_exported_as_zero(
 async def test_since_holds_for_the_runs_that_finish_an_interrupted_one(
     redis_store: es.EventStore, tmp_path: Path
 ) -> None:
-    from eventstore._keys import partition_of
 
-    def in_partition(p: int) -> str:
-        names = (f"t{i}" for i in range(10_000))
-        return next(t for t in names if partition_of(t, redis_store.partitions) == p)
-
-    early, late = in_partition(0), in_partition(3)
+    early, late = thread_in_partition(redis_store, 0), thread_in_partition(redis_store, 3)
     await redis_store.append(late, [msg("before")])
     await anyio.sleep(0.01)
     since = datetime.now(UTC)
@@ -1326,16 +1327,10 @@ async def test_the_since_a_trimmed_feed_asks_for_is_one_that_is_accepted(
 ) -> None:
     import re
 
-    from eventstore._keys import partition_of
-
-    def in_partition(p: int) -> str:
-        names = (f"t{i}" for i in range(10_000))
-        return next(t for t in names if partition_of(t, redis_store.partitions) == p)
-
     # Partitions trimmed up to different times: the first to be checked has the earliest.
-    await redis_store.append(in_partition(0), [msg("early")])
+    await redis_store.append(thread_in_partition(redis_store, 0), [msg("early")])
     await anyio.sleep(0.02)
-    await redis_store.append(in_partition(3), [msg("later")])
+    await redis_store.append(thread_in_partition(redis_store, 3), [msg("later")])
     await anyio.sleep(0.01)
     for p in range(redis_store.partitions):
         await redis_store.trim_feed(p, max_age_ms=0)
