@@ -41,6 +41,7 @@ from ._errors import (
     InvalidURLError,
     OperationalError,
     StoreConnectionError,
+    StoreTimeoutError,
     UnsafeServerError,
 )
 from ._events import EventRegistry
@@ -418,8 +419,17 @@ async def open_store(
         )
     except OperationalError as exc:
         await store.close()
+        hint = ""
+        if isinstance(exc, StoreTimeoutError) and settings.scheme.startswith("rediss"):
+            # A plain server never answers a TLS handshake: "timed out" alone sends the user
+            # looking at the network.
+            hint = (
+                " (a server that does not speak TLS never answers the TLS handshake: use "
+                f"{settings.scheme.replace('rediss', 'redis', 1)}:// for a plain server)"
+            )
         raise StoreConnectionError(
-            f"cannot use redis at {redact(settings.url)}: {_strip_url(str(exc), settings.url)}"
+            f"cannot use redis at {redact(settings.url)}: "
+            f"{_strip_url(str(exc), settings.url)}{hint}"
         ) from None
     except BaseException:
         await store.close()

@@ -20,6 +20,7 @@ import traceback
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +349,24 @@ async def test_a_cluster_with_one_evicting_primary_is_refused(cluster_url: str) 
     async with await connect(cluster_url, namespace=ns) as store:  # set back: used again
         await store.append("t", [msg("kept")])
         assert await _texts(store, "t") == ["kept"]
+
+
+@pytest.mark.anyio
+async def test_tls_to_a_plain_server_says_it_may_not_speak_tls() -> None:
+    """A plain server never answers a TLS handshake: "timed out" alone sent users looking at
+    the network."""
+    from eventstore.servers import redis_server
+
+    with redis_server(unix=False) as server:
+        url = f"rediss://127.0.0.1:{server.port}"
+        settings = StoreSettings(url, connect_timeout=0.3, socket_timeout=0.3, retries=0)
+        with pytest.raises(StoreConnectionError, match="does not speak TLS") as caught:
+            await open_store(settings)
+        assert "use redis:// for a plain server" in str(caught.value)
+        plain = StoreSettings(f"redis://127.0.0.1:{server.port}", connect_timeout=0.3, retries=0)
+        with pytest.raises(StoreConnectionError) as refused:  # nothing listens: no TLS hint
+            await open_store(replace(plain, url=f"rediss://127.0.0.1:{free_port()}"))
+        assert "TLS" not in str(refused.value)
 
 
 @pytest.mark.anyio
