@@ -344,6 +344,13 @@ class _Verifier:
         self.link_indexes: set[int] = set()
         self.link_failures = 0
         self.link_omitted = 0
+        # The log without a version to hold it to (no meta hash, or one without 'v'): its
+        # chain is checked alone, and the meta hash reported once (`finish`).
+        self.no_meta = False
+        # Entries beyond the recorded version whose links continue the chain (first, last):
+        # the version was lowered, not events inserted.
+        self.beyond: list[int] | None = None
+        self.no_life = False  # a meta hash with a version but no incarnation ('n')
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -384,7 +391,39 @@ class _Verifier:
     def finish(self) -> None:
         """Judge the entries still waiting for what follows them, and the log's end."""
         self._drain(final=True)
-        if self.expected + self.offset <= self.version:
+        if self.no_meta:
+            self._problem(
+                0,
+                "meta",
+                f"the thread has a log of {self.checked} entries but no meta hash, or one with "
+                "no version (field 'v'): it was deleted or edited; the log's chain was checked "
+                "without a version, chain head or key fingerprint to hold it to, and the "
+                "thread's writers would start it again at seq 1",
+            )
+        elif self.beyond is not None:
+            first, last = self.beyond
+            who = (
+                "appends under this check's key wrote them"
+                if self.secret is not None
+                else "appends wrote them, or someone who recomputed their unkeyed links"
+            )
+            self._problem(
+                0,
+                "meta",
+                f"the log runs past the thread's recorded version {self.version}: "
+                f"{_span(first, last)} linked into its chain ({who}): the version in the "
+                "thread's meta hash (field 'v') was lowered",
+            )
+        if self.no_life and not self.no_meta:
+            self._problem(
+                0,
+                "meta",
+                "the thread's meta hash has a version but no incarnation (field 'n', which "
+                "every append records and every change of the feed names): it was edited; "
+                "exports and readers of the feed refuse the thread's changes until it is back "
+                "(the next append records a new one, which the older changes do not name)",
+            )
+        if not self.no_meta and self.expected + self.offset <= self.version:
             self._problem(
                 self.expected,
                 "deleted",
@@ -398,7 +437,9 @@ class _Verifier:
         if e.sub or e.bad is not None or seq != self.expected or prev is None:
             return False
         target = seq + self.offset
-        if target > self.version or chain_link(prev, target, e.s, e.c or "") != e.h:
+        if (target > self.version and not self.no_meta) or chain_link(
+            prev, target, e.s, e.c or ""
+        ) != e.h:
             return False
         self.prev = self.head = e.h
         self.expected = seq + 1
@@ -468,7 +509,21 @@ class _Verifier:
             ):
                 self.prev = e.h
             return
-        if seq + self.offset > self.version:
+        if seq + self.offset > self.version and not self.no_meta:
+            prev = self.prev
+            if (
+                prev is not None
+                and e.c is not None
+                and e.h is not None
+                and chain_link(prev, seq + self.offset, e.s, e.c) == e.h
+            ):
+                # Its link holds: an append wrote it, and the version is what was edited.
+                self.prev = e.h
+                if self.beyond is None:
+                    self.beyond = [seq, seq]
+                else:
+                    self.beyond[1] = seq
+                return
             self._problem(
                 seq,
                 "inserted",
@@ -951,6 +1006,8 @@ class Auditor:
                 else:
                     scan.early = verifier.missing(await self._why_missing(thread_id))
                 return scan
+            verifier.no_meta = verifier.version == 0
+            verifier.no_life = scan.life is None
             verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:
@@ -961,6 +1018,7 @@ class Auditor:
                         # Appends may have landed since the version was read; entries within
                         # the current version are theirs, not insertions.
                         verifier.version = await store.version(thread_id)
+                        verifier.no_meta = verifier.version == 0
                     scan.feed(rows)
             if verifier.version > scan.last:
                 # The version was read again after appends (above) while the reader had

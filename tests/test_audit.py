@@ -22,6 +22,7 @@ import eventstore as es
 from adapters import Auditor, UnverifiedLogError, Verdict, _audit
 from eventstore import _codec
 from eventstore._connect import StoreSettings
+from eventstore._keys import KeyLayout, partition_of
 from eventstore._memory import _Thread
 from projections import Projector, RebuildBusyError, RebuildError, SeqBeyondVersionError
 
@@ -1277,3 +1278,135 @@ async def test_a_key_fingerprint_edited_to_turn_writers_away_is_meta_damage(
     assert_damage(verdict, 0, "meta")
     assert "every link verifies under this check's key" in verdict.detail
     assert "THREADLOG_SECRET" not in verdict.detail  # no advice to verify without the key
+
+
+# -- verify: tampering with the meta hash and the namespace's settings -------------------------
+
+
+async def lower_version(store: es.EventStore, version: int) -> None:
+    """Write the version the thread's meta records, nothing else."""
+    if isinstance(store, es.RedisEventStore):
+        await store.client.hset(store.keys.meta(T), "v", version)
+    else:
+        assert isinstance(store, es.MemoryEventStore)
+        store.server.namespaces[store.namespace].threads[T].version = version
+
+
+async def test_a_lowered_version_is_meta_damage_not_an_inserted_event(
+    keyed: es.EventStore,
+) -> None:
+    # The last two events verify under the key: an append wrote them. Only the meta's version
+    # was edited; calling them insertions sent the reader after a forger who was not there.
+    version = await populate(keyed)
+    await lower_version(keyed, version - 2)
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, 0, "meta")
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "meta")]
+    assert f"recorded version {version - 2}" in verdict.detail
+    assert f"seqs {version - 1}..{version} are linked into its chain" in verdict.detail
+    assert verdict.checked == version and verdict.head != ""
+    # An entry beyond the version whose link does not hold is still an insertion.
+    await lower_version(keyed, version)
+    rows = await Raw(keyed).entries()
+    await Raw(keyed).xadd(f"{version + 1}-0", rows[0][1])
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version + 1, "inserted")
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["keyed", "unkeyed"])
+async def test_a_log_without_its_meta_hash_is_meta_damage_not_every_event_inserted(
+    secret: bytes | None, redis_url: str
+) -> None:
+    namespace = "m" + uuid.uuid4().hex[:12]
+    settings = StoreSettings.from_url(redis_url, namespace=namespace, secret=secret)
+    async with await es.open_store(settings) as store:
+        version = await populate(store)
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.delete(store.keys.meta(T))
+        verdict = await Auditor(store).verify(T)
+        # One problem, the meta hash; the log's own chain is still checked, and holds.
+        assert_damage(verdict, 0, "meta")
+        assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "meta")]
+        assert "no meta hash" in verdict.detail and f"{version} entries" in verdict.detail
+        assert verdict.checked == version
+        # Damage in that log is still found, at its seq.
+        rows = await Raw(store).entries()
+        rows[3] = (rows[3][0], edited(rows[3][1], "changed"))
+        await Raw(store).rewrite(rows)
+        verdict = await Auditor(store).verify(T)
+        assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "meta"), (4, "modified")]
+        # Only the version gone from the meta hash is the same damage.
+        await store.client.hset(store.keys.meta(T), "h", "x")
+        verdict = await Auditor(store).verify(T)
+        assert verdict.problems[0].kind == "meta" and "no version" in verdict.problems[0].detail
+
+
+async def test_a_cut_at_the_end_with_the_head_rewritten_passes_even_with_a_key(
+    keyed: es.EventStore,
+) -> None:
+    # The documented limit (docs/guarantees.md, section 6): the head a cut log needs is the
+    # stored link of its new last entry, which anyone who can read the log has; no key is
+    # needed to rewrite it. Only a head kept outside Redis shows the cut.
+    version = await populate(keyed)
+    before = await Auditor(keyed).verify(T)
+    raw = Raw(keyed)
+    rows = await raw.entries()
+    await raw.xdel(rows[-1][0])
+    await lower_version(keyed, version - 1)
+    assert_damage(await Auditor(keyed).verify(T), version - 1, "meta")  # the old head gives it away
+    await raw.set_head(rows[-2][1][b"h"].decode())
+    after = await Auditor(keyed).verify(T)
+    assert after.ok and after.keyed and after.checked == version - 1
+    assert after.head != before.head  # what a head kept elsewhere would show
+
+
+async def test_thread_keys_outside_their_partition_stop_the_audit_of_every_thread(
+    redis_url: str,
+) -> None:
+    # The partition count in the namespace's settings hash decides where each thread's keys
+    # are. Edited, every reader (and the audit) looked for the threads in other partitions:
+    # `verify_all` found their keys but dropped them as "not theirs" and passed with nothing
+    # verified. Now the keys that no partition of the recorded count holds stop it, named.
+    namespace = "p" + uuid.uuid4().hex[:12]
+    threads = [f"t{i}" for i in range(6)]
+    async with await es.open_store(StoreSettings.from_url(redis_url, namespace=namespace)) as store:
+        for t in threads:
+            await store.append(t, [es.MessageAppended(message=user("kept"))])
+        assert set(await Auditor(store).verify_all()) == set(threads)
+        assert isinstance(store, es.RedisEventStore)
+        config = KeyLayout.config_key(namespace)
+        await store.client.hset(config, "partitions", 3)
+        settings = StoreSettings.from_url(redis_url, namespace=namespace)
+        async with await es.open_store(settings) as edited_store:
+            assert edited_store.partitions == 3
+            moved = sorted(t for t in threads if store.keys.partition(t) != partition_of(t, 3))
+            assert moved
+            with pytest.raises(es.CorruptKeyError) as info:
+                await Auditor(edited_store).verify_all()
+            assert info.value.key == config
+            assert "partition count" in str(info.value) and moved[0] in str(info.value)
+        await store.client.hset(config, "partitions", store.partitions)
+        # One thread's keys moved into another partition's tag: named the same way.
+        tag = store.keys.partition("t0")
+        other = (tag + 1) % store.partitions
+        for kind in ("log", "meta"):
+            key = getattr(store.keys, kind)("t0")
+            await store.client.rename(key, key.replace(f":{tag}}}", f":{other}}}"))
+        with pytest.raises(es.CorruptKeyError, match="'t0'"):
+            await Auditor(store).verify_all()
+
+
+async def test_a_meta_hash_without_its_incarnation_is_meta_damage(redis_url: str) -> None:
+    # Exports and feed readers refuse a thread whose meta lost 'n' ("run 'verify'"); verify
+    # passed it as intact.
+    settings = StoreSettings.from_url(redis_url, namespace="n" + uuid.uuid4().hex[:12])
+    async with await es.open_store(settings) as store:
+        version = await populate(store)
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.hdel(store.keys.meta(T), "n") == 1
+        verdict = await Auditor(store).verify(T)
+        assert_damage(verdict, 0, "meta")
+        assert "no incarnation (field 'n'" in verdict.detail and verdict.checked == version
+        # The next append records a life again; the thread verifies.
+        await store.append(T, [es.MessageAppended(message=user("after"))])
+        assert (await Auditor(store).verify(T)).ok
