@@ -1410,3 +1410,45 @@ async def test_a_meta_hash_without_its_incarnation_is_meta_damage(redis_url: str
         # The next append records a life again; the thread verifies.
         await store.append(T, [es.MessageAppended(message=user("after"))])
         assert (await Auditor(store).verify(T)).ok
+
+
+async def test_what_verify_does_not_hold_to_the_chain(redis_url: str) -> None:
+    """The documented limits (docs/guarantees.md, section 6, "What verify cannot see"): the
+    meta hash's ledger, incarnation and key fingerprint, and a thread removed with every
+    trace, are outside the chain. Edits to them pass `verify`, even keyed."""
+    namespace = "w" + uuid.uuid4().hex[:12]
+    settings = StoreSettings.from_url(redis_url, namespace=namespace, secret=SECRET)
+    async with await es.open_store(settings) as store:
+        assert isinstance(store, es.RedisEventStore)
+        client, meta = store.client, store.keys.meta(T)
+        a, b = [es.MessageAppended(message=user("a"))], [es.MessageAppended(message=user("b"))]
+        await store.append(T, a, idempotency_key="k1")
+        await store.append(T, b, idempotency_key="k2")
+        # The ledger: a field pointed at another append's seqs answers a retry with them...
+        first = await client.hget(meta, "k:k1")
+        second = await client.hget(meta, "k:k2")
+        await client.hset(meta, "k:k2", first[:1] + second[1:])
+        retry = await store.append(T, b, idempotency_key="k2")
+        assert retry.duplicate and (retry.first_seq, retry.last_seq) == (1, 1)
+        # ... and a removed field lets a retry write its events again.
+        await client.hdel(meta, "k:k1")
+        again = await store.append(T, a, idempotency_key="k1")
+        assert not again.duplicate and again.first_seq == 3
+        assert (await Auditor(store).verify(T)).ok
+        # The incarnation changed to another number (not removed: that is `meta` damage).
+        await client.hset(meta, "n", 12345)
+        assert (await Auditor(store).verify(T)).ok
+        # The key fingerprint removed: the thread's next writer's key is adopted.
+        await client.hdel(meta, "f")
+        assert (await Auditor(store).verify(T)).ok
+        # A thread removed with every trace: its keys, its index entry and its feed entries.
+        await store.append("wiped", a)
+        feed = store.keys.feed(store.keys.partition("wiped"))
+        for entry in await store.read_feed(store.keys.partition("wiped")):
+            if entry.thread_id == "wiped":
+                await client.xdel(feed, entry.id)
+        await client.delete(store.keys.log("wiped"), store.keys.meta("wiped"))
+        await client.zrem(store.keys.index(store.keys.partition("wiped")), "wiped")
+        assert set(await Auditor(store).verify_all()) == {T}
+        gone = await Auditor(store).verify("wiped")
+        assert gone.kind == "missing" and "never written" in gone.detail
