@@ -262,7 +262,7 @@ class _Prefix(Sequence[T]):
 class _Entry:
     """A stream entry, parsed once: its id, and what the chain check needs."""
 
-    __slots__ = ("bad", "c", "h", "ms", "raw_id", "s", "sub")
+    __slots__ = ("bad", "c", "h", "i", "ms", "raw_id", "s", "sub")
 
     def __init__(
         self,
@@ -273,7 +273,9 @@ class _Entry:
         c: str | None,
         h: str | None,
         bad: str | None,
+        i: bytes = b"",
     ) -> None:
+        self.i = i  # the event id (16 bytes when it decodes)
         self.raw_id = raw_id
         self.ms = ms
         self.sub = sub
@@ -351,6 +353,8 @@ class _Verifier:
         # the version was lowered, not events inserted.
         self.beyond: list[int] | None = None
         self.no_life = False  # a meta hash with a version but no incarnation ('n')
+        self.ids: dict[bytes, int] = {}  # event id -> the first seq that holds it
+        self.recorded_head: tuple[int, str] | None = None  # the meta's (version, head)
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -383,7 +387,7 @@ class _Verifier:
                             _meta_decoder.decode(meta)
                     except Exception:
                         bad = _why(self, raw_id, f)
-                e = _Entry(raw_id, int(ms_b), sub, s, c, h, bad)
+                e = _Entry(raw_id, int(ms_b), sub, s, c, h, bad, id_bytes)
             if ahead or not verified(e):
                 ahead.append(e)
                 self._drain(final=False)
@@ -424,12 +428,17 @@ class _Verifier:
                 "(the next append records a new one, which the older changes do not name)",
             )
         if not self.no_meta and self.expected + self.offset <= self.version:
-            self._problem(
-                self.expected,
-                "deleted",
+            detail = (
                 f"the log ends at seq {self.expected - 1} but the thread's version is "
-                f"{self.version}: {_span(self.expected, self.version)} gone",
+                f"{self.version}: {_span(self.expected, self.version)} gone"
             )
+            recorded = self.recorded_head
+            if recorded is not None and self.head and recorded[1] == self.head:
+                detail += (
+                    f", or the version was raised: the chain head the meta records is the "
+                    f"link of seq {self.expected - 1}, the log's last"
+                )
+            self._problem(self.expected, "deleted", detail)
 
     def _verified(self, e: _Entry) -> bool:
         """The fast path: ``e`` is the next seq and its link holds. Accounts for it if so."""
@@ -445,6 +454,7 @@ class _Verifier:
         self.expected = seq + 1
         self.checked += 1
         self.history.append(e)
+        self.ids.setdefault(e.i, seq)
         return True
 
     def _drain(self, *, final: bool) -> None:
@@ -532,10 +542,21 @@ class _Verifier:
             self.prev = e.h
             return
         assert e.c is not None and e.h is not None  # a decodable entry has every field
+        earlier = self.ids.setdefault(e.i, seq)
         prev = self.prev
         self.prev = e.h
         if prev is None or chain_link(prev, seq + self.offset, e.s, e.c) == e.h:
             return  # verified, or unverifiable after a gap (the gap is the problem)
+        if earlier != seq and seq - earlier > WINDOW:
+            # Beyond the window `_explain` searches: the event id says where it comes from.
+            self._problem(
+                seq,
+                "modified",
+                f"seq {seq} holds a copy of the event at seq {earlier} (the same event id, "
+                "replayed): its link does not verify here",
+                link=True,
+            )
+            return
         self._explain(e, seq, prev)
 
     def _explain(self, e: _Entry, seq: int, prev: str) -> None:
@@ -1060,9 +1081,10 @@ class Auditor:
 
     async def _conclude(self, verifier: _Verifier) -> Verdict:
         """The verdict of a scan that read the whole log."""
+        verifier.recorded_head = await self.store.chain_head(verifier.thread_id)
         verifier.finish()
         if verifier.first is None:
-            verifier.check_head(await self.store.chain_head(verifier.thread_id))
+            verifier.check_head(verifier.recorded_head)
         if not await self.store.indexed(verifier.thread_id):
             verifier.unindexed()
         return verifier.verdict()

@@ -1452,3 +1452,34 @@ async def test_what_verify_does_not_hold_to_the_chain(redis_url: str) -> None:
         assert set(await Auditor(store).verify_all()) == {T}
         gone = await Auditor(store).verify("wiped")
         assert gone.kind == "missing" and "never written" in gone.detail
+
+
+async def test_an_old_entry_replayed_far_from_its_seq_is_named_as_a_copy(
+    keyed: es.EventStore,
+) -> None:
+    # Seq 1 appended again at the end (the version raised to hold it): it was "changed after
+    # the append"; the event id says which event it repeats.
+    version = await populate(keyed)
+    raw = Raw(keyed)
+    first = (await raw.entries())[0][1]
+    await raw.xadd(f"{version + 1}-0", first)
+    await lower_version(keyed, version + 1)
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version + 1, "modified")
+    assert "holds a copy of the event at seq 1" in verdict.detail
+
+
+async def test_a_raised_version_says_the_head_is_the_logs_last_link(keyed: es.EventStore) -> None:
+    version = await populate(keyed)
+    await lower_version(keyed, version + 2)
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version + 1, "deleted")
+    assert "or the version was raised" in verdict.detail
+    assert f"the link of seq {version}, the log's last" in verdict.detail
+    # Events cut from the end with the version left: the head is the old last link.
+    await lower_version(keyed, version)
+    raw = Raw(keyed)
+    await raw.xdel((await raw.entries())[-1][0])
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version, "deleted")
+    assert "raised" not in verdict.detail
