@@ -401,15 +401,15 @@ class _Verifier:
                 "meta",
                 f"the thread has a log of {self.checked} entries but no meta hash, or one with "
                 "no version (field 'v'): it was deleted or edited; the log's chain was checked "
-                "without a version, chain head or key fingerprint to hold it to, and the "
-                "thread's writers would start it again at seq 1",
+                "without a version, chain head or key fingerprint to hold it to (appends to "
+                "the thread fail until the meta hash is restored)",
             )
         elif self.beyond is not None:
             first, last = self.beyond
             who = (
-                "appends under this check's key wrote them"
+                "written by appends under this check's key"
                 if self.secret is not None
-                else "appends wrote them, or someone who recomputed their unkeyed links"
+                else "written by appends, or by someone who recomputed their unkeyed links"
             )
             self._problem(
                 0,
