@@ -904,7 +904,8 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert "cannot be read as a log" in clobbered.out and "WRONGTYPE" in clobbered.out
     # Without its meta hash the thread still has a log: not "no thread", but damage.
     metaless = cli("verify", "metaless", url=redis_url, namespace=namespace)
-    assert metaless.code == 1 and "inserted" in metaless.out, metaless
+    assert metaless.code == 1 and "meta" in metaless.out, metaless
+    assert "inserted" not in metaless.out, metaless
     # A version that is not a number: damage to that thread, never an internal error.
     miscounted = cli("verify", "miscounted", url=redis_url, namespace=namespace)
     assert miscounted.code == 1 and "meta hash is damaged" in miscounted.out, miscounted
