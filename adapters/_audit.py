@@ -262,7 +262,7 @@ class _Prefix(Sequence[T]):
 class _Entry:
     """A stream entry, parsed once: its id, and what the chain check needs."""
 
-    __slots__ = ("bad", "c", "h", "ms", "raw_id", "s", "sub")
+    __slots__ = ("bad", "c", "h", "i", "ms", "raw_id", "s", "sub")
 
     def __init__(
         self,
@@ -273,7 +273,9 @@ class _Entry:
         c: str | None,
         h: str | None,
         bad: str | None,
+        i: bytes = b"",
     ) -> None:
+        self.i = i  # the event id (16 bytes when it decodes)
         self.raw_id = raw_id
         self.ms = ms
         self.sub = sub
@@ -344,6 +346,15 @@ class _Verifier:
         self.link_indexes: set[int] = set()
         self.link_failures = 0
         self.link_omitted = 0
+        # The log without a version to hold it to (no meta hash, or one without 'v'): its
+        # chain is checked alone, and the meta hash reported once (`finish`).
+        self.no_meta = False
+        # Entries beyond the recorded version whose links continue the chain (first, last):
+        # the version was lowered, not events inserted.
+        self.beyond: list[int] | None = None
+        self.no_life = False  # a meta hash with a version but no incarnation ('n')
+        self.ids: dict[bytes, int] = {}  # event id -> the first seq that holds it
+        self.recorded_head: tuple[int, str] | None = None  # the meta's (version, head)
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -376,7 +387,7 @@ class _Verifier:
                             _meta_decoder.decode(meta)
                     except Exception:
                         bad = _why(self, raw_id, f)
-                e = _Entry(raw_id, int(ms_b), sub, s, c, h, bad)
+                e = _Entry(raw_id, int(ms_b), sub, s, c, h, bad, id_bytes)
             if ahead or not verified(e):
                 ahead.append(e)
                 self._drain(final=False)
@@ -384,13 +395,50 @@ class _Verifier:
     def finish(self) -> None:
         """Judge the entries still waiting for what follows them, and the log's end."""
         self._drain(final=True)
-        if self.expected + self.offset <= self.version:
+        if self.no_meta:
             self._problem(
-                self.expected,
-                "deleted",
-                f"the log ends at seq {self.expected - 1} but the thread's version is "
-                f"{self.version}: {_span(self.expected, self.version)} gone",
+                0,
+                "meta",
+                f"the thread has a log of {self.checked} entries but no meta hash, or one with "
+                "no version (field 'v'): it was deleted or edited; the log's chain was checked "
+                "without a version, chain head or key fingerprint to hold it to (appends to "
+                "the thread fail until the meta hash is restored)",
             )
+        elif self.beyond is not None:
+            first, last = self.beyond
+            who = (
+                "written by appends under this check's key"
+                if self.secret is not None
+                else "written by appends, or by someone who recomputed their unkeyed links"
+            )
+            self._problem(
+                0,
+                "meta",
+                f"the log runs past the thread's recorded version {self.version}: "
+                f"{_span(first, last)} linked into its chain ({who}): the version in the "
+                "thread's meta hash (field 'v') was lowered",
+            )
+        if self.no_life and not self.no_meta:
+            self._problem(
+                0,
+                "meta",
+                "the thread's meta hash has a version but no incarnation (field 'n', which "
+                "every append records and every change of the feed names): it was edited; "
+                "exports and readers of the feed refuse the thread's changes until it is back "
+                "(the next append records a new one, which the older changes do not name)",
+            )
+        if not self.no_meta and self.expected + self.offset <= self.version:
+            detail = (
+                f"the log ends at seq {self.expected - 1} but the thread's version is "
+                f"{self.version}: {_span(self.expected, self.version)} gone"
+            )
+            recorded = self.recorded_head
+            if recorded is not None and self.head and recorded[1] == self.head:
+                detail += (
+                    f", or the version was raised: the chain head the meta records is the "
+                    f"link of seq {self.expected - 1}, the log's last"
+                )
+            self._problem(self.expected, "deleted", detail)
 
     def _verified(self, e: _Entry) -> bool:
         """The fast path: ``e`` is the next seq and its link holds. Accounts for it if so."""
@@ -398,12 +446,15 @@ class _Verifier:
         if e.sub or e.bad is not None or seq != self.expected or prev is None:
             return False
         target = seq + self.offset
-        if target > self.version or chain_link(prev, target, e.s, e.c or "") != e.h:
+        if (target > self.version and not self.no_meta) or chain_link(
+            prev, target, e.s, e.c or ""
+        ) != e.h:
             return False
         self.prev = self.head = e.h
         self.expected = seq + 1
         self.checked += 1
         self.history.append(e)
+        self.ids.setdefault(e.i, seq)
         return True
 
     def _drain(self, *, final: bool) -> None:
@@ -468,7 +519,21 @@ class _Verifier:
             ):
                 self.prev = e.h
             return
-        if seq + self.offset > self.version:
+        if seq + self.offset > self.version and not self.no_meta:
+            prev = self.prev
+            if (
+                prev is not None
+                and e.c is not None
+                and e.h is not None
+                and chain_link(prev, seq + self.offset, e.s, e.c) == e.h
+            ):
+                # Its link holds: an append wrote it, and the version is what was edited.
+                self.prev = e.h
+                if self.beyond is None:
+                    self.beyond = [seq, seq]
+                else:
+                    self.beyond[1] = seq
+                return
             self._problem(
                 seq,
                 "inserted",
@@ -477,10 +542,21 @@ class _Verifier:
             self.prev = e.h
             return
         assert e.c is not None and e.h is not None  # a decodable entry has every field
+        earlier = self.ids.setdefault(e.i, seq)
         prev = self.prev
         self.prev = e.h
         if prev is None or chain_link(prev, seq + self.offset, e.s, e.c) == e.h:
             return  # verified, or unverifiable after a gap (the gap is the problem)
+        if earlier != seq and seq - earlier > WINDOW:
+            # Beyond the window `_explain` searches: the event id says where it comes from.
+            self._problem(
+                seq,
+                "modified",
+                f"seq {seq} holds a copy of the event at seq {earlier} (the same event id, "
+                "replayed): its link does not verify here",
+                link=True,
+            )
+            return
         self._explain(e, seq, prev)
 
     def _explain(self, e: _Entry, seq: int, prev: str) -> None:
@@ -951,6 +1027,8 @@ class Auditor:
                 else:
                     scan.early = verifier.missing(await self._why_missing(thread_id))
                 return scan
+            verifier.no_meta = verifier.version == 0
+            verifier.no_life = scan.life is None
             verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:
@@ -961,6 +1039,7 @@ class Auditor:
                         # Appends may have landed since the version was read; entries within
                         # the current version are theirs, not insertions.
                         verifier.version = await store.version(thread_id)
+                        verifier.no_meta = verifier.version == 0
                     scan.feed(rows)
             if verifier.version > scan.last:
                 # The version was read again after appends (above) while the reader had
@@ -1002,9 +1081,10 @@ class Auditor:
 
     async def _conclude(self, verifier: _Verifier) -> Verdict:
         """The verdict of a scan that read the whole log."""
+        verifier.recorded_head = await self.store.chain_head(verifier.thread_id)
         verifier.finish()
         if verifier.first is None:
-            verifier.check_head(await self.store.chain_head(verifier.thread_id))
+            verifier.check_head(verifier.recorded_head)
         if not await self.store.indexed(verifier.thread_id):
             verifier.unindexed()
         return verifier.verdict()

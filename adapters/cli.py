@@ -88,7 +88,7 @@ EXIT_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader
 EXIT_CODES = """\
 exit codes:
   0    ok
-  1    verification failed, differences found, or a stored event does not decode
+  1    verification failed, differences found, or a stored event or key is damaged
   2    usage error, bad input, or the store is unreachable or refused the request
   3    internal error (a bug in threadlog; THREADLOG_DEBUG=1 shows the traceback)
   130  interrupted (Ctrl-C); tail stops with 0
@@ -2329,6 +2329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 text.replace("run 'verify'", hint) if "run 'verify'" in text else f"{text} ({hint})"
             )
             return _fail(text, EXIT_FAILED)
+        if isinstance(exc, es.CorruptKeyError):
+            # Stored damage, as a thread's undecodable event is: not a usage error.
+            return _fail(_describe(exc), EXIT_FAILED)
         if isinstance(exc, es.EventStoreError | OSError):
             return _fail(_describe(exc), EXIT_USAGE)
         if not isinstance(exc, Exception):

@@ -161,6 +161,16 @@ class KeyLayout:
     def thread_of(self, key: bytes | str) -> str | None:
         """The thread whose log or meta hash ``key`` is (None for any other key, or for one no
         store of this layout writes: a thread id in another partition's tag, an invalid id)."""
+        found = self.tagged_thread_of(key)
+        if found is None or partition_of(found[0], self.partitions) != found[1]:
+            return None
+        return found[0]
+
+    def tagged_thread_of(self, key: bytes | str) -> tuple[str, int] | None:
+        """The thread whose log or meta hash ``key`` is, with the partition its tag names,
+        whether or not this layout puts the thread there (`thread_of` checks that): a thread's
+        keys in another partition's tag are keys of the namespace's that readers look for
+        elsewhere (its partition count was edited, or the keys were moved)."""
         try:
             text = key.decode("utf-8") if isinstance(key, bytes) else key
         except UnicodeDecodeError:
@@ -178,9 +188,7 @@ class KeyLayout:
                     validate_thread_id(thread_id)
                 except ValueError:
                     return None
-                if partition_of(thread_id, self.partitions) != int(partition):
-                    return None
-                return thread_id
+                return thread_id, int(partition)
         return None
 
     def thread_keys(self, thread_id: str) -> tuple[str, str, str, str]:

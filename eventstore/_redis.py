@@ -89,7 +89,14 @@ from ._ids import (
     validate_thread_id,
     validate_view_name,
 )
-from ._keys import DEFAULT_PARTITIONS, MAX_PARTITIONS, STAGING_TTL_S, KeyLayout, key_pattern
+from ._keys import (
+    DEFAULT_PARTITIONS,
+    MAX_PARTITIONS,
+    STAGING_TTL_S,
+    KeyLayout,
+    key_pattern,
+    partition_of,
+)
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
@@ -1353,8 +1360,20 @@ class RedisEventStore(EventStore):
 
     async def stored_threads(self) -> list[str]:
         found: set[str] = set()
+        misplaced: dict[str, int] = {}  # thread -> the partition its keys' tag names
         pattern, keys = key_pattern(self.namespace), self.keys
         client = self.client
+
+        def take(key: bytes | str) -> None:
+            tagged = keys.tagged_thread_of(key)
+            if tagged is None:
+                return
+            thread_id, partition = tagged
+            if partition_of(thread_id, keys.partitions) == partition:
+                found.add(thread_id)
+            else:
+                misplaced[thread_id] = partition
+
         try:
             if isinstance(client, RedisCluster):
                 # Each primary holds its own slots' keys: every one is scanned, replicas not
@@ -1368,14 +1387,13 @@ class RedisEventStore(EventStore):
                             target_nodes=node,
                         )  # fmt: skip
                         cursor = int(cursors[node.name])
-                        found.update(t for k in batch if (t := keys.thread_of(k)) is not None)
+                        for k in batch:
+                            take(k)
                         if cursor == 0:
                             break
             else:
                 async for key in client.scan_iter(match=pattern, count=SCAN_COUNT):
-                    thread_id = keys.thread_of(key)
-                    if thread_id is not None:
-                        found.add(thread_id)
+                    take(key)
         except rex.NoPermissionError as exc:
             raise OperationalError(
                 f"redis denied SCAN (ACL): {exc}; finding the threads the keys hold needs "
@@ -1385,6 +1403,20 @@ class RedisEventStore(EventStore):
             ) from exc
         except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
             raise translate_redis_error(exc) from exc
+        if misplaced:
+            # Keys no reader of this partition count looks at: passing over them would pass
+            # an audit with those threads unseen (an edited count hides every thread it moves).
+            shown = sorted(misplaced)[:10]
+            more = f" and {len(misplaced) - len(shown)} more" if len(misplaced) > len(shown) else ""
+            where = ", ".join(f"{t!r} (in partition {misplaced[t]})" for t in shown)
+            raise CorruptKeyError(
+                KeyLayout.config_key(self.namespace),
+                f"it records a partition count of {keys.partitions}, but the keys of threads "
+                f"{where}{more} lie in partitions where that count never puts them, so every "
+                "reader looks for those threads elsewhere and finds none: the count was edited "
+                "(restore the one their keys were written with) or their keys were moved to "
+                "another partition's tag (move them back)",
+            )
         return sorted(found)
 
     async def delete_thread(

@@ -22,6 +22,7 @@ import eventstore as es
 from adapters import Auditor, UnverifiedLogError, Verdict, _audit
 from eventstore import _codec
 from eventstore._connect import StoreSettings
+from eventstore._keys import KeyLayout, partition_of
 from eventstore._memory import _Thread
 from projections import Projector, RebuildBusyError, RebuildError, SeqBeyondVersionError
 
@@ -1277,3 +1278,208 @@ async def test_a_key_fingerprint_edited_to_turn_writers_away_is_meta_damage(
     assert_damage(verdict, 0, "meta")
     assert "every link verifies under this check's key" in verdict.detail
     assert "THREADLOG_SECRET" not in verdict.detail  # no advice to verify without the key
+
+
+# -- verify: tampering with the meta hash and the namespace's settings -------------------------
+
+
+async def lower_version(store: es.EventStore, version: int) -> None:
+    """Write the version the thread's meta records, nothing else."""
+    if isinstance(store, es.RedisEventStore):
+        await store.client.hset(store.keys.meta(T), "v", version)
+    else:
+        assert isinstance(store, es.MemoryEventStore)
+        store.server.namespaces[store.namespace].threads[T].version = version
+
+
+async def test_a_lowered_version_is_meta_damage_not_an_inserted_event(
+    keyed: es.EventStore,
+) -> None:
+    # The last two events verify under the key: an append wrote them. Only the meta's version
+    # was edited; calling them insertions sent the reader after a forger who was not there.
+    version = await populate(keyed)
+    await lower_version(keyed, version - 2)
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, 0, "meta")
+    assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "meta")]
+    assert f"recorded version {version - 2}" in verdict.detail
+    assert f"seqs {version - 1}..{version} are linked into its chain" in verdict.detail
+    assert verdict.checked == version and verdict.head != ""
+    # An entry beyond the version whose link does not hold is still an insertion.
+    await lower_version(keyed, version)
+    rows = await Raw(keyed).entries()
+    await Raw(keyed).xadd(f"{version + 1}-0", rows[0][1])
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version + 1, "inserted")
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["keyed", "unkeyed"])
+async def test_a_log_without_its_meta_hash_is_meta_damage_not_every_event_inserted(
+    secret: bytes | None, redis_url: str
+) -> None:
+    namespace = "m" + uuid.uuid4().hex[:12]
+    settings = StoreSettings.from_url(redis_url, namespace=namespace, secret=secret)
+    async with await es.open_store(settings) as store:
+        version = await populate(store)
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.delete(store.keys.meta(T))
+        verdict = await Auditor(store).verify(T)
+        # One problem, the meta hash; the log's own chain is still checked, and holds.
+        assert_damage(verdict, 0, "meta")
+        assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "meta")]
+        assert "no meta hash" in verdict.detail and f"{version} entries" in verdict.detail
+        assert verdict.checked == version
+        # Damage in that log is still found, at its seq.
+        rows = await Raw(store).entries()
+        rows[3] = (rows[3][0], edited(rows[3][1], "changed"))
+        await Raw(store).rewrite(rows)
+        verdict = await Auditor(store).verify(T)
+        assert [(p.seq, p.kind) for p in verdict.problems] == [(0, "meta"), (4, "modified")]
+        # Only the version gone from the meta hash is the same damage.
+        await store.client.hset(store.keys.meta(T), "h", "x")
+        verdict = await Auditor(store).verify(T)
+        assert verdict.problems[0].kind == "meta" and "no version" in verdict.problems[0].detail
+
+
+async def test_a_cut_at_the_end_with_the_head_rewritten_passes_even_with_a_key(
+    keyed: es.EventStore,
+) -> None:
+    # The documented limit (docs/guarantees.md, section 6): the head a cut log needs is the
+    # stored link of its new last entry, which anyone who can read the log has; no key is
+    # needed to rewrite it. Only a head kept outside Redis shows the cut.
+    version = await populate(keyed)
+    before = await Auditor(keyed).verify(T)
+    raw = Raw(keyed)
+    rows = await raw.entries()
+    await raw.xdel(rows[-1][0])
+    await lower_version(keyed, version - 1)
+    assert_damage(await Auditor(keyed).verify(T), version - 1, "meta")  # the old head gives it away
+    await raw.set_head(rows[-2][1][b"h"].decode())
+    after = await Auditor(keyed).verify(T)
+    assert after.ok and after.keyed and after.checked == version - 1
+    assert after.head != before.head  # what a head kept elsewhere would show
+
+
+async def test_thread_keys_outside_their_partition_stop_the_audit_of_every_thread(
+    redis_url: str,
+) -> None:
+    # The partition count in the namespace's settings hash decides where each thread's keys
+    # are. Edited, every reader (and the audit) looked for the threads in other partitions:
+    # `verify_all` found their keys but dropped them as "not theirs" and passed with nothing
+    # verified. Now the keys that no partition of the recorded count holds stop it, named.
+    namespace = "p" + uuid.uuid4().hex[:12]
+    threads = [f"t{i}" for i in range(6)]
+    async with await es.open_store(StoreSettings.from_url(redis_url, namespace=namespace)) as store:
+        for t in threads:
+            await store.append(t, [es.MessageAppended(message=user("kept"))])
+        assert set(await Auditor(store).verify_all()) == set(threads)
+        assert isinstance(store, es.RedisEventStore)
+        config = KeyLayout.config_key(namespace)
+        await store.client.hset(config, "partitions", 3)
+        settings = StoreSettings.from_url(redis_url, namespace=namespace)
+        async with await es.open_store(settings) as edited_store:
+            assert edited_store.partitions == 3
+            moved = sorted(t for t in threads if store.keys.partition(t) != partition_of(t, 3))
+            assert moved
+            with pytest.raises(es.CorruptKeyError) as info:
+                await Auditor(edited_store).verify_all()
+            assert info.value.key == config
+            assert "partition count" in str(info.value) and moved[0] in str(info.value)
+        await store.client.hset(config, "partitions", store.partitions)
+        # One thread's keys moved into another partition's tag: named the same way.
+        tag = store.keys.partition("t0")
+        other = (tag + 1) % store.partitions
+        for kind in ("log", "meta"):
+            key = getattr(store.keys, kind)("t0")
+            await store.client.rename(key, key.replace(f":{tag}}}", f":{other}}}"))
+        with pytest.raises(es.CorruptKeyError, match="'t0'"):
+            await Auditor(store).verify_all()
+
+
+async def test_a_meta_hash_without_its_incarnation_is_meta_damage(redis_url: str) -> None:
+    # Exports and feed readers refuse a thread whose meta lost 'n' ("run 'verify'"); verify
+    # passed it as intact.
+    settings = StoreSettings.from_url(redis_url, namespace="n" + uuid.uuid4().hex[:12])
+    async with await es.open_store(settings) as store:
+        version = await populate(store)
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.hdel(store.keys.meta(T), "n") == 1
+        verdict = await Auditor(store).verify(T)
+        assert_damage(verdict, 0, "meta")
+        assert "no incarnation (field 'n'" in verdict.detail and verdict.checked == version
+        # The next append records a life again; the thread verifies.
+        await store.append(T, [es.MessageAppended(message=user("after"))])
+        assert (await Auditor(store).verify(T)).ok
+
+
+async def test_what_verify_does_not_hold_to_the_chain(redis_url: str) -> None:
+    """The documented limits (docs/guarantees.md, section 6, "What verify cannot see"): the
+    meta hash's ledger, incarnation and key fingerprint, and a thread removed with every
+    trace, are outside the chain. Edits to them pass `verify`, even keyed."""
+    namespace = "w" + uuid.uuid4().hex[:12]
+    settings = StoreSettings.from_url(redis_url, namespace=namespace, secret=SECRET)
+    async with await es.open_store(settings) as store:
+        assert isinstance(store, es.RedisEventStore)
+        client, meta = store.client, store.keys.meta(T)
+        a, b = [es.MessageAppended(message=user("a"))], [es.MessageAppended(message=user("b"))]
+        await store.append(T, a, idempotency_key="k1")
+        await store.append(T, b, idempotency_key="k2")
+        # The ledger: a field pointed at another append's seqs answers a retry with them...
+        first = await client.hget(meta, "k:k1")
+        second = await client.hget(meta, "k:k2")
+        await client.hset(meta, "k:k2", first[:1] + second[1:])
+        retry = await store.append(T, b, idempotency_key="k2")
+        assert retry.duplicate and (retry.first_seq, retry.last_seq) == (1, 1)
+        # ... and a removed field lets a retry write its events again.
+        await client.hdel(meta, "k:k1")
+        again = await store.append(T, a, idempotency_key="k1")
+        assert not again.duplicate and again.first_seq == 3
+        assert (await Auditor(store).verify(T)).ok
+        # The incarnation changed to another number (not removed: that is `meta` damage).
+        await client.hset(meta, "n", 12345)
+        assert (await Auditor(store).verify(T)).ok
+        # The key fingerprint removed: the thread's next writer's key is adopted.
+        await client.hdel(meta, "f")
+        assert (await Auditor(store).verify(T)).ok
+        # A thread removed with every trace: its keys, its index entry and its feed entries.
+        await store.append("wiped", a)
+        feed = store.keys.feed(store.keys.partition("wiped"))
+        for entry in await store.read_feed(store.keys.partition("wiped")):
+            if entry.thread_id == "wiped":
+                await client.xdel(feed, entry.id)
+        await client.delete(store.keys.log("wiped"), store.keys.meta("wiped"))
+        await client.zrem(store.keys.index(store.keys.partition("wiped")), "wiped")
+        assert set(await Auditor(store).verify_all()) == {T}
+        gone = await Auditor(store).verify("wiped")
+        assert gone.kind == "missing" and "never written" in gone.detail
+
+
+async def test_an_old_entry_replayed_far_from_its_seq_is_named_as_a_copy(
+    keyed: es.EventStore,
+) -> None:
+    # Seq 1 appended again at the end (the version raised to hold it): it was "changed after
+    # the append"; the event id says which event it repeats.
+    version = await populate(keyed)
+    raw = Raw(keyed)
+    first = (await raw.entries())[0][1]
+    await raw.xadd(f"{version + 1}-0", first)
+    await lower_version(keyed, version + 1)
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version + 1, "modified")
+    assert "holds a copy of the event at seq 1" in verdict.detail
+
+
+async def test_a_raised_version_says_the_head_is_the_logs_last_link(keyed: es.EventStore) -> None:
+    version = await populate(keyed)
+    await lower_version(keyed, version + 2)
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version + 1, "deleted")
+    assert "or the version was raised" in verdict.detail
+    assert f"the link of seq {version}, the log's last" in verdict.detail
+    # Events cut from the end with the version left: the head is the old last link.
+    await lower_version(keyed, version)
+    raw = Raw(keyed)
+    await raw.xdel((await raw.entries())[-1][0])
+    verdict = await Auditor(keyed).verify(T)
+    assert_damage(verdict, version, "deleted")
+    assert "raised" not in verdict.detail

@@ -904,7 +904,8 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert "cannot be read as a log" in clobbered.out and "WRONGTYPE" in clobbered.out
     # Without its meta hash the thread still has a log: not "no thread", but damage.
     metaless = cli("verify", "metaless", url=redis_url, namespace=namespace)
-    assert metaless.code == 1 and "inserted" in metaless.out, metaless
+    assert metaless.code == 1 and "meta" in metaless.out, metaless
+    assert "inserted" not in metaless.out, metaless
     # A version that is not a number: damage to that thread, never an internal error.
     miscounted = cli("verify", "miscounted", url=redis_url, namespace=namespace)
     assert miscounted.code == 1 and "meta hash is damaged" in miscounted.out, miscounted
@@ -1157,6 +1158,28 @@ def test_audits_of_every_thread_see_one_removed_from_the_index(redis_url: str) -
     # Its log verifies, so its views are rebuilt with the others.
     rebuilt = cli("rebuild", "--all", url=redis_url, namespace=namespace)
     assert rebuilt.code == 0 and "rebuilt the views of 2 threads" in rebuilt.out, rebuilt
+
+
+def test_audits_of_every_thread_stop_on_an_edited_partition_count(redis_url: str) -> None:
+    # An edited partition count moved every thread out of where readers look: `verify --all`
+    # passed with those threads unseen. Now it names the damaged key and fails (exit 1: stored
+    # damage, as for a thread's own keys).
+    namespace = fresh_namespace()
+    threads = [f"t{i}" for i in range(6)]
+
+    async def setup(store: es.EventStore) -> None:
+        for thread in threads:
+            await store.append(
+                thread, [es.MessageAppended(message=es.Message(role="user", content="x"))]
+            )
+        assert isinstance(store, es.RedisEventStore)
+        await store.client.hset(es.KeyLayout.config_key(namespace), "partitions", 3)
+
+    with_store(redis_url, namespace, setup)
+    for command in (("verify", "--all"), ("check", "--all"), ("rebuild", "--all")):
+        run = cli(*command, url=redis_url, namespace=namespace)
+        assert run.code == 1, run
+        assert "is damaged: it records a partition count of 3" in run.err, run
 
 
 def test_verify_of_a_thread_that_is_not_there_says_why(redis_url: str) -> None:
