@@ -272,6 +272,24 @@ async def test_edited_payload_is_modified(store: es.EventStore) -> None:
     assert len(verdict.problems) == 1 and verdict.checked == version
 
 
+async def test_edited_event_metadata_is_modified(store: es.EventStore) -> None:
+    """The metadata field (the turn an event belongs to) is in what the chain covers: moving
+    an event to another turn is an edit like any other."""
+    for turn in ("turn-a", "turn-b"):
+        await store.append(
+            T, [es.NewEvent(payload=es.MessageAppended(message=user(turn)), turn_id=turn)]
+        )
+    raw = Raw(store)
+    entries = await raw.entries()
+    assert entries[0][1][b"m"] and entries[0][1][b"m"] != entries[1][1][b"m"]
+    entries[0] = (entries[0][0], {**entries[0][1], b"m": entries[1][1][b"m"]})
+    await raw.rewrite(entries)
+    assert [e.turn_id async for e in store.read(T)] == ["turn-b", "turn-b"]  # decodes fine
+    verdict = await Auditor(store).verify(T)
+    assert_damage(verdict, 1, "modified")
+    assert len(verdict.problems) == 1
+
+
 async def test_edited_last_entry_is_modified(store: es.EventStore) -> None:
     version = await populate(store)
     raw = Raw(store)
