@@ -179,8 +179,16 @@ class GroupCommit:
             del self._busy[key]
 
     def _flush(self) -> None:
-        batch, self._queue = self._queue, []
-        self._queue_waits = False
+        queue, n = self._queue, self.max_batch
+        if len(queue) <= n:
+            batch, rest = queue, None
+            self._queue = []
+            self._queue_waits = False
+        else:
+            # A queue held back behind a thread in flight grows past max_batch: it goes out
+            # max_batch calls at a time, in order.
+            batch, rest = queue[:n], queue[n:]
+            self._queue = rest
         busy = self._busy
         for key, _, _ in batch:
             busy[key] = busy.get(key, 0) + 1
@@ -191,6 +199,12 @@ class GroupCommit:
         task = loop.create_task(self._send(batch))
         self._tasks.add(task)
         task.add_done_callback(self._sent)
+        if rest is not None:
+            # The rest waits for this send when it holds one of its threads; else a full
+            # batch of it goes out now, and a shorter one when the sends in flight return.
+            self._queue_waits = any(key in busy for key, _, _ in rest)
+            if not self._queue_waits and len(rest) >= n:
+                self._flush()
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -263,3 +264,58 @@ async def test_a_batch_refuses_only_the_call_with_another_chain_key(
     assert [e.seq for e in await read_all(store, "locked")] == [1]
     for thread in done:
         assert [e.seq for e in await read_all(store, thread)] == [1]
+
+
+async def _store_with(url: str, **settings: int) -> es.RedisEventStore:
+    from eventstore._connect import StoreSettings, open_store
+
+    opened = await open_store(
+        StoreSettings.from_url(url, namespace="g" + uuid.uuid4().hex[:12], **settings)
+    )
+    assert isinstance(opened, es.RedisEventStore)
+    return opened
+
+
+def _record_batches(gc: es.GroupCommit) -> list[int]:
+    """The size of every send the committer makes (the calls of each `_run`)."""
+    sizes: list[int] = []
+    run = gc._run
+
+    async def recorded(calls: list[Any]) -> list[Any]:
+        sizes.append(len(calls))
+        return await run(calls)
+
+    gc._run = recorded  # type: ignore[method-assign]
+    return sizes
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+async def test_a_queue_behind_a_busy_thread_still_goes_out_in_max_batch_calls(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    """A queued call for a thread already in flight holds its queue back until the send
+    returns; the calls that pile up meanwhile must still go out at most max_batch at a time."""
+    store = await _store_with(request.getfixturevalue(backend), max_batch=4)
+    try:
+        sizes = _record_batches(committer(store))
+        results: dict[str, es.AppendResult] = {}
+
+        async def one(name: str, thread: str, expected: es.ExpectedVersion) -> None:
+            results[name] = await store.append(thread, [msg(name)], expected_version=expected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "first", "t", es.NO_THREAD)  # goes alone: "t" is in flight
+            tg.start_soon(one, "second", "t", 1)  # queued behind it: the queue waits
+            for i in range(40):
+                tg.start_soon(one, f"o{i}", f"o{i}", es.NO_THREAD)
+        assert max(sizes) <= 4, sizes
+        gc = committer(store)
+        assert gc.sent_alone + gc.pipelined_calls == 42
+        assert (results["first"].last_seq, results["second"].last_seq) == (1, 2)
+        assert all(results[f"o{i}"].last_seq == 1 for i in range(40))
+        assert [e.payload.message.text for e in await read_all(store, "t")] == [  # type: ignore[attr-defined]
+            "first",
+            "second",
+        ]
+    finally:
+        await store.close()
