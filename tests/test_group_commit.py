@@ -319,3 +319,28 @@ async def test_a_queue_behind_a_busy_thread_still_goes_out_in_max_batch_calls(
         ]
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+async def test_max_batch_1_keeps_each_threads_calls_in_order(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    """With max_batch=1 every call is a send of its own, but one thread's calls must still
+    reach the server in the order they were made, never two of them in flight at once."""
+    store = await _store_with(request.getfixturevalue(backend), max_batch=1)
+    try:
+        sizes = _record_batches(committer(store))
+        results: dict[tuple[int, int], int] = {}
+
+        async def one(t: int, v: int) -> None:
+            result = await store.append(f"t{t}", [msg(str(v))], expected_version=v)
+            results[(t, v)] = result.last_seq
+
+        async with anyio.create_task_group() as tg:
+            for v in range(12):
+                for t in range(6):
+                    tg.start_soon(one, t, v)
+        assert results == {(t, v): v + 1 for t in range(6) for v in range(12)}
+        assert set(sizes) == {1}  # one call per send
+    finally:
+        await store.close()
