@@ -344,3 +344,39 @@ async def test_max_batch_1_keeps_each_threads_calls_in_order(
         assert set(sizes) == {1}  # one call per send
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        es.HashSet("v", "f", 1.5),  # type: ignore[arg-type]
+        es.HashSet("v", None, b"x"),  # type: ignore[arg-type]
+        es.ListPush("v", (None,)),  # type: ignore[arg-type]
+        es.ListPush("v", (b"x",), event=0.5),  # type: ignore[arg-type]
+        es.HashDelete("v", "f", expected_version=1.5),  # type: ignore[arg-type]
+        es.ListPop("v", count=True),
+    ],
+    ids=["float-value", "none-field", "none-in-values", "float-event", "float-version", "bool"],
+)
+async def test_a_view_op_redis_cannot_take_fails_only_its_own_append(
+    store: es.RedisEventStore, bad: es.ViewOp
+) -> None:
+    """A view op whose arguments cannot be sent is that append's InvalidInputError, raised
+    before it joins a batch: it must not fail the other appends packed with it."""
+    await store.append("warm", [msg("busy")])
+    outcomes: dict[int, es.AppendResult | Exception] = {}
+
+    async def one(i: int) -> None:
+        ops = [bad] if i == 3 else [es.HashSet("v", "f", b"ok")]
+        try:
+            outcomes[i] = await store.append(f"t{i}", [msg(str(i))], view_ops=ops)
+        except Exception as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.append, "warm", [msg("busy")])  # the others queue behind it
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert isinstance(outcomes.pop(3), es.InvalidInputError)
+    assert all(isinstance(r, es.AppendResult) and r.last_seq == 1 for r in outcomes.values())
+    assert await read_all(store, "t3") == []
