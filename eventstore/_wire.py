@@ -174,7 +174,11 @@ class HeldConnections:
         """
         if self._idle:
             conn = self._idle.pop()
-            await _make_ready(conn)
+            try:
+                await _make_ready(conn)  # may wait: disconnecting one the server closed
+            except BaseException:
+                self._drop(conn)  # out of the idle list: given back here, or never
+                raise
         else:
             conn = await self._check_out()
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -380,3 +382,30 @@ async def test_a_view_op_redis_cannot_take_fails_only_its_own_append(
     assert isinstance(outcomes.pop(3), es.InvalidInputError)
     assert all(isinstance(r, es.AppendResult) and r.last_seq == 1 for r in outcomes.values())
     assert await read_all(store, "t3") == []
+
+
+async def test_appends_cancelled_while_a_dead_held_connection_is_replaced_leak_nothing(
+    redis_url: str,
+) -> None:
+    """A held connection the server closed while it waited is disconnected before its next use;
+    an append cancelled right then must give it back, not keep it out of the pool for good
+    (a pool of 8 was exhausted after three such cancellations, every command then waiting)."""
+    store = await _store_with(redis_url, max_connections=8)
+    try:
+        pool = store.client.connection_pool
+        for i in range(6):
+            await store.append("w", [msg(str(i))])  # leaves a held connection idle
+            await store.client.execute_command("CLIENT", "KILL", "SKIPME", "yes", "TYPE", "normal")
+            await anyio.sleep(0.05)  # the kill reaches the idle held connection
+            task = asyncio.ensure_future(store.append("a", [msg(str(i))]))
+            await asyncio.sleep(0)  # the append runs up to its first wait, then is cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await anyio.sleep(0.02)  # what a cancelled exchange gives back is given back aside
+        assert len(pool._in_use_connections) <= 2  # at most the held connections kept idle
+        with anyio.fail_after(5):
+            await store.append("w", [msg("after")])
+            await store.version("w")
+    finally:
+        await store.close()
