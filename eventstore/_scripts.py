@@ -8,7 +8,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ._wire import HeldConnections, can_hold, pack_script_call, with_script_source
 
@@ -280,6 +280,20 @@ class GroupCommit:
         command, text = (
             ("EVAL", self.script.source) if with_source else ("EVALSHA", self.script.sha)
         )
+        if getattr(self.client, "single_connection_client", False):
+            # Its one connection is the only one it uses; a pipeline would take another from
+            # its pool. The calls go one after another on it, in order, an error each.
+            replies: list[Any] = []
+            for call in calls:
+                assert not isinstance(call, bytes)
+                keys, args = call
+                try:
+                    replies.append(
+                        await self.client.execute_command(command, text, len(keys), *keys, *args)
+                    )
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
             assert not isinstance(call, bytes)  # packed calls are for the direct path only

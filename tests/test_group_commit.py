@@ -409,3 +409,27 @@ async def test_appends_cancelled_while_a_dead_held_connection_is_replaced_leak_n
             await store.version("w")
     finally:
         await store.close()
+
+
+async def test_a_single_connection_client_keeps_redis_pys_path(redis_url: str) -> None:
+    """A single-connection client talks on its one connection (made on its first command): the
+    store's appends must not check further connections out of its pool (here a pool of two, the
+    second for the store's reads: concurrent appends were refused "Too many connections")."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url, single_connection_client=True, max_connections=2)
+    store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+    try:
+        await store.ensure_namespace()
+        assert store._held is None and not committer(store).packs
+
+        async def one(i: int) -> None:
+            await store.append(f"t{i % 4}", [msg(str(i))], idempotency_key=f"k{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(40):
+                tg.start_soon(one, i)
+        for t in range(4):
+            assert [e.seq for e in await read_all(store, f"t{t}")] == list(range(1, 11))
+    finally:
+        await store.close()
