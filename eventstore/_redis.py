@@ -475,7 +475,8 @@ class RedisEventStore(EventStore):
         # Connections held for the hot calls (appends, window and view reads), spoken to in
         # RESP directly where that is exact (`_wire`); None: everything goes through redis-py.
         self._held = HeldConnections(client) if can_hold(client) else None
-        # Every append goes through it; with max_batch=1 it never queues (group commit off).
+        # Every append goes through it; with max_batch=1 it sends every call alone (group
+        # commit off), but queues one whose thread is in flight behind it.
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch, held=self._held)
         # thread id -> what its appends send (`_memo_thread`)
         self._append_keys: dict[str, tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]] = {}

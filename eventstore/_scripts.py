@@ -8,7 +8,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ._wire import HeldConnections, can_hold, pack_script_call, with_script_source
 
@@ -115,7 +115,11 @@ class GroupCommit:
         whole ``EVALSHA`` command as RESP bytes (see `_wire.evalsha_prefix`), whose first key
         is ``first_key``. Returns its reply; an error reply is raised."""
         busy = self._busy
-        if self.max_batch == 1 or (not self._in_flight and not self._queue):
+        # Alone when nothing is in flight; with max_batch 1 (no batches), when nothing is
+        # queued and its thread is not in flight: one thread's calls are never in two sends.
+        if not self._queue and (
+            not self._in_flight or (self.max_batch == 1 and first_key not in busy)
+        ):
             self._in_flight += 1
             self.sent_alone += 1
             busy[first_key] = busy.get(first_key, 0) + 1
@@ -179,18 +183,33 @@ class GroupCommit:
             del self._busy[key]
 
     def _flush(self) -> None:
-        batch, self._queue = self._queue, []
-        self._queue_waits = False
-        busy = self._busy
-        for key, _, _ in batch:
-            busy[key] = busy.get(key, 0) + 1
-        self._in_flight += 1
-        self.pipelines += 1
-        self.pipelined_calls += len(batch)
-        loop = self._loop = asyncio.get_running_loop()
-        task = loop.create_task(self._send(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._sent)
+        n, busy = self.max_batch, self._busy
+        while True:
+            queue = self._queue
+            if len(queue) <= n:
+                batch, self._queue = queue, []
+                self._queue_waits = False
+            else:
+                # A queue held back behind a thread in flight grows past max_batch: it goes
+                # out max_batch calls at a time, in order.
+                batch, self._queue = queue[:n], queue[n:]
+            for key, _, _ in batch:
+                busy[key] = busy.get(key, 0) + 1
+            self._in_flight += 1
+            self.pipelines += 1
+            self.pipelined_calls += len(batch)
+            loop = self._loop = asyncio.get_running_loop()
+            task = loop.create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._sent)
+            rest = self._queue
+            if not rest:
+                return
+            # The rest waits for the sends in flight when it holds one of their threads; else
+            # a full batch of it goes out now, and a shorter one when they return.
+            self._queue_waits = any(key in busy for key, _, _ in rest)
+            if self._queue_waits or len(rest) < n:
+                return
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -261,6 +280,20 @@ class GroupCommit:
         command, text = (
             ("EVAL", self.script.source) if with_source else ("EVALSHA", self.script.sha)
         )
+        if getattr(self.client, "single_connection_client", False):
+            # Its one connection is the only one it uses; a pipeline would take another from
+            # its pool. The calls go one after another on it, in order, an error each.
+            replies: list[Any] = []
+            for call in calls:
+                assert not isinstance(call, bytes)
+                keys, args = call
+                try:
+                    replies.append(
+                        await self.client.execute_command(command, text, len(keys), *keys, *args)
+                    )
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
             assert not isinstance(call, bytes)  # packed calls are for the direct path only

@@ -123,11 +123,45 @@ class HashLoad(msgspec.Struct, frozen=True):
 ViewOp = ListPush | ListReset | ListPop | HashSet | HashDelete | ViewClear | ListLoad | HashLoad
 
 
+def _is_int(value: object) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _check_arguments(op: ViewOp) -> None:
+    """The op's fields are of the types it declares (a Struct does not check them when built):
+    what Redis cannot be sent is refused here, as this op's own error, not at send time, where
+    it would fail every append of the batch it was sent with."""
+    view = getattr(op, "view", None)
+    if not isinstance(view, str):
+        raise InvalidInputError(f"{type(op).__name__}.view must be a str, not {view!r}")
+    values = getattr(op, "values", ())
+    if not isinstance(values, tuple | list) or not all(
+        isinstance(v, bytes | bytearray | memoryview) for v in values
+    ):
+        raise InvalidInputError(f"{type(op).__name__}.values must be bytes values")
+    field = getattr(op, "field", "")
+    if not isinstance(field, str):
+        raise InvalidInputError(f"{type(op).__name__}.field must be a str, not {field!r}")
+    value = getattr(op, "value", b"")
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise InvalidInputError(f"{type(op).__name__}.value must be bytes, not {value!r}")
+    for name in ("event", "count"):
+        n = getattr(op, name, 0)
+        if not _is_int(n):
+            raise InvalidInputError(f"{type(op).__name__}.{name} must be an int, not {n!r}")
+    expected = getattr(op, "expected_version", None)
+    if expected is not None and not _is_int(expected):
+        raise InvalidInputError(
+            f"{type(op).__name__}.expected_version must be an int or None, not {expected!r}"
+        )
+
+
 def check_ops(ops: tuple[ViewOp, ...] | list[ViewOp], n_events: int, *, in_append: bool) -> None:
     """Reject malformed operations before anything is sent."""
     for op in ops:
         if not isinstance(op, ViewOp):
             raise InvalidInputError(f"not a view op: {op!r}")
+        _check_arguments(op)
         if isinstance(op, ListPush | ListReset | HashSet):
             if not 0 <= op.event < max(n_events, 1):
                 raise InvalidInputError(

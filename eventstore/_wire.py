@@ -148,7 +148,12 @@ async def _read_hiredis(parser: Any, replies: int) -> list[Any]:
 
 def can_hold(client: Any) -> bool:
     """Whether `HeldConnections` can serve this client exactly as redis-py would."""
-    if type(client) is not aioredis.Redis or client.connection is not None:
+    # A single-connection client makes its connection on its first command: the flag says.
+    if (
+        type(client) is not aioredis.Redis
+        or client.connection is not None
+        or getattr(client, "single_connection_client", False)
+    ):
         return False
     pool = client.connection_pool
     kwargs = getattr(pool, "connection_kwargs", {})
@@ -174,7 +179,11 @@ class HeldConnections:
         """
         if self._idle:
             conn = self._idle.pop()
-            await _make_ready(conn)
+            try:
+                await _make_ready(conn)  # may wait: disconnecting one the server closed
+            except BaseException:
+                self._drop(conn)  # out of the idle list: given back here, or never
+                raise
         else:
             conn = await self._check_out()
         try:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -263,3 +266,170 @@ async def test_a_batch_refuses_only_the_call_with_another_chain_key(
     assert [e.seq for e in await read_all(store, "locked")] == [1]
     for thread in done:
         assert [e.seq for e in await read_all(store, thread)] == [1]
+
+
+async def _store_with(url: str, **settings: int) -> es.RedisEventStore:
+    from eventstore._connect import StoreSettings, open_store
+
+    opened = await open_store(
+        StoreSettings.from_url(url, namespace="g" + uuid.uuid4().hex[:12], **settings)
+    )
+    assert isinstance(opened, es.RedisEventStore)
+    return opened
+
+
+def _record_batches(gc: es.GroupCommit) -> list[int]:
+    """The size of every send the committer makes (the calls of each `_run`)."""
+    sizes: list[int] = []
+    run = gc._run
+
+    async def recorded(calls: list[Any]) -> list[Any]:
+        sizes.append(len(calls))
+        return await run(calls)
+
+    gc._run = recorded  # type: ignore[method-assign]
+    return sizes
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+async def test_a_queue_behind_a_busy_thread_still_goes_out_in_max_batch_calls(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    """A queued call for a thread already in flight holds its queue back until the send
+    returns; the calls that pile up meanwhile must still go out at most max_batch at a time."""
+    store = await _store_with(request.getfixturevalue(backend), max_batch=4)
+    try:
+        sizes = _record_batches(committer(store))
+        results: dict[str, es.AppendResult] = {}
+
+        async def one(name: str, thread: str, expected: es.ExpectedVersion) -> None:
+            results[name] = await store.append(thread, [msg(name)], expected_version=expected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "first", "t", es.NO_THREAD)  # goes alone: "t" is in flight
+            tg.start_soon(one, "second", "t", 1)  # queued behind it: the queue waits
+            for i in range(40):
+                tg.start_soon(one, f"o{i}", f"o{i}", es.NO_THREAD)
+        assert max(sizes) <= 4, sizes
+        gc = committer(store)
+        assert gc.sent_alone + gc.pipelined_calls == 42
+        assert (results["first"].last_seq, results["second"].last_seq) == (1, 2)
+        assert all(results[f"o{i}"].last_seq == 1 for i in range(40))
+        assert [e.payload.message.text for e in await read_all(store, "t")] == [  # type: ignore[attr-defined]
+            "first",
+            "second",
+        ]
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+async def test_max_batch_1_keeps_each_threads_calls_in_order(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    """With max_batch=1 every call is a send of its own, but one thread's calls must still
+    reach the server in the order they were made, never two of them in flight at once."""
+    store = await _store_with(request.getfixturevalue(backend), max_batch=1)
+    try:
+        sizes = _record_batches(committer(store))
+        results: dict[tuple[int, int], int] = {}
+
+        async def one(t: int, v: int) -> None:
+            result = await store.append(f"t{t}", [msg(str(v))], expected_version=v)
+            results[(t, v)] = result.last_seq
+
+        async with anyio.create_task_group() as tg:
+            for v in range(12):
+                for t in range(6):
+                    tg.start_soon(one, t, v)
+        assert results == {(t, v): v + 1 for t in range(6) for v in range(12)}
+        assert set(sizes) == {1}  # one call per send
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        es.HashSet("v", "f", 1.5),  # type: ignore[arg-type]
+        es.HashSet("v", None, b"x"),  # type: ignore[arg-type]
+        es.ListPush("v", (None,)),  # type: ignore[arg-type]
+        es.ListPush("v", (b"x",), event=0.5),  # type: ignore[arg-type]
+        es.HashDelete("v", "f", expected_version=1.5),  # type: ignore[arg-type]
+        es.ListPop("v", count=True),
+    ],
+    ids=["float-value", "none-field", "none-in-values", "float-event", "float-version", "bool"],
+)
+async def test_a_view_op_redis_cannot_take_fails_only_its_own_append(
+    store: es.RedisEventStore, bad: es.ViewOp
+) -> None:
+    """A view op whose arguments cannot be sent is that append's InvalidInputError, raised
+    before it joins a batch: it must not fail the other appends packed with it."""
+    await store.append("warm", [msg("busy")])
+    outcomes: dict[int, es.AppendResult | Exception] = {}
+
+    async def one(i: int) -> None:
+        ops = [bad] if i == 3 else [es.HashSet("v", "f", b"ok")]
+        try:
+            outcomes[i] = await store.append(f"t{i}", [msg(str(i))], view_ops=ops)
+        except Exception as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.append, "warm", [msg("busy")])  # the others queue behind it
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert isinstance(outcomes.pop(3), es.InvalidInputError)
+    assert all(isinstance(r, es.AppendResult) and r.last_seq == 1 for r in outcomes.values())
+    assert await read_all(store, "t3") == []
+
+
+async def test_appends_cancelled_while_a_dead_held_connection_is_replaced_leak_nothing(
+    redis_url: str,
+) -> None:
+    """A held connection the server closed while it waited is disconnected before its next use;
+    an append cancelled right then must give it back, not keep it out of the pool for good
+    (a pool of 8 was exhausted after three such cancellations, every command then waiting)."""
+    store = await _store_with(redis_url, max_connections=8)
+    try:
+        pool = store.client.connection_pool
+        for i in range(6):
+            await store.append("w", [msg(str(i))])  # leaves a held connection idle
+            await store.client.execute_command("CLIENT", "KILL", "SKIPME", "yes", "TYPE", "normal")
+            await anyio.sleep(0.05)  # the kill reaches the idle held connection
+            task = asyncio.ensure_future(store.append("a", [msg(str(i))]))
+            await asyncio.sleep(0)  # the append runs up to its first wait, then is cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await anyio.sleep(0.02)  # what a cancelled exchange gives back is given back aside
+        assert len(pool._in_use_connections) <= 2  # at most the held connections kept idle
+        with anyio.fail_after(5):
+            await store.append("w", [msg("after")])
+            await store.version("w")
+    finally:
+        await store.close()
+
+
+async def test_a_single_connection_client_keeps_redis_pys_path(redis_url: str) -> None:
+    """A single-connection client talks on its one connection (made on its first command): the
+    store's appends must not check further connections out of its pool (here a pool of two, the
+    second for the store's reads: concurrent appends were refused "Too many connections")."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url, single_connection_client=True, max_connections=2)
+    store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+    try:
+        await store.ensure_namespace()
+        assert store._held is None and not committer(store).packs
+
+        async def one(i: int) -> None:
+            await store.append(f"t{i % 4}", [msg(str(i))], idempotency_key=f"k{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(40):
+                tg.start_soon(one, i)
+        for t in range(4):
+            assert [e.seq for e in await read_all(store, f"t{t}")] == list(range(1, 11))
+    finally:
+        await store.close()
