@@ -40,8 +40,10 @@ from ._codec import (
 )
 from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo, threads_cursor
 from ._errors import (
+    META_LOST,
     ChainKeyMismatchError,
     ConcurrencyError,
+    CorruptEventError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
     InvalidInputError,
@@ -312,6 +314,8 @@ class MemoryEventStore(EventStore):
                 thread_id, thread.fingerprint != UNKEYED_FINGERPRINT, bool(self._secret)
             )
         version = thread.version
+        if version == 0 and thread.entries:  # as the append script: a log without its meta
+            raise CorruptEventError(thread_id, None, META_LOST)
         if not version_satisfies(expected_version, version):
             raise ConcurrencyError(thread_id, expected_version, version)
         # Guards see the ops before them in this append, as if its events came one by one (as

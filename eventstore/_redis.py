@@ -47,6 +47,7 @@ from ._contract import (
     threads_cursor,
 )
 from ._errors import (
+    META_LOST,
     ChainKeyMismatchError,
     ConcurrencyError,
     CorruptEventError,
@@ -646,6 +647,8 @@ class RedisEventStore(EventStore):
             )
         if status == b"meta":
             raise _damaged_version(thread_id, reply[1], "; nothing was appended")
+        if status == b"lost":
+            raise CorruptEventError(thread_id, None, META_LOST)
         if status == b"view":
             key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]

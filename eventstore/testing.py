@@ -932,6 +932,23 @@ class EventStoreConformance:
             await _read_between(store, "hole", since=0)
         assert await store.seq_at("short", 0) == 0  # the search never reached seq 3
 
+    async def test_an_append_to_a_log_without_its_meta_hash_is_refused(
+        self, store: EventStore
+    ) -> None:
+        """With the meta hash gone the version reads 0: Redis refused the append with a raw
+        "ID specified in XADD is equal or smaller" error, and the memory backend wrote a
+        second seq 1. It is damage, said as such, and nothing is written."""
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("t", [msg("a"), msg("b")])
+        await self.delete_meta(store, "t")
+        for expected in (ANY, NO_THREAD, 0):
+            with pytest.raises(CorruptEventError, match="meta hash") as info:
+                await store.append("t", [msg("c")], expected_version=expected)
+            assert (info.value.thread_id, info.value.seq) == ("t", None)
+        assert _texts(await read_all(store, "t")) == ["a", "b"]
+        assert (await store.append("fresh", [msg("x")])).first_seq == 1  # new threads: as ever
+
     async def test_seq_at_reports_a_log_without_its_meta_hash(self, store: EventStore) -> None:
         """With the meta hash gone the search had no version to search below and answered 0
         ("no event that old") for a log full of events: `read_between` then read nothing. A

@@ -18,7 +18,7 @@ then per op: opcode, view key index (into KEYS), operands:
 
 Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
       | {"reused"} | {"view", key index, field, expected, actual} | {"key", recorded fingerprint}
-      | {"meta", the stored version that is not a number}
+      | {"meta", the stored version that is not a number} | {"lost"} (a log without its meta)
 Every check runs before the first write: Redis does not roll a script back.
 
 Meta fields: "v" version, "h" chain head, "s" last time (ms), "c" creation time (ms), "n" the
@@ -57,6 +57,9 @@ if state[6] and state[6] ~= fingerprint then return {'key', state[6]} end
 local v = state[1] or '0'
 if not string.match(v, '^%d+$') or #v > 20 then return {'meta', v} end
 local version = tonumber(v)
+-- No version recorded, yet events in the log: the meta hash (version, chain head, ledger) was
+-- lost. Appending would reuse seq 1; reported as damage instead (a new thread pays one call).
+if not state[1] and redis.call('EXISTS', log) == 1 then return {'lost'} end
 if expected == 'no_thread' then
   if version ~= 0 then return {'conflict', version} end
 elseif expected == 'exists' then
