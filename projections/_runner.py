@@ -264,6 +264,11 @@ class ProjectionRunner:
         trimmed_to = (await self.store.feed_info(partition)).trimmed_to
         if parse_stream_id(trimmed_to) <= parse_stream_id(checkpoint):
             return False
+        if await self.store.checkpoint_of(partition, name) != checkpoint:
+            # Another runner of the projection applied past ``checkpoint`` meanwhile (and the
+            # feed was trimmed to what it applied): nothing was lost, read on from its
+            # checkpoint (checked there in turn).
+            return True
         if not self.accept_trimmed_feed:
             if partition in self._created:
                 await self.store.delete_feed_group(partition, name)

@@ -613,3 +613,37 @@ async def test_writes_landing_during_a_backfill_are_counted_once(store: es.Event
     assert totals(await UsageProjection().report(store)) == expected
     assert await runner.run_once() == 0
     assert totals(await UsageProjection().report(store)) == expected
+
+
+# -- a runner lagging behind another runner of its projection ------------------------------------
+
+
+async def test_a_runner_whose_peer_applied_and_trimmed_meanwhile_reads_on(
+    store: es.EventStore,
+) -> None:
+    """Runner b read the checkpoint; meanwhile runner a applied every change and the feed was
+    trimmed to what a applied. Nothing was lost: b reads on from the checkpoint as it stands
+    (not FeedTrimmedError for its stale position), and the group stays registered."""
+    expected = await fill(store, 8)
+    a = ProjectionRunner(store, UsageProjection(), consumer="a")
+    await a.run_once()
+    await settle(store, "thread-0", "small", 1000)
+    p = es.partition_of("thread-0", store.partitions)
+    raced = False
+
+    class Lagging(ProjectionRunner):
+        async def _past_trimmed(self, partition: int, checkpoint: str) -> bool:
+            nonlocal raced
+            if not raced:
+                raced = True
+                assert await a.run_once() == 1
+                assert await store.trim_feed(partition) > 0
+            return await super()._past_trimmed(partition, checkpoint)
+
+    b = Lagging(store, UsageProjection(), consumer="b", partitions=[p])
+    assert await b.run_once() == 0
+    assert raced
+    t, x, y = expected["small"]
+    assert totals(await UsageProjection().report(store))["small"] == (t + 1, x + 1000, y + 500)
+    (group,) = await store.feed_groups(p)
+    assert group.last_delivered == await store.checkpoint_of(p, "usage")
