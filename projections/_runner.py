@@ -204,11 +204,15 @@ class ProjectionRunner:
             if not batch:
                 break
             incr: list[Increment] = []
-            for entry in batch:
-                # In the change's own life of the thread: a thread deleted (and created again)
-                # since has other events at these seqs, which are counted by their own changes.
-                events = await self.store.read_change(entry)
-                incr += self.projection.increments(entry, events)
+            for i, entry in enumerate(batch):
+                try:
+                    # In the change's own life of the thread: a thread deleted (and created
+                    # again) since has other events at these seqs, counted by their own changes.
+                    events = await self.store.read_change(entry)
+                    incr += self.projection.increments(entry, events)
+                except Exception as exc:
+                    await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
+                    raise
             if await self.store.apply_checkpointed(
                 partition, name, expected=checkpoint, checkpoint=batch[-1].id, incr=incr
             ):
@@ -224,6 +228,38 @@ class ProjectionRunner:
         if partition in self._group_at:
             await self._hold_feed(partition, checkpoint)
         return done
+
+    async def _stop_at(
+        self,
+        partition: int,
+        checkpoint: str,
+        before: Sequence[FeedEntry],
+        incr: list[Increment],
+        entry: FeedEntry,
+        exc: Exception,
+    ) -> None:
+        """A change the runner cannot apply (the projection raised for it, or its events do not
+        decode): the runner stops there, never skipping it. The changes of the batch before it
+        are applied (so the checkpoint, and `threadlog feed`, point at it), and ``exc`` is
+        given a note naming it; the runner raises it."""
+        name = self.projection.name
+        if before:
+            try:
+                applied = await self.store.apply_checkpointed(
+                    partition, name, expected=checkpoint, checkpoint=before[-1].id, incr=incr
+                )
+                if applied:
+                    self._created.discard(partition)
+                    await self._hold_feed(partition, before[-1].id)
+            except Exception:  # the change's own error is the one to raise
+                log.exception("runner %s: applying the changes before it failed", self.consumer)
+        what = "deletion" if entry.deleted else f"events #{entry.first_seq}..{entry.last_seq}"
+        note = (
+            f"projection {name!r} stopped at change {entry.id} of partition {partition} "
+            f"(thread {entry.thread_id!r}, {what}): it is not applied, and no later one is"
+        )
+        exc.add_note(note)
+        log.error("runner %s: %s: %r", self.consumer, note, exc)
 
     async def _hold_feed(self, partition: int, checkpoint: str) -> None:
         """Register the projection's group at the checkpoint, or move it there, so trimming

@@ -647,3 +647,40 @@ async def test_a_runner_whose_peer_applied_and_trimmed_meanwhile_reads_on(
     assert totals(await UsageProjection().report(store))["small"] == (t + 1, x + 1000, y + 500)
     (group,) = await store.feed_groups(p)
     assert group.last_delivered == await store.checkpoint_of(p, "usage")
+
+
+class Poisoned(UsageProjection):
+    """Raises for every change of one thread (a projection bug, an event it cannot take)."""
+
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        if entry.thread_id == "poison":
+            raise ValueError("cannot take this one")
+        return super().increments(entry, events)
+
+
+async def test_a_change_the_projection_raises_for_stops_the_runner_there(
+    store: es.EventStore,
+) -> None:
+    """Never skipped: the runner applies the batch's changes before it, then raises the
+    projection's error with a note naming the change, and a restart stops there again."""
+    p = es.partition_of("poison", store.partitions)
+    other = next(f"t{i}" for i in range(100) if es.partition_of(f"t{i}", store.partitions) == p)
+    for _ in range(3):
+        await settle(store, other, "small", 1)
+    await settle(store, "poison", "small", 100)
+    await settle(store, other, "small", 1)
+    feed = await store.read_feed(p, count=10)
+    runner = ProjectionRunner(store, Poisoned(), consumer="c", partitions=[p], batch_size=10)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot take this one") as caught:
+            await runner.run_once()
+        assert any(
+            f"change {feed[3].id} of partition {p} (thread 'poison', events #1..2)" in note
+            for note in caught.value.__notes__
+        )
+        assert await store.checkpoint_of(p, "usage") == feed[2].id
+        assert totals(await UsageProjection().report(store)) == {"small": (3, 3, 0)}
+    (group,) = await store.feed_groups(p)
+    assert group.last_delivered == feed[2].id  # trimming keeps the change it stopped at
