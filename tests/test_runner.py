@@ -684,3 +684,71 @@ async def test_a_change_the_projection_raises_for_stops_the_runner_there(
         assert totals(await UsageProjection().report(store)) == {"small": (3, 3, 0)}
     (group,) = await store.feed_groups(p)
     assert group.last_delivered == feed[2].id  # trimming keeps the change it stopped at
+
+
+class Overflowing(UsageProjection):
+    """Counts each change in "changes", and adds ``amount`` to a "big" field."""
+
+    def __init__(self, amount: object) -> None:
+        self.amount = amount
+
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        return [("turns", "changes", 1), ("turns", "big", self.amount)]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("amount", [2**63, -(2**63), 2.5, True, "1"])
+async def test_an_increment_that_is_no_64_bit_int_writes_nothing(
+    store: es.EventStore, amount: object
+) -> None:
+    """Refused before anything is written (Redis would have applied the increments before it
+    and not the checkpoint, so each retry counted them again; a float was truncated)."""
+    await settle(store, "t", "small", 1)
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(store, Overflowing(amount), consumer="c", partitions=[p])
+    for _ in range(2):
+        with pytest.raises(es.InvalidInputError, match="increment"):
+            await runner.run_once()
+        assert await store.read_aux(p, "usage", "turns") == {}
+        assert await store.checkpoint_of(p, "usage") == "0-0"
+
+
+async def test_an_increment_that_would_overflow_its_field_writes_nothing(
+    store: es.EventStore,
+) -> None:
+    """HINCRBY refuses to overflow a 64-bit field after the script wrote the batch's earlier
+    increments: the batch is refused whole, the checkpoint stays, a retry counts nothing twice."""
+    await settle(store, "t", "small", 1)
+    p = es.partition_of("t", store.partitions)
+    await ProjectionRunner(store, Overflowing(2**63 - 1), consumer="c", partitions=[p]).run_once()
+    assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 2**63 - 1}
+    checkpoint = await store.checkpoint_of(p, "usage")
+    await settle(store, "t", "small", 1)
+    runner = ProjectionRunner(store, Overflowing(1), consumer="c", partitions=[p])
+    for _ in range(2):
+        with pytest.raises(es.InvalidInputError, match="overflow"):
+            await runner.run_once()
+        assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 2**63 - 1}
+        assert await store.checkpoint_of(p, "usage") == checkpoint
+
+
+async def test_a_projection_field_holding_no_integer_refuses_the_batch_whole(
+    redis_url: str,
+) -> None:
+    """A field changed from outside threadlog to hold no integer: HINCRBY refuses it after the
+    batch's earlier increments; they are undone (a field the batch created goes again)."""
+    async with await es.connect(redis_url, namespace="c" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        await settle(store, "t", "small", 1)
+        p = es.partition_of("t", store.partitions)
+        key = store.keys.aux(p, "usage", "turns")
+        await store.client.hset(key, "big", "not a number")
+        runner = ProjectionRunner(store, Overflowing(5), consumer="c", partitions=[p])
+        with pytest.raises(es.CorruptKeyError, match="'big'"):
+            await runner.run_once()
+        assert await store.client.hgetall(key) == {b"big": b"not a number"}
+        assert await store.checkpoint_of(p, "usage") == "0-0"
+        await store.client.hset(key, "big", "7")
+        assert await runner.run_once() == 1
+        assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 12}
