@@ -37,7 +37,7 @@ from eventstore import (
     validate_view_name,
 )
 from eventstore._contract import require_store
-from eventstore._feed import parse_stream_id
+from eventstore._feed import parse_stream_id, validate_increments
 from eventstore._ids import validate_count
 
 log = logging.getLogger("threadlog.runner")
@@ -57,7 +57,11 @@ class AsyncProjection(abc.ABC):
 
     @abc.abstractmethod
     def increments(self, entry: FeedEntry, events: Sequence[RecordedEvent]) -> list[Increment]:
-        """What one change adds: a pure function of the change and its events."""
+        """What one change adds: a pure function of the change and its events.
+
+        Each amount is an int within +-(2**63 - 1), and a hash's fields stay in that range
+        (Redis keeps them as 64-bit ints): anything else, or an exception raised here, stops
+        the runner at this change, named in the error; it is never skipped."""
 
 
 def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int]:
@@ -209,7 +213,7 @@ class ProjectionRunner:
                     # In the change's own life of the thread: a thread deleted (and created
                     # again) since has other events at these seqs, counted by their own changes.
                     events = await self.store.read_change(entry)
-                    incr += self.projection.increments(entry, events)
+                    incr += validate_increments(self.projection.increments(entry, events))
                 except Exception as exc:
                     await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
                     raise

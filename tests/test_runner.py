@@ -707,9 +707,12 @@ async def test_an_increment_that_is_no_64_bit_int_writes_nothing(
     await settle(store, "t", "small", 1)
     p = es.partition_of("t", store.partitions)
     runner = ProjectionRunner(store, Overflowing(amount), consumer="c", partitions=[p])
+    (change,) = await store.read_feed(p)
     for _ in range(2):
-        with pytest.raises(es.InvalidInputError, match="increment"):
+        with pytest.raises(es.InvalidInputError, match="increment") as caught:
             await runner.run_once()
+        # The change it came from is named: the runner stops there.
+        assert any(f"change {change.id} of partition {p}" in n for n in caught.value.__notes__)
         assert await store.read_aux(p, "usage", "turns") == {}
         assert await store.checkpoint_of(p, "usage") == "0-0"
 
