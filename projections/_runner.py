@@ -91,7 +91,7 @@ class ProjectionRunner:
     projection first ran), its changes up to there are gone from the feed: the runner raises
     `FeedTrimmedError` rather than count without them, unless ``accept_trimmed_feed`` says
     to go on from what the feed still holds: then the checkpoint is moved past what was
-    trimmed (logged once per partition), which stands for every later run.
+    trimmed (logged, each time), which stands for every later run.
 
     A projection added to a running system starts from the logs instead with
     ``backfill=True``: before it reads a partition's feed for the first time (no checkpoint
@@ -147,7 +147,6 @@ class ProjectionRunner:
         """Where this runner last put the projection's group, per partition."""
         self._created: set[int] = set()
         """Partitions where this runner registered the group and has applied nothing since."""
-        self._warned: set[int] = set()
 
     @staticmethod
     def _owned(store: EventStore, partitions: Sequence[int] | None) -> list[int]:
@@ -321,14 +320,13 @@ class ProjectionRunner:
             partition, name, expected=checkpoint, checkpoint=trimmed_to
         ):
             self._created.discard(partition)
-            if partition not in self._warned:
-                self._warned.add(partition)
-                log.warning(
-                    "runner %s: projection %s goes on without the changes trimmed from "
-                    "partition %d's feed (up to %s; its checkpoint was %s): "
-                    "accept_trimmed_feed=True",
-                    self.consumer, name, partition, trimmed_to, checkpoint,
-                )  # fmt: skip
+            # Each time: a later trim past the projection loses other changes.
+            log.warning(
+                "runner %s: projection %s goes on without the changes trimmed from "
+                "partition %d's feed (up to %s; its checkpoint was %s): "
+                "accept_trimmed_feed=True",
+                self.consumer, name, partition, trimmed_to, checkpoint,
+            )  # fmt: skip
         return True
 
     # -- backfill ------------------------------------------------------------------------------

@@ -755,3 +755,24 @@ async def test_a_projection_field_holding_no_integer_refuses_the_batch_whole(
         await store.client.hset(key, "big", "7")
         assert await runner.run_once() == 1
         assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 12}
+
+
+async def test_every_loss_an_accepting_runner_goes_on_past_is_logged(
+    store: es.EventStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``accept_trimmed_feed``: the feed trimmed by age past a running projection a second
+    time loses other changes, and that is said too (not only the first time)."""
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(
+        store, UsageProjection(), consumer="c", partitions=[p], accept_trimmed_feed=True
+    )
+    for round_ in range(2):
+        await settle(store, "t", "small", 1)
+        await anyio.sleep(0.01)
+        assert await store.trim_feed(p, max_age_ms=0) >= 1
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="threadlog.runner"):
+            assert await runner.run_once() == 0
+        trimmed_to = (await store.feed_info(p)).trimmed_to
+        assert [r for r in caplog.records if trimmed_to in r.getMessage()], round_
+    assert totals(await UsageProjection().report(store)) == {}
