@@ -1307,19 +1307,11 @@ async def _feed_positions(
         ms = int(since.timestamp() * 1000)
         start = f"{ms - 1}-{_MAX_STREAM_ID_SEQ}" if ms > 0 else "0-0"
         return dict.fromkeys(partitions, start)
-    # The contract reads feeds forwards only; the newest thread activity bounds where the end
-    # is (a minute earlier absorbs clock steps), and reading on from there finds it.
-    newest = await store.threads(limit=1)
-    start = f"{max(0, newest[0].last_activity_ms - 60_000)}-0" if newest else "0-0"
-    positions: dict[int, str] = {}
-    for p in partitions:
-        # Not before what was trimmed already: that left the feed before tail started, and is
-        # no gap in what it follows (a feed trimmed to empty has nothing past it to read).
-        position = max(start, (await store.feed_info(p)).trimmed_to, key=parse_stream_id)
-        while entries := await store.read_feed(p, after=position, count=1024):
-            position = entries[-1].id
-        positions[p] = position
-    return positions
+    # The newest id each feed ever gave: what comes after it is new. (Not a time read off the
+    # threads' activity and read on from: under a high append rate that is a long read before
+    # anything is shown, and a server clock that stepped back past it gives new changes ids
+    # below it, which tail then passed over.) It is never before what was trimmed already.
+    return {p: (await store.feed_info(p)).last_id for p in partitions}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from ._errors import InvalidInputError
-from ._ids import validate_count, validate_name
+from ._ids import validate_count, validate_name, validate_view_name
 
 _STREAM_ID_RE = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
 _MAX_ID_PART = 2**64 - 1
@@ -139,6 +139,36 @@ def validate_block_ms(block_ms: object) -> None:
         raise InvalidInputError(
             f"block_ms must be > 0 (ms to wait) or None (do not wait), not {block_ms!r}"
         )
+
+
+INCREMENT_MAX = 2**63 - 1
+"""The largest amount (and, negated, the smallest) an `apply_checkpointed` increment may add,
+and the range a projection's hash field stays in: Redis keeps them as 64-bit ints."""
+
+
+def validate_increments(incr: Sequence[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """``incr`` as a list, each ``(hash name, field, amount)`` with a usable hash name, a str
+    field and an int amount (not a bool, a float or a numeric str, which would be truncated or
+    read) within +-`INCREMENT_MAX`; raises `InvalidInputError` otherwise."""
+    if isinstance(incr, str | bytes) or not isinstance(incr, Sequence):
+        raise InvalidInputError(f"increments must be a sequence of triples, not {incr!r}")
+    out = list(incr)
+    for item in out:
+        if not isinstance(item, tuple | list) or len(item) != 3:
+            raise InvalidInputError(f"an increment must be (hash, field, amount), not {item!r}")
+        hash_name, field, amount = item
+        validate_view_name(hash_name)
+        if not isinstance(field, str):
+            raise InvalidInputError(f"an increment's field must be a str, not {field!r}")
+        if (
+            isinstance(amount, bool)
+            or not isinstance(amount, int)
+            or not -INCREMENT_MAX <= amount <= INCREMENT_MAX
+        ):
+            raise InvalidInputError(
+                f"increment {item!r}: the amount must be an int within +-(2**63 - 1)"
+            )
+    return out
 
 
 def format_stream_id(parts: tuple[int, int]) -> str:

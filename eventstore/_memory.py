@@ -54,6 +54,7 @@ from ._errors import (
 from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import (
+    INCREMENT_MAX,
     FeedEntry,
     FeedInfo,
     GroupInfo,
@@ -66,6 +67,7 @@ from ._feed import (
     validate_consumer,
     validate_feed_count,
     validate_group,
+    validate_increments,
 )
 from ._ids import (
     new_ulid,
@@ -824,15 +826,25 @@ class MemoryEventStore(EventStore):
         new = parse_stream_id(checkpoint)
         if new <= parse_stream_id(expected):
             raise InvalidInputError(f"checkpoint {checkpoint} must be above {expected}")
-        for hash_name, _, _ in incr:
-            validate_view_name(hash_name)
+        increments = validate_increments(incr)
         await anyio.lowlevel.checkpoint()
         stored = self._ns.checkpoints.get((partition, name))
         if (format_stream_id(stored) if stored else "0-0") != expected:
             return False
-        for hash_name, field_name, amount in incr:
-            target = self._ns.aux.setdefault((partition, name, hash_name), {})
-            target[field_name] = target.get(field_name, 0) + int(amount)
+        # All or nothing, as the Redis script: a field kept as a 64-bit int (as Redis keeps
+        # it) that would overflow refuses the batch before anything is written.
+        staged: dict[tuple[str, str], int] = {}
+        for hash_name, field_name, amount in increments:
+            held = self._ns.aux.get((partition, name, hash_name), {})
+            value = staged.get((hash_name, field_name), held.get(field_name, 0)) + amount
+            if not -INCREMENT_MAX - 1 <= value <= INCREMENT_MAX:
+                raise InvalidInputError(
+                    f"increment of field {field_name!r} of {hash_name!r} would overflow a "
+                    "64-bit int: nothing written, the checkpoint stays"
+                )
+            staged[hash_name, field_name] = value
+        for (hash_name, field_name), value in staged.items():
+            self._ns.aux.setdefault((partition, name, hash_name), {})[field_name] = value
         self._ns.checkpoints[(partition, name)] = new
         return True
 

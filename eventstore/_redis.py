@@ -77,6 +77,7 @@ from ._feed import (
     validate_consumer,
     validate_feed_count,
     validate_group,
+    validate_increments,
     validate_stream_ids,
 )
 from ._gc import paused_collector
@@ -1627,11 +1628,22 @@ class RedisEventStore(EventStore):
         validate_view_name(name)
         if parse_stream_id(checkpoint) <= parse_stream_id(expected):
             raise InvalidInputError(f"checkpoint {checkpoint} must be above {expected}")
+        increments = validate_increments(incr)
         index = _KeyIndex([self.keys.checkpoints(partition)])
-        args: list[Any] = [name, expected, checkpoint, len(incr)]
-        for hash_name, field, amount in incr:
-            args += (index(self.keys.aux(partition, name, hash_name)), field, int(amount))
-        return bool(await _call(APPLY_CHECKPOINTED(self.client, index.keys, args)))
+        args: list[Any] = [name, expected, checkpoint, len(increments)]
+        for hash_name, field, amount in increments:
+            args += (index(self.keys.aux(partition, name, hash_name)), field, amount)
+        reply = await _call(APPLY_CHECKPOINTED(self.client, index.keys, args))
+        if isinstance(reply, list):  # an increment HINCRBY refused: all were undone
+            key = _text(index.keys[int(reply[1]) - 1])
+            field, why = _text(reply[2]), _text(reply[3])
+            if "overflow" in why:
+                raise InvalidInputError(
+                    f"increment of field {field!r} of {key!r} would overflow a 64-bit int: "
+                    "nothing written, the checkpoint stays"
+                )
+            raise CorruptKeyError(key, f"field {field!r}: {why} (nothing written)")
+        return bool(reply)
 
     async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
         self._feed_key(partition)

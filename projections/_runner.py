@@ -37,7 +37,7 @@ from eventstore import (
     validate_view_name,
 )
 from eventstore._contract import require_store
-from eventstore._feed import parse_stream_id
+from eventstore._feed import parse_stream_id, validate_increments
 from eventstore._ids import validate_count
 
 log = logging.getLogger("threadlog.runner")
@@ -57,7 +57,11 @@ class AsyncProjection(abc.ABC):
 
     @abc.abstractmethod
     def increments(self, entry: FeedEntry, events: Sequence[RecordedEvent]) -> list[Increment]:
-        """What one change adds: a pure function of the change and its events."""
+        """What one change adds: a pure function of the change and its events.
+
+        Each amount is an int within +-(2**63 - 1), and a hash's fields stay in that range
+        (Redis keeps them as 64-bit ints): anything else, or an exception raised here, stops
+        the runner at this change, named in the error; it is never skipped."""
 
 
 def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int]:
@@ -87,7 +91,7 @@ class ProjectionRunner:
     projection first ran), its changes up to there are gone from the feed: the runner raises
     `FeedTrimmedError` rather than count without them, unless ``accept_trimmed_feed`` says
     to go on from what the feed still holds: then the checkpoint is moved past what was
-    trimmed (logged once per partition), which stands for every later run.
+    trimmed (logged, each time), which stands for every later run.
 
     A projection added to a running system starts from the logs instead with
     ``backfill=True``: before it reads a partition's feed for the first time (no checkpoint
@@ -143,7 +147,6 @@ class ProjectionRunner:
         """Where this runner last put the projection's group, per partition."""
         self._created: set[int] = set()
         """Partitions where this runner registered the group and has applied nothing since."""
-        self._warned: set[int] = set()
 
     @staticmethod
     def _owned(store: EventStore, partitions: Sequence[int] | None) -> list[int]:
@@ -204,11 +207,15 @@ class ProjectionRunner:
             if not batch:
                 break
             incr: list[Increment] = []
-            for entry in batch:
-                # In the change's own life of the thread: a thread deleted (and created again)
-                # since has other events at these seqs, which are counted by their own changes.
-                events = await self.store.read_change(entry)
-                incr += self.projection.increments(entry, events)
+            for i, entry in enumerate(batch):
+                try:
+                    # In the change's own life of the thread: a thread deleted (and created
+                    # again) since has other events at these seqs, counted by their own changes.
+                    events = await self.store.read_change(entry)
+                    incr += validate_increments(self.projection.increments(entry, events))
+                except Exception as exc:
+                    await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
+                    raise
             if await self.store.apply_checkpointed(
                 partition, name, expected=checkpoint, checkpoint=batch[-1].id, incr=incr
             ):
@@ -224,6 +231,38 @@ class ProjectionRunner:
         if partition in self._group_at:
             await self._hold_feed(partition, checkpoint)
         return done
+
+    async def _stop_at(
+        self,
+        partition: int,
+        checkpoint: str,
+        before: Sequence[FeedEntry],
+        incr: list[Increment],
+        entry: FeedEntry,
+        exc: Exception,
+    ) -> None:
+        """A change the runner cannot apply (the projection raised for it, or its events do not
+        decode): the runner stops there, never skipping it. The changes of the batch before it
+        are applied (so the checkpoint, and `threadlog feed`, point at it), and ``exc`` is
+        given a note naming it; the runner raises it."""
+        name = self.projection.name
+        if before:
+            try:
+                applied = await self.store.apply_checkpointed(
+                    partition, name, expected=checkpoint, checkpoint=before[-1].id, incr=incr
+                )
+                if applied:
+                    self._created.discard(partition)
+                    await self._hold_feed(partition, before[-1].id)
+            except Exception:  # the change's own error is the one to raise
+                log.exception("runner %s: applying the changes before it failed", self.consumer)
+        what = "deletion" if entry.deleted else f"events #{entry.first_seq}..{entry.last_seq}"
+        note = (
+            f"projection {name!r} stopped at change {entry.id} of partition {partition} "
+            f"(thread {entry.thread_id!r}, {what}): it is not applied, and no later one is"
+        )
+        exc.add_note(note)
+        log.error("runner %s: %s: %r", self.consumer, note, exc)
 
     async def _hold_feed(self, partition: int, checkpoint: str) -> None:
         """Register the projection's group at the checkpoint, or move it there, so trimming
@@ -264,6 +303,11 @@ class ProjectionRunner:
         trimmed_to = (await self.store.feed_info(partition)).trimmed_to
         if parse_stream_id(trimmed_to) <= parse_stream_id(checkpoint):
             return False
+        if await self.store.checkpoint_of(partition, name) != checkpoint:
+            # Another runner of the projection applied past ``checkpoint`` meanwhile (and the
+            # feed was trimmed to what it applied): nothing was lost, read on from its
+            # checkpoint (checked there in turn).
+            return True
         if not self.accept_trimmed_feed:
             if partition in self._created:
                 await self.store.delete_feed_group(partition, name)
@@ -276,14 +320,13 @@ class ProjectionRunner:
             partition, name, expected=checkpoint, checkpoint=trimmed_to
         ):
             self._created.discard(partition)
-            if partition not in self._warned:
-                self._warned.add(partition)
-                log.warning(
-                    "runner %s: projection %s goes on without the changes trimmed from "
-                    "partition %d's feed (up to %s; its checkpoint was %s): "
-                    "accept_trimmed_feed=True",
-                    self.consumer, name, partition, trimmed_to, checkpoint,
-                )  # fmt: skip
+            # Each time: a later trim past the projection loses other changes.
+            log.warning(
+                "runner %s: projection %s goes on without the changes trimmed from "
+                "partition %d's feed (up to %s; its checkpoint was %s): "
+                "accept_trimmed_feed=True",
+                self.consumer, name, partition, trimmed_to, checkpoint,
+            )  # fmt: skip
         return True
 
     # -- backfill ------------------------------------------------------------------------------

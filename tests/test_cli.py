@@ -1920,6 +1920,40 @@ def test_tail_follows_new_events_until_its_limit(
     assert "old" not in out and "elsewhere" not in out
 
 
+def test_tail_starts_at_each_feeds_end_whatever_the_threads_activity_says(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """The newest thread activity lies an hour ahead of the feeds (written before the server's
+    clock stepped back): a change made now has an id below it, and tail shows it all the
+    same, as it starts at each partition's newest feed id."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append("ahead", [msg("before the clock stepped back")])
+        await store.append("live", [msg("old")])
+        p = es.partition_of("ahead", store.partitions)
+        ahead = int(time.time() * 1000) + 3_600_000
+        await store.client.zadd(store.keys.index(p), {"ahead": ahead})
+
+    with_store(redis_url, namespace, setup)
+    proc = popen(
+        "tail", "--json", "--limit", "1", "--interval", "0.05",
+        "--url", redis_url, "--namespace", namespace,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    assert "following every thread" in _read_line(proc.stderr, 30)
+    with_store(redis_url, namespace, lambda s: s.append("live", [msg("new")]))
+    try:
+        out, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("tail passed over the change made after it started") from None
+    assert proc.returncode == 0, err
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    assert (row["thread"], row["seq"]) == ("live", 2), row
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["named", "default"])
 def test_tail_started_before_its_namespace_follows_it_as_it_is_laid_out(
     redis_url: str, popen: Callable[..., subprocess.Popen[str]], named: bool

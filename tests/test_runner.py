@@ -613,3 +613,166 @@ async def test_writes_landing_during_a_backfill_are_counted_once(store: es.Event
     assert totals(await UsageProjection().report(store)) == expected
     assert await runner.run_once() == 0
     assert totals(await UsageProjection().report(store)) == expected
+
+
+# -- a runner lagging behind another runner of its projection ------------------------------------
+
+
+async def test_a_runner_whose_peer_applied_and_trimmed_meanwhile_reads_on(
+    store: es.EventStore,
+) -> None:
+    """Runner b read the checkpoint; meanwhile runner a applied every change and the feed was
+    trimmed to what a applied. Nothing was lost: b reads on from the checkpoint as it stands
+    (not FeedTrimmedError for its stale position), and the group stays registered."""
+    expected = await fill(store, 8)
+    a = ProjectionRunner(store, UsageProjection(), consumer="a")
+    await a.run_once()
+    await settle(store, "thread-0", "small", 1000)
+    p = es.partition_of("thread-0", store.partitions)
+    raced = False
+
+    class Lagging(ProjectionRunner):
+        async def _past_trimmed(self, partition: int, checkpoint: str) -> bool:
+            nonlocal raced
+            if not raced:
+                raced = True
+                assert await a.run_once() == 1
+                assert await store.trim_feed(partition) > 0
+            return await super()._past_trimmed(partition, checkpoint)
+
+    b = Lagging(store, UsageProjection(), consumer="b", partitions=[p])
+    assert await b.run_once() == 0
+    assert raced
+    t, x, y = expected["small"]
+    assert totals(await UsageProjection().report(store))["small"] == (t + 1, x + 1000, y + 500)
+    (group,) = await store.feed_groups(p)
+    assert group.last_delivered == await store.checkpoint_of(p, "usage")
+
+
+class Poisoned(UsageProjection):
+    """Raises for every change of one thread (a projection bug, an event it cannot take)."""
+
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        if entry.thread_id == "poison":
+            raise ValueError("cannot take this one")
+        return super().increments(entry, events)
+
+
+async def test_a_change_the_projection_raises_for_stops_the_runner_there(
+    store: es.EventStore,
+) -> None:
+    """Never skipped: the runner applies the batch's changes before it, then raises the
+    projection's error with a note naming the change, and a restart stops there again."""
+    p = es.partition_of("poison", store.partitions)
+    other = next(f"t{i}" for i in range(100) if es.partition_of(f"t{i}", store.partitions) == p)
+    for _ in range(3):
+        await settle(store, other, "small", 1)
+    await settle(store, "poison", "small", 100)
+    await settle(store, other, "small", 1)
+    feed = await store.read_feed(p, count=10)
+    runner = ProjectionRunner(store, Poisoned(), consumer="c", partitions=[p], batch_size=10)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot take this one") as caught:
+            await runner.run_once()
+        assert any(
+            f"change {feed[3].id} of partition {p} (thread 'poison', events #1..2)" in note
+            for note in caught.value.__notes__
+        )
+        assert await store.checkpoint_of(p, "usage") == feed[2].id
+        assert totals(await UsageProjection().report(store)) == {"small": (3, 3, 0)}
+    (group,) = await store.feed_groups(p)
+    assert group.last_delivered == feed[2].id  # trimming keeps the change it stopped at
+
+
+class Overflowing(UsageProjection):
+    """Counts each change in "changes", and adds ``amount`` to a "big" field."""
+
+    def __init__(self, amount: object) -> None:
+        self.amount = amount
+
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        return [("turns", "changes", 1), ("turns", "big", self.amount)]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("amount", [2**63, -(2**63), 2.5, True, "1"])
+async def test_an_increment_that_is_no_64_bit_int_writes_nothing(
+    store: es.EventStore, amount: object
+) -> None:
+    """Refused before anything is written (Redis would have applied the increments before it
+    and not the checkpoint, so each retry counted them again; a float was truncated)."""
+    await settle(store, "t", "small", 1)
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(store, Overflowing(amount), consumer="c", partitions=[p])
+    (change,) = await store.read_feed(p)
+    for _ in range(2):
+        with pytest.raises(es.InvalidInputError, match="increment") as caught:
+            await runner.run_once()
+        # The change it came from is named: the runner stops there.
+        assert any(f"change {change.id} of partition {p}" in n for n in caught.value.__notes__)
+        assert await store.read_aux(p, "usage", "turns") == {}
+        assert await store.checkpoint_of(p, "usage") == "0-0"
+
+
+async def test_an_increment_that_would_overflow_its_field_writes_nothing(
+    store: es.EventStore,
+) -> None:
+    """HINCRBY refuses to overflow a 64-bit field after the script wrote the batch's earlier
+    increments: the batch is refused whole, the checkpoint stays, a retry counts nothing twice."""
+    await settle(store, "t", "small", 1)
+    p = es.partition_of("t", store.partitions)
+    await ProjectionRunner(store, Overflowing(2**63 - 1), consumer="c", partitions=[p]).run_once()
+    assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 2**63 - 1}
+    checkpoint = await store.checkpoint_of(p, "usage")
+    await settle(store, "t", "small", 1)
+    runner = ProjectionRunner(store, Overflowing(1), consumer="c", partitions=[p])
+    for _ in range(2):
+        with pytest.raises(es.InvalidInputError, match="overflow"):
+            await runner.run_once()
+        assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 2**63 - 1}
+        assert await store.checkpoint_of(p, "usage") == checkpoint
+
+
+async def test_a_projection_field_holding_no_integer_refuses_the_batch_whole(
+    redis_url: str,
+) -> None:
+    """A field changed from outside threadlog to hold no integer: HINCRBY refuses it after the
+    batch's earlier increments; they are undone (a field the batch created goes again)."""
+    async with await es.connect(redis_url, namespace="c" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        await settle(store, "t", "small", 1)
+        p = es.partition_of("t", store.partitions)
+        key = store.keys.aux(p, "usage", "turns")
+        await store.client.hset(key, "big", "not a number")
+        runner = ProjectionRunner(store, Overflowing(5), consumer="c", partitions=[p])
+        with pytest.raises(es.CorruptKeyError, match="'big'"):
+            await runner.run_once()
+        assert await store.client.hgetall(key) == {b"big": b"not a number"}
+        assert await store.checkpoint_of(p, "usage") == "0-0"
+        await store.client.hset(key, "big", "7")
+        assert await runner.run_once() == 1
+        assert await store.read_aux(p, "usage", "turns") == {"changes": 1, "big": 12}
+
+
+async def test_every_loss_an_accepting_runner_goes_on_past_is_logged(
+    store: es.EventStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``accept_trimmed_feed``: the feed trimmed by age past a running projection a second
+    time loses other changes, and that is said too (not only the first time)."""
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(
+        store, UsageProjection(), consumer="c", partitions=[p], accept_trimmed_feed=True
+    )
+    for round_ in range(2):
+        await settle(store, "t", "small", 1)
+        await anyio.sleep(0.01)
+        assert await store.trim_feed(p, max_age_ms=0) >= 1
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="threadlog.runner"):
+            assert await runner.run_once() == 0
+        trimmed_to = (await store.feed_info(p)).trimmed_to
+        assert [r for r in caplog.records if trimmed_to in r.getMessage()], round_
+    assert totals(await UsageProjection().report(store)) == {}
