@@ -471,6 +471,15 @@ class _Verifier:
 
     # -- judgement ---------------------------------------------------------------------------
 
+    def _link_holds(self, prev: str | None, seq: int, e: _Entry) -> bool:
+        """Whether entry ``e`` (at ``seq``) is linked to the link ``prev`` before it."""
+        return (
+            prev is not None
+            and e.c is not None
+            and e.h is not None
+            and chain_link(prev, seq + self.offset, e.s, e.c) == e.h
+        )
+
     def _problem(self, seq: int, kind: DamageKind, detail: str, *, link: bool = False) -> None:
         problem = Problem(seq=seq, kind=kind, detail=detail)
         if self.first is None:
@@ -511,22 +520,11 @@ class _Verifier:
             self._problem(seq, "undecodable", e.bad)
             # Continue the chain through it only if its own link holds.
             prev, self.prev = self.prev, None
-            if (
-                prev is not None
-                and e.c is not None
-                and e.h is not None
-                and chain_link(prev, seq + self.offset, e.s, e.c) == e.h
-            ):
+            if self._link_holds(prev, seq, e):
                 self.prev = e.h
             return
         if seq + self.offset > self.version and not self.no_meta:
-            prev = self.prev
-            if (
-                prev is not None
-                and e.c is not None
-                and e.h is not None
-                and chain_link(prev, seq + self.offset, e.s, e.c) == e.h
-            ):
+            if self._link_holds(self.prev, seq, e):
                 # Its link holds: an append wrote it, and the version is what was edited.
                 self.prev = e.h
                 if self.beyond is None:
