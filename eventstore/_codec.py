@@ -367,12 +367,13 @@ def missing_entry(thread_id: str, seq: int, version: int) -> CorruptEventError:
     )  # fmt: skip
 
 
-def log_without_meta(thread_id: str) -> CorruptEventError:
+def log_without_meta(thread_id: str, then: str = "") -> CorruptEventError:
     """The error for a log that holds events while no meta hash records the thread's version
-    (deleted, or 0), met by `EventStore.seq_at`: it cannot say where the log ends."""
+    (deleted, or 0): `EventStore.seq_at` cannot say where the log ends, and an append would
+    reuse seq 1. ``then`` says what the call did about it ("; nothing was appended")."""
     return CorruptEventError(
         thread_id, None, "its log holds events but its meta hash (gone, or at version 0) "
-        "records none of them: damaged (run 'verify')"
+        f"records none of them: damaged (run 'verify'){then}"
     )  # fmt: skip
 
 

@@ -206,13 +206,6 @@ class InvalidURLError(InvalidInputError):
 # -- stored data that does not decode ----------------------------------------------------------
 
 
-META_LOST = (
-    "its log holds events but its meta hash (version, chain head, idempotency ledger) is "
-    "gone: damaged (run 'verify'); nothing was appended"
-)
-"""Why an append to a log that lost its meta hash is refused (both backends say it alike)."""
-
-
 class CorruptEventError(EventStoreError):
     """Raised when a stored event cannot be decoded; names the thread and the seq."""
 

@@ -40,10 +40,8 @@ from ._codec import (
 )
 from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo, threads_cursor
 from ._errors import (
-    META_LOST,
     ChainKeyMismatchError,
     ConcurrencyError,
-    CorruptEventError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
     InvalidInputError,
@@ -317,7 +315,7 @@ class MemoryEventStore(EventStore):
             )
         version = thread.version
         if version == 0 and thread.entries:  # as the append script: a log without its meta
-            raise CorruptEventError(thread_id, None, META_LOST)
+            raise log_without_meta(thread_id, "; nothing was appended")
         if not version_satisfies(expected_version, version):
             raise ConcurrencyError(thread_id, expected_version, version)
         # Guards see the ops before them in this append, as if its events came one by one (as
@@ -610,7 +608,7 @@ class MemoryEventStore(EventStore):
     async def delete_thread(
         self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
     ) -> int:
-        thread = self._thread(thread_id)
+        validate_thread_id(thread_id)
         for view in views:
             validate_view_name(view)
         validate_expected_deletion(expected_version)

@@ -47,7 +47,6 @@ from ._contract import (
     threads_cursor,
 )
 from ._errors import (
-    META_LOST,
     ChainKeyMismatchError,
     ConcurrencyError,
     CorruptEventError,
@@ -224,6 +223,17 @@ def _same_life(thread_id: str, first: _Life | None, now: _Life) -> _Life:
     raise ThreadReplacedError(thread_id)
 
 
+def _incarnation_of(thread_id: str, n: Any) -> int:
+    """A meta hash's incarnation (field ``n``) as a number; `CorruptEventError` if it is none."""
+    try:
+        return int(n)
+    except ValueError:
+        raise CorruptEventError(
+            thread_id, None, f"its meta hash holds an unreadable incarnation (field 'n': {n!r}): "
+            "damaged (run 'verify')"
+        ) from None  # fmt: skip
+
+
 def _in_life(
     thread_id: str, life: Any, incarnation: int, start: int, stop: int | None, rows: list[Any]
 ) -> bool:
@@ -244,14 +254,8 @@ def _in_life(
             thread_id, None, "its meta hash has a version but no incarnation (field 'n'), which "
             "every append records: damaged (run 'verify')"
         )  # fmt: skip
-    try:
-        if int(n) != incarnation:
-            return False
-    except ValueError:
-        raise CorruptEventError(
-            thread_id, None, f"its meta hash holds an unreadable incarnation (field 'n': {n!r}): "
-            "damaged (run 'verify')"
-        ) from None  # fmt: skip
+    if _incarnation_of(thread_id, n) != incarnation:
+        return False
     version = _meta_version(thread_id, v)
     first = max(start, 1)
     if not rows and first <= version and (stop is None or first <= stop):
@@ -649,7 +653,7 @@ class RedisEventStore(EventStore):
         if status == b"meta":
             raise _damaged_version(thread_id, reply[1], "; nothing was appended")
         if status == b"lost":
-            raise CorruptEventError(thread_id, None, META_LOST)
+            raise log_without_meta(thread_id, "; nothing was appended")
         if status == b"view":
             key = call[0][int(reply[1]) - 1]
             view = key.split(":view:", 1)[1].split(":", 1)[0]
@@ -714,13 +718,7 @@ class RedisEventStore(EventStore):
         n, v = await self._command("HMGET", self.keys.meta(thread_id), "n", "v")
         if n is None or v is None:
             return None  # no thread (a meta without 'v' is none), or one that records no life
-        try:
-            return int(n)
-        except ValueError:
-            raise CorruptEventError(
-                thread_id, None, f"its meta hash holds an unreadable incarnation (field 'n': "
-                f"{n!r}): damaged (run 'verify')"
-            ) from None  # fmt: skip
+        return _incarnation_of(thread_id, n)
 
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         validate_thread_id(thread_id)
