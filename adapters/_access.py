@@ -164,8 +164,12 @@ class CallbackPolicy:
 
 
 def check_policy(policy: object) -> AccessPolicy:
-    """Return ``policy`` if it can be asked (an ``allows`` method), else raise
-    `InvalidInputError`: a store built with something else would fail on every call."""
+    """The policy a store is to ask: `AllowAll` for None (`is None`, not falsiness: a falsy
+    policy, an empty rule table, decides like any other), ``policy`` if it can be asked (an
+    ``allows`` method), else `InvalidInputError`: a store built with something else would
+    fail on every call."""
+    if policy is None:
+        return AllowAll()
     if isinstance(policy, type) or not callable(getattr(policy, "allows", None)):
         raise InvalidInputError(
             "policy must be an AccessPolicy (an object with an async allows(principal, action, "

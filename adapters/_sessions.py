@@ -35,7 +35,7 @@ from eventstore import (
 from eventstore._contract import require_store
 from projections import Projector, TranscriptMessage
 
-from ._access import AccessPolicy, AllowAll, Principal, authorize, check_policy
+from ._access import AccessPolicy, Principal, authorize, check_policy
 from ._threads import as_messages
 
 
@@ -155,8 +155,7 @@ class SessionStore:
     def __init__(self, store: EventStore, *, policy: AccessPolicy | None = None) -> None:
         self.store = require_store(store, "SessionStore")
         self.projector = Projector(store)
-        # `is None`, not `or`: a policy that is falsy (an empty rule table) denies, not allows.
-        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
+        self.policy = check_policy(policy)
         # session id -> version, as this task last loaded or wrote it. Never changed in place:
         # every write sets a new dict, so a task started earlier keeps the one it inherited
         # (a child task's context holds its parent's dict as it was when the child started).

@@ -53,7 +53,6 @@ from projections import (
 
 from ._access import (
     AccessPolicy,
-    AllowAll,
     Principal,
     authorize,
     authorize_view,
@@ -266,7 +265,7 @@ class ThreadStore:
             )
         self.store = store
         self.projector = Projector(store, state=state)
-        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
+        self.policy = check_policy(policy)
         self.new_turn_id = new_turn_id
 
     async def _allow(self, principal: Principal | None, action: str, thread_id: str | None) -> None:

@@ -81,7 +81,7 @@ from eventstore._contract import require_store
 from eventstore._ids import validate_int
 from projections import Projection, Projector
 
-from ._access import AccessPolicy, Action, AllowAll, Principal, authorize, check_policy
+from ._access import AccessPolicy, Action, Principal, authorize, check_policy
 from ._framework_events import (
     ItemPopped,
     ItemsAdded,
@@ -336,7 +336,7 @@ class ThreadlogSession:
         self.session_settings = _session_settings(session_settings)
         self.projection = SessionItemsProjection()
         self.projector = Projector(store, [self.projection])
-        self.policy: AccessPolicy = AllowAll() if policy is None else check_policy(policy)
+        self.policy = check_policy(policy)
         self.principal = principal
         self._pop_lock = _pop_lock(store, self.thread_id)
         register_session_events(store.registry)
