@@ -1128,7 +1128,6 @@ class Exporter:
         self.rows_per_part = rows_per_part
         self.workers = count
         """The most processes a run uses (``"auto"``: for a large enough backlog)."""
-        self._ends: dict[int, str] = {}  # per partition, the feed id a run ends at
         self.settings = settings
         self.worker_timeout = float(worker_timeout)
         self.pause_gc = pause_gc
@@ -1290,9 +1289,7 @@ class Exporter:
         # Where the run ends: each feed's newest entry now. A run that read on until a feed was
         # empty would never end while writers keep pace with it; what they append meanwhile
         # is the next run's.
-        self._ends = {
-            p: (await self.store.feed_info(p)).last_id for p in range(self.store.partitions)
-        }
+        ends = {p: (await self.store.feed_info(p)).last_id for p in range(self.store.partitions)}
         workers = self.workers
         busy: int | None = None
         if workers > 1:
@@ -1303,7 +1300,7 @@ class Exporter:
         if small and not await self._backlog_reaches(positions, PARALLEL_MIN_EVENTS):
             workers = 1
         if workers > 1:
-            result = await self._run_parallel(workers, number, positions, since_ms, progress)
+            result = await self._run_parallel(workers, number, positions, ends, since_ms, progress)
         else:
             state = _RunState(number + 1, 1, dict(positions))
             partitions = iter(range(self.store.partitions))
@@ -1311,7 +1308,9 @@ class Exporter:
             async def claim() -> int | None:
                 return next(partitions, None)
 
-            pipeline = self._pipeline(self.store, 1, state, positions, since_ms, claim, progress)
+            pipeline = self._pipeline(
+                self.store, 1, state, positions, ends, since_ms, claim, progress
+            )
             await pipeline.run()
             result = state.result()
         result = msgspec.structs.replace(result, busy_partitions=busy)
@@ -1518,6 +1517,7 @@ class Exporter:
         workers: int,
         state: _RunState,
         start: dict[int, str],
+        end: dict[int, str],
         since_ms: int | None,
         claim: Callable[[], Awaitable[int | None]],
         progress: Callable[[int], None] | None,
@@ -1531,7 +1531,7 @@ class Exporter:
             self.batch,
             self.rows_per_part,
             start=start,
-            end=self._ends,
+            end=end,
             since_ms=since_ms,
             state=state,
             claim=claim,
@@ -1547,6 +1547,7 @@ class Exporter:
         workers: int,
         number: int,
         positions: dict[int, str],
+        ends: dict[int, str],
         since_ms: int | None,
         progress: Callable[[int], None] | None,
     ) -> ExportResult:
@@ -1578,7 +1579,7 @@ class Exporter:
                     rows_per_part=self.rows_per_part,
                     since_ms=since_ms,
                     start=positions,
-                    end=self._ends,
+                    end=ends,
                     parent_pid=os.getpid(),
                     timeout=self.worker_timeout,
                     compression=self.compression,
@@ -1587,7 +1588,7 @@ class Exporter:
             async with anyio.create_task_group() as tg:
                 own_progress = (lambda rows: report(0, rows)) if progress is not None else None
                 pipeline = self._pipeline(
-                    self.store, workers, own, positions, since_ms, claim, own_progress
+                    self.store, workers, own, positions, ends, since_ms, claim, own_progress
                 )
                 tg.start_soon(pipeline.run)
                 tg.start_soon(_supervise, children, partitions, report, self.worker_timeout)
