@@ -145,12 +145,10 @@ async def test_held_connections_go_back_to_the_pool_on_close(redis_url: str) -> 
     assert not pool._in_use_connections  # every connection checked out was returned
 
 
-async def test_batches_in_flight_together_keep_each_threads_order(
-    store: es.RedisEventStore,
-) -> None:
-    """Batches go out at half the waiting calls, so several travel at once on different
-    connections; a thread's calls must still reach the server in the order they were made."""
-    await store.append("warm", [msg("busy")])
+async def _append_in_versions(store: es.EventStore, *, threads: int, versions: int) -> None:
+    """Appends ``0..versions-1`` to each of ``threads`` threads, all started in one tick and
+    interleaved across threads, every call naming its exact expected version: each must land
+    at the seq after it, so a thread's calls reached the server in the order they were made."""
     results: dict[tuple[int, int], int] = {}
 
     async def one(t: int, v: int) -> None:
@@ -158,11 +156,19 @@ async def test_batches_in_flight_together_keep_each_threads_order(
         results[(t, v)] = result.last_seq
 
     async with anyio.create_task_group() as tg:
-        # All in one tick, interleaved across threads: every call names its exact version.
-        for v in range(20):
-            for t in range(8):
+        for v in range(versions):
+            for t in range(threads):
                 tg.start_soon(one, t, v)
-    assert results == {(t, v): v + 1 for t in range(8) for v in range(20)}
+    assert results == {(t, v): v + 1 for t in range(threads) for v in range(versions)}
+
+
+async def test_batches_in_flight_together_keep_each_threads_order(
+    store: es.RedisEventStore,
+) -> None:
+    """Batches go out at half the waiting calls, so several travel at once on different
+    connections; a thread's calls must still reach the server in the order they were made."""
+    await store.append("warm", [msg("busy")])
+    await _append_in_versions(store, threads=8, versions=20)
     gc = committer(store)
     assert gc.pipelines >= 2  # more than one batch went out
     for t in range(8):
@@ -332,17 +338,7 @@ async def test_max_batch_1_keeps_each_threads_calls_in_order(
     store = await _store_with(request.getfixturevalue(backend), max_batch=1)
     try:
         sizes = _record_batches(committer(store))
-        results: dict[tuple[int, int], int] = {}
-
-        async def one(t: int, v: int) -> None:
-            result = await store.append(f"t{t}", [msg(str(v))], expected_version=v)
-            results[(t, v)] = result.last_seq
-
-        async with anyio.create_task_group() as tg:
-            for v in range(12):
-                for t in range(6):
-                    tg.start_soon(one, t, v)
-        assert results == {(t, v): v + 1 for t in range(6) for v in range(12)}
+        await _append_in_versions(store, threads=6, versions=12)
         assert set(sizes) == {1}  # one call per send
     finally:
         await store.close()
