@@ -628,6 +628,18 @@ def test_ulid_text_of_a_whole_column_matches_one_at_a_time() -> None:
     assert [_ulid_text(i) for i in ids[-3:-1]] == ["0" * 26, "7" + "Z" * 25]
 
 
+async def _write_undecodable_entry(store: es.RedisEventStore, thread: str, seq: int) -> None:
+    """Written past every check, as the next entry of ``thread`` (at ``seq``): an entry whose
+    payload does not decode, the version it takes, and a feed entry naming it."""
+    client, keys = store.client, store.keys
+    ((_, good),) = await store.read_raw(thread, start=1, stop=1)
+    await client.xadd(keys.log(thread), {**good, b"d": b"\xc1not msgpack"}, id=f"{seq}-0")
+    await client.hset(keys.meta(thread), "v", seq)
+    life = await client.hget(keys.meta(thread), "n")
+    feed = {"t": thread, "f": seq, "l": seq, "n": life}
+    await client.xadd(keys.feed(keys.partition(thread)), feed)
+
+
 @pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
 async def test_a_damaged_entry_stops_the_export_naming_thread_and_seq(
     redis_store: es.EventStore, tmp_path: Path, fmt: str
@@ -639,16 +651,9 @@ async def test_a_damaged_entry_stops_the_export_naming_thread_and_seq(
     damaged, total = PAGE + 150, PAGE + 300
     for lo in range(1, damaged, 100):
         await store.append("long", [msg(f"m{i}") for i in range(lo, min(lo + 100, damaged))])
-    client, keys = store.client, store.keys
-    ((_, good),) = await store.read_raw("long", start=1, stop=1)
-    # Written past every check: the entry, the version it takes, and a feed entry naming it.
-    await client.xadd(keys.log("long"), {**good, b"d": b"\xc1not msgpack"}, id=f"{damaged}-0")
-    await client.hset(keys.meta("long"), "v", damaged)
+    await _write_undecodable_entry(store, "long", damaged)
     for lo in range(damaged + 1, total + 1, 100):
         await store.append("long", [msg(f"m{i}") for i in range(lo, min(lo + 100, total + 1))])
-    life = await client.hget(keys.meta("long"), "n")
-    feed = {"t": "long", "f": damaged, "l": damaged, "n": life}
-    await client.xadd(keys.feed(keys.partition("long")), feed)
     with pytest.raises(es.CorruptEventError) as info:
         await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
     assert (info.value.thread_id, info.value.seq) == ("long", damaged)
@@ -1294,13 +1299,7 @@ async def test_damage_after_a_chunks_first_rows_were_written_commits_none_of_the
     damaged = FIRST_READ + 11
     for lo in range(1, damaged, 10):
         await store.append("long", [msg(f"{i} {text}") for i in range(lo, min(lo + 10, damaged))])
-    client, keys = store.client, store.keys
-    ((_, good),) = await store.read_raw("long", start=1, stop=1)
-    await client.xadd(keys.log("long"), {**good, b"d": b"\xc1not msgpack"}, id=f"{damaged}-0")
-    await client.hset(keys.meta("long"), "v", damaged)
-    life = await client.hget(keys.meta("long"), "n")
-    feed = {"t": "long", "f": damaged, "l": damaged, "n": life}
-    await client.xadd(keys.feed(keys.partition("long")), feed)
+    await _write_undecodable_entry(store, "long", damaged)
     with pytest.raises(es.CorruptEventError):
         await Exporter(store, tmp_path, fmt=fmt, batch=1000).run()  # type: ignore[arg-type]
     rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
