@@ -30,6 +30,7 @@ from eventstore import (
     NewEvent,
     Outcome,
     StateUpdated,
+    ThreadInfo,
     Timing,
     TurnError,
     TurnOpened,
@@ -614,15 +615,21 @@ class ThreadStore:
         # its last activity (record times come from client ULIDs, activity from the server
         # clock: CLOCK_SKEW_MS absorbs the difference). Once `limit + 1` records are newer
         # than that, older threads cannot change the page.
+        # The index is read a batch at a time, like the records: a page near the front of a
+        # namespace of a million threads must not list them all first. A thread that becomes
+        # active meanwhile moves to the index's front and is not listed again (`threads`
+        # paging): this page may then miss its older records, as any read racing a write may.
         keep = limit + 1
         best: list[tuple[SortKey, TurnRecord]] = []  # the page so far, sorted, at most `keep`
-        threads = await self.store.threads()
-        for start in range(0, len(threads), RECORDS_READ_AHEAD):
-            batch = threads[start : start + RECORDS_READ_AHEAD]
-            if len(best) == keep and best[-1][1].recorded_ms > (
-                batch[0].last_activity_ms + CLOCK_SKEW_MS
+        last: ThreadInfo | None = None
+        while True:
+            batch = await self.store.threads(limit=RECORDS_READ_AHEAD, after=last)
+            if not batch or (
+                len(best) == keep
+                and best[-1][1].recorded_ms > batch[0].last_activity_ms + CLOCK_SKEW_MS
             ):
                 break
+            last = batch[-1]
             # A batch of threads read at once: one round trip's wait for many threads.
             found: list[list[TurnRecord]] = [[] for _ in batch]
             async with anyio.create_task_group() as tg:

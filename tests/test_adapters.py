@@ -1364,6 +1364,39 @@ async def test_records_pages_across_more_threads_than_one_read_batch(
         assert seen == list(reversed(settled)), size
 
 
+async def test_a_records_page_across_threads_lists_the_index_a_batch_at_a_time(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page near the front does not list every thread of the namespace first: with many
+    idle threads behind a busy one, the index is read one batch of threads at a time and the
+    read stops once older threads cannot change the page."""
+    threads = ThreadStore(store)
+    for i in range(3 * RECORDS_READ_AHEAD):
+        await store.append(f"idle{i}", [es.NewEvent(payload=es.MessageAppended(message=user("x")))])
+    await anyio.sleep(0.002)
+    turns = []
+    for _ in range(3):
+        turn = await threads.open_turn("busy")
+        await threads.settle_turn("busy", turn, outcome="completed")
+        turns.append(turn)
+    listed: list[int] = []
+    real = store.threads
+
+    async def counting(**kwargs: Any) -> list[es.ThreadInfo]:
+        found = await real(**kwargs)
+        listed.append(len(found))
+        return found
+
+    monkeypatch.setattr(store, "threads", counting)
+    page = await threads.records(limit=2)
+    assert [r.turn_id for r in page.records] == turns[:0:-1]
+    assert listed and max(listed) <= RECORDS_READ_AHEAD
+    # The idle threads hold no records, so nothing ends the read early: it pages to the end.
+    whole = await threads.records(limit=10)
+    assert [r.turn_id for r in whole.records] == turns[::-1]
+    assert max(listed) <= RECORDS_READ_AHEAD and sum(listed) >= 3 * RECORDS_READ_AHEAD
+
+
 async def test_deleting_a_thread_and_a_session(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     sessions = SessionStore(store)
