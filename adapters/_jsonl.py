@@ -35,6 +35,7 @@ from eventstore import (
     TranscriptAppended,
     TranscriptReplaced,
 )
+from eventstore._codec import MAX_NESTING, too_deep
 from eventstore._contract import require_store
 
 from ._access import Principal
@@ -124,6 +125,15 @@ class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
     written: int = 0
 
 
+# A message sits at level 3 of the event that stores it (`TranscriptAppended`: its list of
+# messages, then the message), and the event may nest `MAX_NESTING` levels.
+_MESSAGE_LEVEL = 3
+_TOO_DEEP = (
+    f"JSON nested too deeply to store (an event may nest {MAX_NESTING} levels of arrays and "
+    "objects, the two that hold a transcript's message included)"
+)
+
+
 def parse_jsonl(
     data: bytes, *, max_message_bytes: int
 ) -> tuple[list[Message], list[JsonlLineError]]:
@@ -150,7 +160,12 @@ def parse_jsonl(
             errors.append(JsonlLineError(number, str(exc)))
             continue
         except RecursionError:
-            errors.append(JsonlLineError(number, "JSON nested too deeply to store"))
+            errors.append(JsonlLineError(number, _TOO_DEEP))
+            continue
+        if too_deep(message, level=_MESSAGE_LEVEL):
+            # Parsed (a newer Python's decoder recurses further), yet past what the log
+            # stores: the same line is malformed on every Python.
+            errors.append(JsonlLineError(number, _TOO_DEEP))
             continue
         try:
             stored = len(_encoder.encode(message))

@@ -45,11 +45,61 @@ from ._ids import ulid_text as _ulid_str
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 CHAIN_HEX_CHARS = 32
+# The deepest an event may nest containers (lists, maps, structs; the event is level 1).
+# msgspec encodes and decodes nesting by recursion, bounded by the interpreter: 3.11 refuses
+# ~900 levels with a RecursionError, 3.13 stores 5,000 and refuses 20,000. Without a limit of
+# its own, a store would refuse what another Python accepts, and a reader on 3.11 could not
+# decode what a writer on 3.13 appended. 128 is serde_json's default and far beyond any
+# message or state value an agent writes; every Python decodes it with room to spare.
+MAX_NESTING = 128
 
 _encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(EventMeta)
 _EMPTY_META = b""
 _EVENT_TYPES = (Event, NewEvent)  # a tuple: `A | B` would build a union on every call
+
+
+def too_deep(value: Any, *, level: int = 1) -> bool:
+    """Whether ``value``, found at nesting ``level`` of an event, nests past `MAX_NESTING`.
+
+    Iterative, so that it answers for any depth without recursing itself; scalars are skipped
+    where they are found, which keeps a plain message's check under a microsecond.
+    """
+    pending: list[tuple[Any, int]] = [(value, level)]
+    pop, push = pending.pop, pending.append
+    while pending:
+        item, depth = pop()
+        kind = type(item)
+        if kind is list or kind is tuple:
+            children: Any = item
+        elif kind is dict:
+            children = item.values()
+        elif isinstance(item, msgspec.Struct):
+            children = [getattr(item, name) for name in kind.__struct_fields__]
+        else:
+            continue  # a scalar, bytes or another leaf the encoder judges
+        if depth > MAX_NESTING:
+            return True
+        depth += 1
+        for child in children:
+            if not (type(child) is str or type(child) is int or child is None):
+                push((child, depth))
+    return False
+
+
+def check_nesting(payload: Event, index: int, thread_id: str | None = None) -> None:
+    """Refuse an event that nests past `MAX_NESTING` (before anything encodes it).
+
+    Raises:
+        EventValidationError: naming the event and the limit.
+    """
+    if too_deep(payload):
+        where = "" if thread_id is None else f"thread {thread_id!r}: "
+        raise EventValidationError(
+            f"{where}event #{index} ({payload.event_type}) nests lists, maps or objects more "
+            f"than {MAX_NESTING} levels deep (the event counting as one), deeper than "
+            "threadlog stores: not every Python could decode it"
+        )
 
 
 class EncodedEvent(msgspec.Struct, frozen=True):
@@ -259,9 +309,12 @@ def _encode(
                     causation_id=new.causation_id,
                 )
         version = registry.version_of(payload)
+        check_nesting(payload, index, thread_id)
         try:
             data = _encoder.encode(payload)
-        except (msgspec.EncodeError, TypeError, OverflowError, UnicodeEncodeError) as exc:
+        except (
+            msgspec.EncodeError, TypeError, OverflowError, UnicodeEncodeError, RecursionError
+        ) as exc:  # fmt: skip
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"

@@ -23,6 +23,7 @@ import pytest
 
 from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
 from ._codec import (
+    MAX_NESTING,
     UNKEYED_FINGERPRINT,
     decode_rows,
     event_id_text,
@@ -1511,6 +1512,28 @@ class EventStoreConformance:
         with pytest.raises(EventValidationError):
             await store.append("t", [bad_role])
         assert await store.version("t") == 0
+
+    async def test_nesting_has_one_limit_on_every_python(self, store: EventStore) -> None:
+        """Up to MAX_NESTING levels (the event is the first) are stored and read back; one more
+        is refused whole, typed, and so is a depth the interpreter itself cannot encode (3.11:
+        ~900 levels) or could encode but another Python could not decode (3.13: 5,000)."""
+
+        def nested(levels: int) -> Any:
+            value: Any = []
+            for _ in range(levels - 1):
+                value = [value]
+            return value
+
+        # The value sits at level 2 of its StateUpdated: MAX_NESTING - 1 levels of lists fit.
+        deepest = nested(MAX_NESTING - 1)
+        await store.append("t", [msg("before")])
+        await store.append("t", [StateUpdated(block="b", value=deepest)])
+        for levels in (MAX_NESTING, 1_000, 5_000, 50_000):
+            with pytest.raises(EventValidationError, match=f"more than {MAX_NESTING} levels"):
+                await store.append("t", [msg("a"), StateUpdated(block="b", value=nested(levels))])
+        assert await store.version("t") == 2
+        stored = [e.payload async for e in store.read("t")]
+        assert stored[1] == StateUpdated(block="b", value=deepest)
 
     @pytest.mark.parametrize("events", [[], "text", [object()], msg("bare")])
     async def test_malformed_event_lists_are_rejected(self, store: EventStore, events: Any) -> None:

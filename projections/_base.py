@@ -33,6 +33,7 @@ from eventstore import (
     ViewRead,
     ViewResult,
 )
+from eventstore._codec import check_nesting
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -110,6 +111,14 @@ def check_payload(payload: Event, index: int) -> None:
     """
     try:
         msgspec.msgpack.decode(encoder.encode(payload), type=type(payload))
+    except RecursionError as exc:
+        # Nested past what this Python encodes; the store's own check (`check_nesting`,
+        # run on every append) says so in the words it uses for any depth past its limit.
+        check_nesting(payload, index)
+        raise EventValidationError(
+            f"event #{index} ({payload.event_type}) cannot be encoded from this deep a call "
+            f"stack: {exc}"
+        ) from exc
     except (
         msgspec.EncodeError,
         msgspec.DecodeError,

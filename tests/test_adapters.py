@@ -1435,11 +1435,14 @@ async def test_jsonl_export_writes_only_regular_files_and_keeps_their_mode(
     assert fifo.is_fifo()
 
 
+@pytest.mark.parametrize("levels", [200, 5000])
 async def test_jsonl_nested_too_deeply_is_a_malformed_line(
-    store: es.EventStore, tmp_path: Path
+    store: es.EventStore, tmp_path: Path, levels: int
 ) -> None:
+    """Too deep for the log, whether or not this Python's decoder parses it (200 levels
+    parse everywhere; 5,000 fail on 3.11 and parse on 3.13)."""
     deep = tmp_path / "deep.jsonl"
-    nested = "[" * 5000 + "]" * 5000
+    nested = "[" * levels + "]" * levels
     deep.write_text(
         '{"role":"user","content":"x","n":'
         + nested
@@ -1452,6 +1455,26 @@ async def test_jsonl_nested_too_deeply_is_a_malformed_line(
     assert "line 1" in str(info.value) and "nested too deeply" in str(info.value)
     report = await import_jsonl(SessionStore(store), deep, "s", skip_bad=True)
     assert report.imported == 1 and [e.line for e in report.skipped] == [1]
+
+
+async def test_values_nested_too_deeply_are_refused_typed_through_the_store(
+    store: es.EventStore,
+) -> None:
+    """A message or state value nested past what the log stores is refused with
+    EventValidationError before any view op is computed, on every Python (3.11 raised a bare
+    RecursionError here, 3.13 stored what 3.11 cannot read), and nothing is written."""
+    threads = ThreadStore(store)
+    sessions = SessionStore(store)
+    deep: Any = []
+    for _ in range(2_000):
+        deep = [deep]
+    with pytest.raises(es.EventValidationError, match="levels deep"):
+        await threads.update_state("t", "plan", deep, turn_id=None)
+    with pytest.raises(es.EventValidationError, match="levels deep"):
+        await threads.append_message("t", {"role": "user", "content": "x", "n": deep})
+    with pytest.raises(es.EventValidationError, match="levels deep"):
+        await sessions.append("s", [{"role": "user", "content": [{"type": "x", "n": deep}]}])
+    assert await store.version("t") == 0 and await store.version("s") == 0
 
 
 async def test_the_demo_conversation_settles_no_later_than_it_is_recorded(
