@@ -1531,6 +1531,13 @@ class EventStoreConformance:
         for levels in (MAX_NESTING, 1_000, 5_000, 50_000):
             with pytest.raises(EventValidationError, match=f"more than {MAX_NESTING} levels"):
                 await store.append("t", [msg("a"), StateUpdated(block="b", value=nested(levels))])
+        # A deep value where the event's annotations want a string: refused too, typed.
+        for levels in (MAX_NESTING, 5_000):
+            wrong = MessageAppended(
+                message=Message(role="user", content="x"), turn_id=nested(levels)
+            )
+            with pytest.raises(EventValidationError):
+                await store.append("t", [wrong])
         assert await store.version("t") == 2
         stored = [e.payload async for e in store.read("t")]
         assert stored[1] == StateUpdated(block="b", value=deepest)

@@ -116,8 +116,7 @@ def check_payload(payload: Event, index: int) -> None:
         # run on every append) says so in the words it uses for any depth past its limit.
         check_nesting(payload, index)
         raise EventValidationError(
-            f"event #{index} ({payload.event_type}) cannot be encoded from this deep a call "
-            f"stack: {exc}"
+            f"event #{index} ({payload.event_type}) cannot be encoded: {exc}"
         ) from exc
     except (
         msgspec.EncodeError,
