@@ -7,6 +7,9 @@ else a ``redis-server`` from PATH on a unix socket, stopped after the session.
 Redis Cluster: ``THREADLOG_TEST_CLUSTER_URL`` (``redis+cluster://h:p,h:p``) if set; else a local
 cluster of three primaries started from ``redis-server`` and ``redis-cli`` on PATH, stopped
 after the session.
+
+Servers started here die with the test process however it ends (`eventstore.servers.spawn`): a
+run killed outright, or ended by pytest-timeout's ``thread`` method, runs no teardown.
 """
 
 from __future__ import annotations
