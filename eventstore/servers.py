@@ -693,3 +693,77 @@ def docker_engine_answers(timeout: float = 2.0) -> bool:
             return status_line.startswith(b"HTTP/1.") and b" 200" in status_line
     except (OSError, ValueError):
         return False
+
+
+# -- embedded servers that tests start ---------------------------------------------------------
+
+
+def stop_embedded_under(roots: list[Path]) -> list[Path]:
+    """Stop every embedded server (`eventstore.embedded_url`) in a directory under ``roots``;
+    return their directories. Only a live redis-server serving the directory its pid file is
+    in is signalled (`eventstore.stop_embedded`), so a stale pid file harms nothing."""
+    from ._connect import stop_embedded
+
+    stopped = []
+    for root in roots:
+        for directory, _, files in os.walk(root):
+            if "redis.pid" in files and stop_embedded(directory):
+                stopped.append(Path(directory))
+    return stopped
+
+
+@dataclass
+class EmbeddedReaper:
+    """A watchdog process that stops the embedded servers under the roots it was given once
+    the process that started it ends, however it ends.
+
+    The embedded server is meant to outlive the command that starts it, so it cannot die with
+    its parent as test servers do (`spawn`); a test that starts one stops it in a teardown,
+    which a killed test run never runs. The reaper waits for end of file on its stdin, which
+    comes when this process closes it (`close`) or dies, then sweeps ``roots`` and exits.
+    """
+
+    process: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, *roots: Path) -> EmbeddedReaper:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "eventstore.servers", "reap-embedded"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            # Its own session: the Ctrl-C that ends the run must not end the reaper too.
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        reaper = cls(process)
+        for root in roots:
+            reaper.watch(root)
+        return reaper
+
+    def watch(self, root: Path) -> None:
+        """Also sweep ``root`` (a directory that embedded servers may be started under)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(os.fsencode(Path(root).resolve()) + b"\n")
+        self.process.stdin.flush()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Sweep now and wait (bounded) for the reaper to finish."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _reap_embedded() -> None:
+    roots = [Path(os.fsdecode(line.rstrip(b"\n"))) for line in sys.stdin.buffer]
+    for directory in stop_embedded_under(roots):
+        print(f"stopped the embedded redis-server left running in {directory}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["reap-embedded"]:
+        sys.exit("usage: python -m eventstore.servers reap-embedded  (roots on stdin)")
+    _reap_embedded()

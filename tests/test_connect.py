@@ -50,7 +50,7 @@ from eventstore import (
 )
 from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
-from eventstore.servers import free_port
+from eventstore.servers import EmbeddedReaper, free_port
 from eventstore.testing import msg, read_all
 from projections import Projector
 
@@ -634,9 +634,10 @@ def _stopped_afterwards(directory: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def short_dir() -> Iterator[Path]:
+def short_dir(embedded_reaper: EmbeddedReaper) -> Iterator[Path]:
     """A fresh directory with a short path (unix socket paths must stay under ~100 bytes)."""
     directory = Path(tempfile.mkdtemp(prefix="tl-emb-", dir="/tmp"))
+    embedded_reaper.watch(directory)  # outside the run's temporary directory
     try:
         yield directory
     finally:

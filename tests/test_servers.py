@@ -154,3 +154,60 @@ def test_the_embedded_server_outlives_the_process_that_started_it(tmp_path: Path
         assert _ping(home / "redis.sock") == "+PONG"
     finally:
         es.stop_embedded(home)
+
+
+# A test that starts an embedded server, says its pid, and waits to be killed with its run.
+INNER_TEST = r"""
+import time
+from pathlib import Path
+
+import eventstore as es
+
+
+def test_holds_an_embedded_server(tmp_path: Path) -> None:
+    home = tmp_path / ".threadlog"
+    es.embedded_url(home, on_start=lambda d: None)
+    print("PID=" + (home / "redis.pid").read_text().strip(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_test_run_stops_the_embedded_servers_its_tests_started(tmp_path: Path) -> None:
+    """The embedded server outlives its command by design, so a test that starts one stops it
+    in a teardown, which a killed run never runs: conftest's reaper stops it instead."""
+    (tmp_path / "inner").mkdir()
+    test_file = tmp_path / "inner" / "test_inner.py"
+    test_file.write_text(INNER_TEST)
+    basetemp = tmp_path / "base"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-s", "-q",
+         "-p", "no:cacheprovider", f"--basetemp={basetemp}", str(test_file)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    pid = None
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            while pid is None and time.monotonic() < deadline:
+                if not selector.select(deadline - time.monotonic()):
+                    break
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                if "PID=" in line:
+                    pid = int(line.split("PID=", 1)[1].split()[0])
+        assert pid is not None, "the inner test run started no embedded server"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    try:
+        left = _still_running([pid], basetemp.resolve(), timeout=30)
+        assert not left, f"the embedded redis-server {pid} outlived the killed test run"
+    finally:
+        for home in basetemp.glob("*/.threadlog"):
+            es.stop_embedded(home)
