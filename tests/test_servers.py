@@ -35,7 +35,7 @@ mode, directory = sys.argv[1], Path(sys.argv[2])
 def server() -> RedisServer:
     return RedisServer(directory=directory, unix_socket=directory / "r.sock").start()
 
-if mode == "server":
+if mode in ("server", "os-exit"):
     pids = [server().process.pid]
 elif mode == "from-a-thread":
     # Started from a thread that ends long before the process: the server must outlive it.
@@ -58,6 +58,9 @@ elif mode == "embedded":
     es.embedded_url(directory, on_start=lambda d: None)
     pids = [int((directory / "redis.pid").read_text())]
 print(" ".join(map(str, pids)), flush=True)
+if mode == "os-exit":  # as pytest-timeout's thread method ends a run: no teardown, no atexit
+    import os
+    os._exit(1)
 time.sleep(600)
 """
 
@@ -80,7 +83,8 @@ def _ours(pid: int, directory: Path) -> bool:
 
 
 def _start_and_kill_child(mode: str, directory: Path) -> list[int]:
-    """Run `CHILD` in ``mode``, read the pids of its servers, SIGKILL it; return the pids."""
+    """Run `CHILD` in ``mode``, read the pids of its servers, SIGKILL it (unless it has ended
+    on its own); return the pids."""
     directory.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -134,7 +138,7 @@ linux_only = pytest.mark.skipif(
 
 
 @linux_only
-@pytest.mark.parametrize("mode", ["server", "from-a-thread", "cluster"])
+@pytest.mark.parametrize("mode", ["server", "os-exit", "from-a-thread", "cluster"])
 def test_servers_die_with_the_process_that_started_them(
     mode: str, tmp_path: Path, leftovers: list[int]
 ) -> None:
