@@ -76,7 +76,7 @@ def _die_with(parent: int) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child get SIGKILL when the thread that forked it exits.
 
     SIGKILL, not SIGTERM: its owner is gone, nobody will read what a clean shutdown would save,
-    and a server stuck in a script ignores SIGTERM until the script ends.
+    and SIGKILL cannot be caught, ignored or put off by a busy child.
     """
 
     def preexec() -> None:
