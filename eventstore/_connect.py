@@ -37,6 +37,7 @@ from ._aof import AofRepairError, repair_aof
 from ._codec import DEFAULT_MAX_EVENT_BYTES, check_secret
 from ._contract import EventStore
 from ._errors import (
+    ConnectTimeoutError,
     InvalidInputError,
     InvalidURLError,
     OperationalError,
@@ -65,12 +66,12 @@ class StoreSettings:
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster, whose
     only database is 0: a path other than ``/`` or ``/0`` is refused).
-    Query parameters ``namespace`` and ``partitions`` override the defaults, and so does
-    ``socket_timeout`` on Redis; ``db`` (standalone Redis) and ``ssl_cert_reqs`` /
-    ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go to redis-py. Any other
-    parameter, or one the scheme would not use, is refused rather than ignored; so is a field
-    out of range, whether it comes from the URL (`InvalidURLError`) or is given directly
-    (`InvalidInputError`).
+    Query parameters ``namespace`` and ``partitions`` override the defaults, and so do
+    ``socket_timeout`` and ``connect_timeout`` on Redis; ``db`` (standalone Redis) and
+    ``ssl_cert_reqs`` / ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go
+    to redis-py. Any other parameter, or one the scheme would not use, is refused rather than
+    ignored; so is a field out of range, whether it comes from the URL (`InvalidURLError`) or
+    is given directly (`InvalidInputError`).
     """
 
     url: str
@@ -79,6 +80,9 @@ class StoreSettings:
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
     secret: bytes | None = None
     socket_timeout: float = 5.0
+    # Bounds opening a store's first contact as a whole (TCP connect, TLS handshake, PING, and
+    # redis-py's retries of them): a port that accepts and never answers is a
+    # `ConnectTimeoutError` after this long, not after every retry's own socket timeout.
     connect_timeout: float = 5.0
     retries: int = 3
     # Connections per store (standalone Redis); callers beyond it wait for one to free up.
@@ -145,8 +149,9 @@ class StoreSettings:
                 values["namespace"] = validate_namespace(last["namespace"])
             if "partitions" in last:
                 values["partitions"] = int(last["partitions"])
-            if "socket_timeout" in last:
-                values["socket_timeout"] = float(last["socket_timeout"])
+            for name in ("socket_timeout", "connect_timeout"):
+                if name in last:
+                    values[name] = float(last[name])
             for name, value in values.items():
                 _check_setting(name, value)
             if "db" in last and int(last["db"]) < 0:
@@ -168,6 +173,7 @@ _PARAMS = frozenset(
         "namespace",
         "partitions",
         "socket_timeout",
+        "connect_timeout",
         "db",
         "ssl_cert_reqs",
         "ssl_ca_certs",
@@ -179,6 +185,7 @@ _TLS_PARAMS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_k
 # Why a parameter is refused on a scheme that would not use it.
 _PARAM_USE = {
     "socket_timeout": "it is a Redis connection setting",
+    "connect_timeout": "it is a Redis connection setting",
     "db": "a database number is for standalone Redis; Redis Cluster has only database 0",
     **{k: "it is a TLS setting: it needs a rediss:// URL" for k in _TLS_PARAMS},
 }
@@ -201,7 +208,7 @@ def _scheme_params(scheme: str) -> frozenset[str]:
     """The query parameters a URL of ``scheme`` uses."""
     if scheme == "memory":
         return frozenset({"namespace", "partitions"})
-    params = {"namespace", "partitions", "socket_timeout"}
+    params = {"namespace", "partitions", "socket_timeout", "connect_timeout"}
     if not scheme.endswith("+cluster"):
         params.add("db")
     if scheme.startswith("rediss"):
@@ -314,6 +321,7 @@ async def connect(
     max_event_bytes: int | None = None,
     secret: bytes | None = None,
     socket_timeout: float | None = None,
+    connect_timeout: float | None = None,
     max_batch: int | None = None,
     embedded_dir: str | os.PathLike[str] | None = None,
     create_namespace: bool = True,
@@ -341,8 +349,14 @@ async def connect(
     ``create_namespace=False`` is for readers (audits, listings): a namespace never written
     is then left without any key, and reads as empty. Do not write through such a store.
 
+    ``connect_timeout`` (default 5 s; ``?connect_timeout=`` in the URL) bounds the first
+    contact with the server as a whole, TLS handshake and retries included; ``socket_timeout``
+    (default 5 s) bounds each command after that.
+
     Raises `InvalidURLError` for a bad URL, `StoreConnectionError` if the server does not
-    answer, and `UnsafeServerError` for a server that may evict any key.
+    answer (`ConnectTimeoutError`, which names the URL without its password and the timeout,
+    when nothing answered within ``connect_timeout``), and `UnsafeServerError` for a server
+    that may evict any key.
     """
     if secret is None and SECRET_ENV in os.environ:
         if not os.environ[SECRET_ENV]:
@@ -359,6 +373,7 @@ async def connect(
         "max_event_bytes": max_event_bytes,
         "secret": secret,
         "socket_timeout": socket_timeout,
+        "connect_timeout": connect_timeout,
         "max_batch": max_batch,
     }
     # Checked before the embedded server may be started for a call that cannot succeed.
@@ -412,21 +427,17 @@ async def open_store(
         max_batch=settings.max_batch,
     )
     try:
-        await _call(client.ping())
+        await _first_contact(client, settings)
         await _refuse_evicting_server(client, settings.url)
         await store.ensure_namespace(
             explicit_partitions=settings.partitions is not None, create=create_namespace
         )
+    except ConnectTimeoutError:
+        await store.close()
+        raise  # already names the URL and the timeout
     except OperationalError as exc:
         await store.close()
-        hint = ""
-        if isinstance(exc, StoreTimeoutError) and settings.scheme.startswith("rediss"):
-            # A plain server never answers a TLS handshake: "timed out" alone sends the user
-            # looking at the network.
-            hint = (
-                " (a server that does not speak TLS never answers the TLS handshake: use "
-                f"{settings.scheme.replace('rediss', 'redis', 1)}:// for a plain server)"
-            )
+        hint = _tls_hint(settings) if isinstance(exc, StoreTimeoutError) else ""
         raise StoreConnectionError(
             f"cannot use redis at {redact(settings.url)}: "
             f"{_strip_url(str(exc), settings.url)}{hint}"
@@ -435,6 +446,36 @@ async def open_store(
         await store.close()
         raise
     return store
+
+
+async def _first_contact(client: Any, settings: StoreSettings) -> None:
+    """PING the server, bounded as a whole by ``connect_timeout``.
+
+    redis-py bounds each attempt only (``socket_connect_timeout`` for the TCP connect and the
+    TLS handshake, ``socket_timeout`` for the reply), and retries a timeout ``retries`` times:
+    a port that accepts and never answers held `connect` ~20 s with the defaults.
+    """
+    bound = asyncio.timeout(settings.connect_timeout)
+    try:
+        async with bound:
+            await _call(client.ping())
+    except TimeoutError:
+        if not bound.expired():
+            raise  # one attempt's own timeout (a StoreTimeoutError): reported as before
+        raise ConnectTimeoutError(
+            redact(settings.url), settings.connect_timeout, _tls_hint(settings)
+        ) from None
+
+
+def _tls_hint(settings: StoreSettings) -> str:
+    """What a timeout means on a TLS URL: a plain server never answers a TLS handshake, and
+    "timed out" alone sends the user looking at the network."""
+    if not settings.scheme.startswith("rediss"):
+        return ""
+    return (
+        " (a server that does not speak TLS never answers the TLS handshake: use "
+        f"{settings.scheme.replace('rediss', 'redis', 1)}:// for a plain server)"
+    )
 
 
 # Policies that delete any key under memory pressure. The volatile-* ones delete only keys with

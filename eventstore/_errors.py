@@ -292,6 +292,28 @@ class StoreTimeoutError(OperationalError, TimeoutError):
     """Raised when the server does not answer within the configured timeout."""
 
 
+class ConnectTimeoutError(StoreConnectionError, StoreTimeoutError):
+    """Raised when opening a store gets no answer from its server within the connect timeout
+    (``connect_timeout``): a port that accepts connections but never completes a TLS
+    handshake or answers PING. Both a `StoreConnectionError` and a `StoreTimeoutError`.
+
+    ``url`` is the store URL with any password masked; ``timeout`` the connect timeout in
+    seconds.
+    """
+
+    def __init__(self, url: str, timeout: float, hint: str = "") -> None:
+        self.url = url
+        self.timeout = timeout
+        self.hint = hint
+        super().__init__(
+            f"cannot connect to redis at {url}: no answer within the connect timeout of "
+            f"{timeout:g} s (connect_timeout){hint}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.url, self.timeout, self.hint))
+
+
 class StoreClosedError(OperationalError):
     """Raised when a closed store is used."""
 

@@ -3,17 +3,28 @@
 Servers listen on a unix socket (or a free loopback port) only, are started with bounded waits,
 and are stopped by the pid they were started with. `RedisCluster` builds a local Redis Cluster
 from such servers and moves slots between its nodes (resharding) for tests and benchmarks.
+
+Every child started here dies with the process that started it (`spawn`): a test run killed
+outright (SIGKILL, pytest-timeout's ``thread`` method, which ends the run with ``os._exit``, a
+second Ctrl-C in a teardown) never gets to stop its servers, and they used to run forever.
+threadlog's embedded server (`eventstore.embedded_url`) is not started here: it is meant to
+outlive the command that starts it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +47,141 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+# -- children that die with this process ----------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl``, or None where there is none (not Linux): there `spawn`'s children do
+    not die with their parent, as before."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# Resolved once, in the parent: the child between fork and exec should do as little as it can.
+_prctl = _load_prctl()
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the thread that forked it exits.
+
+    SIGKILL, not SIGTERM: its owner is gone, nobody will read what a clean shutdown would save,
+    and SIGKILL cannot be caught, ignored or put off by a busy child.
+    """
+
+    def preexec() -> None:
+        if _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        # The parent may have died between fork and prctl: then nothing would ever signal us.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+_Child = subprocess.Popen[Any]
+_Request = tuple["concurrent.futures.Future[_Child]", list[str], dict[str, Any]]
+
+
+class _Spawner:
+    """One thread that forks every child `spawn` starts, and lives as long as the process.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: a
+    server started from a short-lived thread (``asyncio.to_thread``, a worker of a test) would
+    be killed as soon as that thread ended. The main thread would do, but servers are started
+    from other threads too; this daemon thread only ends with the process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def popen(self, args: list[str], **kwargs: Any) -> _Child:
+        with self._lock:
+            # After a fork the thread is not there in the child: start another.
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._requests = queue.SimpleQueue()
+                self._thread = threading.Thread(
+                    target=self._serve, args=(self._requests,), name="servers-spawner", daemon=True
+                )
+                self._thread.start()
+                self._pid = os.getpid()
+            requests = self._requests
+        future: concurrent.futures.Future[_Child] = concurrent.futures.Future()
+        requests.put((future, args, kwargs))
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) while the child was being started: nobody will stop it.
+            future.add_done_callback(_kill_unclaimed)
+            raise
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue[_Request]) -> None:
+        while True:
+            future, args, kwargs = requests.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                proc = subprocess.Popen(args, preexec_fn=_die_with(os.getpid()), **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(proc)
+
+
+def _kill_unclaimed(future: concurrent.futures.Future[_Child]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        proc = future.result()
+        proc.kill()
+        proc.wait()
+
+
+_spawner = _Spawner()
+
+
+def spawn(args: list[str], **kwargs: Any) -> _Child:
+    """``subprocess.Popen(args, **kwargs)`` for a child that must not outlive this process.
+
+    On Linux the child gets SIGKILL when this process ends, however it ends (PR_SET_PDEATHSIG,
+    set from a thread that lives as long as the process: see `_Spawner`). Elsewhere it is a plain
+    ``Popen``, and a child of a killed process keeps running.
+    """
+    if _prctl is None:
+        return subprocess.Popen(args, **kwargs)
+    return _spawner.popen(args, **kwargs)
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True, timeout=timeout)`` through `spawn`:
+    a redis-cli waiting on a stuck node must not outlive a killed test run either."""
+    proc = spawn(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(args, proc.returncode, str(out), str(err))
 
 
 # -- TLS ----------------------------------------------------------------------------------------
@@ -74,9 +220,7 @@ def make_tls_files(directory: Path, *, days: int = 2, timeout: float = 30.0) -> 
 
     def run(*args: str) -> None:
         try:
-            done = subprocess.run(
-                [openssl, *args], capture_output=True, text=True, timeout=timeout, check=False
-            )
+            done = _run([openssl, *args], timeout)
         except subprocess.TimeoutExpired as exc:
             raise RedisServerError(f"openssl {args[0]} timed out") from exc
         if done.returncode != 0:
@@ -181,9 +325,7 @@ class RedisServer:
             if repaired is not None:
                 self.aof_repairs.append(repaired)
         self._killed = False
-        self.process = subprocess.Popen(
-            self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self.process = spawn(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -362,14 +504,7 @@ class RedisCluster:
         if remaining <= 0:
             raise RedisServerError(f"no time left for redis-cli {' '.join(args[:2])}")
         try:
-            done = subprocess.run(
-                [_redis_cli(), *args, "--cluster-yes"],
-                capture_output=True,
-                text=True,
-                timeout=remaining,
-                check=False,
-                stdin=subprocess.DEVNULL,
-            )
+            done = _run([_redis_cli(), *args, "--cluster-yes"], remaining)
         except subprocess.TimeoutExpired as exc:
             raise RedisServerError(f"redis-cli {' '.join(args[:2])} timed out") from exc
         if done.returncode != 0 or "[ERR]" in done.stdout:
@@ -558,3 +693,77 @@ def docker_engine_answers(timeout: float = 2.0) -> bool:
             return status_line.startswith(b"HTTP/1.") and b" 200" in status_line
     except (OSError, ValueError):
         return False
+
+
+# -- embedded servers that tests start ---------------------------------------------------------
+
+
+def stop_embedded_under(roots: list[Path]) -> list[Path]:
+    """Stop every embedded server (`eventstore.embedded_url`) in a directory under ``roots``;
+    return their directories. Only a live redis-server serving the directory its pid file is
+    in is signalled (`eventstore.stop_embedded`), so a stale pid file harms nothing."""
+    from ._connect import stop_embedded
+
+    stopped = []
+    for root in roots:
+        for directory, _, files in os.walk(root):
+            if "redis.pid" in files and stop_embedded(directory):
+                stopped.append(Path(directory))
+    return stopped
+
+
+@dataclass
+class EmbeddedReaper:
+    """A watchdog process that stops the embedded servers under the roots it was given once
+    the process that started it ends, however it ends.
+
+    The embedded server is meant to outlive the command that starts it, so it cannot die with
+    its parent as test servers do (`spawn`); a test that starts one stops it in a teardown,
+    which a killed test run never runs. The reaper waits for end of file on its stdin, which
+    comes when this process closes it (`close`) or dies, then sweeps ``roots`` and exits.
+    """
+
+    process: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, *roots: Path) -> EmbeddedReaper:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "eventstore.servers", "reap-embedded"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            # Its own session: the Ctrl-C that ends the run must not end the reaper too.
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        reaper = cls(process)
+        for root in roots:
+            reaper.watch(root)
+        return reaper
+
+    def watch(self, root: Path) -> None:
+        """Also sweep ``root`` (a directory that embedded servers may be started under)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(os.fsencode(Path(root).resolve()) + b"\n")
+        self.process.stdin.flush()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Sweep now and wait (bounded) for the reaper to finish."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _reap_embedded() -> None:
+    roots = [Path(os.fsdecode(line.rstrip(b"\n"))) for line in sys.stdin.buffer]
+    for directory in stop_embedded_under(roots):
+        print(f"stopped the embedded redis-server left running in {directory}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["reap-embedded"]:
+        sys.exit("usage: python -m eventstore.servers reap-embedded  (roots on stdin)")
+    _reap_embedded()

@@ -7,6 +7,11 @@ else a ``redis-server`` from PATH on a unix socket, stopped after the session.
 Redis Cluster: ``THREADLOG_TEST_CLUSTER_URL`` (``redis+cluster://h:p,h:p``) if set; else a local
 cluster of three primaries started from ``redis-server`` and ``redis-cli`` on PATH, stopped
 after the session.
+
+Servers started here die with the test process however it ends (`eventstore.servers.spawn`): a
+run killed outright, or ended by pytest-timeout's ``thread`` method, runs no teardown. Embedded
+servers (which outlive their process by design) that tests start under the run's temporary
+directories are stopped by a reaper process when the run ends, however it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pytest
 
 import eventstore as es
 from eventstore.servers import (
+    EmbeddedReaper,
     RedisServerError,
     docker_engine_answers,
     redis_cluster,
@@ -39,6 +45,17 @@ def pytest_configure(config: pytest.Config) -> None:
 def anyio_backend() -> str:
     # redis-py's asyncio client runs on asyncio only.
     return "asyncio"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def embedded_reaper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedReaper]:
+    """Stops, when the run ends however it ends, every embedded server left running under the
+    run's temporary directory or a root given to ``watch``: a killed run runs no teardown."""
+    reaper = EmbeddedReaper.start(tmp_path_factory.getbasetemp())
+    try:
+        yield reaper
+    finally:
+        reaper.close()
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ import anyio
 import pytest
 import redis
 
+import eventstore as es
 from adapters import Auditor
 from eventstore import (
     EventStore,
@@ -49,7 +50,7 @@ from eventstore import (
 )
 from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
-from eventstore.servers import free_port
+from eventstore.servers import EmbeddedReaper, free_port
 from eventstore.testing import msg, read_all
 from projections import Projector
 
@@ -369,6 +370,63 @@ async def test_tls_to_a_plain_server_says_it_may_not_speak_tls() -> None:
         assert "TLS" not in str(refused.value)
 
 
+@contextlib.contextmanager
+def _silent_listener() -> Iterator[int]:
+    """A loopback port that accepts TCP connections (the kernel completes them from the
+    backlog) and never says a word: no TLS handshake, no reply to PING."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        yield silent.getsockname()[1]
+
+
+async def _connect_error(url: str, **options: Any) -> tuple[StoreConnectionError, float]:
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError) as caught:
+        await connect(url, namespace=_ns(), **options)
+    return caught.value, time.monotonic() - started
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("scheme", ["rediss", "redis"])
+async def test_a_server_that_never_answers_fails_connect_within_the_default_timeout(
+    scheme: str,
+) -> None:
+    """With default options connect() hung ~20 s on a port that accepts and never answers (a
+    TLS handshake, or PING, that never completes: each of the 4 attempts waited 5 s). The
+    connect timeout bounds the whole first contact, retries included."""
+    default = StoreSettings("memory://").connect_timeout
+    assert default <= 5  # documented: a few seconds
+    with _silent_listener() as port:
+        url = f"{scheme}://user:{PASSWORD}@127.0.0.1:{port}/0"
+        error, elapsed = await _connect_error(url)
+    assert elapsed < 2 * default, f"connect() took {elapsed:.1f} s"
+    assert isinstance(error, es.ConnectTimeoutError) and isinstance(error, TimeoutError)
+    assert (error.url, error.timeout) == (redact(url), default)
+    assert redact(url) in str(error) and PASSWORD not in str(error)
+    assert f"{default:g} s" in str(error) and "connect_timeout" in str(error)
+    assert ("does not speak TLS" in str(error)) == (scheme == "rediss")
+
+
+@pytest.mark.anyio
+async def test_the_connect_timeout_can_be_given_to_connect_and_in_the_url() -> None:
+    with _silent_listener() as port:
+        error, elapsed = await _connect_error(f"rediss://127.0.0.1:{port}", connect_timeout=0.5)
+        assert isinstance(error, es.ConnectTimeoutError) and error.timeout == 0.5
+        assert elapsed < 1.0, f"connect() took {elapsed:.1f} s"
+        for url in [
+            f"redis://127.0.0.1:{port}?connect_timeout=0.5",
+            f"rediss+cluster://127.0.0.1:{port}?connect_timeout=0.5",
+        ]:
+            error, elapsed = await _connect_error(url)
+            assert isinstance(error, es.ConnectTimeoutError) and error.timeout == 0.5, url
+            assert elapsed < 1.0, f"connect() took {elapsed:.1f} s ({url})"
+    with pytest.raises(InvalidURLError, match="connect_timeout"):
+        StoreSettings.from_url("redis://h?connect_timeout=0")
+    with pytest.raises(InvalidURLError, match="connect_timeout"):
+        StoreSettings.from_url("memory://?connect_timeout=1")
+
+
 @pytest.mark.anyio
 async def test_bad_url_is_refused_before_connecting() -> None:
     with pytest.raises(InvalidURLError):
@@ -576,9 +634,10 @@ def _stopped_afterwards(directory: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def short_dir() -> Iterator[Path]:
+def short_dir(embedded_reaper: EmbeddedReaper) -> Iterator[Path]:
     """A fresh directory with a short path (unix socket paths must stay under ~100 bytes)."""
     directory = Path(tempfile.mkdtemp(prefix="tl-emb-", dir="/tmp"))
+    embedded_reaper.watch(directory)  # outside the run's temporary directory
     try:
         yield directory
     finally:
