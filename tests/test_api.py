@@ -47,6 +47,7 @@ PUBLIC_NAMES = [
     "ChainKeyMismatchError",
     "ConcurrencyError",
     "ConflictError",
+    "ConnectTimeoutError",
     "CorruptEventError",
     "CorruptKeyError",
     "DEFAULT_PARTITIONS",
@@ -247,6 +248,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         eventstore.ThreadReplacedError: lambda: eventstore.ThreadReplacedError("t"),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
+        eventstore.ConnectTimeoutError: lambda: eventstore.ConnectTimeoutError(
+            "rediss://:***@h:6380/0", 5.0, " (hint)"
+        ),
         eventstore.CorruptKeyError: lambda: eventstore.CorruptKeyError(
             "tl:{ns:cfg}", "its partition count is b'abc'"
         ),
