@@ -22,6 +22,7 @@ from ._projector import (
 )
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
 from ._runner import (
+    MIN_POLL_INTERVAL,
     AsyncProjection,
     Increment,
     ProjectionRunner,
@@ -49,6 +50,7 @@ __all__ = [
     "Materialized",
     "REBUILD_ATTEMPTS",
     "Increment",
+    "MIN_POLL_INTERVAL",
     "MessagesProjection",
     "Progress",
     "ProjectionRunner",

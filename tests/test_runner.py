@@ -500,6 +500,10 @@ async def test_a_dropped_group_of_a_running_projection_is_registered_again(
         {"poll_interval": -1},
         {"poll_interval": float("nan")},
         {"poll_interval": "1"},
+        {"poll_interval": 0},
+        {"poll_interval": 0.0},
+        {"poll_interval": 1e-9},
+        {"poll_interval": float("inf")},
         {"accept_trimmed_feed": "yes"},
         {"backfill": 1},
     ],
@@ -632,13 +636,13 @@ async def test_a_runner_whose_peer_applied_and_trimmed_meanwhile_reads_on(
     raced = False
 
     class Lagging(ProjectionRunner):
-        async def _past_trimmed(self, partition: int, checkpoint: str) -> bool:
+        async def _past_trimmed(self, partition: int, checkpoint: str, *, held: bool) -> bool:
             nonlocal raced
             if not raced:
                 raced = True
                 assert await a.run_once() == 1
                 assert await store.trim_feed(partition) > 0
-            return await super()._past_trimmed(partition, checkpoint)
+            return await super()._past_trimmed(partition, checkpoint, held=held)
 
     b = Lagging(store, UsageProjection(), consumer="b", partitions=[p])
     assert await b.run_once() == 0
@@ -776,3 +780,128 @@ async def test_every_loss_an_accepting_runner_goes_on_past_is_logged(
         trimmed_to = (await store.feed_info(p)).trimmed_to
         assert [r for r in caplog.records if trimmed_to in r.getMessage()], round_
     assert totals(await UsageProjection().report(store)) == {}
+
+
+# -- a feed or group lost from under the runner, busy loops -------------------------------------
+
+
+async def delete_feed(store: es.EventStore, partition: int) -> None:
+    """What ``DEL`` of the feed key does (an operator's cleanup, a bad migration): the feed,
+    its groups and its trim record go; the next append starts a new one."""
+    if isinstance(store, es.RedisEventStore):
+        assert await store.client.delete(store.keys.feed(partition)) == 1
+    else:
+        assert isinstance(store, es.MemoryEventStore)
+        del store._ns.feeds[partition]
+
+
+def thread_in(store: es.EventStore, partition: int, prefix: str) -> str:
+    return next(
+        f"{prefix}{i}"
+        for i in range(1000)
+        if es.partition_of(f"{prefix}{i}", store.partitions) == partition
+    )
+
+
+async def test_a_feed_deleted_under_the_runner_stops_it_rather_than_skip_its_changes(
+    store: es.EventStore,
+) -> None:
+    """The changes the feed held past the checkpoint went with it, leaving no trim record: a
+    runner reading on from its checkpoint would count the new feed's changes and never the
+    lost ones. It stops with `FeedResetError` naming the projection, each time, and leaves
+    no group on the new feed."""
+    p = es.partition_of("thread-0", store.partitions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+    await settle(store, "thread-0", "small", 1)
+    assert await runner.run_once() == 1
+    checkpoint = await store.checkpoint_of(p, "usage")
+    await settle(store, "thread-0", "small", 10)  # never applied: lost with the feed
+    await delete_feed(store, p)
+    for fresh in (False, True):
+        # Both the runner that saw the group, and one started afterwards.
+        who = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+        with pytest.raises(es.FeedResetError, match="projection 'usage'") as caught:
+            await (who if fresh else runner).run_once()
+        assert (caught.value.partition, caught.value.position) == (p, checkpoint)
+    if isinstance(store, es.RedisEventStore):
+        # A new feed whose ids start below the checkpoint (a server clock set back, a feed
+        # restored from elsewhere): its first entry is no older change, and not the one there.
+        ms = parse_stream_id(checkpoint)[0]
+        fields = {"t": "elsewhere", "f": 1, "l": 1}
+        await store.client.xadd(store.keys.feed(p), fields, id=f"{ms - 5}-0")
+        with pytest.raises(es.FeedResetError, match=f"partition {p}"):
+            await runner.run_once()
+        await delete_feed(store, p)
+    await anyio.sleep(0.01)  # a new feed whose first id is the checkpoint's cannot be told
+    await settle(store, thread_in(store, p, "new"), "small", 100)  # a new feed, ids past it
+    with pytest.raises(es.FeedResetError, match=f"partition {p}"):
+        await runner.run_once()
+    assert totals(await UsageProjection().report(store)) == {"small": (1, 1, 0)}
+    assert await store.checkpoint_of(p, "usage") == checkpoint
+    assert await store.feed_groups(p) == []
+
+
+async def test_a_feed_trimmed_to_nothing_is_not_taken_for_a_deleted_one(
+    store: es.EventStore,
+) -> None:
+    """The reset check asks only the trim record: a feed trimmed (by the group or by age) to
+    no entry at all still records that the checkpoint's change was trimmed."""
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+    await settle(store, "t", "small", 1)
+    assert await runner.run_once() == 1
+    assert await store.trim_feed(p) == 1
+    assert (await store.feed_info(p)).length == 0
+    assert await runner.run_once() == 0
+    await settle(store, "t", "small", 2)
+    assert await runner.run_once() == 1
+    assert totals(await UsageProjection().report(store)) == {"small": (2, 3, 1)}
+
+
+async def test_a_group_dropped_while_the_runner_idles_is_registered_again_at_once(
+    store: es.EventStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`XGROUP DESTROY` (`threadlog drop-group`) of a running projection's group while its feed
+    is idle: the runner's next idle pass registers it again at the checkpoint and says so,
+    so trimming after another reader (an export's group) cannot pass the changes that come
+    next before the projection applied them."""
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+    await settle(store, "t", "small", 1)
+    assert await runner.run_once() == 1
+    checkpoint = await store.checkpoint_of(p, "usage")
+    assert await store.delete_feed_group(p, "usage")
+    with caplog.at_level("WARNING", logger="threadlog.runner"):
+        assert await runner.run_once() == 0  # idle: nothing new
+    assert [(g.name, g.last_delivered) for g in await store.feed_groups(p)] == [
+        ("usage", checkpoint)
+    ]
+    assert any("'usage'" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
+    # Another reader that is ahead: trimming after it stops at the projection's group.
+    await settle(store, "t", "small", 2)
+    await store.create_feed_group(p, "export-x", start=(await store.feed_info(p)).last_id)
+    await store.trim_feed(p)
+    assert await runner.run_once() == 1
+    assert totals(await UsageProjection().report(store)) == {"small": (2, 3, 1)}
+
+
+async def test_a_runner_idling_with_the_shortest_poll_interval_does_not_spin(
+    store: es.EventStore,
+) -> None:
+    """An idle runner reads its feed once per ``poll_interval``, not in a loop: with the
+    shortest interval it takes (1 ms), some hundreds of passes a second, not thousands."""
+    passes = 0
+
+    class Counting(ProjectionRunner):
+        async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
+            nonlocal passes
+            passes += 1
+            return await super()._drain(partition, stop=stop)
+
+    runner = Counting(store, UsageProjection(), consumer="c", partitions=[0], poll_interval=0.001)
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run, stop)
+        await anyio.sleep(0.3)
+        stop.set()
+    assert 0 < passes <= 300
