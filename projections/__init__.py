@@ -24,10 +24,13 @@ from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRe
 from ._runner import (
     MIN_POLL_INTERVAL,
     AsyncProjection,
+    GroupLag,
     Increment,
     ProjectionRunner,
     UsageProjection,
     UsageRow,
+    drop_feed_group,
+    feed_group_lag,
     partitions_for,
 )
 from ._state import Block, ReaderView, StateProjection
@@ -46,6 +49,7 @@ __all__ = [
     "Context",
     "Difference",
     "Folded",
+    "GroupLag",
     "LogFold",
     "Materialized",
     "REBUILD_ATTEMPTS",
@@ -70,5 +74,7 @@ __all__ = [
     "UsageProjection",
     "UsageRow",
     "conversation_message",
+    "drop_feed_group",
+    "feed_group_lag",
     "partitions_for",
 ]

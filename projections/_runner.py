@@ -29,12 +29,14 @@ from eventstore import (
     EventStore,
     FeedEntry,
     FeedGroupNotFoundError,
+    FeedInfo,
     FeedResetError,
     FeedTrimmedError,
     InvalidInputError,
     RecordedEvent,
     TurnSettled,
     validate_consumer,
+    validate_group,
     validate_view_name,
 )
 from eventstore._contract import require_store
@@ -81,6 +83,118 @@ def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int
     if not runner_index < runners:
         raise InvalidInputError("runner_index must be in 0..runners-1")
     return [p for p in range(partitions) if p % runners == runner_index]
+
+
+class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
+    """How far behind one consumer group of one partition's feed is (`feed_group_lag`)."""
+
+    name: str
+    partition: int
+    position: str
+    """Where its reader has got to: for an async projection, its checkpoint once it has one
+    (the runner reads on from it; the group only follows it, and sits at 0-0 when dropped
+    and registered again), else the group's last delivered entry."""
+    unread: int
+    """Entries the feed holds after ``position``: what the reader has still to read, which
+    trimming keeps for it."""
+    oldest_unread: str | None
+    """The first of them (None: it has read all the feed holds)."""
+    last_delivered: str
+    """The group's own position (`GroupInfo`)."""
+    pending: int
+    """Entries delivered to the group's consumers and not acknowledged."""
+    oldest_pending: str | None
+    lost_changes: bool
+    """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
+    read are gone from the feed."""
+
+
+async def feed_group_lag(store: EventStore) -> list[GroupLag]:
+    """Every consumer group on the namespace's feeds, one row per group and partition, by
+    name then partition: where its reader has got to and how much it has left to read.
+
+    A group nobody reads any more (an export name given up, a projection renamed or retired)
+    holds feed trimming back for ever: its ``unread`` keeps growing while its ``position``
+    stays; `drop_feed_group` removes it (what `threadlog feed` and `threadlog drop-group` do).
+    ``unread`` is counted from the feed: the whole feed's length when the reader is behind its
+    first entry (a stale group usually is, as trimming stops at it), else read page by page,
+    so a listing costs a few round trips a group and partition plus one a 1,024 entries of a
+    backlog that is not the whole feed.
+
+    Raises:
+        InvalidInputError: ``store`` not an `EventStore`.
+    """
+    store = require_store(store, "feed_group_lag")
+    rows: list[GroupLag] = []
+    for partition in range(store.partitions):
+        info = await store.feed_info(partition)
+        for group in await store.feed_groups(partition):
+            position = group.last_delivered
+            if _projection_name(group.name):
+                checkpoint = await store.checkpoint_of(partition, group.name)
+                if checkpoint != "0-0":
+                    position = checkpoint
+            unread, oldest = await _unread(store, info, position)
+            rows.append(
+                GroupLag(
+                    name=group.name,
+                    partition=partition,
+                    position=position,
+                    unread=unread,
+                    oldest_unread=oldest,
+                    last_delivered=group.last_delivered,
+                    pending=group.pending,
+                    oldest_pending=group.oldest_pending,
+                    lost_changes=parse_stream_id(info.trimmed_to) > parse_stream_id(position),
+                )
+            )
+    return sorted(rows, key=lambda r: (r.name, r.partition))
+
+
+def _projection_name(group: str) -> bool:
+    """Whether ``group`` may be an async projection's (which has a checkpoint under that name):
+    an export's group is ``export-<name>``, and a group registered from outside threadlog may
+    have a name no projection can."""
+    if group.startswith("export-"):
+        return False
+    try:
+        validate_group(group)
+    except InvalidInputError:
+        return False
+    return True
+
+
+async def _unread(store: EventStore, info: FeedInfo, position: str) -> tuple[int, str | None]:
+    """How many entries the feed holds after ``position``, and the first of them."""
+    if info.first_id is None:
+        return 0, None
+    if parse_stream_id(position) < parse_stream_id(info.first_id):
+        return info.length, info.first_id  # behind every entry it holds: no need to read them
+    count, first, after = 0, None, position
+    while True:
+        page = await store.read_feed(info.partition, after=after, count=FEED_PAGE)
+        if not page:
+            return count, first
+        first = first or page[0].id
+        count += len(page)
+        after = page[-1].id
+
+
+async def drop_feed_group(store: EventStore, name: str) -> list[int]:
+    """Remove consumer group ``name`` from every partition's feed (its position and pending
+    entries), so trimming stops waiting for it; returns the partitions it was on (empty: it
+    was on none). For a group nobody reads any more: `feed_group_lag` shows them.
+
+    A `ProjectionRunner` still running under that name registers its group again (it needs
+    it), so stop it first; a projection's checkpoint and figures stay (an export directory's
+    positions stay in its files, and its next run registers its group again).
+
+    Raises:
+        InvalidInputError: ``store`` not an `EventStore`, ``name`` not a group name.
+    """
+    store = require_store(store, "drop_feed_group")
+    validate_group(name)
+    return [p for p in range(store.partitions) if await store.delete_feed_group(p, name)]
 
 
 class ProjectionRunner:

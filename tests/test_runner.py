@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,12 +16,16 @@ import anyio.lowlevel
 import pytest
 
 import eventstore as es
+import projections._runner
 from eventstore._feed import parse_stream_id
 from projections import (
+    GroupLag,
     Increment,
     ProjectionRunner,
     UsageProjection,
     UsageRow,
+    drop_feed_group,
+    feed_group_lag,
     partitions_for,
 )
 
@@ -905,3 +910,112 @@ async def test_a_runner_idling_with_the_shortest_poll_interval_does_not_spin(
         await anyio.sleep(0.3)
         stop.set()
     assert 0 < passes <= 300
+
+
+# -- stale groups: listing them with their lag, dropping them -----------------------------------
+
+
+class Renamed(UsageProjection):
+    name = "usage-v2"
+
+
+async def test_a_renamed_projections_old_group_is_listed_with_its_lag_and_dropped(
+    store: es.EventStore,
+) -> None:
+    """A projection started under a new name leaves its old group on the feeds, where it holds
+    trimming back for ever. `feed_group_lag` lists every group of the namespace with how far
+    behind it is, and `drop_feed_group` removes the stale one: trimming goes on."""
+    expected = await fill(store, 6)
+    await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+    renamed = ProjectionRunner(store, Renamed(), consumer="c", backfill=True)
+    await renamed.run_once()
+    await settle(store, "thread-0", "small", 1000)
+    await settle(store, "thread-1", "large", 1000)
+    assert await renamed.run_once() == 2
+    assert totals(await Renamed().report(store))["small"][0] == expected["small"][0] + 1
+    # The old group holds the two new changes back.
+    await anyio.sleep(0.01)
+    assert sum([await store.trim_feed(p) for p in range(store.partitions)]) == 7
+    assert sum([(await store.feed_info(p)).length for p in range(store.partitions)]) == 2
+
+    lag = await feed_group_lag(store)
+    assert all(isinstance(row, GroupLag) for row in lag)
+    assert [(r.name, r.partition) for r in lag] == sorted((r.name, r.partition) for r in lag)
+    old = {r.partition: r for r in lag if r.name == "usage"}
+    new = {r.partition: r for r in lag if r.name == "usage-v2"}
+    assert set(old) == set(new) == set(range(store.partitions))
+    assert sum(r.unread for r in old.values()) == 2
+    assert all(r.unread == 0 and r.oldest_unread is None for r in new.values())
+    for p, row in old.items():
+        feed = await store.read_feed(p)
+        assert row.oldest_unread == (feed[0].id if feed else None)
+        assert row.position == await store.checkpoint_of(p, "usage")
+        assert (row.pending, row.lost_changes) == (0, False)
+
+    assert await drop_feed_group(store, "usage") == list(range(store.partitions))
+    assert await drop_feed_group(store, "usage") == []
+    assert {r.name for r in await feed_group_lag(store)} == {"usage-v2"}
+    assert sum([await store.trim_feed(p) for p in range(store.partitions)]) == 2
+    with pytest.raises(es.InvalidInputError):
+        await drop_feed_group(store, "no spaces")
+
+
+async def test_group_lag_counts_a_backlog_longer_than_a_page_and_flags_lost_changes(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lag is counted over the whole backlog, and a group whose position the feed was
+    trimmed past (by age) is flagged, as `threadlog feed` flags it."""
+    p = es.partition_of("t", store.partitions)
+    await store.create_feed_group(p, "reader")
+    await store.create_feed_group(p, "ahead")
+    for _ in range(3):
+        await store.append("t", [es.MessageAppended(message=es.Message(role="user", content="x"))])
+    feed = await store.read_feed(p)
+    await store.advance_feed_group(p, "ahead", feed[0].id)
+    monkeypatch.setattr(projections._runner, "FEED_PAGE", 2)
+    rows = {r.name: r for r in await feed_group_lag(store)}
+    assert (rows["reader"].unread, rows["reader"].oldest_unread) == (3, feed[0].id)
+    assert (rows["ahead"].unread, rows["ahead"].oldest_unread) == (2, feed[1].id)
+    assert rows["ahead"].position == feed[0].id
+    await anyio.sleep(0.01)
+    assert await store.trim_feed(p, max_age_ms=0) == 3
+    rows = {r.name: r for r in await feed_group_lag(store)}
+    assert rows["reader"].lost_changes and rows["ahead"].lost_changes
+    assert rows["reader"].unread == 0
+
+
+def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes_it(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same from the command line (`adapters.cli.main`): `threadlog feed` gives each
+    group's unread entries, and `threadlog drop-group` removes the stale one."""
+    from adapters.cli import main
+
+    namespace = "r" + uuid.uuid4().hex[:12]
+    where = ["--url", redis_url, "--namespace", namespace]
+
+    async def setup() -> None:
+        async with await es.connect(redis_url, namespace=namespace, partitions=4) as store:
+            await fill(store, 3)
+            await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+            await ProjectionRunner(store, Renamed(), consumer="c", backfill=True).run_once()
+            await settle(store, "thread-0", "small", 5)
+            await ProjectionRunner(store, Renamed(), consumer="c").run_once()
+
+    anyio.run(setup)
+
+    def unread() -> dict[str, int]:
+        capsys.readouterr()
+        assert main(["feed", "--json", *where]) == 0
+        out: dict[str, int] = {}
+        for g in json.loads(capsys.readouterr().out)["groups"]:
+            out[g["name"]] = out.get(g["name"], 0) + g["unread"]
+        return out
+
+    assert unread() == {"usage": 1, "usage-v2": 0}
+    assert main(["feed", *where]) == 0
+    table = capsys.readouterr().out
+    assert "unread" in table
+    assert main(["drop-group", "usage", *where]) == 0
+    assert "Dropped consumer group 'usage' from 4 partitions" in capsys.readouterr().out
+    assert unread() == {"usage-v2": 0}
