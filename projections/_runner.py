@@ -47,6 +47,8 @@ log = logging.getLogger("threadlog.runner")
 
 BACKFILL_ATTEMPTS = 5
 FEED_PAGE = 1024
+TURN_BATCHES = 8
+"""The batches `ProjectionRunner.run` applies in one partition before it turns to the next."""
 MIN_POLL_INTERVAL = 0.001
 """The shortest ``poll_interval`` a runner takes, in seconds: below it an idle runner reads its
 feeds in a loop as fast as the round trips allow, burning a core on both sides for nothing."""
@@ -306,23 +308,29 @@ class ProjectionRunner:
         return done
 
     async def run(self, stop: anyio.Event) -> int:
-        """Work until ``stop`` is set; the batch in hand is finished (applied) first."""
+        """Work until ``stop`` is set; the batch in hand is finished (applied) first.
+
+        The partitions are taken in turns of at most `TURN_BATCHES` batches each, so one whose
+        feed fills as fast as it is read does not keep the others waiting."""
         done = 0
         while not stop.is_set():
             processed = 0
             for partition in self.partitions:
                 if stop.is_set():
                     break
-                processed += await self._drain(partition, stop=stop)
+                processed += await self._drain(partition, stop=stop, turn=TURN_BATCHES)
             done += processed
             if not processed:
                 with anyio.move_on_after(self.poll_interval):
                     await stop.wait()
         return done
 
-    async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
+    async def _drain(
+        self, partition: int, *, stop: anyio.Event | None = None, turn: int | None = None
+    ) -> int:
         """Apply the partition's feed from the checkpoint on, batch by batch, until it is read
-        to its end (or ``stop`` is set); returns the entries applied."""
+        to its end (or ``stop`` is set, or ``turn`` batches were applied); returns the entries
+        applied."""
         if self.backfills and partition not in self._backfilled:
             await self.backfill_partition(partition)
         name = self.projection.name
@@ -357,6 +365,10 @@ class ProjectionRunner:
                 done += len(batch)
                 checkpoint = batch[-1].id
                 self._created.discard(partition)
+                if turn is not None:
+                    turn -= 1
+                    if not turn:
+                        break  # the others' turn: `run` comes back, as it applied something
             else:
                 log.info(
                     "runner %s: checkpoint of %s moved in partition %d; reading on from it",

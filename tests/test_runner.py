@@ -898,10 +898,10 @@ async def test_a_runner_idling_with_the_shortest_poll_interval_does_not_spin(
     passes = 0
 
     class Counting(ProjectionRunner):
-        async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
+        async def _read(self, partition: int, checkpoint: str) -> tuple[bool, list[es.FeedEntry]]:
             nonlocal passes
             passes += 1
-            return await super()._drain(partition, stop=stop)
+            return await super()._read(partition, checkpoint)
 
     runner = Counting(store, UsageProjection(), consumer="c", partitions=[0], poll_interval=0.001)
     stop = anyio.Event()
@@ -910,6 +910,33 @@ async def test_a_runner_idling_with_the_shortest_poll_interval_does_not_spin(
         await anyio.sleep(0.3)
         stop.set()
     assert 0 < passes <= 300
+
+
+async def test_a_partition_whose_feed_never_runs_dry_does_not_starve_the_others(
+    store: es.EventStore,
+) -> None:
+    """`run` takes the partitions in turns of a few batches: one whose feed keeps filling as
+    fast as the runner reads it (a busy tenant) no longer keeps the others waiting for ever."""
+    hot = es.partition_of("hot", store.partitions)
+    cold_thread = thread_in(store, (hot + 1) % store.partitions, "cold")
+    cold = es.partition_of(cold_thread, store.partitions)
+    await settle(store, cold_thread, "cold", 1)
+
+    class Flooded(ProjectionRunner):
+        async def _read(self, partition: int, checkpoint: str) -> tuple[bool, list[es.FeedEntry]]:
+            if partition == hot:  # a new change in the hot partition before every read
+                await settle(self.store, "hot", "hot", 1)
+            return await super()._read(partition, checkpoint)
+
+    runner = Flooded(store, UsageProjection(), consumer="c", partitions=[hot, cold], batch_size=1)
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run, stop)
+        with anyio.fail_after(10):
+            while await store.checkpoint_of(cold, "usage") == "0-0":
+                await anyio.sleep(0.01)
+        stop.set()
+    assert totals(await UsageProjection().report(store))["cold"] == (1, 1, 0)
 
 
 # -- stale groups: listing them with their lag, dropping them -----------------------------------
