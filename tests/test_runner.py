@@ -939,6 +939,39 @@ async def test_a_partition_whose_feed_never_runs_dry_does_not_starve_the_others(
     assert totals(await UsageProjection().report(store))["cold"] == (1, 1, 0)
 
 
+async def test_a_trim_never_passes_a_group_registered_while_it_trims(
+    store: es.EventStore,
+) -> None:
+    """`trim_feed` takes the groups as they stand when it trims, in the same atomic step: a
+    group registered meanwhile (a runner registering its dropped group again, a new
+    projection) keeps what it needs. Taken from an earlier look at the groups, the trim
+    removed it, and the runner then stopped with `FeedTrimmedError`."""
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+    await settle(store, "t", "small", 1)
+    assert await runner.run_once() == 1
+    checkpoint = await store.checkpoint_of(p, "usage")
+    assert await store.delete_feed_group(p, "usage")
+    await settle(store, "t", "small", 2)  # not applied yet
+    await store.create_feed_group(p, "export-x", start=(await store.feed_info(p)).last_id)
+    # What a trim that looked at the groups a moment ago saw; the runner's idle pass then
+    # registered the group again, before the trim removed anything.
+    looked = store.feed_groups
+    stale = await looked(p)
+    assert await store.create_feed_group(p, "usage", start=checkpoint)
+
+    async def earlier(partition: int) -> list[es.GroupInfo]:
+        return stale
+
+    store.feed_groups = earlier  # type: ignore[method-assign]
+    try:
+        await store.trim_feed(p)
+    finally:
+        store.feed_groups = looked  # type: ignore[method-assign]
+    assert await runner.run_once() == 1
+    assert totals(await UsageProjection().report(store)) == {"small": (2, 3, 1)}
+
+
 # -- stale groups: listing them with their lag, dropping them -----------------------------------
 
 
