@@ -1545,11 +1545,15 @@ class RedisEventStore(EventStore):
         key = self._feed_key(partition)
         await _group_call(self.client.xgroup_setid(key, group, to), partition, group)
         # SETID leaves older pending entries in place; acknowledge them so trimming can pass.
+        # (A group dropped meanwhile is as missing as one the SETID did not find.)
         while True:
-            rows = await _call(self.client.xpending_range(key, group, "-", to, 512))
+            rows = await _group_call(
+                self.client.xpending_range(key, group, "-", to, 512), partition, group
+            )
             if not rows:
                 return
-            await _call(self.client.xack(key, group, *[r["message_id"] for r in rows]))
+            ids = [r["message_id"] for r in rows]
+            await _group_call(self.client.xack(key, group, *ids), partition, group)
 
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         key = self._feed_key(partition)
@@ -1559,7 +1563,10 @@ class RedisEventStore(EventStore):
         out = []
         for g in groups:
             name = g["name"].decode("utf-8")
-            summary = await _call(self.client.xpending(key, name))
+            try:
+                summary = await _group_call(self.client.xpending(key, name), partition, name)
+            except FeedGroupNotFoundError:
+                continue  # dropped since XINFO GROUPS listed it: no longer there
             oldest = summary.get("min")
             out.append(
                 GroupInfo(

@@ -972,6 +972,48 @@ async def test_a_trim_never_passes_a_group_registered_while_it_trims(
     assert totals(await UsageProjection().report(store)) == {"small": (2, 3, 1)}
 
 
+async def test_a_group_dropped_while_the_store_lists_or_moves_it_is_no_store_failure(
+    store: es.EventStore,
+) -> None:
+    """`drop-group` landing between the commands of `feed_groups` (the group listed, then its
+    pending entries asked) or of `advance_feed_group` (the group moved, then its pending
+    entries acknowledged): the listing leaves the group out, the move says the group is not
+    there (`FeedGroupNotFoundError`, which the runner answers by registering it again), not
+    an `OperationalError` as for a failing server."""
+    if not isinstance(store, es.RedisEventStore):
+        pytest.skip("one step on the memory backend: nothing lands in between")
+    p = es.partition_of("t", store.partitions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p])
+    await settle(store, "t", "small", 1)
+    assert await runner.run_once() == 1
+    await store.create_feed_group(p, "other")
+    client = store.client
+    asked = client.xpending
+
+    async def dropped_first(key: str, group: str) -> object:
+        await store.delete_feed_group(p, group)
+        return await asked(key, group)
+
+    client.xpending = dropped_first
+    try:
+        assert await store.feed_groups(p) == []
+    finally:
+        del client.xpending
+    await store.create_feed_group(p, "usage", start=await store.checkpoint_of(p, "usage"))
+    ranged = client.xpending_range
+
+    async def dropped_before_range(key: str, group: str, *args: object) -> object:
+        await store.delete_feed_group(p, group)
+        return await ranged(key, group, *args)
+
+    client.xpending_range = dropped_before_range
+    try:
+        with pytest.raises(es.FeedGroupNotFoundError, match="'usage'"):
+            await store.advance_feed_group(p, "usage", await store.checkpoint_of(p, "usage"))
+    finally:
+        del client.xpending_range
+
+
 # -- stale groups: listing them with their lag, dropping them -----------------------------------
 
 
