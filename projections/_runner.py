@@ -106,6 +106,7 @@ class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
     pending: int
     """Entries delivered to the group's consumers and not acknowledged."""
     oldest_pending: str | None
+    """The oldest of them (None: none)."""
     lost_changes: bool
     """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
     read are gone from the feed."""
@@ -343,10 +344,10 @@ class ProjectionRunner:
             if await self._past_trimmed(partition, checkpoint, held=held):
                 checkpoint = await self.store.checkpoint_of(partition, name)
                 continue
-            held = self._group_at.get(partition) == checkpoint
+            group_in_place = self._group_at.get(partition) == checkpoint
             await self._hold_feed(partition, checkpoint)
             if not batch:
-                if held:  # else _hold_feed just registered or moved it
+                if group_in_place:  # else _hold_feed just registered or moved it
                     await self._check_group(partition, checkpoint)
                 break
             incr: list[Increment] = []
