@@ -40,6 +40,7 @@ from projections import (
     AsOf,
     Block,
     CheckReport,
+    GroupLag,
     MessagesProjection,
     Projector,
     RebuildBusyError,
@@ -51,6 +52,8 @@ from projections import (
     TranscriptProjection,
     TurnNode,
     TurnRecord,
+    drop_feed_group,
+    feed_group_lag,
 )
 
 from ._audit import Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
@@ -376,8 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show the namespace's change feed (one stream per partition; exports and "
         "projection runners keep a consumer group on it at their position): how many entries "
         "each partition holds, from when to when, how far it was trimmed, and each consumer "
-        "group's position and pending entries. A group whose position the feed was trimmed "
-        "past has lost changes, and is flagged.",
+        "group's position, entries left unread and pending entries. A group whose position "
+        "the feed was trimmed past has lost changes, and is flagged; one whose unread entries "
+        "keep growing is read by nobody (a renamed projection, an export given up) and holds "
+        "trimming back: 'threadlog drop-group' removes it.",
     )
     p = add(
         "trim-feed",
@@ -1581,30 +1586,12 @@ def _id_time(feed_id: str | None) -> str:
 
 async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
-    infos: list[es.FeedInfo] = []
-    groups: dict[str, list[tuple[es.FeedInfo, es.GroupInfo]]] = {}
-    # Where each group's reader has got to: a projection's checkpoint when it has one (it
-    # moves with the projection's writes, and the runner reads on from it; the group's own
-    # position only holds trimming back, and starts again at 0-0 when the group is dropped
-    # and registered again), else the group's last delivered entry.
-    reached: dict[tuple[str, int], str] = {}
-    for p in range(store.partitions):
-        info = await store.feed_info(p)
-        infos.append(info)
-        for group in await store.feed_groups(p):
-            groups.setdefault(group.name, []).append((info, group))
-            position = group.last_delivered
-            if not group.name.startswith("export-"):
-                checkpoint = await store.checkpoint_of(p, group.name)
-                if checkpoint != "0-0":
-                    position = checkpoint
-            reached[group.name, p] = position
-
-    def lost(info: es.FeedInfo, group: es.GroupInfo) -> bool:
-        # Only what its reader still needed: changes trimmed past where it has got to.
-        position = reached[group.name, info.partition]
-        return parse_stream_id(info.trimmed_to) > parse_stream_id(position)
-
+    infos = [await store.feed_info(p) for p in range(store.partitions)]
+    # Where each group's reader has got to (a projection's checkpoint when it has one), how
+    # much it has left, and whether the feed was trimmed past it: `feed_group_lag`.
+    groups: dict[str, list[GroupLag]] = {}
+    for row in await feed_group_lag(store):
+        groups.setdefault(row.name, []).append(row)
     if args.json:
         ctx.json(
             {
@@ -1612,13 +1599,17 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
                 "partitions": [msgspec.to_builtins(i) for i in infos],
                 "groups": [
                     {
-                        **msgspec.to_builtins(g),
-                        "partition": i.partition,
-                        "reached": reached[g.name, i.partition],
-                        "lost_changes": lost(i, g),
+                        "name": g.name,
+                        "last_delivered": g.last_delivered,
+                        "pending": g.pending,
+                        "oldest_pending": g.oldest_pending,
+                        "partition": g.partition,
+                        "reached": g.position,
+                        "lost_changes": g.lost_changes,
+                        "unread": g.unread,
                     }
                     for members in groups.values()
-                    for i, g in members
+                    for g in members
                 ],
             }
         )
@@ -1647,15 +1638,12 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
         out.print("No consumer groups: trimming removes entries only by age (--max-age).")
         return
     table = Table(title="Consumer groups", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("group", "reader", "partitions", "unread from", "pending", "note"):
-        table.add_column(name, justify="right" if name in {"partitions", "pending"} else "left")
+    for name in ("group", "reader", "partitions", "unread", "unread from", "pending", "note"):
+        right = name in {"partitions", "unread", "pending"}
+        table.add_column(name, justify="right" if right else "left")
     for name, members in sorted(groups.items()):
-        unread = []  # each partition's oldest entry the group has not read
-        for info, _ in members:
-            position = reached[name, info.partition]
-            if page := await store.read_feed(info.partition, after=position, count=1):
-                unread.append(page[0].id)
-        damaged = [i.partition for i, g in members if lost(i, g)]
+        unread = [g.oldest_unread for g in members if g.oldest_unread is not None]
+        damaged = [g.partition for g in members if g.lost_changes]
         note = Text()
         if damaged:
             where = ", ".join(str(p) for p in damaged)
@@ -1664,8 +1652,9 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
             name,
             f"export --name {name[7:]}" if name.startswith("export-") else "projection runner",
             str(len(members)),
+            f"{sum(g.unread for g in members):,}",
             _id_time(min(unread, key=parse_stream_id)) if unread else "nothing unread",
-            f"{sum(g.pending for _, g in members):,}",
+            f"{sum(g.pending for g in members):,}",
             note,
         )
     out.print(table)
@@ -1689,7 +1678,7 @@ async def cmd_trim_feed(ctx: Ctx, args: argparse.Namespace) -> None:
 async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     name = es.validate_group(args.name)
-    dropped = [p for p in range(store.partitions) if await store.delete_feed_group(p, name)]
+    dropped = await drop_feed_group(store, name)
     if not dropped:
         known = sorted(
             {g.name for p in range(store.partitions) for g in await store.feed_groups(p)}

@@ -96,6 +96,31 @@ class FeedTrimmedError(ConflictError):
         return (type(self), (self.partition, self.reader, self.position, self.trimmed_to))
 
 
+class FeedResetError(ConflictError):
+    """Raised when a partition's feed holds no trace of a reader's position: neither the entry
+    there nor a trim record reaching it. The feed was deleted (and perhaps written again) or
+    replaced since the reader got there, and whatever it held after that position went
+    without a record, so reading on would silently skip it.
+
+    Not retryable: the lost entries will not come back (the events are still in the threads'
+    logs). A projection counts them again under a new name with ``backfill=True``.
+    """
+
+    def __init__(self, partition: int, reader: str, position: str) -> None:
+        self.partition = partition
+        self.reader = reader
+        self.position = position
+        super().__init__(
+            f"the change feed of partition {partition} is not the one {reader} read up to "
+            f"{position}: it holds neither that entry nor a record of its trimming (the feed "
+            "was deleted or replaced), so changes after it may be gone without a trace and "
+            "reading on would skip them (every event is still in its thread's log)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.partition, self.reader, self.position))
+
+
 class FeedGroupNotFoundError(ConflictError, LookupError):
     """Raised when a consumer group is not registered on a feed partition (never created, or
     the partition's feed was deleted): `EventStore.create_feed_group` registers it.

@@ -171,6 +171,18 @@ class _Feed:
         return self.ids[start : start + count]
 
 
+def _group_infos(feed: _Feed) -> list[GroupInfo]:
+    return [
+        GroupInfo(
+            name=name,
+            last_delivered=format_stream_id(g.last_delivered),
+            pending=len(g.pending),
+            oldest_pending=format_stream_id(min(g.pending)) if g.pending else None,
+        )
+        for name, g in feed.groups.items()
+    ]
+
+
 @dataclass
 class _Namespace:
     partitions: int
@@ -764,24 +776,16 @@ class MemoryEventStore(EventStore):
 
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         feed = self._feed(partition)
-        if feed is None:
-            return []
-        return [
-            GroupInfo(
-                name=name,
-                last_delivered=format_stream_id(g.last_delivered),
-                pending=len(g.pending),
-                oldest_pending=format_stream_id(min(g.pending)) if g.pending else None,
-            )
-            for name, g in feed.groups.items()
-        ]
+        return [] if feed is None else _group_infos(feed)
 
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
         validate_limit(max_age_ms, "max_age_ms")
         feed = self._feed(partition)
         if feed is None:
             return 0
-        point = safe_trim_point(await self.feed_groups(partition))
+        # Read with no await before the trim, as Redis's script reads them: a group registered
+        # meanwhile is waited for.
+        point = safe_trim_point(_group_infos(feed))
         if max_age_ms is not None:
             aged = f"{max(int(time.time() * 1000) - max_age_ms, 0)}-0"
             point = aged if point is None else max(point, aged, key=parse_stream_id)

@@ -71,7 +71,6 @@ from ._feed import (
     GroupInfo,
     entry_from_fields,
     parse_stream_id,
-    safe_trim_point,
     validate_block_ms,
     validate_consumer,
     validate_feed_count,
@@ -1546,11 +1545,15 @@ class RedisEventStore(EventStore):
         key = self._feed_key(partition)
         await _group_call(self.client.xgroup_setid(key, group, to), partition, group)
         # SETID leaves older pending entries in place; acknowledge them so trimming can pass.
+        # (A group dropped meanwhile is as missing as one the SETID did not find.)
         while True:
-            rows = await _call(self.client.xpending_range(key, group, "-", to, 512))
+            rows = await _group_call(
+                self.client.xpending_range(key, group, "-", to, 512), partition, group
+            )
             if not rows:
                 return
-            await _call(self.client.xack(key, group, *[r["message_id"] for r in rows]))
+            ids = [r["message_id"] for r in rows]
+            await _group_call(self.client.xack(key, group, *ids), partition, group)
 
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         key = self._feed_key(partition)
@@ -1560,7 +1563,10 @@ class RedisEventStore(EventStore):
         out = []
         for g in groups:
             name = g["name"].decode("utf-8")
-            summary = await _call(self.client.xpending(key, name))
+            try:
+                summary = await _group_call(self.client.xpending(key, name), partition, name)
+            except FeedGroupNotFoundError:
+                continue  # dropped since XINFO GROUPS listed it: no longer there
             oldest = summary.get("min")
             out.append(
                 GroupInfo(
@@ -1602,16 +1608,13 @@ class RedisEventStore(EventStore):
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
         validate_limit(max_age_ms, "max_age_ms")
         key = self._feed_key(partition)
-        point = safe_trim_point(await self.feed_groups(partition))
+        aged = ""
         if max_age_ms is not None:
             now_ms = int(time.time() * 1000)
             aged = f"{max(now_ms - max_age_ms, 0)}-0"
-            point = aged if point is None else max(point, aged, key=parse_stream_id)
-        if point is None or parse_stream_id(point) == (0, 0):
-            # Nothing lies below 0-0 (an age reaching back before the epoch): the script's
-            # exclusive range "(0-0" is no id Redis accepts.
-            return 0
-        return int(await _call(TRIM_FEED(self.client, [key], [point])))
+        # The script reads the groups itself, in the same atomic step as the trim: a group
+        # registered after a read here would not have been waited for.
+        return int(await _call(TRIM_FEED(self.client, [key], [aged])))
 
     async def apply_checkpointed(
         self,

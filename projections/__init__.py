@@ -22,11 +22,15 @@ from ._projector import (
 )
 from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRecord
 from ._runner import (
+    MIN_POLL_INTERVAL,
     AsyncProjection,
+    GroupLag,
     Increment,
     ProjectionRunner,
     UsageProjection,
     UsageRow,
+    drop_feed_group,
+    feed_group_lag,
     partitions_for,
 )
 from ._state import Block, ReaderView, StateProjection
@@ -45,10 +49,12 @@ __all__ = [
     "Context",
     "Difference",
     "Folded",
+    "GroupLag",
     "LogFold",
     "Materialized",
     "REBUILD_ATTEMPTS",
     "Increment",
+    "MIN_POLL_INTERVAL",
     "MessagesProjection",
     "Progress",
     "ProjectionRunner",
@@ -68,5 +74,7 @@ __all__ = [
     "UsageProjection",
     "UsageRow",
     "conversation_message",
+    "drop_feed_group",
+    "feed_group_lag",
     "partitions_for",
 ]

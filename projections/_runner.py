@@ -29,21 +29,29 @@ from eventstore import (
     EventStore,
     FeedEntry,
     FeedGroupNotFoundError,
+    FeedInfo,
+    FeedResetError,
     FeedTrimmedError,
     InvalidInputError,
     RecordedEvent,
     TurnSettled,
     validate_consumer,
+    validate_group,
     validate_view_name,
 )
 from eventstore._contract import require_store
-from eventstore._feed import parse_stream_id, validate_increments
+from eventstore._feed import format_stream_id, parse_stream_id, validate_increments
 from eventstore._ids import validate_count
 
 log = logging.getLogger("threadlog.runner")
 
 BACKFILL_ATTEMPTS = 5
 FEED_PAGE = 1024
+TURN_BATCHES = 8
+"""The batches `ProjectionRunner.run` applies in one partition before it turns to the next."""
+MIN_POLL_INTERVAL = 0.001
+"""The shortest ``poll_interval`` a runner takes, in seconds: below it an idle runner reads its
+feeds in a loop as fast as the round trips allow, burning a core on both sides for nothing."""
 
 Increment = tuple[str, str, int]
 """``(hash name, field, amount)`` on one of the projection's partition-level hashes."""
@@ -79,6 +87,119 @@ def partitions_for(partitions: int, runner_index: int, runners: int) -> list[int
     return [p for p in range(partitions) if p % runners == runner_index]
 
 
+class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
+    """How far behind one consumer group of one partition's feed is (`feed_group_lag`)."""
+
+    name: str
+    partition: int
+    position: str
+    """Where its reader has got to: for an async projection, its checkpoint once it has one
+    (the runner reads on from it; the group only follows it, and sits at 0-0 when dropped
+    and registered again), else the group's last delivered entry."""
+    unread: int
+    """Entries the feed holds after ``position``: what the reader has still to read, which
+    trimming keeps for it."""
+    oldest_unread: str | None
+    """The first of them (None: it has read all the feed holds)."""
+    last_delivered: str
+    """The group's own position (`GroupInfo`)."""
+    pending: int
+    """Entries delivered to the group's consumers and not acknowledged."""
+    oldest_pending: str | None
+    """The oldest of them (None: none)."""
+    lost_changes: bool
+    """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
+    read are gone from the feed."""
+
+
+async def feed_group_lag(store: EventStore) -> list[GroupLag]:
+    """Every consumer group on the namespace's feeds, one row per group and partition, by
+    name then partition: where its reader has got to and how much it has left to read.
+
+    A group nobody reads any more (an export name given up, a projection renamed or retired)
+    holds feed trimming back for ever: its ``unread`` keeps growing while its ``position``
+    stays; `drop_feed_group` removes it (what `threadlog feed` and `threadlog drop-group` do).
+    ``unread`` is counted from the feed: the whole feed's length when the reader is behind its
+    first entry (a stale group usually is, as trimming stops at it), else read page by page,
+    so a listing costs a few round trips a group and partition plus one a 1,024 entries of a
+    backlog that is not the whole feed.
+
+    Raises:
+        InvalidInputError: ``store`` not an `EventStore`.
+    """
+    store = require_store(store, "feed_group_lag")
+    rows: list[GroupLag] = []
+    for partition in range(store.partitions):
+        info = await store.feed_info(partition)
+        for group in await store.feed_groups(partition):
+            position = group.last_delivered
+            if _projection_name(group.name):
+                checkpoint = await store.checkpoint_of(partition, group.name)
+                if checkpoint != "0-0":
+                    position = checkpoint
+            unread, oldest = await _unread(store, info, position)
+            rows.append(
+                GroupLag(
+                    name=group.name,
+                    partition=partition,
+                    position=position,
+                    unread=unread,
+                    oldest_unread=oldest,
+                    last_delivered=group.last_delivered,
+                    pending=group.pending,
+                    oldest_pending=group.oldest_pending,
+                    lost_changes=parse_stream_id(info.trimmed_to) > parse_stream_id(position),
+                )
+            )
+    return sorted(rows, key=lambda r: (r.name, r.partition))
+
+
+def _projection_name(group: str) -> bool:
+    """Whether ``group`` may be an async projection's (which has a checkpoint under that name):
+    an export's group is ``export-<name>``, and a group registered from outside threadlog may
+    have a name no projection can."""
+    if group.startswith("export-"):
+        return False
+    try:
+        validate_group(group)
+    except InvalidInputError:
+        return False
+    return True
+
+
+async def _unread(store: EventStore, info: FeedInfo, position: str) -> tuple[int, str | None]:
+    """How many entries the feed holds after ``position``, and the first of them."""
+    if info.first_id is None:
+        return 0, None
+    if parse_stream_id(position) < parse_stream_id(info.first_id):
+        return info.length, info.first_id  # behind every entry it holds: no need to read them
+    count, first, after = 0, None, position
+    while True:
+        page = await store.read_feed(info.partition, after=after, count=FEED_PAGE)
+        if not page:
+            return count, first
+        first = first or page[0].id
+        count += len(page)
+        after = page[-1].id
+
+
+async def drop_feed_group(store: EventStore, name: str) -> list[int]:
+    """Remove consumer group ``name`` from every partition's feed (its position and pending
+    entries), so trimming stops waiting for it; returns the partitions it was on (empty: it
+    was on none). For a group nobody reads any more: `feed_group_lag` shows them.
+
+    A `ProjectionRunner` still running under that name registers its group again (it needs
+    it), so stop it first; a projection's checkpoint and figures stay (an export directory's
+    positions stay in its files, and its next run registers its group again).
+
+    Raises:
+        InvalidInputError: ``store`` not an `EventStore`, ``name`` not a group name.
+    """
+    store = require_store(store, "drop_feed_group")
+    validate_group(name)
+    return [p for p in range(store.partitions) if await store.delete_feed_group(p, name)]
+
+
 class ProjectionRunner:
     """Feeds an `AsyncProjection` from the change feed of some (default: all) partitions.
 
@@ -101,12 +222,23 @@ class ProjectionRunner:
     ``consumer`` names the runner in its log lines (``"host-1:4242"``); runners need not have
     distinct names, as nothing is delivered to a name.
 
+    ``poll_interval`` is how long `run` waits, in seconds, after a pass that found nothing new
+    before it reads the feeds again (a pass that applied something reads on at once). It is
+    at least `MIN_POLL_INTERVAL` (1 ms): 0 would read idle feeds in a busy loop. Each idle
+    pass also makes sure the projection's consumer group is still registered (one
+    ``XGROUP CREATE`` a partition), and registers it again at the checkpoint, logged, when it
+    was dropped from outside.
+
+    A partition's feed deleted (or replaced) under the projection took the changes it held
+    after the checkpoint with it, leaving no trim record: the runner stops there with
+    `FeedResetError` rather than read on from a new feed past them.
+
     Raises:
         InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited), a
             bad projection name or consumer name, ``partitions`` not distinct
             ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
-            not a number >= 0, ``accept_trimmed_feed`` or ``backfill`` not a bool. Nothing is
-            registered.
+            not a finite number >= `MIN_POLL_INTERVAL`, ``accept_trimmed_feed`` or
+            ``backfill`` not a bool. Nothing is registered.
     """
 
     def __init__(
@@ -128,9 +260,12 @@ class ProjectionRunner:
         if (
             isinstance(poll_interval, bool)
             or not isinstance(poll_interval, int | float)
-            or not 0 <= poll_interval < math.inf
+            or not MIN_POLL_INTERVAL <= poll_interval < math.inf
         ):
-            raise InvalidInputError(f"poll_interval must be a number >= 0, not {poll_interval!r}")
+            raise InvalidInputError(
+                f"poll_interval must be a finite number of seconds >= {MIN_POLL_INTERVAL} (0 "
+                f"would read an idle feed in a busy loop), not {poll_interval!r}"
+            )
         for flag, value in (("accept_trimmed_feed", accept_trimmed_feed), ("backfill", backfill)):
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{flag} must be a bool, not {value!r}")
@@ -174,37 +309,46 @@ class ProjectionRunner:
         return done
 
     async def run(self, stop: anyio.Event) -> int:
-        """Work until ``stop`` is set; the batch in hand is finished (applied) first."""
+        """Work until ``stop`` is set; the batch in hand is finished (applied) first.
+
+        The partitions are taken in turns of at most `TURN_BATCHES` batches each, so one whose
+        feed fills as fast as it is read does not keep the others waiting."""
         done = 0
         while not stop.is_set():
             processed = 0
             for partition in self.partitions:
                 if stop.is_set():
                     break
-                processed += await self._drain(partition, stop=stop)
+                processed += await self._drain(partition, stop=stop, turn=TURN_BATCHES)
             done += processed
             if not processed:
                 with anyio.move_on_after(self.poll_interval):
                     await stop.wait()
         return done
 
-    async def _drain(self, partition: int, *, stop: anyio.Event | None = None) -> int:
+    async def _drain(
+        self, partition: int, *, stop: anyio.Event | None = None, turn: int | None = None
+    ) -> int:
         """Apply the partition's feed from the checkpoint on, batch by batch, until it is read
-        to its end (or ``stop`` is set); returns the entries applied."""
+        to its end (or ``stop`` is set, or ``turn`` batches were applied); returns the entries
+        applied."""
         if self.backfills and partition not in self._backfilled:
             await self.backfill_partition(partition)
         name = self.projection.name
         done = 0
         checkpoint = await self.store.checkpoint_of(partition, name)
         while stop is None or not stop.is_set():
-            batch = await self.store.read_feed(partition, after=checkpoint, count=self.batch_size)
+            held, batch = await self._read(partition, checkpoint)
             # Asked after the read: nothing after the checkpoint had left the feed by then, so
             # the batch is the feed's next entries, none passed over.
-            if await self._past_trimmed(partition, checkpoint):
+            if await self._past_trimmed(partition, checkpoint, held=held):
                 checkpoint = await self.store.checkpoint_of(partition, name)
                 continue
+            group_in_place = self._group_at.get(partition) == checkpoint
             await self._hold_feed(partition, checkpoint)
             if not batch:
+                if group_in_place:  # else _hold_feed just registered or moved it
+                    await self._check_group(partition, checkpoint)
                 break
             incr: list[Increment] = []
             for i, entry in enumerate(batch):
@@ -222,6 +366,10 @@ class ProjectionRunner:
                 done += len(batch)
                 checkpoint = batch[-1].id
                 self._created.discard(partition)
+                if turn is not None:
+                    turn -= 1
+                    if not turn:
+                        break  # the others' turn: `run` comes back, as it applied something
             else:
                 log.info(
                     "runner %s: checkpoint of %s moved in partition %d; reading on from it",
@@ -231,6 +379,18 @@ class ProjectionRunner:
         if partition in self._group_at:
             await self._hold_feed(partition, checkpoint)
         return done
+
+    async def _read(self, partition: int, checkpoint: str) -> tuple[bool, list[FeedEntry]]:
+        """The feed's next batch after the checkpoint, and whether the feed still holds the
+        checkpoint's own entry: read with it (from the id just before), in the same round
+        trip, so that `_past_trimmed` can tell a feed that lost it without a trim record."""
+        if checkpoint == "0-0":
+            return True, await self.store.read_feed(partition, count=self.batch_size)
+        ms, n = at = parse_stream_id(checkpoint)
+        before = format_stream_id((ms, n - 1) if n else (ms - 1, 2**64 - 1))
+        page = await self.store.read_feed(partition, after=before, count=self.batch_size + 1)
+        held = bool(page) and parse_stream_id(page[0].id) == at
+        return held, page[1:] if held else page[: self.batch_size]
 
     async def _stop_at(
         self,
@@ -264,6 +424,14 @@ class ProjectionRunner:
         exc.add_note(note)
         log.error("runner %s: %s: %r", self.consumer, note, exc)
 
+    async def _check_group(self, partition: int, checkpoint: str) -> None:
+        """On an idle pass, register again the group this runner put at the checkpoint if it
+        was dropped meanwhile. Without it a group dropped while the feed is idle stayed gone
+        until the next batch, and a trim after another reader (an export) could pass the
+        changes coming next before the projection applied them."""
+        if await self.store.create_feed_group(partition, self.projection.name, start=checkpoint):
+            self._dropped(partition, checkpoint)
+
     async def _hold_feed(self, partition: int, checkpoint: str) -> None:
         """Register the projection's group at the checkpoint, or move it there, so trimming
         removes only changes the projection applied. Racing runners may leave it behind the
@@ -286,10 +454,18 @@ class ProjectionRunner:
             # Dropped meanwhile (`threadlog drop-group`, a refused runner): while the projection
             # runs it needs one, or trimming would pass it. A change trimmed in between is
             # caught by the next read's check.
-            await self.store.create_feed_group(partition, group, start=checkpoint)
+            if await self.store.create_feed_group(partition, group, start=checkpoint):
+                self._dropped(partition, checkpoint)
         self._group_at[partition] = checkpoint
 
-    async def _past_trimmed(self, partition: int, checkpoint: str) -> bool:
+    def _dropped(self, partition: int, checkpoint: str) -> None:
+        log.warning(
+            "runner %s: consumer group %r of partition %d's feed was dropped while projection "
+            "%s runs; registered it again at its checkpoint %s",
+            self.consumer, self.projection.name, partition, self.projection.name, checkpoint,
+        )  # fmt: skip
+
+    async def _past_trimmed(self, partition: int, checkpoint: str, *, held: bool) -> bool:
         """Refuse to go on past changes that left the feed before they were applied; True when
         ``accept_trimmed_feed`` moved the checkpoint past them instead (or another runner
         moved it meanwhile): read on from the checkpoint as it stands.
@@ -298,11 +474,23 @@ class ProjectionRunner:
         the feed was trimmed by age (or by hand) past the checkpoint, or before the projection
         first ran: its totals would silently lack those changes. A runner refused before it
         applied anything leaves no group behind (it would hold trimming back for ever).
+
+        ``held`` says whether the read found the checkpoint's own entry in the feed. Every
+        checkpoint is an id the feed gave (a batch's last entry, a trim point, the feed's end
+        for a backfill), and trimming or deleting an entry records it in ``trimmed_to``, so
+        a feed holding neither was deleted (or replaced) since, taking the changes after the
+        checkpoint with it, without a record: `FeedResetError`, as ``accept_trimmed_feed``
+        cannot move a checkpoint back to where the new feed starts. (A new feed whose first
+        entry got the checkpoint's very id, in the same millisecond, cannot be told apart.)
         """
         name = self.projection.name
         trimmed_to = (await self.store.feed_info(partition)).trimmed_to
         if parse_stream_id(trimmed_to) <= parse_stream_id(checkpoint):
-            return False
+            if held or parse_stream_id(trimmed_to) == parse_stream_id(checkpoint):
+                return False
+            if await self.store.checkpoint_of(partition, name) != checkpoint:
+                return True  # moved by another runner meanwhile: judged again from there
+            raise FeedResetError(partition, f"projection {name!r}", checkpoint)
         if await self.store.checkpoint_of(partition, name) != checkpoint:
             # Another runner of the projection applied past ``checkpoint`` meanwhile (and the
             # feed was trimmed to what it applied): nothing was lost, read on from its

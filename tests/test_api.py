@@ -64,6 +64,7 @@ PUBLIC_NAMES = [
     "FeedEntry",
     "FeedGroupNotFoundError",
     "FeedInfo",
+    "FeedResetError",
     "FeedTrimmedError",
     "FilePart",
     "Grant",
@@ -238,6 +239,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
         ConcurrencyError: lambda: ConcurrencyError("t:1", NO_THREAD, 3),
         IdempotencyKeyReusedError: lambda: IdempotencyKeyReusedError("t", "req-1"),
         eventstore.FeedGroupNotFoundError: lambda: eventstore.FeedGroupNotFoundError(3, "g"),
+        eventstore.FeedResetError: lambda: eventstore.FeedResetError(
+            3, "projection 'usage'", "5-0"
+        ),
         eventstore.FeedTrimmedError: lambda: eventstore.FeedTrimmedError(
             3, "projection 'usage'", "5-0", "9-1"
         ),
