@@ -84,6 +84,8 @@ EXPORT_SIDES: dict[str, tuple[str, int | None, str | None]] = {
     "ndjson": ("ndjson", None, None),  # NDJSON parts are plain: a codec is refused
 }
 WORKERS: int | str = "auto"
+# A side exports at most a few million events (seconds each); ten minutes means it hung.
+CHILD_TIMEOUT_S = 600
 """Processes of the export sides run as the CLI runs them (``--workers``; ``auto`` as the CLI)."""
 SMALL_NAMESPACES = {"bench-small": EVENTS_PER_APPEND, "bench-turns": 2}
 SMALL_SIDES = {
@@ -350,7 +352,16 @@ async def run_side(side: str, url: str, namespace: str, client: Any) -> dict[str
             stdout=asyncio.subprocess.PIPE,
             cwd=ROOT,
         )  # fmt: skip
-        stdout, _ = await proc.communicate()
+        try:
+            # Bounded: a child that hangs (a stuck server, a deadlock) must fail the run, not
+            # hold CI until its own limit.
+            stdout, _ = await asyncio.wait_for(proc.communicate(), CHILD_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError(
+                f"bench.export child {side!r} did not finish within {CHILD_TIMEOUT_S} s"
+            ) from None
         if proc.returncode != 0:
             raise RuntimeError(f"bench.export child {side!r} failed with {proc.returncode}")
         found: dict[str, Any] = json.loads(stdout.decode().strip().splitlines()[-1])
