@@ -84,9 +84,9 @@ EXPORT_SIDES: dict[str, tuple[str, int | None, str | None]] = {
     "ndjson": ("ndjson", None, None),  # NDJSON parts are plain: a codec is refused
 }
 WORKERS: int | str = "auto"
+"""Processes of the export sides run as the CLI runs them (``--workers``; ``auto`` as the CLI)."""
 # A side exports at most a few million events (seconds each); ten minutes means it hung.
 CHILD_TIMEOUT_S = 600
-"""Processes of the export sides run as the CLI runs them (``--workers``; ``auto`` as the CLI)."""
 SMALL_NAMESPACES = {"bench-small": EVENTS_PER_APPEND, "bench-turns": 2}
 SMALL_SIDES = {
     f"parquet, {EVENTS_PER_APPEND} events per append": ("parquet", "bench-small"),
