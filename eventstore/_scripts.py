@@ -276,14 +276,28 @@ class GroupCommit:
         key would append twice); the calls it carried get its error, which for a connection
         or a timeout says that their outcome is unknown.
         """
-        replies = await self._pipeline(calls, with_source=False, atomic=atomic)
+        answered: list[Any] = []
+        try:
+            replies = await self._pipeline(
+                calls, with_source=False, atomic=atomic, answered=answered
+            )
+        except Exception as exc:
+            if not answered:
+                raise
+            # The send failed part way: the calls answered before it keep their answers, the
+            # rest get its error (their outcome is unknown). Re-sending the answered NOSCRIPT
+            # ones below cannot reorder a thread: a batch of distinct threads is the only one
+            # that can end so (a `MULTI` block answers its calls at once).
+            replies = answered + [exc] * (len(calls) - len(answered))
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
-            again: list[Any]
+            again: list[Any] = []
             try:
-                again = await self._pipeline([calls[i] for i in missing], with_source=True)
+                again = await self._pipeline(
+                    [calls[i] for i in missing], with_source=True, answered=again
+                )
             except Exception as exc:
-                again = [exc] * len(missing)
+                again += [exc] * (len(missing) - len(again))
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
@@ -331,8 +345,15 @@ class GroupCommit:
         return replies
 
     async def _pipeline(
-        self, calls: list[Call], *, with_source: bool, atomic: bool = False
+        self,
+        calls: list[Call],
+        *,
+        with_source: bool,
+        atomic: bool = False,
+        answered: list[Any] | None = None,
     ) -> list[Any]:
+        """The calls sent once, a reply each. When the send fails part way, ``answered`` (if
+        given) holds the replies of the first calls, read before it failed."""
         if self._held is not None:
             sha, source = self._sha, self._source
             if with_source:
@@ -351,7 +372,7 @@ class GroupCommit:
                         for c in calls
                     )
             if not atomic:
-                return await self._held.exchange(payload, len(calls))
+                return await self._held.exchange(payload, len(calls), answered)
             return _executed(
                 await self._held.exchange(b"".join((_MULTI, payload, _EXEC)), len(calls) + 2)
             )
@@ -372,13 +393,12 @@ class GroupCommit:
                     )
                 except ResponseError as exc:
                     replies.append(exc)
-                except Exception as exc:
-                    if not replies:
-                        raise  # nothing answered: the whole send failed
-                    # The calls before it were answered: they keep their answers. This one's
-                    # outcome is unknown, and the ones after it were never sent.
-                    replies += [exc] * (len(calls) - len(replies))
-                    break
+                except Exception:
+                    # The calls before it were answered; this one's outcome is unknown, and
+                    # the ones after it were never sent.
+                    if answered is not None:
+                        answered[:] = replies
+                    raise
             return replies
         pipe = self.client.pipeline(transaction=False)
         for call in calls:

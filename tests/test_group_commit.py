@@ -481,17 +481,19 @@ class _MidBatch:
         self._exchange = store._held.exchange
         monkeypatch.setattr(store._held, "exchange", self._hooked)
 
-    async def _hooked(self, payload: bytes, replies: int) -> list[Any]:
+    async def _hooked(
+        self, payload: bytes, replies: int, answered: list[Any] | None = None
+    ) -> list[Any]:
         commands = _split_commands(payload)
         names = [_name(c) for c in commands]
         if not self.batch_seen and names.count(b"EVALSHA") >= 2:
             self.batch_seen = True
-            return await self._with(commands, self._batch_points(names))
+            return await self._with(commands, self._batch_points(names), answered)
         if self.batch_seen and not self.resend_seen and b"EVAL" in names:
             self.resend_seen = True
             if self.resend is not None:
-                return await self._with(commands, {0: [self.resend]})
-        return await self._exchange(payload, replies)
+                return await self._with(commands, {0: [self.resend]}, answered)
+        return await self._exchange(payload, replies, answered)
 
     def _batch_points(self, names: list[bytes]) -> dict[int, list[bytes]]:
         """Command index -> the commands to run before it."""
@@ -514,7 +516,12 @@ class _MidBatch:
             points[len(names)] = pending
         return points
 
-    async def _with(self, commands: list[bytes], points: dict[int, list[bytes]]) -> list[Any]:
+    async def _with(
+        self,
+        commands: list[bytes],
+        points: dict[int, list[bytes]],
+        answered: list[Any] | None,
+    ) -> list[Any]:
         payload: list[bytes] = []
         injected: set[int] = set()  # positions of the replies to drop
         for i in range(len(commands) + 1):
@@ -523,7 +530,13 @@ class _MidBatch:
                 payload.append(extra)
             if i < len(commands):
                 payload.append(commands[i])
-        replies = await self._exchange(b"".join(payload), len(payload))
+        read: list[Any] = []
+        try:
+            replies = await self._exchange(b"".join(payload), len(payload), read)
+        except Exception:
+            if answered is not None:  # what the store's caller would have been told was read
+                answered[:] = [r for i, r in enumerate(read) if i not in injected]
+            raise
         return [r for i, r in enumerate(replies) if i not in injected]
 
 
@@ -692,6 +705,29 @@ async def test_a_single_connection_batch_broken_midway_fails_only_the_calls_not_
         assert isinstance(a2, es.AppendResult) and a2.last_seq == 2
         assert isinstance(b, es.StoreConnectionError)
         monkeypatch.undo()
+        assert await _texts(store, "a") == ["a1", "a2"]
+        assert await _texts(store, "b") == []
+    finally:
+        await store.close()
+
+
+async def test_a_batch_whose_connection_drops_midway_keeps_the_answers_it_read(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection drops in the middle of a batch (no client retries): the calls answered
+    before it landed and their answers were read; their callers must get them, and only the
+    calls left unanswered the error that says their outcome is unknown."""
+    store = await _store_with(redis_url, retries=0)
+    try:
+        hook = _MidBatch(store, monkeypatch, between={1: ("QUIT",)})
+        # "a1" goes alone; "a2" queues behind it, and "b" behind "a2": one batch [a2, b].
+        outcomes = await _append_in_one_tick(
+            store, [("a1", "a", es.ANY), ("a2", "a", es.ANY), ("b", "b", es.ANY)]
+        )
+        assert hook.batch_seen
+        a2, b = outcomes["a2"], outcomes["b"]
+        assert isinstance(a2, es.AppendResult) and (a2.last_seq, a2.duplicate) == (2, False)
+        assert isinstance(b, es.StoreConnectionError)
         assert await _texts(store, "a") == ["a1", "a2"]
         assert await _texts(store, "b") == []
     finally:
