@@ -325,23 +325,29 @@ class GroupCommit:
                 rounds.append([])
             rounds[n].append(i)
         replies: list[Any] = [None] * len(calls)
-        for n, indices in enumerate(rounds):
+        doubt: dict[Any, Exception] = {}  # thread -> the error of its call of unknown outcome
+        for indices in rounds:
+            # A thread whose earlier call may or may not have landed sends no more: its next
+            # call could land before a retry of that one. It gets the same error (it did not
+            # land, so a retry of it is safe); the other threads go on.
+            send = []
+            for i in indices:
+                lost = doubt.get(keys[i])
+                if lost is None:
+                    send.append(i)
+                else:
+                    replies[i] = lost
+            if not send:
+                continue
             got: list[Any]
             try:
-                got = await self._run([calls[i] for i in indices])
+                got = await self._run([calls[i] for i in send])
             except Exception as exc:
-                got = [exc] * len(indices)  # the earlier rounds keep their answers
-            for i, reply in zip(indices, got, strict=True):
+                got = [exc] * len(send)
+            for i, reply in zip(send, got, strict=True):
                 replies[i] = reply
-            lost = next((r for r in got if _outcome_unknown(r)), None)
-            if lost is not None:
-                # A call of this round may or may not have landed: the later rounds are not
-                # sent (a thread's next call would land before a retry of it), and get the
-                # same error (they did not land, so a retry of them is safe).
-                for later in rounds[n + 1 :]:
-                    for i in later:
-                        replies[i] = lost
-                break
+                if _outcome_unknown(reply):
+                    doubt[keys[i]] = reply
         return replies
 
     async def _pipeline(

@@ -732,3 +732,59 @@ async def test_a_batch_whose_connection_drops_midway_keeps_the_answers_it_read(
         assert await _texts(store, "b") == []
     finally:
         await store.close()
+
+
+async def test_a_single_connection_batch_in_rounds_holds_back_only_the_threads_in_doubt(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch holding threads twice goes through a single-connection client in rounds (each
+    thread's n-th call in round n). When the connection drops before a call of the first
+    round, that call's outcome is unknown and its thread's next call must not be sent (it
+    could land before a retry of it); another thread's next call goes on."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    client = aioredis.from_url(
+        redis_url, single_connection_client=True, retry=Retry(NoBackoff(), 0)
+    )
+    store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+    try:
+        await store.ensure_namespace()
+        execute: Any = client.execute_command
+        evalshas = 0
+
+        async def quit_before_the_third_call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal evalshas
+            if args[0] == "EVALSHA":
+                evalshas += 1
+                if evalshas == 3:  # "a1" alone, then round [a2, b1]: before b1
+                    await execute("QUIT")  # the server closes the connection
+            return await execute(*args, **kwargs)
+
+        monkeypatch.setattr(client, "execute_command", quit_before_the_third_call)
+        # "a1" goes alone; the rest queue behind it: one batch [a2, b1, b2, a3], in the rounds
+        # [a2, b1] and [b2, a3].
+        outcomes = await _append_in_one_tick(
+            store,
+            [
+                ("a1", "a", es.ANY),
+                ("a2", "a", es.ANY),
+                ("b1", "b", es.ANY),
+                ("b2", "b", es.ANY),
+                ("a3", "a", es.ANY),
+            ],
+        )
+        assert evalshas == 4  # b2 was never sent
+        assert {n: getattr(r, "last_seq", type(r)) for n, r in outcomes.items()} == {
+            "a1": 1,
+            "a2": 2,
+            "b1": es.StoreConnectionError,
+            "b2": es.StoreConnectionError,
+            "a3": 3,
+        }
+        monkeypatch.undo()
+        assert await _texts(store, "a") == ["a1", "a2", "a3"]
+        assert await _texts(store, "b") == []
+    finally:
+        await store.close()
