@@ -10,13 +10,15 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from ._wire import HeldConnections, can_hold, pack_script_call, with_script_source
+from ._wire import HeldConnections, can_hold, pack_command, pack_script_call, with_script_source
 
 Call = tuple[list[Any], list[Any]] | bytes
 """One call of a script: its keys and args, or (direct path only) its packed ``EVALSHA``."""
 
 
 _INCLUDE = re.compile(r"^--#include (\w+)$", re.MULTILINE)
+_MULTI = pack_command((b"MULTI",))
+_EXEC = pack_command((b"EXEC",))
 
 
 def _lua_source(name: str) -> str:
@@ -69,7 +71,9 @@ class GroupCommit:
 
     Each call keeps its own reply or error: the pipeline is not a transaction, every script
     call stays atomic on its own, and the server runs a pipeline's calls in submission order
-    (two queued appends to one thread with consecutive expected versions both succeed).
+    (two queued appends to one thread with consecutive expected versions both succeed). A
+    batch holding one thread twice is the exception: it goes in one ``MULTI``/``EXEC``, or in
+    rounds, so that a script cached again mid-batch cannot reorder it (`_run_in_order`).
     """
 
     def __init__(
@@ -193,13 +197,19 @@ class GroupCommit:
                 # A queue held back behind a thread in flight grows past max_batch: it goes
                 # out max_batch calls at a time, in order.
                 batch, self._queue = queue[:n], queue[n:]
+            # A thread with two calls in the batch: its keys were not busy before (a queue
+            # holding a busy thread waits), so a count already above 0 is this batch's own.
+            repeats = False
             for key, _, _ in batch:
-                busy[key] = busy.get(key, 0) + 1
+                count = busy.get(key, 0)
+                busy[key] = count + 1
+                if count:
+                    repeats = True
             self._in_flight += 1
             self.pipelines += 1
             self.pipelined_calls += len(batch)
             loop = self._loop = asyncio.get_running_loop()
-            task = loop.create_task(self._send(batch))
+            task = loop.create_task(self._send(batch, repeats))
             self._tasks.add(task)
             task.add_done_callback(self._sent)
             rest = self._queue
@@ -217,10 +227,16 @@ class GroupCommit:
         if self._queue and not self._in_flight:
             self._flush()
 
-    async def _send(self, batch: list[tuple[Any, Call, asyncio.Future[Any]]]) -> None:
+    async def _send(
+        self, batch: list[tuple[Any, Call, asyncio.Future[Any]]], repeats: bool
+    ) -> None:
         try:
             try:
-                replies = await self._run([call for _, call, _ in batch])
+                calls = [call for _, call, _ in batch]
+                if repeats:
+                    replies = await self._run_in_order(calls, [key for key, _, _ in batch])
+                else:
+                    replies = await self._run(calls)
             finally:
                 # Answered (or failed): its threads may go out again, even before its callers
                 # resume and make their next calls.
@@ -244,21 +260,106 @@ class GroupCommit:
             else:
                 future.set_result(reply)
 
-    async def _run(self, calls: list[Call]) -> list[Any]:
-        """The calls in one pipeline, a reply (or error) each, in order.
+    async def _run(self, calls: list[Call], *, atomic: bool = False) -> list[Any]:
+        """The calls in one pipeline (``atomic``: in one ``MULTI``/``EXEC``), a reply or an
+        error each, in order; raised only when the first send fails (no call's outcome known).
 
         The server may have forgotten the script (restart, failover, SCRIPT FLUSH): the calls
-        it answered NOSCRIPT did nothing, so they are sent again with the source.
+        it answered NOSCRIPT did nothing, so they are sent again with the source, in order.
+        That keeps each thread's calls in the order they were made only because no call of a
+        thread that answered NOSCRIPT is followed by one of the same thread that ran: a batch
+        holding a thread twice is sent so that none can be (`_run_in_order`), and a thread's
+        next send waits for this one to return, re-send included (the ``_busy`` rule).
+
+        A re-send that fails leaves the calls the first send answered with their answers
+        (those that ran must not be reported failed: a caller retrying without an idempotency
+        key would append twice); the calls it carried get its error, which for a connection
+        or a timeout says that their outcome is unknown.
         """
-        replies = await self._pipeline(calls, with_source=False)
+        answered: list[Any] = []
+        try:
+            replies = await self._pipeline(
+                calls, with_source=False, atomic=atomic, answered=answered
+            )
+        except Exception as exc:
+            if not answered:
+                raise
+            # The send failed part way: the calls answered before it keep their answers, the
+            # rest get its error (their outcome is unknown). Re-sending the answered NOSCRIPT
+            # ones below cannot reorder a thread: a batch of distinct threads is the only one
+            # that can end so (a `MULTI` block answers its calls at once).
+            replies = answered + [exc] * (len(calls) - len(answered))
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
-            again = await self._pipeline([calls[i] for i in missing], with_source=True)
+            again: list[Any] = []
+            try:
+                again = await self._pipeline(
+                    [calls[i] for i in missing], with_source=True, answered=again
+                )
+            except Exception as exc:
+                again += [exc] * (len(missing) - len(again))
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
 
-    async def _pipeline(self, calls: list[Call], *, with_source: bool) -> list[Any]:
+    async def _run_in_order(self, calls: list[Call], keys: list[Any]) -> list[Any]:
+        """`_run` for a batch holding some thread (first key) more than once.
+
+        A pipeline is not atomic: another client may cache the script again between two calls
+        of one thread, after the first answered NOSCRIPT and before the second runs (after a
+        failover every client's NOSCRIPT fallback does). Re-sending the first would then put it
+        after the second. On the direct path the batch goes in one ``MULTI``/``EXEC``, which
+        runs its calls with no other client's command between them, so they all see the same
+        script cache: all NOSCRIPT, or none. Through redis-py (a cluster pipeline spans nodes,
+        a single-connection client sends one call at a time) it goes in rounds instead, each
+        thread's n-th call in round n, each round answered and re-sent before the next.
+        """
+        if self._held is not None:
+            return await self._run(calls, atomic=True)
+        rounds: list[list[int]] = []
+        seen: dict[Any, int] = {}
+        for i, key in enumerate(keys):
+            n = seen.get(key, 0)
+            seen[key] = n + 1
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append(i)
+        replies: list[Any] = [None] * len(calls)
+        doubt: dict[Any, Exception] = {}  # thread -> the error of its call of unknown outcome
+        for indices in rounds:
+            # A thread whose earlier call may or may not have landed sends no more: its next
+            # call could land before a retry of that one. It gets the same error (it did not
+            # land, so a retry of it is safe); the other threads go on.
+            send = []
+            for i in indices:
+                lost = doubt.get(keys[i])
+                if lost is None:
+                    send.append(i)
+                else:
+                    replies[i] = lost
+            if not send:
+                continue
+            got: list[Any]
+            try:
+                got = await self._run([calls[i] for i in send])
+            except Exception as exc:
+                got = [exc] * len(send)
+            for i, reply in zip(send, got, strict=True):
+                replies[i] = reply
+                if _outcome_unknown(reply):
+                    doubt[keys[i]] = reply
+        return replies
+
+    async def _pipeline(
+        self,
+        calls: list[Call],
+        *,
+        with_source: bool,
+        atomic: bool = False,
+        answered: list[Any] | None = None,
+    ) -> list[Any]:
+        """The calls sent once, a reply each. When the send fails part way, ``answered`` (if
+        given) holds the replies of the first calls, read before it failed."""
         if self._held is not None:
             sha, source = self._sha, self._source
             if with_source:
@@ -276,7 +377,12 @@ class GroupCommit:
                         c if type(c) is bytes else pack_script_call(b"EVALSHA", sha, *c)
                         for c in calls
                     )
-            return await self._held.exchange(payload, len(calls))
+            if not atomic:
+                return await self._held.exchange(payload, len(calls), answered)
+            return _executed(
+                await self._held.exchange(b"".join((_MULTI, payload, _EXEC)), len(calls) + 2)
+            )
+        assert not atomic  # redis-py's path runs such a batch in rounds
         command, text = (
             ("EVAL", self.script.source) if with_source else ("EVALSHA", self.script.sha)
         )
@@ -293,6 +399,12 @@ class GroupCommit:
                     )
                 except ResponseError as exc:
                     replies.append(exc)
+                except Exception:
+                    # The calls before it were answered; this one's outcome is unknown, and
+                    # the ones after it were never sent.
+                    if answered is not None:
+                        answered[:] = replies
+                    raise
             return replies
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
@@ -300,6 +412,24 @@ class GroupCommit:
             keys, args = call
             pipe.execute_command(command, text, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))
+
+
+def _outcome_unknown(reply: Any) -> bool:
+    """Whether a call's outcome is unknown: it failed without an answer from the script
+    (a connection error or a timeout), not with an error reply."""
+    return isinstance(reply, Exception) and not isinstance(reply, ResponseError)
+
+
+def _executed(replies: list[Any]) -> list[Any]:
+    """The calls' replies out of the replies to ``MULTI``, each call and ``EXEC``."""
+    executed = replies[-1]
+    if isinstance(executed, list):
+        return executed
+    # EXECABORT: a call was refused when queued, and none ran; each gets its own refusal, or
+    # the EXEC's error.
+    if not isinstance(executed, Exception):
+        executed = ResponseError(f"EXEC answered {executed!r}: no call of the batch ran")
+    return [r if isinstance(r, Exception) else executed for r in replies[1:-1]]
 
 
 APPEND = Script.from_package("append")

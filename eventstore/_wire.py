@@ -123,15 +123,15 @@ async def _make_ready(conn: Any) -> None:
         await conn.disconnect()
 
 
-async def _read_hiredis(parser: Any, replies: int) -> list[Any]:
-    """``replies`` replies off redis-py's hiredis parser, without its per-read wrapper.
+async def _read_hiredis(parser: Any, replies: int, out: list[Any]) -> list[Any]:
+    """``replies`` replies off redis-py's hiredis parser, without its per-read wrapper, into
+    ``out`` (which keeps the ones read when a later one fails).
 
     The same reader and stream redis-py's ``read_response`` uses, so nothing is left behind in
     a buffer it does not see; error replies come back as its ``ResponseError`` subclasses
     (NOSCRIPT as ``NoScriptError``), in their place. RESP2 only: no push messages to skip.
     """
     reader, stream = parser._reader, parser._stream
-    out: list[Any] = []
     while len(out) < replies:
         reply = reader.gets()
         if reply is NOT_ENOUGH_DATA:
@@ -171,11 +171,16 @@ class HeldConnections:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    async def exchange(self, payload: bytes, replies: int) -> list[Any]:
+    async def exchange(
+        self, payload: bytes, replies: int, answered: list[Any] | None = None
+    ) -> list[Any]:
         """Send ``payload`` (``replies`` commands) and read their replies, in order.
 
         An error reply is returned in its place as a ``ResponseError``; connection and timeout
-        errors are retried by the connection's policy and raised when it gives up.
+        errors are retried by the connection's policy and raised when it gives up. Then
+        ``answered`` (if given) holds the longest run of replies one attempt read before it
+        failed: the first commands', which ran and answered so (the rest may or may not have
+        run).
         """
         if self._idle:
             conn = self._idle.pop()
@@ -188,7 +193,7 @@ class HeldConnections:
             conn = await self._check_out()
         try:
             result: list[Any] = await conn.retry.call_with_retry(
-                lambda: self._once(conn, payload, replies),
+                lambda: self._once(conn, payload, replies, answered),
                 lambda error: conn.disconnect(),
             )
         except BaseException:
@@ -210,7 +215,11 @@ class HeldConnections:
         return conn
 
     @staticmethod
-    async def _once(conn: Any, payload: bytes, replies: int) -> list[Any]:
+    async def _once(
+        conn: Any, payload: bytes, replies: int, answered: list[Any] | None
+    ) -> list[Any]:
+        """One attempt of `exchange`; when it fails, ``answered`` keeps the replies it read if
+        they are more than an earlier attempt's."""
         if not conn.is_connected:
             await conn.connect()
         writer = conn._writer
@@ -226,31 +235,38 @@ class HeldConnections:
             except OSError as exc:
                 raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
         # One deadline for all the replies, not redis-py's timer per read.
+        out: list[Any] = []
         try:
-            async with asyncio.timeout(conn.socket_timeout):
-                parser = conn._parser
-                if (
-                    _HIREDIS_PARSER is not None
-                    and type(parser) is _HIREDIS_PARSER
-                    and getattr(parser, "_reader", None) is not None
-                    and getattr(parser, "_connected", True)
-                ):
-                    return await _read_hiredis(parser, replies)
-                out: list[Any] = []
-                for _ in range(replies):
-                    try:
-                        out.append(await conn.read_response(timeout=math.inf))  # inf: no timer
-                    except ResponseError as exc:
-                        out.append(exc)
-                return out
-        except TimeoutError:
-            await conn.disconnect(nowait=True)
-            raise RedisTimeoutError("Timeout reading from redis") from None
-        except OSError as exc:
-            await conn.disconnect(nowait=True)
-            raise RedisConnectionError(f"Error while reading from redis: {exc}") from exc
+            try:
+                async with asyncio.timeout(conn.socket_timeout):
+                    parser = conn._parser
+                    if (
+                        _HIREDIS_PARSER is not None
+                        and type(parser) is _HIREDIS_PARSER
+                        and getattr(parser, "_reader", None) is not None
+                        and getattr(parser, "_connected", True)
+                    ):
+                        return await _read_hiredis(parser, replies, out)
+                    for _ in range(replies):
+                        try:
+                            out.append(await conn.read_response(timeout=math.inf))  # no timer
+                        except ResponseError as exc:
+                            out.append(exc)
+                    return out
+            except TimeoutError:
+                await conn.disconnect(nowait=True)
+                raise RedisTimeoutError("Timeout reading from redis") from None
+            except OSError as exc:
+                await conn.disconnect(nowait=True)
+                raise RedisConnectionError(f"Error while reading from redis: {exc}") from exc
+            except BaseException:
+                await conn.disconnect(nowait=True)  # a reply may be half read: spent
+                raise
         except BaseException:
-            await conn.disconnect(nowait=True)  # a reply may be half read: the stream is spent
+            # The first commands' replies were read: they ran and answered so. Kept for the
+            # caller, who must not report those as failed (see `GroupCommit._run`).
+            if answered is not None and len(out) > len(answered):
+                answered[:] = out
             raise
 
     def _drop(self, conn: Any) -> None:

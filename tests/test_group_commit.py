@@ -289,9 +289,9 @@ def _record_batches(gc: es.GroupCommit) -> list[int]:
     sizes: list[int] = []
     run = gc._run
 
-    async def recorded(calls: list[Any]) -> list[Any]:
+    async def recorded(calls: list[Any], **kwargs: Any) -> list[Any]:
         sizes.append(len(calls))
-        return await run(calls)
+        return await run(calls, **kwargs)
 
     gc._run = recorded  # type: ignore[method-assign]
     return sizes
@@ -427,5 +427,364 @@ async def test_a_single_connection_client_keeps_redis_pys_path(redis_url: str) -
                 tg.start_soon(one, i)
         for t in range(4):
             assert [e.seq for e in await read_all(store, f"t{t}")] == list(range(1, 11))
+    finally:
+        await store.close()
+
+
+# -- the script cache lost in the middle of a batch --------------------------------------------
+
+
+def _split_commands(payload: bytes) -> list[bytes]:
+    """A payload of RESP commands (arrays of bulk strings), one bytes each, as sent."""
+    out: list[bytes] = []
+    at = 0
+    while at < len(payload):
+        start = at
+        end = payload.index(b"\r\n", at)
+        count, at = int(payload[at + 1 : end]), end + 2
+        for _ in range(count):
+            end = payload.index(b"\r\n", at)
+            at = end + 2 + int(payload[at + 1 : end]) + 2
+        out.append(payload[start:at])
+    return out
+
+
+def _name(command: bytes) -> bytes:
+    return _parse_command(command)[0].upper()
+
+
+class _MidBatch:
+    """Runs commands of another client in the middle of the store's next batch, on its real
+    server: ``between[k]`` (each a command) runs once the server has run the batch's first
+    ``k`` script calls, the earliest moment another client's command could run there (after
+    the ``EXEC`` of a ``MULTI`` block that holds that point, since none can run inside one);
+    ``resend`` runs before the batch's ``EVAL`` re-send.
+
+    Done on the store's own connection (its replies dropped) rather than from a second client,
+    so where it lands among the batch's calls is exact, not a matter of timing: the server sees
+    what it would see had another client's command arrived between those calls.
+    """
+
+    def __init__(
+        self,
+        store: es.RedisEventStore,
+        monkeypatch: pytest.MonkeyPatch,
+        between: dict[int, tuple[Any, ...]],
+        resend: tuple[Any, ...] | None = None,
+    ) -> None:
+        from eventstore._wire import pack_command
+
+        assert store._held is not None
+        self.between = {k: pack_command(c) for k, c in between.items()}
+        self.resend = None if resend is None else pack_command(resend)
+        self.batch_seen = self.resend_seen = False
+        self._exchange = store._held.exchange
+        monkeypatch.setattr(store._held, "exchange", self._hooked)
+
+    async def _hooked(
+        self, payload: bytes, replies: int, answered: list[Any] | None = None
+    ) -> list[Any]:
+        commands = _split_commands(payload)
+        names = [_name(c) for c in commands]
+        if not self.batch_seen and names.count(b"EVALSHA") >= 2:
+            self.batch_seen = True
+            return await self._with(commands, self._batch_points(names), answered)
+        if self.batch_seen and not self.resend_seen and b"EVAL" in names:
+            self.resend_seen = True
+            if self.resend is not None:
+                return await self._with(commands, {0: [self.resend]}, answered)
+        return await self._exchange(payload, replies, answered)
+
+    def _batch_points(self, names: list[bytes]) -> dict[int, list[bytes]]:
+        """Command index -> the commands to run before it."""
+        points: dict[int, list[bytes]] = {}
+        calls, in_multi = 0, False
+        pending: list[bytes] = []
+        for i, name in enumerate(names):
+            if calls in self.between and not in_multi:
+                pending.append(self.between.pop(calls))
+            if pending and not in_multi:
+                points[i], pending = pending, []
+            if name == b"MULTI":
+                in_multi = True
+            elif name == b"EXEC":
+                in_multi = False
+            elif name in (b"EVALSHA", b"EVAL"):
+                calls += 1
+        pending += self.between.values()
+        if pending:
+            points[len(names)] = pending
+        return points
+
+    async def _with(
+        self,
+        commands: list[bytes],
+        points: dict[int, list[bytes]],
+        answered: list[Any] | None,
+    ) -> list[Any]:
+        payload: list[bytes] = []
+        injected: set[int] = set()  # positions of the replies to drop
+        for i in range(len(commands) + 1):
+            for extra in points.get(i, []):
+                injected.add(len(payload))
+                payload.append(extra)
+            if i < len(commands):
+                payload.append(commands[i])
+        read: list[Any] = []
+        try:
+            replies = await self._exchange(b"".join(payload), len(payload), read)
+        except Exception:
+            if answered is not None:  # what the store's caller would have been told was read
+                answered[:] = [r for i, r in enumerate(read) if i not in injected]
+            raise
+        return [r for i, r in enumerate(replies) if i not in injected]
+
+
+async def _append_in_one_tick(
+    store: es.RedisEventStore, calls: list[tuple[str, str, es.ExpectedVersion]]
+) -> dict[str, es.AppendResult | Exception]:
+    """Each ``(name, thread, expected version)`` appended (the event's text is its name), all
+    started in one tick in this order; each name's result or error."""
+    outcomes: dict[str, es.AppendResult | Exception] = {}
+
+    async def one(name: str, thread: str, expected: es.ExpectedVersion) -> None:
+        try:
+            outcomes[name] = await store.append(thread, [msg(name)], expected_version=expected)
+        except Exception as exc:
+            outcomes[name] = exc
+
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(one, *call)
+    return outcomes
+
+
+async def _texts(store: es.EventStore, thread: str) -> list[str]:
+    return [e.payload.message.text for e in await read_all(store, thread)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("versions", [False, True], ids=["any-version", "exact-versions"])
+async def test_a_script_cached_again_mid_batch_keeps_a_threads_calls_in_order(
+    standalone: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch, versions: bool
+) -> None:
+    """The script cache is flushed just before a batch holding two calls of one thread, and
+    another client caches the script again between them (after a failover every client's
+    NOSCRIPT fallback does): the first call answers NOSCRIPT, the second runs. Re-sending the
+    first after it put the thread's calls out of the order they were made (any version), or
+    failed the second with a conflict it would not have met in order (exact versions)."""
+    from eventstore._scripts import APPEND
+
+    hook = _MidBatch(
+        standalone,
+        monkeypatch,
+        between={0: ("SCRIPT", "FLUSH"), 1: ("SCRIPT", "LOAD", APPEND.source)},
+    )
+    # "0" goes alone; "1" and "2" queue behind it (their thread is in flight): one batch.
+    outcomes = await _append_in_one_tick(
+        standalone, [(str(v), "t", v if versions else es.ANY) for v in range(3)]
+    )
+    assert hook.batch_seen and hook.resend_seen
+    assert {name: getattr(r, "last_seq", r) for name, r in outcomes.items()} == {
+        "0": 1,
+        "1": 2,
+        "2": 3,
+    }
+    assert await _texts(standalone, "t") == ["0", "1", "2"]
+
+
+async def test_a_failed_re_send_fails_only_the_calls_it_carried(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The script cache is flushed in the middle of a batch, so its first call lands and its
+    second answers NOSCRIPT; the connection then drops during the EVAL re-send (no client
+    retries). The first call landed: its caller must get its result, not the re-send's
+    error (a retry without an idempotency key would append it twice). The second one's
+    outcome is unknown to the client: it gets the error that says so."""
+    store = await _store_with(redis_url, retries=0)
+    try:
+        hook = _MidBatch(store, monkeypatch, between={1: ("SCRIPT", "FLUSH")}, resend=("QUIT",))
+        # "a1" goes alone; "a2" queues behind it, and "b" behind "a2": one batch [a2, b].
+        outcomes = await _append_in_one_tick(
+            store, [("a1", "a", es.ANY), ("a2", "a", es.ANY), ("b", "b", es.ANY)]
+        )
+        assert hook.batch_seen and hook.resend_seen
+        a2, b = outcomes["a2"], outcomes["b"]
+        assert isinstance(a2, es.AppendResult) and (a2.last_seq, a2.duplicate) == (2, False)
+        assert isinstance(b, es.StoreConnectionError)
+        assert isinstance(b, es.OperationalError)  # "may or may not have landed"
+        assert await _texts(store, "a") == ["a1", "a2"]
+        assert await _texts(store, "b") == []  # QUIT: the server ran nothing after it
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("path", ["cluster", "single-connection"])
+@pytest.mark.parametrize("versions", [False, True], ids=["any-version", "exact-versions"])
+async def test_redis_pys_path_keeps_a_threads_calls_in_order_when_the_script_is_cached_again(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, path: str, versions: bool
+) -> None:
+    """The same as on the direct path, for the clients whose batches go through redis-py (a
+    cluster pipeline, or one call after another on a single connection): the script flushed
+    before a batch holding two calls of one thread, and cached again between them."""
+    import redis.asyncio as aioredis
+
+    from eventstore._scripts import APPEND
+
+    if path == "cluster":
+        store = await _store_with(request.getfixturevalue("cluster_url"))
+    else:
+        client = aioredis.from_url(
+            request.getfixturevalue("redis_url"), single_connection_client=True
+        )
+        store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+        await store.ensure_namespace()
+    try:
+        gc = committer(store)
+        assert not gc.packs
+        pipeline = gc._pipeline
+        seen: list[int] = []
+
+        async def mid_batch(calls: list[Any], **kwargs: Any) -> list[Any]:
+            # The server runs the batch's first call, then another client's SCRIPT LOAD, then
+            # the rest: a pipeline is not atomic, so it may.
+            if seen or kwargs.get("with_source") or len(calls) < 2:
+                return await pipeline(calls, **kwargs)
+            seen.append(len(calls))
+            await store.client.script_flush()
+            first = await pipeline(calls[:1], **kwargs)
+            await store.client.script_load(APPEND.source)
+            return first + await pipeline(calls[1:], **kwargs)
+
+        monkeypatch.setattr(gc, "_pipeline", mid_batch)
+        outcomes = await _append_in_one_tick(
+            store, [(str(v), "t", v if versions else es.ANY) for v in range(3)]
+        )
+        assert {name: getattr(r, "last_seq", r) for name, r in outcomes.items()} == {
+            "0": 1,
+            "1": 2,
+            "2": 3,
+        }
+        assert await _texts(store, "t") == ["0", "1", "2"]
+    finally:
+        await store.close()
+
+
+async def test_a_single_connection_batch_broken_midway_fails_only_the_calls_not_answered(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single-connection client sends a batch's calls one after another; when its connection
+    drops before the second (no client retries), the first has landed and been answered: its
+    caller gets its result, and only the call whose outcome is unknown gets the error."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    client = aioredis.from_url(
+        redis_url, single_connection_client=True, retry=Retry(NoBackoff(), 0)
+    )
+    store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+    try:
+        await store.ensure_namespace()
+        execute: Any = client.execute_command
+        evalshas = 0
+
+        async def quit_before_the_third_call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal evalshas
+            if args[0] == "EVALSHA":
+                evalshas += 1
+                if evalshas == 3:  # "a1" alone, then the batch [a2, b]: before b
+                    await execute("QUIT")  # the server closes the connection
+            return await execute(*args, **kwargs)
+
+        monkeypatch.setattr(client, "execute_command", quit_before_the_third_call)
+        outcomes = await _append_in_one_tick(
+            store, [("a1", "a", es.ANY), ("a2", "a", es.ANY), ("b", "b", es.ANY)]
+        )
+        assert evalshas == 3
+        a2, b = outcomes["a2"], outcomes["b"]
+        assert isinstance(a2, es.AppendResult) and a2.last_seq == 2
+        assert isinstance(b, es.StoreConnectionError)
+        monkeypatch.undo()
+        assert await _texts(store, "a") == ["a1", "a2"]
+        assert await _texts(store, "b") == []
+    finally:
+        await store.close()
+
+
+async def test_a_batch_whose_connection_drops_midway_keeps_the_answers_it_read(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection drops in the middle of a batch (no client retries): the calls answered
+    before it landed and their answers were read; their callers must get them, and only the
+    calls left unanswered the error that says their outcome is unknown."""
+    store = await _store_with(redis_url, retries=0)
+    try:
+        hook = _MidBatch(store, monkeypatch, between={1: ("QUIT",)})
+        # "a1" goes alone; "a2" queues behind it, and "b" behind "a2": one batch [a2, b].
+        outcomes = await _append_in_one_tick(
+            store, [("a1", "a", es.ANY), ("a2", "a", es.ANY), ("b", "b", es.ANY)]
+        )
+        assert hook.batch_seen
+        a2, b = outcomes["a2"], outcomes["b"]
+        assert isinstance(a2, es.AppendResult) and (a2.last_seq, a2.duplicate) == (2, False)
+        assert isinstance(b, es.StoreConnectionError)
+        assert await _texts(store, "a") == ["a1", "a2"]
+        assert await _texts(store, "b") == []
+    finally:
+        await store.close()
+
+
+async def test_a_single_connection_batch_in_rounds_holds_back_only_the_threads_in_doubt(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch holding threads twice goes through a single-connection client in rounds (each
+    thread's n-th call in round n). When the connection drops before a call of the first
+    round, that call's outcome is unknown and its thread's next call must not be sent (it
+    could land before a retry of it); another thread's next call goes on."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    client = aioredis.from_url(
+        redis_url, single_connection_client=True, retry=Retry(NoBackoff(), 0)
+    )
+    store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+    try:
+        await store.ensure_namespace()
+        execute: Any = client.execute_command
+        evalshas = 0
+
+        async def quit_before_the_third_call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal evalshas
+            if args[0] == "EVALSHA":
+                evalshas += 1
+                if evalshas == 3:  # "a1" alone, then round [a2, b1]: before b1
+                    await execute("QUIT")  # the server closes the connection
+            return await execute(*args, **kwargs)
+
+        monkeypatch.setattr(client, "execute_command", quit_before_the_third_call)
+        # "a1" goes alone; the rest queue behind it: one batch [a2, b1, b2, a3], in the rounds
+        # [a2, b1] and [b2, a3].
+        outcomes = await _append_in_one_tick(
+            store,
+            [
+                ("a1", "a", es.ANY),
+                ("a2", "a", es.ANY),
+                ("b1", "b", es.ANY),
+                ("b2", "b", es.ANY),
+                ("a3", "a", es.ANY),
+            ],
+        )
+        assert evalshas == 4  # b2 was never sent
+        assert {n: getattr(r, "last_seq", type(r)) for n, r in outcomes.items()} == {
+            "a1": 1,
+            "a2": 2,
+            "b1": es.StoreConnectionError,
+            "b2": es.StoreConnectionError,
+            "a3": 3,
+        }
+        monkeypatch.undo()
+        assert await _texts(store, "a") == ["a1", "a2", "a3"]
+        assert await _texts(store, "b") == []
     finally:
         await store.close()
