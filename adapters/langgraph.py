@@ -724,6 +724,41 @@ def _stop_portal(portal: BlockingPortal, thread: threading.Thread, keep: list[An
     keep.clear()
 
 
+class _Bridge:
+    """The sync API's private loop thread. One object, held by the saver and by every shallow
+    copy of it: LangGraph compiles a graph with ``checkpointer.with_allowlist(...)`` (a
+    ``copy.copy``) when ``LANGGRAPH_STRICT_MSGPACK`` is set, and the user closes the saver they
+    hold. With the loop in the saver's own attributes, that close left the graph's copy with a
+    stopped loop ("This portal is not running"), or with a loop and a connection of its own
+    that nothing closed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._portal: BlockingPortal | None = None
+        self._stop: weakref.finalize[Any, Any] | None = None
+        self.keep: list[Any] = []  # the closers of the stores opened on the loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def portal(self) -> BlockingPortal:
+        with self.lock:
+            if self._portal is None:
+                portal, thread = _start_portal()
+                self.loop = portal.call(asyncio.get_running_loop)
+                # Stops the loop when the last saver holding the bridge is collected or the
+                # interpreter exits unclosed.
+                self.keep = []
+                self._stop = weakref.finalize(self, _stop_portal, portal, thread, self.keep)
+                self._portal = portal
+            return self._portal
+
+    def detach(self) -> tuple[BlockingPortal | None, weakref.finalize[Any, Any] | None]:
+        """The running portal and its stopper, forgotten: the next sync call starts another."""
+        with self.lock:
+            portal, stop = self._portal, self._stop
+            self._portal = self._stop = self.loop = None
+            return portal, stop
+
+
 # -- the saver --------------------------------------------------------------------------------
 
 
@@ -772,11 +807,7 @@ class ThreadlogCheckpointSaver(
         self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
         self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
-        self._portal: BlockingPortal | None = None
-        self._portal_stop: weakref.finalize[Any, Any] | None = None
-        self._portal_keep: list[Any] = []
-        self._portal_loop: asyncio.AbstractEventLoop | None = None
-        self._portal_lock = threading.Lock()
+        self._bridge = _Bridge()
 
     @classmethod
     def from_url(
@@ -813,7 +844,7 @@ class ThreadlogCheckpointSaver(
 
     async def _get_store(self) -> EventStore:
         loop = asyncio.get_running_loop()
-        on_portal = loop is self._portal_loop
+        on_portal = loop is self._bridge.loop
         if self._store is not None and not (on_portal and self._connect is not None):
             if on_portal and not isinstance(self._store, MemoryEventStore):
                 raise InvalidInputError(
@@ -833,7 +864,7 @@ class ThreadlogCheckpointSaver(
             await anext(closer)  # registers it with the loop
             entry = self._opened[loop] = _Opened(opened, closer)
             if on_portal:
-                self._portal_keep.append(closer)
+                self._bridge.keep.append(closer)
             register_langgraph_events(opened.registry)
         return entry.store
 
@@ -849,21 +880,8 @@ class ThreadlogCheckpointSaver(
             lock = locks[thread] = asyncio.Lock()
         return lock
 
-    def _ensure_portal(self) -> BlockingPortal:
-        with self._portal_lock:
-            if self._portal is None:
-                portal, thread = _start_portal()
-                self._portal_loop = portal.call(asyncio.get_running_loop)
-                # Stops the loop when the saver is collected or the interpreter exits unclosed.
-                self._portal_keep = []
-                self._portal_stop = weakref.finalize(
-                    self, _stop_portal, portal, thread, self._portal_keep
-                )
-                self._portal = portal
-            return self._portal
-
     def _run(self, fn: Callable[..., Awaitable[V]], *args: Any, **kwargs: Any) -> V:
-        portal = self._ensure_portal()
+        portal = self._bridge.portal()
         return portal.call(functools.partial(fn, *args, **kwargs))
 
     async def aclose(self) -> None:
@@ -882,9 +900,7 @@ class ThreadlogCheckpointSaver(
 
         A sync saver nobody closed is closed when it is collected or the interpreter exits.
         """
-        with self._portal_lock:
-            portal, stop = self._portal, self._portal_stop
-            self._portal = self._portal_stop = self._portal_loop = None
+        portal, stop = self._bridge.detach()
         if portal is not None and stop is not None:
             try:
                 portal.call(self.aclose)

@@ -1072,3 +1072,43 @@ async def test_list_across_namespaces_in_in_memory_saver_order(store: es.EventSt
         orders.append((steps, limited))
     assert orders[0] == orders[1]
     assert orders[1][0][0][0] == ""  # the root namespace first, as it was written first
+
+
+def test_a_copy_made_by_with_allowlist_shares_the_sync_bridge(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With LANGGRAPH_STRICT_MSGPACK set, LangGraph compiles a graph with
+    # `checkpointer.with_allowlist(...)`: a shallow copy of the saver. Closing the saver the
+    # user holds must close what the graph's copy runs on, and the graph must still work after.
+    from langgraph._internal import _serde
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+    monkeypatch.setattr(_serde, "STRICT_MSGPACK_ENABLED", True)
+    strict = JsonPlusSerializer(allowed_msgpack_modules=None)  # what the variable makes
+
+    def threads() -> int:
+        return sum(t.name == "threadlog-langgraph-saver" for t in threading.enumerate())
+
+    before = threads()
+    saver = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace, serde=strict)
+    try:
+        assert saver.get_tuple(config("x")) is None  # the saver's loop is running
+        graph = review_graph().compile(checkpointer=saver)
+        assert graph.checkpointer is not saver  # the copy
+        graph.invoke(ask("one"), config("a"))
+        saver.close()
+        assert threads() == before
+        # It used to raise "This portal is not running": the copy kept the stopped loop.
+        graph.invoke(ask("two"), config("b"))
+        assert graph.get_state(config("b")).next == ("review",)
+        saver.close()
+        assert threads() == before
+        # And the other way round: a copy made before the saver's loop started.
+        fresh = ThreadlogCheckpointSaver.from_url(redis_url, namespace=namespace, serde=strict)
+        other = review_graph().compile(checkpointer=fresh)
+        other.invoke(ask("three"), config("c"))
+        assert threads() == before + 1
+        fresh.close()  # used to leave the copy's loop thread and its connection running
+        assert threads() == before
+    finally:
+        saver.close()
