@@ -150,6 +150,7 @@ VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS)
 ATTEMPTS = 16
 READ_CHUNK = 1000  # fields per HashGet: the read script unpacks them onto the Lua stack
 COPY_CHUNK = 256
+UNDO_TIMEOUT_S = 30.0  # how long an interrupted copy_thread may take to delete what it wrote
 CACHE_SIZE = 1024
 # A lineage's elements are kept in blocks: element i is entry i % BLOCK of field
 # ``<lineage>:<i // BLOCK>``, so reading a 60-message history reads 8 fields, not 60 (each
@@ -1564,6 +1565,10 @@ class ThreadlogCheckpointSaver(
         """Copy every event of the source thread to the (new) target thread.
 
         The copy is appended in chunks; each event's ``causation_id`` names its original.
+        A copy that fails or is cancelled half way deletes what it wrote (unless the target
+        was written by someone else meanwhile), so the target never holds an old state of the
+        source as its latest, and the copy can be made again. Only a process that dies half
+        way leaves part of a copy behind.
 
         Raises:
             InvalidInputError: the target thread already has checkpoints.
@@ -1574,9 +1579,12 @@ class ThreadlogCheckpointSaver(
         views = _Views()
         expected: ExpectedVersion = NO_THREAD
         batch: list[RecordedEvent] = []
+        # The chunk being appended: sent again (the same events, so the same idempotency key)
+        # to learn whether it landed when its append was interrupted.
+        sending: tuple[list[NewEvent], list[ViewOp], ExpectedVersion] | None = None
 
         async def flush() -> None:
-            nonlocal expected, batch
+            nonlocal expected, batch, sending
             if not batch:
                 return
             ops: list[ViewOp] = []
@@ -1594,22 +1602,33 @@ class ThreadlogCheckpointSaver(
                 )
                 for e in batch
             ]
+            sending = (news, ops, expected)
             try:
                 result = await store.append(dst, news, view_ops=ops, expected_version=expected)
             except ConcurrencyError:
+                sending = None  # refused whole: nothing of it landed
                 raise InvalidInputError(
                     f"copy_thread: target thread {target_thread_id!r} is not empty"
                 ) from None
+            sending = None
             expected = result.last_seq
             batch = []
 
         async with self._lock(dst):
-            async for event in store.read(src):
-                batch.append(event)
-                if len(batch) >= COPY_CHUNK:
-                    await flush()
-            await flush()
-            self._forget(dst)
+            try:
+                async for event in store.read(src):
+                    batch.append(event)
+                    if len(batch) >= COPY_CHUNK:
+                        await flush()
+                await flush()
+            except BaseException:
+                # A partial copy is a thread whose latest checkpoint is an old one of the
+                # source: a graph resumed on it would go on from there, silently.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(UNDO_TIMEOUT_S):
+                    await _undo_copy(store, dst, expected, sending)
+                raise
+            finally:
+                self._forget(dst)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest (its
@@ -1744,6 +1763,29 @@ class ThreadlogCheckpointSaver(
     def check(self, thread_id: str) -> CheckReport:
         """Sync `acheck`."""
         return self._run(self.acheck, thread_id)
+
+
+async def _undo_copy(
+    store: EventStore,
+    dst: str,
+    written: ExpectedVersion,
+    sending: tuple[list[NewEvent], list[ViewOp], ExpectedVersion] | None,
+) -> None:
+    """Delete what an interrupted copy wrote to ``dst``: its chunks up to version ``written``,
+    and the chunk it was sending if that one landed. A target written by anyone else since is
+    kept (the delete expects the copy's own version)."""
+    version = written if isinstance(written, int) else 0
+    if sending is not None:
+        news, ops, expected = sending
+        # The same events: answered from the idempotency ledger if they landed. If they had
+        # not, they land now, and are deleted with the rest.
+        with contextlib.suppress(Exception):
+            version = (
+                await store.append(dst, news, view_ops=ops, expected_version=expected)
+            ).last_seq
+    if version:
+        with contextlib.suppress(ConcurrencyError):
+            await store.delete_thread(dst, views=list(VIEWS), expected_version=version)
 
 
 def _split_writes(writes: list[StoredWrite], budget: int) -> list[list[StoredWrite]]:

@@ -1112,3 +1112,52 @@ def test_a_copy_made_by_with_allowlist_shares_the_sync_bridge(
         assert threads() == before
     finally:
         saver.close()
+
+
+class StallingStore(es.MemoryEventStore):
+    """The append to ``stall_thread`` after ``after`` of them have landed hangs after landing
+    (or, with ``fail``, raises without landing): a copy interrupted half way."""
+
+    stall_thread = ""
+    after = 1
+    fail = False
+
+    async def append(self, thread_id: str, *args: Any, **kwargs: Any) -> es.AppendResult:
+        if thread_id == self.stall_thread:
+            if self.after <= 0:
+                self.stall_thread = ""  # once
+                if self.fail:
+                    raise es.StoreConnectionError("connection lost")
+                # Lands, then hangs: the caller cannot tell it landed.
+                await super().append(thread_id, *args, **kwargs)
+                await anyio.sleep_forever()
+            self.after -= 1
+        return await super().append(thread_id, *args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+async def test_an_interrupted_copy_leaves_no_partial_target(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    monkeypatch.setattr(lg, "COPY_CHUNK", 4)
+    store = StallingStore(namespace="copy")
+    saver = ThreadlogCheckpointSaver(store)
+    graph = todo_graph().compile(checkpointer=saver)
+    for i in range(6):
+        await graph.ainvoke({"todo": [f"task {i}"], "n": i}, config("src"))
+    expected = (await graph.aget_state(config("src"))).values
+    store.stall_thread = saver.thread_id_of("dst")
+    store.after, store.fail = 2, how == "failed"
+    # The copy used to leave the chunks written so far: a target whose latest checkpoint was
+    # an old state of the source, and a second copy refused ("not empty").
+    if how == "cancelled":
+        with anyio.move_on_after(0.5) as scope:
+            await saver.acopy_thread("src", "dst")
+        assert scope.cancelled_caught
+    else:
+        with pytest.raises(es.StoreConnectionError):
+            await saver.acopy_thread("src", "dst")
+    assert await saver.aget_tuple(config("dst")) is None
+    assert [e async for e in store.read(saver.thread_id_of("dst"))] == []
+    await saver.acopy_thread("src", "dst")
+    assert (await graph.aget_state(config("dst"))).values == expected
