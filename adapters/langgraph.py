@@ -49,8 +49,8 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Generator,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
@@ -1724,11 +1724,37 @@ class ThreadlogCheckpointSaver(
         filter: dict[str, Any] | None = None,
         before: RunnableConfig | None = None,
         limit: int | None = None,
-    ) -> Iterator[CheckpointTuple]:
-        async def collect() -> list[CheckpointTuple]:
-            return [t async for t in self.alist(config, filter=filter, before=before, limit=limit)]
+    ) -> Generator[CheckpointTuple, None, None]:
+        """`alist` on the saver's loop, read as it is consumed (a page of checkpoints at a
+        time), as InMemorySaver's: taking the first of a long history builds one page, not
+        every checkpoint with all its channel values."""
+        portal = self._bridge.portal()
+        listing = portal.call(self._open_listing, config, filter, before, limit)
+        try:
+            while True:
+                try:
+                    tup = portal.call(anext, listing)
+                except StopAsyncIteration:
+                    return
+                yield tup
+        finally:
+            # Closed on its own loop; a generator collected there cannot wait for itself (the
+            # loop's own async generator hooks finalize it then).
+            with contextlib.suppress(RuntimeError):
+                portal.call(listing.aclose)
 
-        return iter(self._run(collect))
+    async def _open_listing(
+        self,
+        config: RunnableConfig | None,
+        filter: dict[str, Any] | None,
+        before: RunnableConfig | None,
+        limit: int | None,
+    ) -> AsyncGenerator[CheckpointTuple, None]:
+        # Created on the saver's loop, so that loop's hooks finalize it if it is never closed.
+        return cast(
+            AsyncGenerator[CheckpointTuple, None],
+            self.alist(config, filter=filter, before=before, limit=limit),
+        )
 
     def put(
         self,

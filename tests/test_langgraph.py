@@ -1161,3 +1161,30 @@ async def test_an_interrupted_copy_leaves_no_partial_target(
     assert [e async for e in store.read(saver.thread_id_of("dst"))] == []
     await saver.acopy_thread("src", "dst")
     assert (await graph.aget_state(config("dst"))).values == expected
+
+
+def test_sync_list_is_read_as_it_is_consumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As InMemorySaver's list, a generator: `next(saver.list(cfg))` used to build every
+    # checkpoint of the thread, each with all its channel values, first. (LangGraph's own
+    # get_state_history reads the whole list before it yields: it is not lazy either way.)
+    resolved: list[int] = []
+    resolve = ThreadlogCheckpointSaver._resolve
+
+    async def counting(self: ThreadlogCheckpointSaver, *args: Any, **kwargs: Any) -> Any:
+        resolved.append(len(args[3]))
+        return await resolve(self, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadlogCheckpointSaver, "_resolve", counting)
+    with ThreadlogCheckpointSaver(es.MemoryEventStore(namespace="lazy")) as saver:
+        graph = todo_graph().compile(checkpointer=saver)
+        for i in range(40):
+            graph.invoke({"todo": [f"task {i}"], "n": i}, config("t"))
+        resolved.clear()
+        listed = saver.list(config("t"))
+        assert next(listed).checkpoint["channel_values"] == {"todo": ["task 39"], "n": 39}
+        assert sum(resolved) <= 32  # one page
+        assert len([next(listed) for _ in range(39)]) == 39
+        listed.close()  # closes the async generator on the saver's loop
+        assert len(list(saver.list(config("t")))) == 120
+        assert [t.metadata["step"] for t in saver.list(config("t"), limit=2)] == [118, 117]
+        assert list(saver.list(config("nothing"))) == []
