@@ -74,7 +74,8 @@ from langgraph.checkpoint.base import (
     get_checkpoint_id,
     get_checkpoint_metadata,
 )
-from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.base import CipherProtocol, SerializerProtocol
+from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 
 from eventstore import (
     NO_THREAD,
@@ -306,6 +307,40 @@ def _fingerprint(item: Typed) -> int:
     return hash(item)
 
 
+# An element sealed by an encrypting serde: its plain typed pair -> the stored one.
+_Seal = Callable[[Typed], Typed]
+
+
+def _encryption(serde: SerializerProtocol) -> tuple[SerializerProtocol, CipherProtocol] | None:
+    """The inner serde and cipher of LangGraph's `EncryptedSerializer` (None for another).
+
+    Its ciphertexts take a fresh nonce each time (AES-EAX), so the same element never
+    encrypts to the same bytes twice: list elements are matched by their plain serialization
+    instead, and only the new ones are encrypted. Asked of ``self.serde`` at each call, as
+    LangGraph's ``with_allowlist`` copies replace it."""
+    if isinstance(serde, EncryptedSerializer):
+        return serde.serde, serde.cipher
+    return None
+
+
+def _sealer(cipher: CipherProtocol) -> _Seal:
+    def seal(item: Typed) -> Typed:
+        # What EncryptedSerializer.dumps_typed stores, from the plain pair already made.
+        name, ciphertext = cipher.encrypt(item[1])
+        return f"{item[0]}+{name}", bytes(ciphertext)
+
+    return seal
+
+
+def _unseal(cipher: CipherProtocol, item: Typed) -> Typed:
+    # As EncryptedSerializer.loads_typed reads: a type without "+" was stored unencrypted.
+    typ, data = item
+    if "+" not in typ:
+        return item
+    plain, name = typ.split("+", 1)
+    return plain, bytes(cipher.decrypt(name, data))
+
+
 _record_dec = msgspec.msgpack.Decoder(Record)
 _writes_dec = msgspec.msgpack.Decoder(list[StoredWrite])
 _typed_dec = msgspec.msgpack.Decoder(Typed)
@@ -502,6 +537,9 @@ class _Lineage:
     version: Version | None = None
     ranges: tuple[tuple[int, int], ...] = ()
     fingerprints: tuple[int, ...] = ()  # `_fingerprint` of each element, in list order
+    # The lineage's last block as stored, when known (kept for encrypting serdes only):
+    # (block index, its elements). See `_plan_lists`.
+    last_block: tuple[int, tuple[Typed, ...]] | None = None
 
 
 class _Cache:
@@ -1126,6 +1164,7 @@ class ThreadlogCheckpointSaver(
 
         blobs, elems, lins, writes = (fetch.view(v) for v in (BLOBS, ELEMS, LISTS, WRITES))
         loads = self.serde.loads_typed
+        encryption = _encryption(self.serde)
         blocks_read: dict[str, list[Typed]] = {}
         out: list[CheckpointTuple] = []
         for r, body, layout in zip(records, bodies, layouts, strict=True):
@@ -1148,17 +1187,32 @@ class ThreadlogCheckpointSaver(
                                     "run rebuild"
                                 )
                             items.append(held[at])
-                    values[ch] = [loads(item) for item in items]
+                    last_block: tuple[int, tuple[Typed, ...]] | None = None
+                    if encryption is None:
+                        values[ch] = [loads(item) for item in items]
+                    else:
+                        inner, cipher = encryption
+                        items = [_unseal(cipher, item) for item in items]
+                        values[ch] = [inner.loads_typed(item) for item in items]
+                    lin_entry = lins.get(lin) if single else None
+                    length = int(lin_entry.value) if lin_entry else 0
+                    if encryption is not None and length:
+                        # The stored last block, if this value reached it (a put continuing
+                        # it must rewrite it with the very bytes stored).
+                        last = (length - 1) // BLOCK
+                        held = blocks_read.get(_block_field(lin, last))
+                        if held is not None and len(held) == length - last * BLOCK:
+                            last_block = (last, tuple(held))
                     if single:
-                        lin_entry = lins.get(lin)
                         self._lineages.put(
                             (tid, r.ns, ch),
                             _Lineage(
-                                length=int(lin_entry.value) if lin_entry else 0,
+                                length=length,
                                 field_version=lin_entry.version if lin_entry else 0,
                                 version=v,
                                 ranges=tuple(runs),
                                 fingerprints=tuple(map(_fingerprint, items)),
+                                last_block=last_block,
                             ),
                         )
                 elif blob in blobs:
@@ -1211,13 +1265,20 @@ class ThreadlogCheckpointSaver(
         stored_body = self.serde.dumps_typed(body)
         stored_meta = self.serde.dumps_typed(meta)
         inline: list[InlineBlob] = []
-        as_lists: dict[str, tuple[Version, list[Typed]]] = {}
+        as_lists: dict[str, tuple[Version, list[Typed], _Seal | None]] = {}
+        encryption = _encryption(self.serde)
         for ch, ver in new_versions.items():
             if ch not in values:
                 inline.append(InlineBlob(ch, ver, "empty", b""))
             elif self.dedupe_lists and type(values[ch]) is list:
-                dumps = self.serde.dumps_typed
-                as_lists[ch] = (ver, [_as_typed(dumps(x)) for x in values[ch]])
+                if encryption is None:
+                    dumps = self.serde.dumps_typed
+                    as_lists[ch] = (ver, [_as_typed(dumps(x)) for x in values[ch]], None)
+                else:
+                    # Plain pairs to match with the stored elements; only new ones are sealed.
+                    dumps = encryption[0].dumps_typed
+                    seal = _sealer(encryption[1])
+                    as_lists[ch] = (ver, [_as_typed(dumps(x)) for x in values[ch]], seal)
             else:
                 inline.append(InlineBlob(ch, ver, *self.serde.dumps_typed(values[ch])))
 
@@ -1327,7 +1388,12 @@ class ThreadlogCheckpointSaver(
                 known: _Lineage | None = self._lineages.get((tid, ns, ch))
                 self._lineages.put(
                     (tid, ns, ch),
-                    dataclasses.replace(known, length=length, field_version=version)
+                    dataclasses.replace(
+                        known,
+                        length=length,
+                        field_version=version,
+                        last_block=known.last_block if known.length == length else None,
+                    )
                     if known is not None
                     else _Lineage(length=length, field_version=version),
                 )
@@ -1342,11 +1408,11 @@ class ThreadlogCheckpointSaver(
         self,
         tid: str,
         ns: str,
-        as_lists: dict[str, tuple[Version, list[Typed]]],
+        as_lists: dict[str, tuple[Version, list[Typed], _Seal | None]],
         budget: int,
     ) -> dict[str, _ListPlan]:
         plan: dict[str, _ListPlan] = {}
-        for ch, (ver, items) in as_lists.items():
+        for ch, (ver, items, seal) in as_lists.items():
             known: _Lineage = self._lineages.get((tid, ns, ch)) or _Lineage(0, 0)
             prints = tuple(map(_fingerprint, items))
             shared = 0
@@ -1366,16 +1432,25 @@ class ThreadlogCheckpointSaver(
             filled = 0
             if offset and shared < len(items):
                 where = _positions(ranges, block * BLOCK, at)
+                stored = known.last_block
                 if where is None:
                     at = (block + 1) * BLOCK
-                else:
+                elif seal is None:
                     tail = (block, [items[p] for p in where])
                     filled = sum(_item_bytes(items[p]) for p in where)
+                elif stored is not None and stored[0] == block and len(stored[1]) == offset:
+                    # Encrypted: the list's own pairs are plain, the block holds ciphertexts.
+                    tail = (block, list(stored[1]))
+                    filled = sum(map(_item_bytes, stored[1]))
+                else:
+                    at = (block + 1) * BLOCK
             # New elements in runs that fit in an event each; every run sets the lineage's
             # length once, so the field version moves by the number of runs.
             runs: list[tuple[int, list[Typed]]] = []
             size = 0
             for item in items[shared:]:
+                if seal is not None:
+                    item = seal(item)
                 n = _item_bytes(item)
                 if at % BLOCK == 0:
                     filled = 0
@@ -1391,12 +1466,20 @@ class ThreadlogCheckpointSaver(
                 at += 1
             for start, run in runs:
                 _extend(ranges, start, len(run))
+            last_block = known.last_block
+            if seal is not None and runs:
+                last = (at - 1) // BLOCK
+                held = list(tail[1]) if tail is not None and tail[0] == last else []
+                for start, run in runs:
+                    held += [x for i, x in enumerate(run, start) if i // BLOCK == last]
+                last_block = (last, tuple(held))
             after = _Lineage(
                 length=at if runs else known.length,
                 field_version=known.field_version + len(runs),
                 version=ver,
                 ranges=tuple(ranges),
                 fingerprints=prints,
+                last_block=last_block if seal is not None else None,
             )
             plan[ch] = _ListPlan(ver, ranges, runs, known, after, tail)
         return plan

@@ -1188,3 +1188,52 @@ def test_sync_list_is_read_as_it_is_consumed(monkeypatch: pytest.MonkeyPatch) ->
         assert len(list(saver.list(config("t")))) == 120
         assert [t.metadata["step"] for t in saver.list(config("t"), limit=2)] == [118, 117]
         assert list(saver.list(config("nothing"))) == []
+
+
+class NonceCipher:
+    """A cipher with a fresh random nonce per encryption, as LangGraph's AES-EAX one: the same
+    value encrypts to other bytes every time. (A keystream from the nonce; a test stand-in,
+    not encryption.)"""
+
+    def encrypt(self, plaintext: bytes) -> tuple[str, bytes]:
+        nonce = uuid.uuid4().bytes
+        return "test", nonce + bytes(b ^ nonce[i % 16] for i, b in enumerate(plaintext))
+
+    def decrypt(self, ciphername: str, ciphertext: bytes) -> bytes:
+        assert ciphername == "test"
+        nonce, body = ciphertext[:16], ciphertext[16:]
+        return bytes(b ^ nonce[i % 16] for i, b in enumerate(body))
+
+
+async def test_storage_grows_linearly_with_an_encrypting_serde(store: es.EventStore) -> None:
+    # List elements are matched with the stored ones by their bytes; encrypted with a fresh
+    # nonce, no element ever matched, and every step stored the whole history again.
+    from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
+
+    serde = EncryptedSerializer(NonceCipher())
+    saver = ThreadlogCheckpointSaver(store, serde=serde)
+    half = await grow(store, saver, "enc-50", 50)
+    full = await grow(store, saver, "enc-100", 100)
+    assert full["total"] / half["total"] < 2.4  # it was 3.8: quadratic
+    # Everything stored is encrypted (nothing of the plain text is in the log), reads decrypt,
+    # cold savers (new processes) extend the history, and the views are the log's fold.
+    thread = saver.thread_id_of("enc-100")
+    raw = [fields async for fields in raw_entries(store, thread)]
+    assert raw and not any(b"lorem ipsum" in v for fields in raw for v in fields.values())
+    graph = growing_graph().compile(checkpointer=ThreadlogCheckpointSaver(store, serde=serde))
+    cfg = config("enc-100")
+    before = (await graph.aget_state(cfg)).values["messages"]
+    await graph.aupdate_state(cfg, {"messages": [AIMessage("one more", id="x")]})
+    after = (await graph.aget_state(cfg)).values["messages"]
+    assert after == [*before, AIMessage("one more", id="x")]
+    history = [s async for s in growing_graph().compile(checkpointer=saver).aget_state_history(cfg)]
+    assert [len(s.values.get("messages", [])) for s in history[:3]] == [101, 100, 99]
+    assert (await saver.acheck("enc-100")).ok
+
+
+async def raw_entries(store: es.EventStore, thread: str) -> AsyncIterator[dict[bytes, bytes]]:
+    start = 1
+    while rows := await store.read_raw(thread, start=start, count=512):
+        for _, fields in rows:
+            yield fields
+        start = int(rows[-1][0].split(b"-")[0]) + 1
