@@ -1237,3 +1237,56 @@ async def raw_entries(store: es.EventStore, thread: str) -> AsyncIterator[dict[b
         for _, fields in rows:
             yield fields
         start = int(rows[-1][0].split(b"-")[0]) + 1
+
+
+class Split(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+def crashing_graph(checkpointer: BaseCheckpointSaver[Any], runs: dict[str, int]) -> Any:
+    """``a``, then ``b`` and ``c`` in one step (``c`` fails while ``runs["fail"]``), then ``d``."""
+
+    def node(name: str) -> Any:
+        def run(state: Split) -> dict[str, Any]:
+            runs[name] = runs.get(name, 0) + 1
+            if name == "c" and runs.get("fail"):
+                raise RuntimeError("the process died in the middle of the step")
+            return {"log": [name]}
+
+        return run
+
+    builder = StateGraph(Split)
+    for name in "abcd":
+        builder.add_node(name, node(name))
+    builder.add_edge(START, "a")
+    builder.add_edge("a", "b")
+    builder.add_edge("a", "c")
+    builder.add_edge(["b", "c"], "d")
+    builder.add_edge("d", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+async def test_a_step_that_fails_half_way_keeps_the_writes_of_its_finished_tasks(
+    store: es.EventStore,
+) -> None:
+    outcomes = []
+    for saver in (InMemorySaver(), ThreadlogCheckpointSaver(store)):
+        runs = {"fail": 1}
+        graph = crashing_graph(saver, runs)
+        with pytest.raises(RuntimeError, match="died"):
+            await graph.ainvoke({"log": []}, config("crash"))
+        # A new process resumes: b's writes were stored as pending writes of the step's
+        # checkpoint, so only c runs again.
+        fresh = (
+            ThreadlogCheckpointSaver(store)
+            if isinstance(saver, ThreadlogCheckpointSaver)
+            else saver
+        )
+        graph = crashing_graph(fresh, runs)
+        state = await graph.aget_state(config("crash"))
+        failed = [(t.name, t.error is not None) for t in state.tasks]
+        del runs["fail"]
+        done = await graph.ainvoke(None, config("crash"))
+        outcomes.append((state.next, failed, done, dict(runs)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][3] == {"a": 1, "b": 1, "c": 2, "d": 1}
