@@ -141,12 +141,16 @@ DEFAULT_THREAD_PREFIX = "lg:"
 # Views (hash views of the thread). Field names are built by the ``_*_field`` helpers below.
 RECORDS = "lg.checkpoints"  # <ns><checkpoint id> -> Record
 HEADS = "lg.heads"  # <ns> -> Record of the namespace's highest checkpoint id (its latest)
-WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]
+WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]: the first chunk of its writes
+# A checkpoint's writes past its first chunk (a wide step: hundreds of tasks), and how many such
+# chunks it has. See `_merge_chunks`.
+WRITES_N = "lg.writes.n"  # <ns><checkpoint id> -> number of chunks after the first
+WRITES_MORE = "lg.writes.more"  # _p(<ns><checkpoint id>) + <chunk number, from 1> -> [...]
 BLOBS = "lg.blobs"  # <ns><channel><version> -> (type, data)
 RANGES = "lg.ranges"  # <ns><channel><version> -> [(start, count), ...] into the lineage
 ELEMS = "lg.elements"  # <lineage>:<block> -> [(type, data), ...] (see BLOCK)
 LISTS = "lg.lineages"  # <lineage> -> number of elements (guards concurrent extension)
-VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS)
+VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS, WRITES_N, WRITES_MORE)
 
 ATTEMPTS = 16
 READ_CHUNK = 1000  # fields per HashGet: the read script unpacks them onto the Lua stack
@@ -163,6 +167,12 @@ CACHE_SIZE = 1024
 # a block early (at 8 KiB, 1 KiB messages did, and per-step growth rose with the history).
 BLOCK = 8
 BLOCK_BYTES = 32768
+# A checkpoint's pending writes are kept in chunks of about this many bytes: each put_writes
+# rewrites the chunks it changes (the last one, mostly), not every write of the step, so a
+# step of n tasks writes O(n) bytes, not O(n^2). A chunk is full once it holds this much: small
+# enough that the rewrites stay a few times the writes' own size, large enough that an
+# ordinary step's writes are one chunk (one field, read with the checkpoint).
+WRITES_CHUNK_BYTES = 16384
 
 V = TypeVar("V")
 
@@ -404,6 +414,67 @@ def merge_writes(current: list[StoredWrite], new: Sequence[StoredWrite]) -> list
     return out
 
 
+def _write_bytes(w: StoredWrite) -> int:
+    return len(w.data) + len(w.type) + len(w.channel) + len(w.task_id) + len(w.task_path) + 16
+
+
+def _more_field(field: str, chunk: int) -> str:
+    return _p(field) + str(chunk)
+
+
+def _stored_chunks(views: _Views, field: str) -> list[list[StoredWrite]]:
+    """A checkpoint's writes as ``views`` holds them, chunk by chunk."""
+    entry = views.get(WRITES, field)
+    chunks = [_decode(_writes_dec, entry, "lg.writes") if entry else []]
+    count = views.get(WRITES_N, field)
+    for j in range(1, int(count.value) + 1 if count else 1):
+        e = views.get(WRITES_MORE, _more_field(field, j))
+        chunks.append(_decode(_writes_dec, e, "lg.writes.more") if e else [])
+    return chunks
+
+
+def _merge_chunks(
+    chunks: list[list[StoredWrite]], new: Sequence[StoredWrite], field: str, index: int
+) -> list[HashSet]:
+    """Merge ``new`` into ``chunks`` (in place, as `merge_writes` merges) and return the ops
+    that store the chunks it changed. The fold and the saver both call it, so the chunking is
+    a function of the log alone.
+
+    A write replaces the one with its task and index wherever it is; any other goes at the end
+    of the last chunk, or starts a new chunk when the last one is full. While a checkpoint has
+    one chunk, that is all: the ``lg.writes`` field, as before chunks. With more, every merge
+    also sets the chunk count (``lg.writes.n``), which is what concurrent writers guard.
+    """
+    before = len(chunks)
+    at = {(w.task_id, w.idx): (j, i) for j, c in enumerate(chunks) for i, w in enumerate(c)}
+    size = sum(map(_write_bytes, chunks[-1]))
+    dirty: set[int] = set()
+    for w in new:
+        pos = at.get((w.task_id, w.idx))
+        if pos is not None:
+            chunks[pos[0]][pos[1]] = w
+            dirty.add(pos[0])
+            continue
+        if chunks[-1] and size >= WRITES_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        at[(w.task_id, w.idx)] = (len(chunks) - 1, len(chunks[-1]))
+        chunks[-1].append(w)
+        size += _write_bytes(w)
+        dirty.add(len(chunks) - 1)
+    if before == 1 and len(chunks) > 1:
+        dirty.add(0)  # the first chunk carries the guard until the count exists
+    ops = [
+        HashSet(WRITES, field, _enc.encode(chunks[0]), index)
+        if j == 0
+        else HashSet(WRITES_MORE, _more_field(field, j), _enc.encode(chunks[j]), index)
+        for j in sorted(dirty)
+    ]
+    if len(chunks) > 1:
+        ops.append(HashSet(WRITES_N, field, b"%d" % (len(chunks) - 1), index))
+    return ops
+
+
 def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]:
     """The view ops of one event; `WritesPut` merges into the writes ``views`` holds."""
     ops: list[ViewOp] = []
@@ -455,15 +526,19 @@ def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]
                 "langgraph.writes_put merges into the stored writes: append it through "
                 "ThreadlogCheckpointSaver"
             )
-        entry = views.get(WRITES, field)
-        current = _decode(_writes_dec, entry, "lg.writes") if entry else []
-        merged = merge_writes(current, payload.writes)
-        ops.append(HashSet(WRITES, field, _enc.encode(merged), index))
+        ops += _merge_chunks(_stored_chunks(views, field), payload.writes, field, index)
     elif isinstance(payload, CheckpointsRemoved):
         for ref in payload.checkpoints:
             field = _ck_field(ref.ns, ref.checkpoint_id)
             ops.append(HashDelete(RECORDS, field))
             ops.append(HashDelete(WRITES, field))
+            # Chunks past the first: their count is in the views (the saver reads it with the
+            # records it removes).
+            count = views.get(WRITES_N, field) if views is not None else None
+            if count is not None:
+                ops.append(HashDelete(WRITES_N, field))
+                for j in range(1, int(count.value) + 1):
+                    ops.append(HashDelete(WRITES_MORE, _more_field(field, j)))
         for ns, head in payload.heads.items():
             if head is None:
                 ops.append(HashDelete(HEADS, ns))
@@ -540,6 +615,16 @@ class _Lineage:
     # The lineage's last block as stored, when known (kept for encrypting serdes only):
     # (block index, its elements). See `_plan_lists`.
     last_block: tuple[int, tuple[Typed, ...]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _KnownWrites:
+    """A checkpoint's pending writes as this saver last wrote or read them, chunk by chunk,
+    with the versions of the first chunk's field and of the chunk count (0: absent)."""
+
+    first_version: int
+    count_version: int
+    chunks: list[list[StoredWrite]]
 
 
 class _Cache:
@@ -670,7 +755,7 @@ def _needs_of(rec: Record, versions: Mapping[str, Version]) -> _Needs:
             needs[ELEMS] += _run_blocks(lin, runs)
             needs[LISTS].append(lin)
     out = {view: tuple(fields) for view, fields in needs.items() if fields}
-    out[WRITES] = (_ck_field(rec.ns, rec.checkpoint_id),)
+    out[WRITES] = out[WRITES_N] = (_ck_field(rec.ns, rec.checkpoint_id),)
     return out
 
 
@@ -843,7 +928,7 @@ class ThreadlogCheckpointSaver(
             asyncio.AbstractEventLoop, dict[str, asyncio.Lock]
         ] = weakref.WeakKeyDictionary()
         self._lineages = _Cache()  # (thread, ns, channel) -> _Lineage
-        self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
+        self._writes = _Cache()  # (thread, checkpoint field) -> _KnownWrites
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
         self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
         self._bridge = _Bridge()
@@ -1013,7 +1098,7 @@ class ThreadlogCheckpointSaver(
         view, field = (RECORDS, _ck_field(ns, checkpoint_id)) if checkpoint_id else (HEADS, ns)
         first: dict[str, Iterable[str]] = {view: (field,)}
         if checkpoint_id:
-            first[WRITES] = (field,)
+            first[WRITES] = first[WRITES_N] = (field,)
         hint: _Needs | Callable[[], _Needs] | None = self._hints.get((tid, view, field))
         if callable(hint):  # left by a put: worked out on first use, puts outnumber reads
             hint = hint()
@@ -1130,9 +1215,12 @@ class ThreadlogCheckpointSaver(
         layouts = [
             _layout(r, body["channel_versions"]) for r, body in zip(records, bodies, strict=True)
         ]
-        needs: dict[str, set[str]] = {view: set() for view in (BLOBS, RANGES, ELEMS, LISTS, WRITES)}
+        needs: dict[str, set[str]] = {
+            view: set() for view in (BLOBS, RANGES, ELEMS, LISTS, WRITES, WRITES_N)
+        }
         for r, layout in zip(records, layouts, strict=True):
             needs[WRITES].add(_ck_field(r.ns, r.checkpoint_id))
+            needs[WRITES_N].add(_ck_field(r.ns, r.checkpoint_id))
             for _, _, blob, lin, runs in layout:
                 if runs is None:
                     needs[BLOBS].add(blob)
@@ -1145,7 +1233,10 @@ class ThreadlogCheckpointSaver(
 
         # List values whose runs are not in their record (written before records held them).
         found_ranges = fetch.view(RANGES)
-        more: dict[str, set[str]] = {ELEMS: set(), LISTS: set()}
+        more: dict[str, set[str]] = {ELEMS: set(), LISTS: set(), WRITES_MORE: set()}
+        # The writes of wide steps, past their first chunk.
+        for ck, chunks_n in fetch.view(WRITES_N).items():
+            more[WRITES_MORE].update(_more_field(ck, j) for j in range(1, int(chunks_n.value) + 1))
         for layout in layouts:
             for j, (ch, v, blob, lin, runs) in enumerate(layout):
                 e = found_ranges.get(blob) if runs is None else None
@@ -1155,12 +1246,13 @@ class ThreadlogCheckpointSaver(
                     more[ELEMS].update(_run_blocks(lin, runs))
                     if single:
                         more[LISTS].add(lin)
-        if more[ELEMS] or more[LISTS]:
+        if more[ELEMS] or more[LISTS] or more[WRITES_MORE]:
             # An empty list value has no elements, but a warm read still needs its lineage's
             # length: caching length 0 would make every later extension conflict.
             await fetch.read(store, tid, more)
             needs[ELEMS] |= more[ELEMS]
             needs[LISTS] |= more[LISTS]
+            needs[WRITES_MORE] = more[WRITES_MORE]
 
         blobs, elems, lins, writes = (fetch.view(v) for v in (BLOBS, ELEMS, LISTS, WRITES))
         loads = self.serde.loads_typed
@@ -1221,9 +1313,20 @@ class ThreadlogCheckpointSaver(
                         values[ch] = loads((typ, data))
             checkpoint = cast(Checkpoint, {**body, "channel_values": values})
             ck = _ck_field(r.ns, r.checkpoint_id)
-            stored = _decode(_writes_dec, writes[ck], "lg.writes") if ck in writes else []
-            if single and ck in writes:
-                self._writes.put((tid, ck), (writes[ck].version, stored))
+            n_entry = fetch.entry(WRITES_N, ck)
+            fetched = _Views()
+            for view in (WRITES, WRITES_N, WRITES_MORE):
+                fetched.hashes[view] = fetch.view(view)
+            chunks = _stored_chunks(fetched, ck)
+            stored = [w for c in chunks for w in c]
+            if single and (ck in writes or n_entry is not None):
+                first = writes.get(ck)
+                self._writes.put(
+                    (tid, ck),
+                    _KnownWrites(
+                        first.version if first else 0, n_entry.version if n_entry else 0, chunks
+                    ),
+                )
             # LangGraph's writes_sort_key: the order a super-step applies its tasks' writes.
             ordered = sorted(stored, key=lambda w: (w.task_path, w.task_id, w.idx))
             pending: list[PendingWrite] = [
@@ -1329,7 +1432,7 @@ class ThreadlogCheckpointSaver(
                     continue
                 for ch, p in plan.items():
                     self._lineages.put((tid, ns, ch), p.after)
-                self._writes.put((tid, _ck_field(ns, checkpoint["id"])), (0, []))
+                self._writes.put((tid, _ck_field(ns, checkpoint["id"])), _KnownWrites(0, 0, [[]]))
                 if is_head:
                     self._heads.put((tid, ns), (checkpoint["id"], head[1] + 1))
                     # The next read of the namespace's latest checkpoint is most likely this.
@@ -1591,31 +1694,30 @@ class ThreadlogCheckpointSaver(
         async with self._lock(tid):
             conflict: ViewConflictError | None = None
             for _ in range(ATTEMPTS):
-                known = self._writes.get((tid, field))
+                known: _KnownWrites | None = self._writes.get((tid, field))
                 if known is None:
-                    snap = await store.read_views(tid, [HashGet(WRITES, (field,))])
-                    found = snap.results[0]
-                    assert isinstance(found, dict)
-                    e = found.get(field)
-                    known = (e.version, _decode(_writes_dec, e, "lg.writes")) if e else (0, [])
-                version, current = known
-                have = {(w.task_id, w.idx) for w in current}
+                    known = await self._read_writes(store, tid, field)
+                have = {(w.task_id, w.idx) for c in known.chunks for w in c}
                 # As LangGraph's own savers do: a regular write already stored is kept, special
                 # writes (errors, interrupts; negative slots) are replaced.
                 new = [w for w in incoming if w.idx < 0 or (w.task_id, w.idx) not in have]
                 if not new:
                     return
                 # Writes that are large together go in several events (each merged in turn, as
-                # the fold does); the first carries the guard.
+                # the fold does); the first carries the guard: the chunk count once there is
+                # one, else the first chunk (the only one).
                 events: list[Event] = []
                 ops: list[ViewOp] = []
-                merged = current
+                chunks = [list(c) for c in known.chunks]
+                guard = (WRITES_N, known.count_version) if len(chunks) > 1 else None
+                guard = guard or (WRITES, known.first_version)
                 for part in _split_writes(new, budget):
-                    merged = merge_writes(merged, part)
                     events.append(WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=part))
-                    guard = version if not ops else None
-                    value = _enc.encode(merged)
-                    ops.append(HashSet(WRITES, field, value, len(ops), expected_version=guard))
+                    for op in _merge_chunks(chunks, part, field, len(events) - 1):
+                        if guard is not None and op.view == guard[0]:
+                            op = msgspec.structs.replace(op, expected_version=guard[1])
+                            guard = None
+                        ops.append(op)
                 try:
                     await self._append(store, tid, events, ops)
                 except EventTooLargeError as exc:
@@ -1624,10 +1726,43 @@ class ThreadlogCheckpointSaver(
                     conflict = exc
                     self._writes.pop((tid, field))
                     continue
-                self._writes.put((tid, field), (version + len(ops), merged))
+                bumps = {WRITES: 0, WRITES_N: 0}
+                for done in ops:
+                    if isinstance(done, HashSet) and done.view in bumps:
+                        bumps[done.view] += 1
+                self._writes.put(
+                    (tid, field),
+                    _KnownWrites(
+                        known.first_version + bumps[WRITES],
+                        known.count_version + bumps[WRITES_N],
+                        chunks,
+                    ),
+                )
                 return
             assert conflict is not None
             raise conflict
+
+    async def _read_writes(self, store: EventStore, tid: str, field: str) -> _KnownWrites:
+        """A checkpoint's stored writes, chunk by chunk, with the versions its guards need."""
+        snap = await store.read_views(tid, [HashGet(WRITES, (field,)), HashGet(WRITES_N, (field,))])
+        first, count = snap.results
+        assert isinstance(first, dict) and isinstance(count, dict)
+        views = _Views()
+        views.hashes[WRITES].update(first)
+        views.hashes[WRITES_N].update(count)
+        if field in count:
+            # The chunks past the first, read after their count: if a writer added to them in
+            # between, it moved the count's version too, and the guard refuses this put.
+            fields = tuple(_more_field(field, j) for j in range(1, int(count[field].value) + 1))
+            more = await store.read_views(tid, [HashGet(WRITES_MORE, fields)])
+            found = more.results[0]
+            assert isinstance(found, dict)
+            views.hashes[WRITES_MORE].update(found)
+        return _KnownWrites(
+            first[field].version if field in first else 0,
+            count[field].version if field in count else 0,
+            _stored_chunks(views, field),
+        )
 
     # -- thread maintenance -------------------------------------------------------------------
 
@@ -1766,9 +1901,9 @@ class ThreadlogCheckpointSaver(
         async with self._lock(tid):
             conflict: ConcurrencyError | None = None
             for _ in range(ATTEMPTS):
-                snap = await store.read_views(tid, [HashGetAll(RECORDS)])
-                entries = snap.results[0]
-                assert isinstance(entries, dict)
+                snap = await store.read_views(tid, [HashGetAll(RECORDS), HashGetAll(WRITES_N)])
+                entries, counts = snap.results
+                assert isinstance(entries, dict) and isinstance(counts, dict)
                 records = [(_decode(_record_dec, e, "lg.checkpoints"), e) for e in entries.values()]
                 doomed = select(records)
                 if not doomed:
@@ -1777,7 +1912,9 @@ class ThreadlogCheckpointSaver(
                     (r.ns, r.checkpoint_id): self._body(r)["channel_versions"] for r, _ in records
                 }
                 event = _removal(records, versions, doomed, reason)
-                ops = _event_ops(event, 0, None)
+                held = _Views()  # the chunk counts, so the removal drops every chunk
+                held.hashes[WRITES_N] = counts
+                ops = _event_ops(event, 0, held)
                 try:
                     await self._append(store, tid, [event], ops, expected_version=snap.version)
                 except ConcurrencyError as exc:  # the thread moved on: look again

@@ -1290,3 +1290,72 @@ async def test_a_step_that_fails_half_way_keeps_the_writes_of_its_finished_tasks
         outcomes.append((state.next, failed, done, dict(runs)))
     assert outcomes[0] == outcomes[1]
     assert outcomes[1][3] == {"a": 1, "b": 1, "c": 2, "d": 1}
+
+
+class Fan(TypedDict):
+    notes: Annotated[list[str], operator.add]
+
+
+def fan_graph(checkpointer: BaseCheckpointSaver[Any], width: int, runs: dict[int, int]) -> Any:
+    """``width`` tasks in one step (the Send API), each writing ~1 KB; the last one fails
+    while ``runs[-1]`` is set."""
+
+    def fan(state: Fan) -> Any:
+        return [Send("work", {"i": i}) for i in range(width)]
+
+    def work(arg: Any) -> dict[str, Any]:
+        i = arg["i"]
+        runs[i] = runs.get(i, 0) + 1
+        if i == width - 1 and runs.get(-1):
+            raise RuntimeError("the last task failed")
+        return {"notes": [f"{i:04}:" + "x" * 1000]}
+
+    builder = StateGraph(Fan)
+    builder.add_node("work", cast(Any, work))
+    builder.add_conditional_edges(START, fan, ["work"])
+    builder.add_edge("work", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+async def test_a_wide_step_writes_each_pending_write_about_once(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step's pending writes were kept in one view field, rewritten whole by every task's
+    # put_writes: a step of n tasks wrote O(n^2) bytes (800 tasks of 1 KB: 357 MB sent to
+    # Redis and 5.3 s, against 0.4 s for InMemorySaver).
+    width = 300
+    written = 0
+    append = store.append
+
+    async def counting(*args: Any, **kwargs: Any) -> es.AppendResult:
+        nonlocal written
+        written += sum(
+            len(op.value)
+            for op in kwargs.get("view_ops", ())
+            if isinstance(op, es.HashSet) and op.view.startswith("lg.writes")
+        )
+        return await append(*args, **kwargs)
+
+    monkeypatch.setattr(store, "append", counting)
+    outcomes = []
+    savers: list[BaseCheckpointSaver[Any]] = [InMemorySaver(), ThreadlogCheckpointSaver(store)]
+    for saver in savers:
+        runs = {-1: 1}
+        graph = fan_graph(saver, width, runs)
+        with pytest.raises(RuntimeError, match="last task"):
+            await graph.ainvoke({"notes": []}, config("wide"))
+        # Resumed by a new saver: every finished task's write is read back, only the failed
+        # task runs again.
+        if isinstance(saver, ThreadlogCheckpointSaver):
+            saver = ThreadlogCheckpointSaver(store)
+        graph = fan_graph(saver, width, runs)
+        state = await graph.aget_state(config("wide"))
+        del runs[-1]
+        done = await graph.ainvoke(None, config("wide"))
+        outcomes.append((len(state.tasks), done, dict(runs)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][2] == {**dict.fromkeys(range(width - 1), 1), width - 1: 2}
+    # Each write is stored about 8 times over (a chunk is rewritten as it fills), whatever the
+    # width; it was ~50 MB here: each write ~170 times, the step's width over two.
+    assert written < 12 * width * 1000, written
+    assert (await ThreadlogCheckpointSaver(store).acheck("wide")).ok
