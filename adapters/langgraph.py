@@ -153,6 +153,9 @@ LISTS = "lg.lineages"  # <lineage> -> number of elements (guards concurrent exte
 VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS, WRITES_N, WRITES_MORE)
 
 ATTEMPTS = 16
+# The jittered pause after a put_writes refused by another process's write to the same step.
+CONFLICT_BACKOFF_MIN = 0.001
+CONFLICT_BACKOFF_MAX = 0.05
 READ_CHUNK = 1000  # fields per HashGet: the read script unpacks them onto the Lua stack
 COPY_CHUNK = 256
 UNDO_TIMEOUT_S = 30.0  # how long an interrupted copy_thread may take to delete what it wrote
@@ -1693,6 +1696,7 @@ class ThreadlogCheckpointSaver(
         budget = max(store.max_event_bytes // 2, 1024)
         async with self._lock(tid):
             conflict: ViewConflictError | None = None
+            attempt = 0
             for _ in range(ATTEMPTS):
                 known: _KnownWrites | None = self._writes.get((tid, field))
                 if known is None:
@@ -1725,6 +1729,11 @@ class ThreadlogCheckpointSaver(
                 except ViewConflictError as exc:  # another process wrote them meanwhile
                     conflict = exc
                     self._writes.pop((tid, field))
+                    # Full jitter: processes writing one step's tasks at once otherwise collide
+                    # again in lockstep, and a writer ran out of attempts.
+                    attempt += 1
+                    pause = min(CONFLICT_BACKOFF_MAX, CONFLICT_BACKOFF_MIN * 2**attempt)
+                    await anyio.sleep(random.uniform(0, pause))
                     continue
                 bumps = {WRITES: 0, WRITES_N: 0}
                 for done in ops:

@@ -1359,3 +1359,27 @@ async def test_a_wide_step_writes_each_pending_write_about_once(
     # width; it was ~50 MB here: each write ~170 times, the step's width over two.
     assert written < 12 * width * 1000, written
     assert (await ThreadlogCheckpointSaver(store).acheck("wide")).ok
+
+
+async def test_two_processes_write_one_steps_tasks_at_once(redis_url: str, namespace: str) -> None:
+    # Workers of two processes storing the writes of one step's tasks (a distributed fan-out):
+    # each refused write was retried at once, the two collided again in lockstep, and a
+    # writer ran out of attempts (ViewConflictError).
+    stores = [await es.connect(redis_url, namespace=namespace) for _ in range(2)]
+    try:
+        savers = [ThreadlogCheckpointSaver(s) for s in stores]
+        cfg = await savers[0].aput(config("both", checkpoint_ns=""), empty_checkpoint(), {}, {})
+
+        async def work(i: int) -> None:
+            await savers[i % 2].aput_writes(cfg, [("notes", f"{i}:" + "x" * 900)], f"task-{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(240):
+                tg.start_soon(work, i)
+        stored = await ThreadlogCheckpointSaver(stores[0]).aget_tuple(cfg)
+        assert stored is not None and stored.pending_writes is not None
+        assert sorted(int(v.split(":")[0]) for _, _, v in stored.pending_writes) == list(range(240))
+        assert (await savers[1].acheck("both")).ok
+    finally:
+        for s in stores:
+            await s.close()
