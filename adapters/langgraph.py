@@ -1317,11 +1317,15 @@ class ThreadlogCheckpointSaver(
             checkpoint = cast(Checkpoint, {**body, "channel_values": values})
             ck = _ck_field(r.ns, r.checkpoint_id)
             n_entry = fetch.entry(WRITES_N, ck)
-            fetched = _Views()
-            for view in (WRITES, WRITES_N, WRITES_MORE):
-                fetched.hashes[view] = fetch.view(view)
-            chunks = _stored_chunks(fetched, ck)
-            stored = [w for c in chunks for w in c]
+            if n_entry is None:  # one chunk: an ordinary step
+                chunks = [_decode(_writes_dec, writes[ck], "lg.writes") if ck in writes else []]
+                stored = chunks[0]
+            else:
+                fetched = _Views()
+                for view in (WRITES, WRITES_N, WRITES_MORE):
+                    fetched.hashes[view] = fetch.view(view)
+                chunks = _stored_chunks(fetched, ck)
+                stored = [w for c in chunks for w in c]
             if single and (ck in writes or n_entry is not None):
                 first = writes.get(ck)
                 self._writes.put(
