@@ -531,13 +531,18 @@ def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]
             )
         ops += _merge_chunks(_stored_chunks(views, field), payload.writes, field, index)
     elif isinstance(payload, CheckpointsRemoved):
+        if views is None:
+            raise InvalidInputError(
+                "langgraph.checkpoints_removed drops chunks the views count: append it "
+                "through ThreadlogCheckpointSaver"
+            )
         for ref in payload.checkpoints:
             field = _ck_field(ref.ns, ref.checkpoint_id)
             ops.append(HashDelete(RECORDS, field))
             ops.append(HashDelete(WRITES, field))
             # Chunks past the first: their count is in the views (the saver reads it with the
             # records it removes).
-            count = views.get(WRITES_N, field) if views is not None else None
+            count = views.get(WRITES_N, field)
             if count is not None:
                 ops.append(HashDelete(WRITES_N, field))
                 for j in range(1, int(count.value) + 1):
@@ -583,12 +588,13 @@ class LangGraphProjection(Projection[_Views]):
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
         """Ops of self-contained events; `WritesPut`, `CheckpointPut` (which may become the
-        namespace's head) and a `BlobsPut` that continues a block of elements need what the
-        views hold (the saver has it).
+        namespace's head), a `BlobsPut` that continues a block of elements and
+        `CheckpointsRemoved` (which drops every chunk of the checkpoints' writes) need what
+        the views hold (the saver has it).
 
         Raises:
-            InvalidInputError: for a `WritesPut`, a `CheckpointPut`, or a `BlobsPut` continuing
-                a block.
+            InvalidInputError: for a `WritesPut`, a `CheckpointPut`, a `BlobsPut` continuing
+                a block, or a `CheckpointsRemoved`.
         """
         out: list[ViewOp] = []
         for index, new in enumerate(events):

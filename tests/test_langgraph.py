@@ -1359,6 +1359,15 @@ async def test_a_wide_step_writes_each_pending_write_about_once(
     # width; it was ~50 MB here: each write ~170 times, the step's width over two.
     assert written < 12 * width * 1000, written
     assert (await ThreadlogCheckpointSaver(store).acheck("wide")).ok
+    # The views of a removal depend on the chunks stored: only the saver can make them.
+    removal = CheckpointsRemoved(reason="test", checkpoints=[], heads={}, unreferenced=[])
+    with pytest.raises(es.InvalidInputError, match="through ThreadlogCheckpointSaver"):
+        lg.LangGraphProjection().ops([es.NewEvent(payload=removal)])
+    await ThreadlogCheckpointSaver(store).aprune(["wide"], strategy="delete")
+    assert (await ThreadlogCheckpointSaver(store).acheck("wide")).ok
+    thread = checkpoint_thread_id("wide")
+    left = await store.read_views(thread, [es.HashGetAll(v) for v in VIEWS[:3] + VIEWS[-2:]])
+    assert left.results == [{}, {}, {}, {}, {}]  # records, heads, writes and their chunks
 
 
 async def test_two_processes_write_one_steps_tasks_at_once(redis_url: str, namespace: str) -> None:
