@@ -49,8 +49,8 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Generator,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
@@ -74,7 +74,8 @@ from langgraph.checkpoint.base import (
     get_checkpoint_id,
     get_checkpoint_metadata,
 )
-from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.base import CipherProtocol, SerializerProtocol
+from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 
 from eventstore import (
     NO_THREAD,
@@ -140,16 +141,24 @@ DEFAULT_THREAD_PREFIX = "lg:"
 # Views (hash views of the thread). Field names are built by the ``_*_field`` helpers below.
 RECORDS = "lg.checkpoints"  # <ns><checkpoint id> -> Record
 HEADS = "lg.heads"  # <ns> -> Record of the namespace's highest checkpoint id (its latest)
-WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]
+WRITES = "lg.writes"  # <ns><checkpoint id> -> [StoredWrite, ...]: the first chunk of its writes
+# A checkpoint's writes past its first chunk (a wide step: hundreds of tasks), and how many such
+# chunks it has. See `_merge_chunks`.
+WRITES_N = "lg.writes.n"  # <ns><checkpoint id> -> number of chunks after the first
+WRITES_MORE = "lg.writes.more"  # _p(<ns><checkpoint id>) + <chunk number, from 1> -> [...]
 BLOBS = "lg.blobs"  # <ns><channel><version> -> (type, data)
 RANGES = "lg.ranges"  # <ns><channel><version> -> [(start, count), ...] into the lineage
 ELEMS = "lg.elements"  # <lineage>:<block> -> [(type, data), ...] (see BLOCK)
 LISTS = "lg.lineages"  # <lineage> -> number of elements (guards concurrent extension)
-VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS)
+VIEWS = (RECORDS, HEADS, WRITES, BLOBS, RANGES, ELEMS, LISTS, WRITES_N, WRITES_MORE)
 
 ATTEMPTS = 16
+# The jittered pause after a put_writes refused by another process's write to the same step.
+CONFLICT_BACKOFF_MIN = 0.001
+CONFLICT_BACKOFF_MAX = 0.05
 READ_CHUNK = 1000  # fields per HashGet: the read script unpacks them onto the Lua stack
 COPY_CHUNK = 256
+UNDO_TIMEOUT_S = 30.0  # how long an interrupted copy_thread may take to delete what it wrote
 CACHE_SIZE = 1024
 # A lineage's elements are kept in blocks: element i is entry i % BLOCK of field
 # ``<lineage>:<i // BLOCK>``, so reading a 60-message history reads 8 fields, not 60 (each
@@ -161,6 +170,12 @@ CACHE_SIZE = 1024
 # a block early (at 8 KiB, 1 KiB messages did, and per-step growth rose with the history).
 BLOCK = 8
 BLOCK_BYTES = 32768
+# A checkpoint's pending writes are kept in chunks of about this many bytes: each put_writes
+# rewrites the chunks it changes (the last one, mostly), not every write of the step, so a
+# step of n tasks writes O(n) bytes, not O(n^2). A chunk is full once it holds this much: small
+# enough that the rewrites stay a few times the writes' own size, large enough that an
+# ordinary step's writes are one chunk (one field, read with the checkpoint).
+WRITES_CHUNK_BYTES = 16384
 
 V = TypeVar("V")
 
@@ -305,6 +320,40 @@ def _fingerprint(item: Typed) -> int:
     return hash(item)
 
 
+# An element sealed by an encrypting serde: its plain typed pair -> the stored one.
+_Seal = Callable[[Typed], Typed]
+
+
+def _encryption(serde: SerializerProtocol) -> tuple[SerializerProtocol, CipherProtocol] | None:
+    """The inner serde and cipher of LangGraph's `EncryptedSerializer` (None for another).
+
+    Its ciphertexts take a fresh nonce each time (AES-EAX), so the same element never
+    encrypts to the same bytes twice: list elements are matched by their plain serialization
+    instead, and only the new ones are encrypted. Asked of ``self.serde`` at each call, as
+    LangGraph's ``with_allowlist`` copies replace it."""
+    if isinstance(serde, EncryptedSerializer):
+        return serde.serde, serde.cipher
+    return None
+
+
+def _sealer(cipher: CipherProtocol) -> _Seal:
+    def seal(item: Typed) -> Typed:
+        # What EncryptedSerializer.dumps_typed stores, from the plain pair already made.
+        name, ciphertext = cipher.encrypt(item[1])
+        return f"{item[0]}+{name}", bytes(ciphertext)
+
+    return seal
+
+
+def _unseal(cipher: CipherProtocol, item: Typed) -> Typed:
+    # As EncryptedSerializer.loads_typed reads: a type without "+" was stored unencrypted.
+    typ, data = item
+    if "+" not in typ:
+        return item
+    plain, name = typ.split("+", 1)
+    return plain, bytes(cipher.decrypt(name, data))
+
+
 _record_dec = msgspec.msgpack.Decoder(Record)
 _writes_dec = msgspec.msgpack.Decoder(list[StoredWrite])
 _typed_dec = msgspec.msgpack.Decoder(Typed)
@@ -368,6 +417,67 @@ def merge_writes(current: list[StoredWrite], new: Sequence[StoredWrite]) -> list
     return out
 
 
+def _write_bytes(w: StoredWrite) -> int:
+    return len(w.data) + len(w.type) + len(w.channel) + len(w.task_id) + len(w.task_path) + 16
+
+
+def _more_field(field: str, chunk: int) -> str:
+    return _p(field) + str(chunk)
+
+
+def _stored_chunks(views: _Views, field: str) -> list[list[StoredWrite]]:
+    """A checkpoint's writes as ``views`` holds them, chunk by chunk."""
+    entry = views.get(WRITES, field)
+    chunks = [_decode(_writes_dec, entry, "lg.writes") if entry else []]
+    count = views.get(WRITES_N, field)
+    for j in range(1, int(count.value) + 1 if count else 1):
+        e = views.get(WRITES_MORE, _more_field(field, j))
+        chunks.append(_decode(_writes_dec, e, "lg.writes.more") if e else [])
+    return chunks
+
+
+def _merge_chunks(
+    chunks: list[list[StoredWrite]], new: Sequence[StoredWrite], field: str, index: int
+) -> list[HashSet]:
+    """Merge ``new`` into ``chunks`` (in place, as `merge_writes` merges) and return the ops
+    that store the chunks it changed. The fold and the saver both call it, so the chunking is
+    a function of the log alone.
+
+    A write replaces the one with its task and index wherever it is; any other goes at the end
+    of the last chunk, or starts a new chunk when the last one is full. While a checkpoint has
+    one chunk, that is all: the ``lg.writes`` field, as before chunks. With more, every merge
+    also sets the chunk count (``lg.writes.n``), which is what concurrent writers guard.
+    """
+    before = len(chunks)
+    at = {(w.task_id, w.idx): (j, i) for j, c in enumerate(chunks) for i, w in enumerate(c)}
+    size = sum(map(_write_bytes, chunks[-1]))
+    dirty: set[int] = set()
+    for w in new:
+        pos = at.get((w.task_id, w.idx))
+        if pos is not None:
+            chunks[pos[0]][pos[1]] = w
+            dirty.add(pos[0])
+            continue
+        if chunks[-1] and size >= WRITES_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        at[(w.task_id, w.idx)] = (len(chunks) - 1, len(chunks[-1]))
+        chunks[-1].append(w)
+        size += _write_bytes(w)
+        dirty.add(len(chunks) - 1)
+    if before == 1 and len(chunks) > 1:
+        dirty.add(0)  # the first chunk carries the guard until the count exists
+    ops = [
+        HashSet(WRITES, field, _enc.encode(chunks[0]), index)
+        if j == 0
+        else HashSet(WRITES_MORE, _more_field(field, j), _enc.encode(chunks[j]), index)
+        for j in sorted(dirty)
+    ]
+    if len(chunks) > 1:
+        ops.append(HashSet(WRITES_N, field, b"%d" % (len(chunks) - 1), index))
+    return ops
+
+
 def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]:
     """The view ops of one event; `WritesPut` merges into the writes ``views`` holds."""
     ops: list[ViewOp] = []
@@ -419,15 +529,24 @@ def _event_ops(payload: Event, index: int, views: _Views | None) -> list[ViewOp]
                 "langgraph.writes_put merges into the stored writes: append it through "
                 "ThreadlogCheckpointSaver"
             )
-        entry = views.get(WRITES, field)
-        current = _decode(_writes_dec, entry, "lg.writes") if entry else []
-        merged = merge_writes(current, payload.writes)
-        ops.append(HashSet(WRITES, field, _enc.encode(merged), index))
+        ops += _merge_chunks(_stored_chunks(views, field), payload.writes, field, index)
     elif isinstance(payload, CheckpointsRemoved):
+        if views is None:
+            raise InvalidInputError(
+                "langgraph.checkpoints_removed drops chunks the views count: append it "
+                "through ThreadlogCheckpointSaver"
+            )
         for ref in payload.checkpoints:
             field = _ck_field(ref.ns, ref.checkpoint_id)
             ops.append(HashDelete(RECORDS, field))
             ops.append(HashDelete(WRITES, field))
+            # Chunks past the first: their count is in the views (the saver reads it with the
+            # records it removes).
+            count = views.get(WRITES_N, field)
+            if count is not None:
+                ops.append(HashDelete(WRITES_N, field))
+                for j in range(1, int(count.value) + 1):
+                    ops.append(HashDelete(WRITES_MORE, _more_field(field, j)))
         for ns, head in payload.heads.items():
             if head is None:
                 ops.append(HashDelete(HEADS, ns))
@@ -469,12 +588,13 @@ class LangGraphProjection(Projection[_Views]):
 
     def ops(self, events: Sequence[NewEvent]) -> list[ViewOp]:
         """Ops of self-contained events; `WritesPut`, `CheckpointPut` (which may become the
-        namespace's head) and a `BlobsPut` that continues a block of elements need what the
-        views hold (the saver has it).
+        namespace's head), a `BlobsPut` that continues a block of elements and
+        `CheckpointsRemoved` (which drops every chunk of the checkpoints' writes) need what
+        the views hold (the saver has it).
 
         Raises:
-            InvalidInputError: for a `WritesPut`, a `CheckpointPut`, or a `BlobsPut` continuing
-                a block.
+            InvalidInputError: for a `WritesPut`, a `CheckpointPut`, a `BlobsPut` continuing
+                a block, or a `CheckpointsRemoved`.
         """
         out: list[ViewOp] = []
         for index, new in enumerate(events):
@@ -501,6 +621,19 @@ class _Lineage:
     version: Version | None = None
     ranges: tuple[tuple[int, int], ...] = ()
     fingerprints: tuple[int, ...] = ()  # `_fingerprint` of each element, in list order
+    # The lineage's last block as stored, when known (kept for encrypting serdes only):
+    # (block index, its elements). See `_plan_lists`.
+    last_block: tuple[int, tuple[Typed, ...]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _KnownWrites:
+    """A checkpoint's pending writes as this saver last wrote or read them, chunk by chunk,
+    with the versions of the first chunk's field and of the chunk count (0: absent)."""
+
+    first_version: int
+    count_version: int
+    chunks: list[list[StoredWrite]]
 
 
 class _Cache:
@@ -631,7 +764,7 @@ def _needs_of(rec: Record, versions: Mapping[str, Version]) -> _Needs:
             needs[ELEMS] += _run_blocks(lin, runs)
             needs[LISTS].append(lin)
     out = {view: tuple(fields) for view, fields in needs.items() if fields}
-    out[WRITES] = (_ck_field(rec.ns, rec.checkpoint_id),)
+    out[WRITES] = out[WRITES_N] = (_ck_field(rec.ns, rec.checkpoint_id),)
     return out
 
 
@@ -724,6 +857,41 @@ def _stop_portal(portal: BlockingPortal, thread: threading.Thread, keep: list[An
     keep.clear()
 
 
+class _Bridge:
+    """The sync API's private loop thread. One object, held by the saver and by every shallow
+    copy of it: LangGraph compiles a graph with ``checkpointer.with_allowlist(...)`` (a
+    ``copy.copy``) when ``LANGGRAPH_STRICT_MSGPACK`` is set, and the user closes the saver they
+    hold. With the loop in the saver's own attributes, that close left the graph's copy with a
+    stopped loop ("This portal is not running"), or with a loop and a connection of its own
+    that nothing closed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._portal: BlockingPortal | None = None
+        self._stop: weakref.finalize[Any, Any] | None = None
+        self.keep: list[Any] = []  # the closers of the stores opened on the loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def portal(self) -> BlockingPortal:
+        with self.lock:
+            if self._portal is None:
+                portal, thread = _start_portal()
+                self.loop = portal.call(asyncio.get_running_loop)
+                # Stops the loop when the last saver holding the bridge is collected or the
+                # interpreter exits unclosed.
+                self.keep = []
+                self._stop = weakref.finalize(self, _stop_portal, portal, thread, self.keep)
+                self._portal = portal
+            return self._portal
+
+    def detach(self) -> tuple[BlockingPortal | None, weakref.finalize[Any, Any] | None]:
+        """The running portal and its stopper, forgotten: the next sync call starts another."""
+        with self.lock:
+            portal, stop = self._portal, self._stop
+            self._portal = self._stop = self.loop = None
+            return portal, stop
+
+
 # -- the saver --------------------------------------------------------------------------------
 
 
@@ -769,14 +937,10 @@ class ThreadlogCheckpointSaver(
             asyncio.AbstractEventLoop, dict[str, asyncio.Lock]
         ] = weakref.WeakKeyDictionary()
         self._lineages = _Cache()  # (thread, ns, channel) -> _Lineage
-        self._writes = _Cache()  # (thread, checkpoint field) -> (field version, writes)
+        self._writes = _Cache()  # (thread, checkpoint field) -> _KnownWrites
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
         self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
-        self._portal: BlockingPortal | None = None
-        self._portal_stop: weakref.finalize[Any, Any] | None = None
-        self._portal_keep: list[Any] = []
-        self._portal_loop: asyncio.AbstractEventLoop | None = None
-        self._portal_lock = threading.Lock()
+        self._bridge = _Bridge()
 
     @classmethod
     def from_url(
@@ -813,7 +977,7 @@ class ThreadlogCheckpointSaver(
 
     async def _get_store(self) -> EventStore:
         loop = asyncio.get_running_loop()
-        on_portal = loop is self._portal_loop
+        on_portal = loop is self._bridge.loop
         if self._store is not None and not (on_portal and self._connect is not None):
             if on_portal and not isinstance(self._store, MemoryEventStore):
                 raise InvalidInputError(
@@ -833,7 +997,7 @@ class ThreadlogCheckpointSaver(
             await anext(closer)  # registers it with the loop
             entry = self._opened[loop] = _Opened(opened, closer)
             if on_portal:
-                self._portal_keep.append(closer)
+                self._bridge.keep.append(closer)
             register_langgraph_events(opened.registry)
         return entry.store
 
@@ -849,21 +1013,8 @@ class ThreadlogCheckpointSaver(
             lock = locks[thread] = asyncio.Lock()
         return lock
 
-    def _ensure_portal(self) -> BlockingPortal:
-        with self._portal_lock:
-            if self._portal is None:
-                portal, thread = _start_portal()
-                self._portal_loop = portal.call(asyncio.get_running_loop)
-                # Stops the loop when the saver is collected or the interpreter exits unclosed.
-                self._portal_keep = []
-                self._portal_stop = weakref.finalize(
-                    self, _stop_portal, portal, thread, self._portal_keep
-                )
-                self._portal = portal
-            return self._portal
-
     def _run(self, fn: Callable[..., Awaitable[V]], *args: Any, **kwargs: Any) -> V:
-        portal = self._ensure_portal()
+        portal = self._bridge.portal()
         return portal.call(functools.partial(fn, *args, **kwargs))
 
     async def aclose(self) -> None:
@@ -882,9 +1033,7 @@ class ThreadlogCheckpointSaver(
 
         A sync saver nobody closed is closed when it is collected or the interpreter exits.
         """
-        with self._portal_lock:
-            portal, stop = self._portal, self._portal_stop
-            self._portal = self._portal_stop = self._portal_loop = None
+        portal, stop = self._bridge.detach()
         if portal is not None and stop is not None:
             try:
                 portal.call(self.aclose)
@@ -958,7 +1107,7 @@ class ThreadlogCheckpointSaver(
         view, field = (RECORDS, _ck_field(ns, checkpoint_id)) if checkpoint_id else (HEADS, ns)
         first: dict[str, Iterable[str]] = {view: (field,)}
         if checkpoint_id:
-            first[WRITES] = (field,)
+            first[WRITES] = first[WRITES_N] = (field,)
         hint: _Needs | Callable[[], _Needs] | None = self._hints.get((tid, view, field))
         if callable(hint):  # left by a put: worked out on first use, puts outnumber reads
             hint = hint()
@@ -1075,9 +1224,12 @@ class ThreadlogCheckpointSaver(
         layouts = [
             _layout(r, body["channel_versions"]) for r, body in zip(records, bodies, strict=True)
         ]
-        needs: dict[str, set[str]] = {view: set() for view in (BLOBS, RANGES, ELEMS, LISTS, WRITES)}
+        needs: dict[str, set[str]] = {
+            view: set() for view in (BLOBS, RANGES, ELEMS, LISTS, WRITES, WRITES_N)
+        }
         for r, layout in zip(records, layouts, strict=True):
             needs[WRITES].add(_ck_field(r.ns, r.checkpoint_id))
+            needs[WRITES_N].add(_ck_field(r.ns, r.checkpoint_id))
             for _, _, blob, lin, runs in layout:
                 if runs is None:
                     needs[BLOBS].add(blob)
@@ -1090,7 +1242,10 @@ class ThreadlogCheckpointSaver(
 
         # List values whose runs are not in their record (written before records held them).
         found_ranges = fetch.view(RANGES)
-        more: dict[str, set[str]] = {ELEMS: set(), LISTS: set()}
+        more: dict[str, set[str]] = {ELEMS: set(), LISTS: set(), WRITES_MORE: set()}
+        # The writes of wide steps, past their first chunk.
+        for ck, chunks_n in fetch.view(WRITES_N).items():
+            more[WRITES_MORE].update(_more_field(ck, j) for j in range(1, int(chunks_n.value) + 1))
         for layout in layouts:
             for j, (ch, v, blob, lin, runs) in enumerate(layout):
                 e = found_ranges.get(blob) if runs is None else None
@@ -1100,15 +1255,17 @@ class ThreadlogCheckpointSaver(
                     more[ELEMS].update(_run_blocks(lin, runs))
                     if single:
                         more[LISTS].add(lin)
-        if more[ELEMS] or more[LISTS]:
+        if more[ELEMS] or more[LISTS] or more[WRITES_MORE]:
             # An empty list value has no elements, but a warm read still needs its lineage's
             # length: caching length 0 would make every later extension conflict.
             await fetch.read(store, tid, more)
             needs[ELEMS] |= more[ELEMS]
             needs[LISTS] |= more[LISTS]
+            needs[WRITES_MORE] = more[WRITES_MORE]
 
         blobs, elems, lins, writes = (fetch.view(v) for v in (BLOBS, ELEMS, LISTS, WRITES))
         loads = self.serde.loads_typed
+        encryption = _encryption(self.serde)
         blocks_read: dict[str, list[Typed]] = {}
         out: list[CheckpointTuple] = []
         for r, body, layout in zip(records, bodies, layouts, strict=True):
@@ -1131,17 +1288,32 @@ class ThreadlogCheckpointSaver(
                                     "run rebuild"
                                 )
                             items.append(held[at])
-                    values[ch] = [loads(item) for item in items]
+                    last_block: tuple[int, tuple[Typed, ...]] | None = None
+                    if encryption is None:
+                        values[ch] = [loads(item) for item in items]
+                    else:
+                        inner, cipher = encryption
+                        items = [_unseal(cipher, item) for item in items]
+                        values[ch] = [inner.loads_typed(item) for item in items]
+                    lin_entry = lins.get(lin) if single else None
+                    length = int(lin_entry.value) if lin_entry else 0
+                    if encryption is not None and length:
+                        # The stored last block, if this value reached it (a put continuing
+                        # it must rewrite it with the very bytes stored).
+                        last = (length - 1) // BLOCK
+                        held = blocks_read.get(_block_field(lin, last))
+                        if held is not None and len(held) == length - last * BLOCK:
+                            last_block = (last, tuple(held))
                     if single:
-                        lin_entry = lins.get(lin)
                         self._lineages.put(
                             (tid, r.ns, ch),
                             _Lineage(
-                                length=int(lin_entry.value) if lin_entry else 0,
+                                length=length,
                                 field_version=lin_entry.version if lin_entry else 0,
                                 version=v,
                                 ranges=tuple(runs),
                                 fingerprints=tuple(map(_fingerprint, items)),
+                                last_block=last_block,
                             ),
                         )
                 elif blob in blobs:
@@ -1150,9 +1322,24 @@ class ThreadlogCheckpointSaver(
                         values[ch] = loads((typ, data))
             checkpoint = cast(Checkpoint, {**body, "channel_values": values})
             ck = _ck_field(r.ns, r.checkpoint_id)
-            stored = _decode(_writes_dec, writes[ck], "lg.writes") if ck in writes else []
-            if single and ck in writes:
-                self._writes.put((tid, ck), (writes[ck].version, stored))
+            n_entry = fetch.entry(WRITES_N, ck)
+            if n_entry is None:  # one chunk: an ordinary step
+                chunks = [_decode(_writes_dec, writes[ck], "lg.writes") if ck in writes else []]
+                stored = chunks[0]
+            else:
+                fetched = _Views()
+                for view in (WRITES, WRITES_N, WRITES_MORE):
+                    fetched.hashes[view] = fetch.view(view)
+                chunks = _stored_chunks(fetched, ck)
+                stored = [w for c in chunks for w in c]
+            if single and (ck in writes or n_entry is not None):
+                first = writes.get(ck)
+                self._writes.put(
+                    (tid, ck),
+                    _KnownWrites(
+                        first.version if first else 0, n_entry.version if n_entry else 0, chunks
+                    ),
+                )
             # LangGraph's writes_sort_key: the order a super-step applies its tasks' writes.
             ordered = sorted(stored, key=lambda w: (w.task_path, w.task_id, w.idx))
             pending: list[PendingWrite] = [
@@ -1194,13 +1381,20 @@ class ThreadlogCheckpointSaver(
         stored_body = self.serde.dumps_typed(body)
         stored_meta = self.serde.dumps_typed(meta)
         inline: list[InlineBlob] = []
-        as_lists: dict[str, tuple[Version, list[Typed]]] = {}
+        as_lists: dict[str, tuple[Version, list[Typed], _Seal | None]] = {}
+        encryption = _encryption(self.serde)
         for ch, ver in new_versions.items():
             if ch not in values:
                 inline.append(InlineBlob(ch, ver, "empty", b""))
             elif self.dedupe_lists and type(values[ch]) is list:
-                dumps = self.serde.dumps_typed
-                as_lists[ch] = (ver, [_as_typed(dumps(x)) for x in values[ch]])
+                if encryption is None:
+                    dumps = self.serde.dumps_typed
+                    as_lists[ch] = (ver, [_as_typed(dumps(x)) for x in values[ch]], None)
+                else:
+                    # Plain pairs to match with the stored elements; only new ones are sealed.
+                    dumps = encryption[0].dumps_typed
+                    seal = _sealer(encryption[1])
+                    as_lists[ch] = (ver, [_as_typed(dumps(x)) for x in values[ch]], seal)
             else:
                 inline.append(InlineBlob(ch, ver, *self.serde.dumps_typed(values[ch])))
 
@@ -1251,7 +1445,7 @@ class ThreadlogCheckpointSaver(
                     continue
                 for ch, p in plan.items():
                     self._lineages.put((tid, ns, ch), p.after)
-                self._writes.put((tid, _ck_field(ns, checkpoint["id"])), (0, []))
+                self._writes.put((tid, _ck_field(ns, checkpoint["id"])), _KnownWrites(0, 0, [[]]))
                 if is_head:
                     self._heads.put((tid, ns), (checkpoint["id"], head[1] + 1))
                     # The next read of the namespace's latest checkpoint is most likely this.
@@ -1310,7 +1504,12 @@ class ThreadlogCheckpointSaver(
                 known: _Lineage | None = self._lineages.get((tid, ns, ch))
                 self._lineages.put(
                     (tid, ns, ch),
-                    dataclasses.replace(known, length=length, field_version=version)
+                    dataclasses.replace(
+                        known,
+                        length=length,
+                        field_version=version,
+                        last_block=known.last_block if known.length == length else None,
+                    )
                     if known is not None
                     else _Lineage(length=length, field_version=version),
                 )
@@ -1325,11 +1524,11 @@ class ThreadlogCheckpointSaver(
         self,
         tid: str,
         ns: str,
-        as_lists: dict[str, tuple[Version, list[Typed]]],
+        as_lists: dict[str, tuple[Version, list[Typed], _Seal | None]],
         budget: int,
     ) -> dict[str, _ListPlan]:
         plan: dict[str, _ListPlan] = {}
-        for ch, (ver, items) in as_lists.items():
+        for ch, (ver, items, seal) in as_lists.items():
             known: _Lineage = self._lineages.get((tid, ns, ch)) or _Lineage(0, 0)
             prints = tuple(map(_fingerprint, items))
             shared = 0
@@ -1349,16 +1548,25 @@ class ThreadlogCheckpointSaver(
             filled = 0
             if offset and shared < len(items):
                 where = _positions(ranges, block * BLOCK, at)
+                stored = known.last_block
                 if where is None:
                     at = (block + 1) * BLOCK
-                else:
+                elif seal is None:
                     tail = (block, [items[p] for p in where])
                     filled = sum(_item_bytes(items[p]) for p in where)
+                elif stored is not None and stored[0] == block and len(stored[1]) == offset:
+                    # Encrypted: the list's own pairs are plain, the block holds ciphertexts.
+                    tail = (block, list(stored[1]))
+                    filled = sum(map(_item_bytes, stored[1]))
+                else:
+                    at = (block + 1) * BLOCK
             # New elements in runs that fit in an event each; every run sets the lineage's
             # length once, so the field version moves by the number of runs.
             runs: list[tuple[int, list[Typed]]] = []
             size = 0
             for item in items[shared:]:
+                if seal is not None:
+                    item = seal(item)
                 n = _item_bytes(item)
                 if at % BLOCK == 0:
                     filled = 0
@@ -1374,12 +1582,20 @@ class ThreadlogCheckpointSaver(
                 at += 1
             for start, run in runs:
                 _extend(ranges, start, len(run))
+            last_block = known.last_block
+            if seal is not None and runs:
+                last = (at - 1) // BLOCK
+                held = list(tail[1]) if tail is not None and tail[0] == last else []
+                for start, run in runs:
+                    held += [x for i, x in enumerate(run, start) if i // BLOCK == last]
+                last_block = (last, tuple(held))
             after = _Lineage(
                 length=at if runs else known.length,
                 field_version=known.field_version + len(runs),
                 version=ver,
                 ranges=tuple(ranges),
                 fingerprints=prints,
+                last_block=last_block if seal is not None else None,
             )
             plan[ch] = _ListPlan(ver, ranges, runs, known, after, tail)
         return plan
@@ -1490,32 +1706,32 @@ class ThreadlogCheckpointSaver(
         budget = max(store.max_event_bytes // 2, 1024)
         async with self._lock(tid):
             conflict: ViewConflictError | None = None
+            attempt = 0
             for _ in range(ATTEMPTS):
-                known = self._writes.get((tid, field))
+                known: _KnownWrites | None = self._writes.get((tid, field))
                 if known is None:
-                    snap = await store.read_views(tid, [HashGet(WRITES, (field,))])
-                    found = snap.results[0]
-                    assert isinstance(found, dict)
-                    e = found.get(field)
-                    known = (e.version, _decode(_writes_dec, e, "lg.writes")) if e else (0, [])
-                version, current = known
-                have = {(w.task_id, w.idx) for w in current}
+                    known = await self._read_writes(store, tid, field)
+                have = {(w.task_id, w.idx) for c in known.chunks for w in c}
                 # As LangGraph's own savers do: a regular write already stored is kept, special
                 # writes (errors, interrupts; negative slots) are replaced.
                 new = [w for w in incoming if w.idx < 0 or (w.task_id, w.idx) not in have]
                 if not new:
                     return
                 # Writes that are large together go in several events (each merged in turn, as
-                # the fold does); the first carries the guard.
+                # the fold does); the first carries the guard: the chunk count once there is
+                # one, else the first chunk (the only one).
                 events: list[Event] = []
                 ops: list[ViewOp] = []
-                merged = current
+                chunks = [list(c) for c in known.chunks]
+                guard = (WRITES_N, known.count_version) if len(chunks) > 1 else None
+                guard = guard or (WRITES, known.first_version)
                 for part in _split_writes(new, budget):
-                    merged = merge_writes(merged, part)
                     events.append(WritesPut(ns=ns, checkpoint_id=checkpoint_id, writes=part))
-                    guard = version if not ops else None
-                    value = _enc.encode(merged)
-                    ops.append(HashSet(WRITES, field, value, len(ops), expected_version=guard))
+                    for op in _merge_chunks(chunks, part, field, len(events) - 1):
+                        if guard is not None and op.view == guard[0]:
+                            op = msgspec.structs.replace(op, expected_version=guard[1])
+                            guard = None
+                        ops.append(op)
                 try:
                     await self._append(store, tid, events, ops)
                 except EventTooLargeError as exc:
@@ -1523,11 +1739,49 @@ class ThreadlogCheckpointSaver(
                 except ViewConflictError as exc:  # another process wrote them meanwhile
                     conflict = exc
                     self._writes.pop((tid, field))
+                    # Full jitter: processes writing one step's tasks at once otherwise collide
+                    # again in lockstep, and a writer ran out of attempts.
+                    attempt += 1
+                    pause = min(CONFLICT_BACKOFF_MAX, CONFLICT_BACKOFF_MIN * 2**attempt)
+                    await anyio.sleep(random.uniform(0, pause))
                     continue
-                self._writes.put((tid, field), (version + len(ops), merged))
+                bumps = {WRITES: 0, WRITES_N: 0}
+                for done in ops:
+                    if isinstance(done, HashSet) and done.view in bumps:
+                        bumps[done.view] += 1
+                self._writes.put(
+                    (tid, field),
+                    _KnownWrites(
+                        known.first_version + bumps[WRITES],
+                        known.count_version + bumps[WRITES_N],
+                        chunks,
+                    ),
+                )
                 return
             assert conflict is not None
             raise conflict
+
+    async def _read_writes(self, store: EventStore, tid: str, field: str) -> _KnownWrites:
+        """A checkpoint's stored writes, chunk by chunk, with the versions its guards need."""
+        snap = await store.read_views(tid, [HashGet(WRITES, (field,)), HashGet(WRITES_N, (field,))])
+        first, count = snap.results
+        assert isinstance(first, dict) and isinstance(count, dict)
+        views = _Views()
+        views.hashes[WRITES].update(first)
+        views.hashes[WRITES_N].update(count)
+        if field in count:
+            # The chunks past the first, read after their count: if a writer added to them in
+            # between, it moved the count's version too, and the guard refuses this put.
+            fields = tuple(_more_field(field, j) for j in range(1, int(count[field].value) + 1))
+            more = await store.read_views(tid, [HashGet(WRITES_MORE, fields)])
+            found = more.results[0]
+            assert isinstance(found, dict)
+            views.hashes[WRITES_MORE].update(found)
+        return _KnownWrites(
+            first[field].version if field in first else 0,
+            count[field].version if field in count else 0,
+            _stored_chunks(views, field),
+        )
 
     # -- thread maintenance -------------------------------------------------------------------
 
@@ -1548,6 +1802,10 @@ class ThreadlogCheckpointSaver(
         """Copy every event of the source thread to the (new) target thread.
 
         The copy is appended in chunks; each event's ``causation_id`` names its original.
+        A copy that fails or is cancelled half way deletes what it wrote (unless the target
+        was written by someone else meanwhile), so the target never holds an old state of the
+        source as its latest, and the copy can be made again. Only a process that dies half
+        way leaves part of a copy behind.
 
         Raises:
             InvalidInputError: the target thread already has checkpoints.
@@ -1558,9 +1816,12 @@ class ThreadlogCheckpointSaver(
         views = _Views()
         expected: ExpectedVersion = NO_THREAD
         batch: list[RecordedEvent] = []
+        # The chunk being appended: sent again (the same events, so the same idempotency key)
+        # to learn whether it landed when its append was interrupted.
+        sending: tuple[list[NewEvent], list[ViewOp], ExpectedVersion] | None = None
 
         async def flush() -> None:
-            nonlocal expected, batch
+            nonlocal expected, batch, sending
             if not batch:
                 return
             ops: list[ViewOp] = []
@@ -1578,22 +1839,33 @@ class ThreadlogCheckpointSaver(
                 )
                 for e in batch
             ]
+            sending = (news, ops, expected)
             try:
                 result = await store.append(dst, news, view_ops=ops, expected_version=expected)
             except ConcurrencyError:
+                sending = None  # refused whole: nothing of it landed
                 raise InvalidInputError(
                     f"copy_thread: target thread {target_thread_id!r} is not empty"
                 ) from None
+            sending = None
             expected = result.last_seq
             batch = []
 
         async with self._lock(dst):
-            async for event in store.read(src):
-                batch.append(event)
-                if len(batch) >= COPY_CHUNK:
-                    await flush()
-            await flush()
-            self._forget(dst)
+            try:
+                async for event in store.read(src):
+                    batch.append(event)
+                    if len(batch) >= COPY_CHUNK:
+                        await flush()
+                await flush()
+            except BaseException:
+                # A partial copy is a thread whose latest checkpoint is an old one of the
+                # source: a graph resumed on it would go on from there, silently.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(UNDO_TIMEOUT_S):
+                    await _undo_copy(store, dst, expected, sending)
+                raise
+            finally:
+                self._forget(dst)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """Drop checkpoints from the views: ``keep_latest`` keeps each namespace's latest (its
@@ -1648,9 +1920,9 @@ class ThreadlogCheckpointSaver(
         async with self._lock(tid):
             conflict: ConcurrencyError | None = None
             for _ in range(ATTEMPTS):
-                snap = await store.read_views(tid, [HashGetAll(RECORDS)])
-                entries = snap.results[0]
-                assert isinstance(entries, dict)
+                snap = await store.read_views(tid, [HashGetAll(RECORDS), HashGetAll(WRITES_N)])
+                entries, counts = snap.results
+                assert isinstance(entries, dict) and isinstance(counts, dict)
                 records = [(_decode(_record_dec, e, "lg.checkpoints"), e) for e in entries.values()]
                 doomed = select(records)
                 if not doomed:
@@ -1659,7 +1931,9 @@ class ThreadlogCheckpointSaver(
                     (r.ns, r.checkpoint_id): self._body(r)["channel_versions"] for r, _ in records
                 }
                 event = _removal(records, versions, doomed, reason)
-                ops = _event_ops(event, 0, None)
+                held = _Views()  # the chunk counts, so the removal drops every chunk
+                held.hashes[WRITES_N] = counts
+                ops = _event_ops(event, 0, held)
                 try:
                     await self._append(store, tid, [event], ops, expected_version=snap.version)
                 except ConcurrencyError as exc:  # the thread moved on: look again
@@ -1689,11 +1963,37 @@ class ThreadlogCheckpointSaver(
         filter: dict[str, Any] | None = None,
         before: RunnableConfig | None = None,
         limit: int | None = None,
-    ) -> Iterator[CheckpointTuple]:
-        async def collect() -> list[CheckpointTuple]:
-            return [t async for t in self.alist(config, filter=filter, before=before, limit=limit)]
+    ) -> Generator[CheckpointTuple, None, None]:
+        """`alist` on the saver's loop, read as it is consumed (a page of checkpoints at a
+        time), as InMemorySaver's: taking the first of a long history builds one page, not
+        every checkpoint with all its channel values."""
+        portal = self._bridge.portal()
+        listing = portal.call(self._open_listing, config, filter, before, limit)
+        try:
+            while True:
+                try:
+                    tup = portal.call(anext, listing)
+                except StopAsyncIteration:
+                    return
+                yield tup
+        finally:
+            # Closed on its own loop; a generator collected there cannot wait for itself (the
+            # loop's own async generator hooks finalize it then).
+            with contextlib.suppress(RuntimeError):
+                portal.call(listing.aclose)
 
-        return iter(self._run(collect))
+    async def _open_listing(
+        self,
+        config: RunnableConfig | None,
+        filter: dict[str, Any] | None,
+        before: RunnableConfig | None,
+        limit: int | None,
+    ) -> AsyncGenerator[CheckpointTuple, None]:
+        # Created on the saver's loop, so that loop's hooks finalize it if it is never closed.
+        return cast(
+            AsyncGenerator[CheckpointTuple, None],
+            self.alist(config, filter=filter, before=before, limit=limit),
+        )
 
     def put(
         self,
@@ -1728,6 +2028,29 @@ class ThreadlogCheckpointSaver(
     def check(self, thread_id: str) -> CheckReport:
         """Sync `acheck`."""
         return self._run(self.acheck, thread_id)
+
+
+async def _undo_copy(
+    store: EventStore,
+    dst: str,
+    written: ExpectedVersion,
+    sending: tuple[list[NewEvent], list[ViewOp], ExpectedVersion] | None,
+) -> None:
+    """Delete what an interrupted copy wrote to ``dst``: its chunks up to version ``written``,
+    and the chunk it was sending if that one landed. A target written by anyone else since is
+    kept (the delete expects the copy's own version)."""
+    version = written if isinstance(written, int) else 0
+    if sending is not None:
+        news, ops, expected = sending
+        # The same events: answered from the idempotency ledger if they landed. If they had
+        # not, they land now, and are deleted with the rest.
+        with contextlib.suppress(Exception):
+            version = (
+                await store.append(dst, news, view_ops=ops, expected_version=expected)
+            ).last_seq
+    if version:
+        with contextlib.suppress(ConcurrencyError):
+            await store.delete_thread(dst, views=list(VIEWS), expected_version=version)
 
 
 def _split_writes(writes: list[StoredWrite], budget: int) -> list[list[StoredWrite]]:

@@ -460,6 +460,35 @@ class ThreadlogSession:
         with contextlib.suppress(ConcurrencyError):
             await self._append([SessionCleared()], expected_version=EXISTS)
 
+    async def _atomic_replace_items(self, items: list[TResponseInputItem]) -> bool:
+        """Replace every item with ``items`` in one atomic append (`SessionCleared`, then
+        `ItemsAdded`); the log keeps the replaced items.
+
+        The SDK's compaction session (``OpenAIResponsesCompactionSession``) calls this hook
+        when the session has it, as its own RedisSession and SQLite stores do; without it, it
+        clears and then adds, and a reader in between, or a process that dies in between,
+        finds the session empty. Returns False (the SDK then clears and adds through the
+        public methods) for a subclass, which may transform what those methods store.
+        A cancelled call runs to its end, as `add_items` does.
+        """
+        if type(self) is not ThreadlogSession:
+            return False
+        if isinstance(items, Mapping | str | bytes) or not isinstance(items, Sequence):
+            raise InvalidInputError("items must be a list of input items")
+        stored = [_json_item(i, item) for i, item in enumerate(items)]
+        await self._allow("write")
+        await _to_the_end(self._replace(stored))
+        return True
+
+    async def _replace(self, stored: list[dict[str, Any]]) -> None:
+        await self._expire_if_idle()
+        if not stored:
+            await self._clear()
+            return
+        chunks = chunk_by_size(stored, event_budget(self.store))
+        events: list[Event] = [SessionCleared(), *(ItemsAdded(items=c) for c in chunks)]
+        await self._append(events, expected_version=ANY)
+
     # -- beyond the protocol ------------------------------------------------------------------
 
     async def delete(self) -> int:

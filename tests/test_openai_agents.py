@@ -834,3 +834,92 @@ async def test_session_settings_as_the_sdk_accepts_them(
     for bad in ({"limit": 1, "bogus": 2}, {"limit": "many"}, {1: 2}, "limit=1", 1, [("limit", 1)]):
         with pytest.raises(es.InvalidInputError, match="session_settings"):
             ThreadlogSession("bad", store, session_settings=bad)  # type: ignore[arg-type]
+
+
+class CompactingResponses:
+    """The `responses.compact` endpoint of an OpenAI client: the history becomes one summary.
+    (The model is the only thing not run for real; the session and the SDK's compaction code
+    are.)"""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def compact(self, **kwargs: Any) -> Any:
+        self.calls += 1
+        summary = {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": f"summary of {len(kwargs['input'])}"}],
+        }
+        return type("Compacted", (), {"output": [summary], "usage": None})()
+
+
+class CompactingClient:
+    def __init__(self) -> None:
+        self.responses = CompactingResponses()
+
+
+async def test_compaction_replaces_the_history_in_one_step(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The SDK's compaction session replaces the stored history with the compacted one. Without
+    # an atomic replacement on the session, it clears, then adds: a process that dies in
+    # between (or any reader in between) finds the session empty, and the history is gone
+    # for the next run. The SDK's own RedisSession and SQLite stores replace in one step.
+    from agents.memory import OpenAIResponsesCompactionArgs, OpenAIResponsesCompactionSession
+
+    inner = ThreadlogSession("compacted", store)
+    history = [user(f"m{i}") for i in range(12)]
+    await inner.add_items(history)
+    client = CompactingClient()
+    session = OpenAIResponsesCompactionSession(
+        "compacted", inner, client=cast(Any, client), compaction_mode="input"
+    )
+    appends = 0
+    append = store.append
+    stalled, release = anyio.Event(), anyio.Event()
+
+    async def stalls_on_the_second_write(*args: Any, **kwargs: Any) -> es.AppendResult:
+        nonlocal appends
+        appends += 1
+        if appends == 2:  # were the process to die here, what would stay?
+            stalled.set()
+            await release.wait()
+        return await append(*args, **kwargs)
+
+    monkeypatch.setattr(store, "append", stalls_on_the_second_write)
+    compacted = [
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "summary of 12"}],
+        }
+    ]
+    async with anyio.create_task_group() as tg:
+        forced: OpenAIResponsesCompactionArgs = {"force": True}
+        tg.start_soon(session.run_compaction, forced)
+        with anyio.move_on_after(1):
+            await stalled.wait()
+        # What another process reads now, and what stays if this one dies now.
+        seen = await ThreadlogSession("compacted", store).get_items()
+        release.set()
+    assert seen in (history, compacted), seen  # it used to be [] (cleared, not added yet)
+    assert appends == 1
+    assert client.responses.calls == 1
+    monkeypatch.setattr(store, "append", append)
+    assert await ThreadlogSession("compacted", store).get_items() == compacted
+    # The log keeps what the compaction replaced, and the views are its fold.
+    thread = session_thread_id("compacted")
+    payloads = [e.payload async for e in store.read(thread)]
+    assert [type(p).__name__ for p in payloads] == ["ItemsAdded", "SessionCleared", "ItemsAdded"]
+    assert (await Projector(store, [inner.projection]).check(thread)).ok
+    # An empty compacted history clears the session; a subclass (which may transform what
+    # add_items stores) is left to the SDK's clear and add.
+    assert await inner._atomic_replace_items([]) is True
+    assert await inner.get_items() == []
+
+    class Transforming(ThreadlogSession):
+        pass
+
+    assert await Transforming("compacted", store)._atomic_replace_items(history) is False
+    assert await inner.get_items() == []
