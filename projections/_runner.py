@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -34,6 +35,8 @@ from eventstore import (
     FeedTrimmedError,
     InvalidInputError,
     RecordedEvent,
+    StoreConnectionError,
+    StoreTimeoutError,
     TurnSettled,
     validate_consumer,
     validate_group,
@@ -50,6 +53,13 @@ FEED_PAGE = 1024
 TURN_BATCHES = 8
 """The batches `ProjectionRunner.run` applies in one partition before it turns to the next."""
 MIN_POLL_INTERVAL = 0.001
+# `run` waits out a store it cannot reach: backoffs from the first to the last, doubling.
+OUTAGE_FIRST_BACKOFF = 0.1
+OUTAGE_LAST_BACKOFF = 5.0
+DEFAULT_MAX_OUTAGE = 300.0
+# The errors of a store that cannot be reached (its retries spent), as opposed to one that
+# answers with an error: only these are waited out.
+_OUTAGE = (StoreConnectionError, StoreTimeoutError)
 """The shortest ``poll_interval`` a runner takes, in seconds: below it an idle runner reads its
 feeds in a loop as fast as the round trips allow, burning a core on both sides for nothing."""
 
@@ -233,12 +243,20 @@ class ProjectionRunner:
     after the checkpoint with it, leaving no trim record: the runner stops there with
     `FeedResetError` rather than read on from a new feed past them.
 
+    `run` waits out a store it cannot reach (a restart, a failover: `StoreConnectionError` or
+    `StoreTimeoutError` once the client's own retries are spent), logging a warning each
+    time, backing off from 0.1 s to 5 s, and reads on from the checkpoint when the store
+    answers again (a batch is applied whole or not at all, so nothing counts twice). After
+    ``max_outage`` seconds without an answer it raises the last error (None: it waits for
+    ever; 0: it raises at once, as `run_once` always does).
+
     Raises:
         InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited), a
             bad projection name or consumer name, ``partitions`` not distinct
             ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
             not a finite number >= `MIN_POLL_INTERVAL`, ``accept_trimmed_feed`` or
-            ``backfill`` not a bool. Nothing is registered.
+            ``backfill`` not a bool, ``max_outage`` neither None nor a finite number >= 0.
+            Nothing is registered.
     """
 
     def __init__(
@@ -252,6 +270,7 @@ class ProjectionRunner:
         poll_interval: float = 0.2,
         accept_trimmed_feed: bool = False,
         backfill: bool = False,
+        max_outage: float | None = DEFAULT_MAX_OUTAGE,
     ) -> None:
         store = require_store(store, "ProjectionRunner")
         validate_view_name(projection.name)
@@ -266,6 +285,14 @@ class ProjectionRunner:
                 f"poll_interval must be a finite number of seconds >= {MIN_POLL_INTERVAL} (0 "
                 f"would read an idle feed in a busy loop), not {poll_interval!r}"
             )
+        if max_outage is not None and (
+            isinstance(max_outage, bool)
+            or not isinstance(max_outage, int | float)
+            or not 0 <= max_outage < math.inf
+        ):
+            raise InvalidInputError(
+                f"max_outage must be None or a finite number of seconds >= 0, not {max_outage!r}"
+            )
         for flag, value in (("accept_trimmed_feed", accept_trimmed_feed), ("backfill", backfill)):
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{flag} must be a bool, not {value!r}")
@@ -277,6 +304,7 @@ class ProjectionRunner:
         self.poll_interval = poll_interval
         self.accept_trimmed_feed = accept_trimmed_feed
         self.backfills = backfill
+        self.max_outage = max_outage
         self._backfilled: set[int] = set()
         self._group_at: dict[int, str] = {}
         """Where this runner last put the projection's group, per partition."""
@@ -314,12 +342,41 @@ class ProjectionRunner:
         The partitions are taken in turns of at most `TURN_BATCHES` batches each, so one whose
         feed fills as fast as it is read does not keep the others waiting."""
         done = 0
+        outage_since: float | None = None
+        backoff = OUTAGE_FIRST_BACKOFF
         while not stop.is_set():
             processed = 0
-            for partition in self.partitions:
-                if stop.is_set():
-                    break
-                processed += await self._drain(partition, stop=stop, turn=TURN_BATCHES)
+            try:
+                for partition in self.partitions:
+                    if stop.is_set():
+                        break
+                    processed += await self._drain(partition, stop=stop, turn=TURN_BATCHES)
+            except _OUTAGE as exc:
+                done += processed
+                now = time.monotonic()
+                outage_since = now if outage_since is None else outage_since
+                waited = now - outage_since
+                if self.max_outage is not None and waited >= self.max_outage:
+                    exc.add_note(
+                        f"projection {self.projection.name!r}: the store did not answer for "
+                        f"{waited:.1f} s (max_outage {self.max_outage:g} s)"
+                    )
+                    raise
+                log.warning(
+                    "runner %s: the store does not answer (%r), %.1f s so far; "
+                    "reading on from the checkpoint in %.1f s",
+                    self.consumer, exc, waited, backoff,
+                )  # fmt: skip
+                with anyio.move_on_after(backoff):
+                    await stop.wait()
+                backoff = min(backoff * 2, OUTAGE_LAST_BACKOFF)
+                continue
+            if outage_since is not None:
+                log.warning(
+                    "runner %s: the store answers again after %.1f s",
+                    self.consumer, time.monotonic() - outage_since,
+                )  # fmt: skip
+                outage_since, backoff = None, OUTAGE_FIRST_BACKOFF
             done += processed
             if not processed:
                 with anyio.move_on_after(self.poll_interval):
@@ -357,6 +414,8 @@ class ProjectionRunner:
                     # again) since has other events at these seqs, counted by their own changes.
                     events = await self.store.read_change(entry)
                     incr += validate_increments(self.projection.increments(entry, events))
+                except _OUTAGE:
+                    raise  # the store's, not the change's: `run` waits it out, reads it again
                 except Exception as exc:
                     await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
                     raise

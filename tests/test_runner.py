@@ -18,6 +18,7 @@ import pytest
 import eventstore as es
 import projections._runner
 from eventstore._feed import parse_stream_id
+from eventstore.servers import redis_server
 from projections import (
     GroupLag,
     Increment,
@@ -511,6 +512,10 @@ async def test_a_dropped_group_of_a_running_projection_is_registered_again(
         {"poll_interval": float("inf")},
         {"accept_trimmed_feed": "yes"},
         {"backfill": 1},
+        {"max_outage": -1},
+        {"max_outage": float("inf")},
+        {"max_outage": True},
+        {"max_outage": "60"},
     ],
 )
 async def test_a_runner_with_bad_settings_is_refused_at_once(
@@ -1121,3 +1126,46 @@ def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes
     assert main(["drop-group", "usage", *where]) == 0
     assert "Dropped consumer group 'usage' from 4 partitions" in capsys.readouterr().out
     assert unread() == {"usage-v2": 0}
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_run_waits_out_a_store_restart_and_counts_every_change_once() -> None:
+    """A server stopped for longer than the client's retries (a restart, a failover) and
+    started again: `run` waits it out and reads on from its checkpoint; with max_outage=0 the
+    same outage stops it with the store's error, as before."""
+    with redis_server(extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as server:
+        store = await es.connect(server.url, namespace="outage", partitions=4)
+        try:
+            usage = UsageProjection()
+            runner = ProjectionRunner(store, usage, consumer="c", poll_interval=0.01)
+            expected = await fill(store, 12)
+            stop = anyio.Event()
+            outcome: dict[str, object] = {}
+
+            async def run() -> None:
+                outcome["applied"] = await runner.run(stop)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                with anyio.fail_after(30):
+                    while totals(await usage.report(store)) != expected:
+                        await anyio.sleep(0.01)
+                await anyio.to_thread.run_sync(server.stop)
+                await anyio.sleep(1.5)  # the client's own retries give up within ~0.7 s
+                await anyio.to_thread.run_sync(server.start)
+                for i in range(6):
+                    await settle(store, f"after-{i}", "small", 1)
+                t, a, b = expected["small"]
+                expected["small"] = (t + 6, a + 6, b + 0)
+                with anyio.fail_after(30):
+                    while totals(await usage.report(store)) != expected:
+                        await anyio.sleep(0.01)
+                stop.set()
+            assert outcome["applied"] == 13 + 6
+            strict = ProjectionRunner(store, usage, consumer="c", max_outage=0)
+            await anyio.to_thread.run_sync(server.stop)
+            with pytest.raises(es.StoreConnectionError):
+                await strict.run(anyio.Event())
+            await anyio.to_thread.run_sync(server.start)
+        finally:
+            await store.close()
