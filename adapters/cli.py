@@ -221,6 +221,11 @@ def _out_dir(text: str) -> Path:
     # working directory.
     if not text.strip():
         raise argparse.ArgumentTypeError("the output directory is empty")
+    # export-jsonl takes '-' for stdout; here it would silently make a directory named '-'.
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "'-' (stdout) is no directory: export writes part files into --out DIR"
+        )
     return Path(text)
 
 
@@ -1204,17 +1209,30 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     n = args.window
     if n:
         title = f"History window: the last {plural(n, 'message')}"
-        out.print(messages_table(title, shown.messages))
-    out.print(state_table(f"State: {plural(len(shown.state), 'block')}", shown.state))
+        if shown.messages:
+            out.print(messages_table(title, shown.messages))
+        else:
+            _print_empty(out, title, "(no messages)")
+    title = f"State: {plural(len(shown.state), 'block')}"
+    if shown.state:
+        out.print(state_table(title, shown.state))
+    else:
+        _print_empty(out, title, "(no state blocks)")
     title = f"Turn tree: {plural(len(shown.turns), 'turn')}"
     if len(tree) < len(whole_tree):
         title += f", the last {len(tree)} of {len(whole_tree)} root turns"
-    out.print(turn_tree(title, tree), soft_wrap=False)
-    out.print()
+    if tree:
+        out.print(turn_tree(title, tree), soft_wrap=False)
+        out.print()
+    else:
+        _print_empty(out, title, "(no turns)")
     title = f"Turn records in settle order: {len(shown.records)}"
     if len(records) < len(shown.records):
         title += f", the last {len(records)}"
-    out.print(records_table(title, records))
+    if records:
+        out.print(records_table(title, records))
+    else:
+        _print_empty(out, title, "(no turn records)")
     if shown.transcript:
         title = f"Session transcript: {plural(len(shown.transcript), 'message')}"
         recent = shown.transcript[-n:] if n else []
@@ -1224,6 +1242,14 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
         if len(recent) < len(shown.transcript):
             title += f", the last {len(recent)}"
         out.print(messages_table(title, recent))
+
+
+def _print_empty(out: Console, title: str, empty: str) -> None:
+    """A section with nothing in it: its title and one line saying so, not a table of headers
+    alone, which reads like output cut short (or a bug)."""
+    out.print(Text(title, style="italic"))
+    out.print(Text(f"  {empty}"))
+    out.print()
 
 
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:

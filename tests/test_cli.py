@@ -33,7 +33,7 @@ import pytest
 import redis
 
 import eventstore as es
-from adapters import ThreadStore, read_parquet_dir
+from adapters import SessionStore, ThreadStore, read_parquet_dir
 from adapters._export import SOURCE_FILE
 from adapters._framework_events import StoredWrite, WritesPut
 from eventstore._feed import parse_stream_id
@@ -224,6 +224,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["tail", "--limit", "-1"], "must be >= 0"),
     (["export", "--out", ""], "the output directory is empty"),
     (["export", "--out", " ", "--format", "ndjson"], "the output directory is empty"),
+    # Not stdout, as for export-jsonl: parts go into a directory, which '-' would have named.
+    (["export", "--out", "-", "--format", "ndjson"], "'-' (stdout) is no directory"),
     (
         ["export", "--out", "x", "--format", "ndjson", "--compression", "zstd"],
         "--compression applies to --format parquet only",
@@ -579,6 +581,45 @@ def test_show_prints_window_state_tree_records_and_transcript(demo: Demo) -> Non
     assert roots[1]["children"][0]["record"]["error"]["kind"] == "tool_timeout"
     assert len(shown["records"]) == 9
     assert shown["transcript"][0]["message"]["role"] == "system"  # compacted
+
+
+def test_show_says_a_section_is_empty_instead_of_printing_an_empty_table(
+    redis_url: str,
+) -> None:
+    """A thread of one message has no state block, turn or record: each section says so in
+    one line (an empty table's bare header reads like output cut short); --json is as it was."""
+    namespace = fresh_namespace()
+    with_store(
+        redis_url,
+        namespace,
+        lambda s: ThreadStore(s).append_message("e1", {"role": "user", "content": "hi"}),
+    )
+    run = cli("show", "e1", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    for heading, empty in (
+        ("State: 0 blocks", "(no state blocks)"),
+        ("Turn tree: 0 turns", "(no turns)"),
+        ("Turn records in settle order: 0", "(no turn records)"),
+    ):
+        at = run.out.index(heading)
+        assert run.out[at:].splitlines()[1].strip() == empty, run.out
+    for header in ("block   version", "outcome", "tokens in/out"):
+        assert header not in run.out, run.out  # no header of an empty table
+    assert "hi" in run.out  # the window that does hold a message is a table as before
+    # A window of nothing: as of a seq before anything was recorded there is no window, but
+    # a thread of only a transcript has an empty window.
+    with_store(
+        redis_url,
+        namespace,
+        lambda s: SessionStore(s).append("s1", [{"role": "user", "content": "yo"}]),
+    )
+    only_transcript = cli("show", "s1", url=redis_url, namespace=namespace)
+    at = only_transcript.out.index("History window: the last 6 messages")
+    assert only_transcript.out[at:].splitlines()[1].strip() == "(no messages)", only_transcript
+
+    shown = cli("show", "e1", "--json", url=redis_url, namespace=namespace).json()
+    assert (shown["state"], shown["turn_tree"], shown["records"]) == ({}, [], [])
+    assert [m["message"]["content"] for m in shown["messages"]] == ["hi"]
 
 
 def test_show_prints_values_that_look_like_markup_as_they_are(redis_url: str) -> None:
