@@ -106,6 +106,17 @@ FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
 # file holds something to write): rebuild and the feed commands work on what is there, and a
 # misspelt --namespace given to them is refused, not recorded as a new, empty tenant. tail is
 # left out: following a namespace before its first event is what it is for.
+WRITES: dict[str, str] = {
+    "demo": "events",
+    "import-jsonl": "events",
+    "rebuild": "the threads' views",
+    "export": "its feed consumer group",
+    "trim-feed": "the change feed",
+    "drop-group": "feed consumer groups",
+}
+"""What each command writes besides reading: the ACL hint's words for a user who may only read."""
+_ACL_DENIED = "(ACL)"  # how translate_redis_error marks a command Redis's ACL refused
+_KEYS_DENIED = "no permissions to access one of the keys"  # Redis's words: outside ~pattern
 _NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
@@ -2175,9 +2186,20 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
     namespace: str | None = getattr(args, "namespace", None)
     # Commands that write no event leave a namespace that was never written without any key
     # (a misspelt --namespace must not create one); import-jsonl creates it once it writes.
-    store = await es.connect(
-        where.url, namespace=namespace, create_namespace=args.command == "demo"
-    )
+    try:
+        store = await es.connect(
+            where.url, namespace=namespace, create_namespace=args.command == "demo"
+        )
+    except es.StoreConnectionError as exc:
+        if _KEYS_DENIED not in str(exc):
+            raise
+        # A tenant's user reaches one namespace's keys; the likeliest cause is a --namespace
+        # left out (so 'default'), which Redis's own words do not say.
+        named = namespace or es.StoreSettings.from_url(where.url).namespace
+        raise es.StoreConnectionError(
+            f"{exc} (namespace {named!r}: this user's ACL key patterns do not reach "
+            "its keys; a tenant's user reaches only its own namespace: check --namespace)"
+        ) from None
     async with store:
         if args.command in _NAMESPACE_MUST_EXIST and store.namespace != "default":
             # Named on purpose (--namespace, or the URL's ?namespace=): one never written is a
@@ -2351,13 +2373,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Stored damage, as a thread's undecodable event is: not a usage error.
             return _fail(_describe(exc), EXIT_FAILED)
         if isinstance(exc, es.EventStoreError | OSError):
-            return _fail(_describe(exc), EXIT_USAGE)
+            hint = _acl_hint(command, exc)
+            described = _describe(exc)
+            return _fail(described.rstrip(".") + hint if hint else described, EXIT_USAGE)
         if not isinstance(exc, Exception):
             raise
         if os.environ.get("THREADLOG_DEBUG"):
             traceback.print_exception(exc)
         return _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
     return EXIT_OK
+
+
+def _acl_hint(command: str | None, exc: BaseException) -> str:
+    """For a writing command that Redis's ACL refused: what it writes and which rules allow it.
+    Redis names no command when a script is refused (and no rule ever), so an auditor's user
+    running rebuild would otherwise read only "can't run this command"."""
+    text = str(exc)
+    if command not in WRITES or _ACL_DENIED not in text or "needs +" in text:
+        return ""  # ("needs +scan": the namespace-wide audits say what they need themselves)
+    return (
+        f"; {command} writes {WRITES[command]}, which a read-only user "
+        "(eventstore.acl_rules(ns, read_only=True)) may not: run it as a user with "
+        "eventstore.acl_rules(ns)"
+    )
 
 
 def _reader_gone() -> int:
