@@ -1274,6 +1274,10 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     as_of: AsOf = version if args.as_of is None else args.as_of
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
+    if args.start > version:
+        # As --as-of past the end is: an empty replay (nothing at all with --json) would read
+        # as a thread with nothing there, not as a seq mistyped or from another thread.
+        raise UsageError(f"--from {args.start}: thread {thread!r} ends at seq {version}")
     auditor = Auditor(ctx.store)
     out = ctx.out
     type_width = _type_width(ctx.store.registry)

@@ -717,6 +717,23 @@ def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
         namespace=demo.namespace,
     )
     assert f"ends at seq {demo.version}" in assert_one_line_error(beyond)
+    # --from past the end is refused too: "No events in that range" with exit 0 (and nothing
+    # at all with --json) reads as an empty thread to a script, not as a mistyped seq.
+    for json_flag in ([], ["--json"]):
+        past = cli(
+            "replay",
+            demo.thread,
+            "--from",
+            str(demo.version + 1),
+            *json_flag,
+            url=demo.url,
+            namespace=demo.namespace,
+        )
+        line = assert_one_line_error(past)
+        assert f"--from {demo.version + 1}: thread {demo.thread!r} ends at seq {demo.version}" in (
+            line
+        )
+        assert past.out == ""
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
