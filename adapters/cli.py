@@ -511,6 +511,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def write_stdout(data: bytes) -> None:
+    """Write every byte to stdout, or raise BrokenPipeError (exit 141). Python's buffered
+    stdout loses the rest of a write larger than its buffer without a word when the reader
+    goes away (a show --json of a long window into ``| head``: exit 0, output cut short).
+    JSON goes out as UTF-8 whatever the locale, as `_tolerant_output` says."""
+    sys.stdout.flush()  # what rich or print left in the buffer goes first
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a test's capture: no fd
+        sys.stdout.write(data.decode("utf-8"))
+        return
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -555,9 +571,7 @@ class Ctx:
         return Projector(self.store)
 
     def json(self, value: Any) -> None:
-        data = msgspec.json.format(msgspec.json.encode(json_ready(value)), indent=2)
-        sys.stdout.write(data.decode("utf-8") + "\n")
-        sys.stdout.flush()
+        write_stdout(msgspec.json.format(msgspec.json.encode(json_ready(value)), indent=2) + b"\n")
 
     def progress(self, description: str, unit: str | None = None) -> _Progress:
         return _Progress(self.err, description, enabled=self.progress_ok, unit=unit)
@@ -1307,7 +1321,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
                 "turns": len(step.records),
                 "transcript": len(step.transcript),
             }
-            sys.stdout.write(msgspec.json.encode(row).decode("utf-8") + "\n")
+            write_stdout(msgspec.json.encode(row) + b"\n")
             continue
         line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
         line.append(f"{event.type:<{type_width}} ", style="cyan")
@@ -1318,9 +1332,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         )
         line.append(models, style="dim")
         out.print(line)
-    if args.json:
-        sys.stdout.flush()
-    elif count == 0:
+    if count == 0 and not args.json:
         out.print("No events in that range.")
     if gaps:
         raise Failed
@@ -1442,8 +1454,7 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
     def emit(line: Text | dict[str, Any]) -> bool:
         nonlocal shown
         if isinstance(line, dict):
-            sys.stdout.write(msgspec.json.encode(line).decode("utf-8") + "\n")
-            sys.stdout.flush()
+            write_stdout(msgspec.json.encode(line) + b"\n")
         else:
             ctx.out.print(line)
         shown += 1
@@ -2150,12 +2161,7 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     sessions = SessionStore(ctx.store)
     if args.file == "-":
         transcript = await transcript_to_export(sessions, session)
-        data = memoryview(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
-        sys.stdout.flush()
-        # Every byte, or BrokenPipeError (exit 141): a buffered write of a large block can
-        # stop short when the reader goes away, and report nothing.
-        while data:
-            data = data[os.write(sys.stdout.fileno(), data) :]
+        write_stdout(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
         return
     lines = await export_jsonl(sessions, session, args.file)
     ctx.err.print(Text(f"wrote {plural(lines, 'message')} of session {session} to {args.file}"))
