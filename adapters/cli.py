@@ -19,9 +19,10 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -91,7 +92,8 @@ exit codes:
   1    verification failed, differences found, or a stored event or key is damaged
   2    usage error, bad input, or the store is unreachable or refused the request
   3    internal error (a bug in threadlog; THREADLOG_DEBUG=1 shows the traceback)
-  130  interrupted (Ctrl-C); tail stops with 0
+  130  interrupted (Ctrl-C, or SIGTERM, which stops a command as Ctrl-C does); tail
+       stops with 0
   141  the output's reader went away (a pipe into head), nothing on stderr
 """
 URL_ENV = "THREADLOG_URL"
@@ -2334,6 +2336,32 @@ def _tolerant_output(*, json_lines: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
+    with _sigterm_as_ctrl_c():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM, a supervisor's stop (systemd, Kubernetes, ``timeout``), stops the command as
+    Ctrl-C does: an import lets its append in flight finish and says what it wrote, an export
+    removes its unfinished part. Python's default would end the process at once, in silence.
+    (The previous handler comes back afterwards: tests run `main` in their own process.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set in the main thread
+        return
+
+    def as_sigint(signum: int, frame: object) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, as_sigint)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler set outside Python, which cannot be put back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     command: str | None = None
     try:

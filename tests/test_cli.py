@@ -1570,8 +1570,14 @@ def test_import_jsonl_creates_a_namespace_only_when_it_writes(
     )
 
 
+# SIGTERM is how a supervisor (systemd, Kubernetes, `timeout`) stops a job: it used to kill the
+# command at once, saying nothing of what it had written; it stops it as Ctrl-C does.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_import_stopped_by_ctrl_c_says_what_it_wrote(
-    redis_url: str, tmp_path: Path, popen: Callable[..., subprocess.Popen[str]]
+    redis_url: str,
+    tmp_path: Path,
+    popen: Callable[..., subprocess.Popen[str]],
+    signum: signal.Signals,
 ) -> None:
     namespace = fresh_namespace()
     source = tmp_path / "big.jsonl"
@@ -1603,7 +1609,7 @@ def test_import_stopped_by_ctrl_c_says_what_it_wrote(
         while not with_store(redis_url, namespace, blocked_writers):
             assert time.monotonic() < deadline and proc.poll() is None, "no append was held"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         time.sleep(1.0)  # time for the signal to reach the loop, even on a loaded machine
     finally:
         with_store(redis_url, namespace, unpause)
