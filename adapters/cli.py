@@ -2203,6 +2203,13 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
             where.url, namespace=namespace, create_namespace=args.command == "demo"
         )
     except es.StoreConnectionError as exc:
+        if "Protocol error" in str(exc):
+            # redis-py's words for a reply that is no RESP at all: another service (HTTP, SSH)
+            # answered on that port, which its message does not say.
+            raise es.StoreConnectionError(
+                f"{exc} (the server there does not answer as a Redis server does: check the "
+                "host and port of --url or $THREADLOG_URL)"
+            ) from None
         if _KEYS_DENIED not in str(exc):
             raise
         # A tenant's user reaches one namespace's keys; the likeliest cause is a --namespace

@@ -16,9 +16,11 @@ import re
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -285,6 +287,35 @@ def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> Non
         assert "cannot use redis at redis://alice:***@127.0.0.1" in line, line
         assert "s3cret" not in run.err + run.out
     assert time.monotonic() - started < 30
+
+
+def test_a_url_that_reaches_no_redis_server_says_so() -> None:
+    """A --url at the wrong port often reaches another service (an HTTP server, say): Redis's
+    client only says 'Protocol error, got "H" as reply type byte', which names no cause."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_http() -> None:
+        with listener:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    server = threading.Thread(target=answer_http, daemon=True)
+    server.start()
+    try:
+        line = assert_one_line_error(cli("threads", url=f"redis://127.0.0.1:{port}"))
+    finally:
+        listener.close()
+    assert f"cannot use redis at redis://127.0.0.1:{port}" in line, line
+    assert "does not answer as a Redis server does" in line and "check the host and port" in line, (
+        line
+    )
 
 
 def test_a_server_that_evicts_any_key_is_one_line_with_exit_code_2(redis_url: str) -> None:
