@@ -586,6 +586,13 @@ def resolve_where(url: str | None) -> Where:
             raise UsageError("--url is empty")
         return Where(url, given=True)
     env = os.environ.get(URL_ENV)
+    if env is not None and not env.strip():
+        # As an empty --url is: set from an unset variable in a deployment, it would start a
+        # redis-server in the working directory and answer from its empty data ("No threads").
+        raise UsageError(
+            f"{URL_ENV} is set but empty: set it to the store's URL, or unset it for the "
+            f"embedded redis-server under ./{EMBEDDED_DIR}/"
+        )
     if env:
         return Where(env)
     found = es.embedded_url(EMBEDDED_DIR, on_start=_say_started)  # started when needed

@@ -454,6 +454,27 @@ def test_installed_script_runs_the_demo_on_the_embedded_default_repeatedly(
         assert "in-memory backend" in first.out
 
 
+def test_an_empty_threadlog_url_is_refused_not_taken_for_the_embedded_server(
+    tmp_path: Path,
+) -> None:
+    """``THREADLOG_URL=$UNSET`` in a deployment: as an empty --url is, it is refused (exit 2),
+    rather than start a redis-server in the working directory and answer from its empty
+    data ("No threads")."""
+    home = tmp_path / ".threadlog"
+    try:
+        runs = [
+            cli(*argv, cwd=tmp_path, env=child_env(THREADLOG_URL=value))
+            for argv in (["threads"], ["demo"])
+            for value in ("", "  ")
+        ]
+    finally:
+        es.stop_embedded(home)  # one started before the fix
+    for run in runs:
+        line = assert_one_line_error(run)
+        assert "THREADLOG_URL is set but empty" in line, line
+    assert not home.exists()
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_the_embedded_server_is_announced_when_started_and_stopped_by_threadlog_stop(
     tmp_path: Path,
