@@ -2376,6 +2376,14 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    if sys.stderr is None:
+        # Closed (``2>&-``): Python has no stream to write to, and the first error would
+        # end the process with exit 1, the code of a failed verification. Errors go nowhere;
+        # the exit code still says what happened.
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept for the life of the process)
+    if sys.stdout is None:
+        # Closed (``>&-``): refused before anything is done, as nothing could be shown.
+        return _fail("standard output is closed: nothing could be shown", EXIT_USAGE)
     parser = build_parser()
     command: str | None = None
     try:

@@ -289,6 +289,43 @@ def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> Non
     assert time.monotonic() - started < 30
 
 
+def test_a_closed_stdout_or_stderr_gives_the_documented_exit_codes(redis_url: str) -> None:
+    """``threadlog ... >&-`` (a daemon, a cron line) ended in an internal error (exit 3) with
+    stdout closed, and with stderr closed an error exited 1, the code for failed verification.
+    A closed stdout is refused before anything is done (exit 2; nothing could be shown), and
+    with stderr closed the exit code is still the error's own."""
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("hi")]))
+
+    def run_closing(fd: int, *argv: str) -> int:
+        return subprocess.run(
+            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.DEVNULL if fd == 2 else None,
+            stderr=subprocess.PIPE if fd == 1 else None,
+            preexec_fn=lambda: os.close(fd),
+            timeout=60,
+            check=False,
+        ).returncode
+
+    assert run_closing(1, "threads") == 2
+    assert run_closing(2, "threads") == 0
+    assert run_closing(2, "show", "no-such-thread") == 2
+    assert run_closing(2, "verify", "t") == 0
+    closed = subprocess.run(
+        [*CLI, "threads", "--url", redis_url, "--namespace", namespace],
+        cwd=ROOT,
+        env=child_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.close(1),
+        timeout=60,
+        check=False,
+    )
+    assert closed.stderr == "threadlog: standard output is closed: nothing could be shown\n"
+
+
 def test_a_url_that_reaches_no_redis_server_says_so() -> None:
     """A --url at the wrong port often reaches another service (an HTTP server, say): Redis's
     client only says 'Protocol error, got "H" as reply type byte', which names no cause."""
