@@ -2433,7 +2433,7 @@ def _main(argv: Sequence[str] | None) -> int:
             # Stored damage, as a thread's undecodable event is: not a usage error.
             return _fail(_describe(exc), EXIT_FAILED)
         if isinstance(exc, es.EventStoreError | OSError):
-            hint = _acl_hint(command, exc)
+            hint = _acl_hint(command, exc) or _full_hint(exc)
             described = _describe(exc)
             return _fail(described.rstrip(".") + hint if hint else described, EXIT_USAGE)
         if not isinstance(exc, Exception):
@@ -2455,6 +2455,17 @@ def _acl_hint(command: str | None, exc: BaseException) -> str:
         f"; {command} writes {WRITES[command]}, which a read-only user "
         "(eventstore.acl_rules(ns, read_only=True)) may not: run it as a user with "
         "eventstore.acl_rules(ns)"
+    )
+
+
+def _full_hint(exc: BaseException) -> str:
+    """For a write a full server refused (maxmemory, under noeviction): Redis's words name a
+    limit, not a cause or a remedy, and end in a script's sha."""
+    if "command not allowed when used memory > 'maxmemory'" not in str(exc):
+        return ""
+    return (
+        "; the Redis server is full (its maxmemory is reached): raise its maxmemory or free "
+        "memory, then run the command again"
     )
 
 

@@ -326,6 +326,23 @@ def test_a_closed_stdout_or_stderr_gives_the_documented_exit_codes(redis_url: st
     assert closed.stderr == "threadlog: standard output is closed: nothing could be shown\n"
 
 
+def test_a_full_server_says_it_is_full(tmp_path: Path) -> None:
+    """A server at its maxmemory (noeviction) refuses writes with "command not allowed when
+    used memory > 'maxmemory'. script: <sha>, on @user_script:176": the error says the server
+    is full and what to do, and the refused import wrote nothing."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"role":"user","content":"hi"}\n')
+    with redis_server() as server:
+        with_store(server.url, "default", lambda s: s.append("t", [msg("before")]))
+        with redis.Redis.from_url(server.url) as admin:
+            admin.config_set("maxmemory", "1")  # already over it
+            line = assert_one_line_error(cli("import-jsonl", str(source), "s1", url=server.url))
+            admin.config_set("maxmemory", "0")
+            assert admin.exists(KeyLayout("default").log("s1")) == 0
+    assert "maxmemory" in line and "the Redis server is full" in line, line
+    assert "raise its maxmemory or free memory" in line, line
+
+
 def test_a_url_that_reaches_no_redis_server_says_so() -> None:
     """A --url at the wrong port often reaches another service (an HTTP server, say): Redis's
     client only says 'Protocol error, got "H" as reply type byte', which names no cause."""
