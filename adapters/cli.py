@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn, cast
 
 import anyio
 import anyio.abc
@@ -712,6 +712,31 @@ _ONE_LINE = _escapes("")
 _LINES = _escapes("\n\t")
 
 
+_TERMINAL_UNSAFE = {
+    c: e for c, e in _ONE_LINE.items() if c >= 0x80
+}  # C1 controls and bidi controls: characters rich never writes itself
+"""What every line the command writes has escaped, whatever it prints (see `_Escaping`)."""
+
+
+class _Escaping:
+    """A console's stream that escapes `_TERMINAL_UNSAFE` in everything written through it.
+    Thread ids may hold them (only C0 controls are refused), and they are printed in many
+    places besides show and replay: a bidi override makes 'evil<RLO>gnp.exe' read as
+    'evilexe.png', and U+009B is CSI on some terminals. Rich's own styling is C0 (ESC), which
+    passes through. The stream is looked up when written to (tests replace sys.stdout)."""
+
+    def __init__(self, stream: Callable[[], Any]) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        stream = self._stream()
+        stream.write(text.translate(_TERMINAL_UNSAFE))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, flush...
+        return getattr(self._stream(), name)
+
+
 def printable(text: str, *, lines: bool = False) -> str:
     """``text`` as the terminal is to show it: what a thread holds was written by agents and
     their users, and an escape sequence in it (clear the screen, move the cursor, rewrite a
@@ -1118,7 +1143,7 @@ async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     table.add_column("partition", justify="right", no_wrap=True)
     for info, version in rows:
         table.add_row(
-            Text(info.thread_id),
+            Text(printable(info.thread_id)),  # escaped before rich measures the column
             "damaged" if version is None else str(version),
             fmt_time(info.last_activity_ms),
             str(info.partition),
@@ -2189,8 +2214,15 @@ def _consoles() -> tuple[Console, Console]:
     width = None
     if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
         width = PLAIN_WIDTH
-    out = _Console(highlight=False, soft_wrap=True, width=width)
-    err = _Console(stderr=True, highlight=False, soft_wrap=True)
+    out = _Console(
+        file=cast("IO[str]", _Escaping(lambda: sys.stdout)),
+        highlight=False,
+        soft_wrap=True,
+        width=width,
+    )
+    err = _Console(
+        file=cast("IO[str]", _Escaping(lambda: sys.stderr)), highlight=False, soft_wrap=True
+    )
     return out, err
 
 
@@ -2281,7 +2313,8 @@ async def _require_namespace(store: es.EventStore, where: Where) -> None:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
+    text = " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
+    return text.translate(_TERMINAL_UNSAFE)  # a thread id in an error, as `_Escaping` says
 
 
 def _describe(exc: BaseException) -> str:

@@ -751,6 +751,42 @@ def test_show_prints_values_that_look_like_markup_as_they_are(redis_url: str) ->
     assert "[red]gpt-[/]mini" in run.out and "[bold]hi" in run.out
 
 
+def test_thread_ids_are_shown_with_bidi_and_c1_controls_escaped_by_every_command(
+    redis_url: str,
+) -> None:
+    """A thread id may hold a bidi override (U+202E) or a C1 control (U+009B, CSI on some
+    terminals): 'evil<RLO>gnp.exe' reads as 'evilexe.png'. show and replay escaped it; threads,
+    tail, verify, check, rebuild and their error lines printed it as it is. --json keeps it."""
+    namespace = fresh_namespace()
+    thread = "evil\u202egnp\x9b31m.exe"
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn(thread, request_message={"role": "user", "content": "x"})
+        await threads.settle_turn(thread, turn, outcome="completed")
+
+    with_store(redis_url, namespace, setup)
+    for argv in (
+        ["threads"],
+        ["show", thread],
+        ["replay", thread],
+        ["tail", "--since", "1h", "--limit", "2"],
+        ["verify", thread],
+        ["verify", "--all"],
+        ["check", thread],
+        ["rebuild", thread],
+        ["export-jsonl", thread, "-"],  # refused: no transcript; the error names the thread
+    ):
+        run = cli(*argv, url=redis_url, namespace=namespace)
+        assert run.code in (0, 2), run
+        both = run.out + run.err
+        assert "\u202e" not in both and "\x9b" not in both, (argv, both)
+        if argv[0] != "replay" and argv != ["verify", "--all"]:  # those two name no thread
+            assert "evil\\u202egnp\\x9b31m.exe" in both, (argv, both)
+    listed = cli("threads", "--json", url=redis_url, namespace=namespace).json()
+    assert [t["thread"] for t in listed["threads"]] == [thread]
+
+
 def test_json_output_shows_messages_in_their_own_json_form(redis_url: str) -> None:
     namespace = fresh_namespace()
     text = b'{"role": "user",  "content": "hi", "zz": {"n": 1}}'  # spacing kept as source
