@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
         "append a JSONL file of model messages to a session's transcript",
         cmd_import_jsonl,
     )
-    p.add_argument("file", type=Path, metavar="FILE")
+    p.add_argument("file", type=Path, metavar="FILE", help="JSONL file ('-': standard input)")
     p.add_argument("session", metavar="SESSION")
     p.add_argument(
         "--skip-bad",
@@ -2347,6 +2347,10 @@ def _preflight(args: argparse.Namespace) -> None:
         es.validate_group(args.name)
     if args.command == "import-jsonl":
         es.validate_thread_id(args.session)
+        if str(args.file) == "-":
+            # As export-jsonl writes '-' to stdout ('cat f | threadlog import-jsonl - s1'):
+            # standard input, by the name under which the import reads it as any file.
+            args.file = Path("/dev/stdin")
         # Looked at, not opened: a pipe (``<(...)``) must keep its data for the import.
         try:
             os.stat(args.file)

@@ -1770,6 +1770,27 @@ def test_import_stopped_by_ctrl_c_says_what_it_wrote(
     assert exported.out == source.read_text()  # every message once, in order
 
 
+def test_import_jsonl_reads_standard_input_from_dash(redis_url: str, tmp_path: Path) -> None:
+    """export-jsonl writes to '-' (stdout); import-jsonl read '-' as a file name ("cannot
+    read -: No such file or directory"), so 'cat f | threadlog import-jsonl - s1' failed."""
+    namespace = fresh_namespace()
+    text = '{"role":"user","content":"hi"}\n{"role":"assistant","content":"yo"}\n'
+    done = subprocess.run(
+        [*CLI, "import-jsonl", "-", "s1", "--url", redis_url, "--namespace", namespace],
+        cwd=ROOT,
+        env=child_env(),
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done
+    assert "imported 2 of 2 lines into session s1" in done.stdout, done
+    back = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
+    assert back.out == text
+
+
 def test_jsonl_lines_too_large_to_store_are_reported_as_such(
     redis_url: str, tmp_path: Path
 ) -> None:
