@@ -271,7 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     json_parent.add_argument("--json", action="store_true", help="print JSON for machines")
     target = _Parser(add_help=False)
     target.add_argument("thread", nargs="?", metavar="THREAD", help="one thread")
-    target.add_argument("--all", action="store_true", help="every thread of the namespace")
+    target.add_argument(
+        "--all",
+        action="store_true",
+        help="every thread of the namespace, indexed or not: the keys are scanned, so the "
+        "Redis user needs +scan, which eventstore.acl_rules (a tenant's user) leaves out",
+    )
 
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(

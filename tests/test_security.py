@@ -355,6 +355,8 @@ def test_every_command_runs_as_a_tenant_user_made_as_documented(
     for command in ("verify", "check", "rebuild"):
         line = assert_one_line_error(cli(command, "--all", url=url, namespace=namespace))
         assert "denied SCAN (ACL)" in line and "needs +scan" in line, line
+        # ... and --help says so before anyone runs it.
+        assert "+scan" in " ".join(cli(command, "--help").out.split()), command
 
 
 def test_a_read_only_auditor_reads_and_a_writing_command_says_which_rules_it_needs(
