@@ -594,10 +594,11 @@ class ThreadStore:
         the records of every thread active since shortly (`CLOCK_SKEW_MS`) before the page's
         oldest record, `RECORDS_READ_AHEAD` threads at a time.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidInputError(f"limit must be an int >= 1, not {limit!r}")
+        validate_count(limit, "limit")  # 0: the empty page, as every read with a count
         await self._allow(principal, "read", thread_id)
         cursor = _parse_cursor(after)
+        if limit == 0:
+            return RecordsPage(records=[], next_cursor=None)
         if thread_id is not None:
             found = await self.projector.records(thread_id)
             ordered = sorted(found, key=_newest_first)

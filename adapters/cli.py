@@ -19,14 +19,15 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn, cast
 
 import anyio
 import anyio.abc
@@ -94,7 +95,8 @@ exit codes:
   1    verification failed, differences found, or a stored event or key is damaged
   2    usage error, bad input, or the store is unreachable or refused the request
   3    internal error (a bug in threadlog; THREADLOG_DEBUG=1 shows the traceback)
-  130  interrupted (Ctrl-C); tail stops with 0
+  130  interrupted (Ctrl-C, or SIGTERM, which stops a command as Ctrl-C does); tail
+       stops with 0
   141  the output's reader went away (a pipe into head), nothing on stderr
 """
 URL_ENV = "THREADLOG_URL"
@@ -109,6 +111,17 @@ FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
 # file holds something to write): rebuild and the feed commands work on what is there, and a
 # misspelt --namespace given to them is refused, not recorded as a new, empty tenant. tail is
 # left out: following a namespace before its first event is what it is for.
+WRITES: dict[str, str] = {
+    "demo": "events",
+    "import-jsonl": "events",
+    "rebuild": "the threads' views",
+    "export": "its feed consumer group",
+    "trim-feed": "the change feed",
+    "drop-group": "feed consumer groups",
+}
+"""What each command writes besides reading: the ACL hint's words for a user who may only read."""
+_ACL_DENIED = "(ACL)"  # how translate_redis_error marks a command Redis's ACL refused
+_KEYS_DENIED = "no permissions to access one of the keys"  # Redis's words: outside ~pattern
 _NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
@@ -224,6 +237,11 @@ def _out_dir(text: str) -> Path:
     # working directory.
     if not text.strip():
         raise argparse.ArgumentTypeError("the output directory is empty")
+    # export-jsonl takes '-' for stdout; here it would silently make a directory named '-'.
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "'-' (stdout) is no directory: export writes part files into --out DIR"
+        )
     return Path(text)
 
 
@@ -256,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     json_parent.add_argument("--json", action="store_true", help="print JSON for machines")
     target = _Parser(add_help=False)
     target.add_argument("thread", nargs="?", metavar="THREAD", help="one thread")
-    target.add_argument("--all", action="store_true", help="every thread of the namespace")
+    target.add_argument(
+        "--all",
+        action="store_true",
+        help="every thread of the namespace, indexed or not: the keys are scanned, so the "
+        "Redis user needs +scan, which eventstore.acl_rules (a tenant's user) leaves out",
+    )
 
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
@@ -487,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         "append a JSONL file of model messages to a session's transcript",
         cmd_import_jsonl,
     )
-    p.add_argument("file", type=Path, metavar="FILE")
+    p.add_argument("file", type=Path, metavar="FILE", help="JSONL file ('-': standard input)")
     p.add_argument("session", metavar="SESSION")
     p.add_argument(
         "--skip-bad",
@@ -498,6 +521,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session", metavar="SESSION")
     p.add_argument("file", metavar="FILE", help="output file ('-': stdout)")
     return parser
+
+
+def write_stdout(data: bytes) -> None:
+    """Write every byte to stdout, or raise BrokenPipeError (exit 141). Python's buffered
+    stdout loses the rest of a write larger than its buffer without a word when the reader
+    goes away (a show --json of a long window into ``| head``: exit 0, output cut short).
+    JSON goes out as UTF-8 whatever the locale, as `_tolerant_output` says."""
+    sys.stdout.flush()  # what rich or print left in the buffer goes first
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a test's capture: no fd
+        sys.stdout.write(data.decode("utf-8"))
+        return
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _version() -> str:
@@ -544,9 +583,7 @@ class Ctx:
         return Projector(self.store)
 
     def json(self, value: Any) -> None:
-        data = msgspec.json.format(msgspec.json.encode(json_ready(value)), indent=2)
-        sys.stdout.write(data.decode("utf-8") + "\n")
-        sys.stdout.flush()
+        write_stdout(msgspec.json.format(msgspec.json.encode(json_ready(value)), indent=2) + b"\n")
 
     def progress(self, description: str, unit: str | None = None) -> _Progress:
         return _Progress(self.err, description, enabled=self.progress_ok, unit=unit)
@@ -559,6 +596,13 @@ def resolve_where(url: str | None) -> Where:
             raise UsageError("--url is empty")
         return Where(url, given=True)
     env = os.environ.get(URL_ENV)
+    if env is not None and not env.strip():
+        # As an empty --url is: set from an unset variable in a deployment, it would start a
+        # redis-server in the working directory and answer from its empty data ("No threads").
+        raise UsageError(
+            f"{URL_ENV} is set but empty: set it to the store's URL, or unset it for the "
+            f"embedded redis-server under ./{EMBEDDED_DIR}/"
+        )
     if env:
         return Where(env)
     found = es.embedded_url(EMBEDDED_DIR, on_start=_say_started)  # started when needed
@@ -676,6 +720,31 @@ def _escapes(keep: str) -> dict[int, str]:
 
 _ONE_LINE = _escapes("")
 _LINES = _escapes("\n\t")
+
+
+_TERMINAL_UNSAFE = {
+    c: e for c, e in _ONE_LINE.items() if c >= 0x80
+}  # C1 controls and bidi controls: characters rich never writes itself
+"""What every line the command writes has escaped, whatever it prints (see `_Escaping`)."""
+
+
+class _Escaping:
+    """A console's stream that escapes `_TERMINAL_UNSAFE` in everything written through it.
+    Thread ids may hold them (only C0 controls are refused), and they are printed in many
+    places besides show and replay: a bidi override makes 'evil<RLO>gnp.exe' read as
+    'evilexe.png', and U+009B is CSI on some terminals. Rich's own styling is C0 (ESC), which
+    passes through. The stream is looked up when written to (tests replace sys.stdout)."""
+
+    def __init__(self, stream: Callable[[], Any]) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        stream = self._stream()
+        stream.write(text.translate(_TERMINAL_UNSAFE))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, flush...
+        return getattr(self._stream(), name)
 
 
 def printable(text: str, *, lines: bool = False) -> str:
@@ -1084,7 +1153,7 @@ async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     table.add_column("partition", justify="right", no_wrap=True)
     for info, version in rows:
         table.add_row(
-            Text(info.thread_id),
+            Text(printable(info.thread_id)),  # escaped before rich measures the column
             "damaged" if version is None else str(version),
             fmt_time(info.last_activity_ms),
             str(info.partition),
@@ -1209,17 +1278,30 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
     n = args.window
     if n:
         title = f"History window: the last {plural(n, 'message')}"
-        out.print(messages_table(title, shown.messages))
-    out.print(state_table(f"State: {plural(len(shown.state), 'block')}", shown.state))
+        if shown.messages:
+            out.print(messages_table(title, shown.messages))
+        else:
+            _print_empty(out, title, "(no messages)")
+    title = f"State: {plural(len(shown.state), 'block')}"
+    if shown.state:
+        out.print(state_table(title, shown.state))
+    else:
+        _print_empty(out, title, "(no state blocks)")
     title = f"Turn tree: {plural(len(shown.turns), 'turn')}"
     if len(tree) < len(whole_tree):
         title += f", the last {len(tree)} of {len(whole_tree)} root turns"
-    out.print(turn_tree(title, tree), soft_wrap=False)
-    out.print()
+    if tree:
+        out.print(turn_tree(title, tree), soft_wrap=False)
+        out.print()
+    else:
+        _print_empty(out, title, "(no turns)")
     title = f"Turn records in settle order: {len(shown.records)}"
     if len(records) < len(shown.records):
         title += f", the last {len(records)}"
-    out.print(records_table(title, records))
+    if records:
+        out.print(records_table(title, records))
+    else:
+        _print_empty(out, title, "(no turn records)")
     if shown.transcript:
         title = f"Session transcript: {plural(len(shown.transcript), 'message')}"
         recent = shown.transcript[-n:] if n else []
@@ -1229,6 +1311,14 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
         if len(recent) < len(shown.transcript):
             title += f", the last {len(recent)}"
         out.print(messages_table(title, recent))
+
+
+def _print_empty(out: Console, title: str, empty: str) -> None:
+    """A section with nothing in it: its title and one line saying so, not a table of headers
+    alone, which reads like output cut short (or a bug)."""
+    out.print(Text(title, style="italic"))
+    out.print(Text(f"  {empty}"))
+    out.print()
 
 
 async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
@@ -1242,6 +1332,10 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     as_of: AsOf = version if args.as_of is None else args.as_of
     if args.stop is not None and args.stop < args.start:
         raise UsageError(f"--to {args.stop} comes before --from {args.start}")
+    if args.start > version:
+        # As --as-of past the end is: an empty replay (nothing at all with --json) would read
+        # as a thread with nothing there, not as a seq mistyped or from another thread.
+        raise UsageError(f"--from {args.start}: thread {thread!r} ends at seq {version}")
     auditor = Auditor(ctx.store)
     out = ctx.out
     type_width = _type_width(ctx.store.registry)
@@ -1271,7 +1365,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
                 "turns": len(step.records),
                 "transcript": len(step.transcript),
             }
-            sys.stdout.write(msgspec.json.encode(row).decode("utf-8") + "\n")
+            write_stdout(msgspec.json.encode(row) + b"\n")
             continue
         line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
         line.append(f"{event.type:<{type_width}} ", style="cyan")
@@ -1282,9 +1376,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         )
         line.append(models, style="dim")
         out.print(line)
-    if args.json:
-        sys.stdout.flush()
-    elif count == 0:
+    if count == 0 and not args.json:
         out.print("No events in that range.")
     if gaps:
         raise Failed
@@ -1406,8 +1498,7 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
     def emit(line: Text | dict[str, Any]) -> bool:
         nonlocal shown
         if isinstance(line, dict):
-            sys.stdout.write(msgspec.json.encode(line).decode("utf-8") + "\n")
-            sys.stdout.flush()
+            write_stdout(msgspec.json.encode(line) + b"\n")
         else:
             ctx.out.print(line)
         shown += 1
@@ -2098,12 +2189,7 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     sessions = SessionStore(ctx.store)
     if args.file == "-":
         transcript = await transcript_to_export(sessions, session)
-        data = memoryview(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
-        sys.stdout.flush()
-        # Every byte, or BrokenPipeError (exit 141): a buffered write of a large block can
-        # stop short when the reader goes away, and report nothing.
-        while data:
-            data = data[os.write(sys.stdout.fileno(), data) :]
+        write_stdout(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
         return
     lines = await export_jsonl(sessions, session, args.file)
     ctx.err.print(Text(f"wrote {plural(lines, 'message')} of session {session} to {args.file}"))
@@ -2122,8 +2208,15 @@ def _consoles() -> tuple[Console, Console]:
     width = None
     if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
         width = PLAIN_WIDTH
-    out = _Console(highlight=False, soft_wrap=True, width=width)
-    err = _Console(stderr=True, highlight=False, soft_wrap=True)
+    out = _Console(
+        file=cast("IO[str]", _Escaping(lambda: sys.stdout)),
+        highlight=False,
+        soft_wrap=True,
+        width=width,
+    )
+    err = _Console(
+        file=cast("IO[str]", _Escaping(lambda: sys.stderr)), highlight=False, soft_wrap=True
+    )
     return out, err
 
 
@@ -2138,9 +2231,27 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
     namespace: str | None = getattr(args, "namespace", None)
     # Commands that write no event leave a namespace that was never written without any key
     # (a misspelt --namespace must not create one); import-jsonl creates it once it writes.
-    store = await es.connect(
-        where.url, namespace=namespace, create_namespace=args.command == "demo"
-    )
+    try:
+        store = await es.connect(
+            where.url, namespace=namespace, create_namespace=args.command == "demo"
+        )
+    except es.StoreConnectionError as exc:
+        if "Protocol error" in str(exc):
+            # redis-py's words for a reply that is no RESP at all: another service (HTTP, SSH)
+            # answered on that port, which its message does not say.
+            raise es.StoreConnectionError(
+                f"{exc} (the server there does not answer as a Redis server does: check the "
+                "host and port of --url or $THREADLOG_URL)"
+            ) from None
+        if _KEYS_DENIED not in str(exc):
+            raise
+        # A tenant's user reaches one namespace's keys; the likeliest cause is a --namespace
+        # left out (so 'default'), which Redis's own words do not say.
+        named = namespace or es.StoreSettings.from_url(where.url).namespace
+        raise es.StoreConnectionError(
+            f"{exc} (namespace {named!r}: this user's ACL key patterns do not reach "
+            "its keys; a tenant's user reaches only its own namespace: check --namespace)"
+        ) from None
     async with store:
         if args.command in _NAMESPACE_MUST_EXIST and store.namespace != "default":
             # Named on purpose (--namespace, or the URL's ?namespace=): one never written is a
@@ -2196,7 +2307,8 @@ async def _require_namespace(store: es.EventStore, where: Where) -> None:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
+    text = " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
+    return text.translate(_TERMINAL_UNSAFE)  # a thread id in an error, as `_Escaping` says
 
 
 def _describe(exc: BaseException) -> str:
@@ -2229,6 +2341,10 @@ def _preflight(args: argparse.Namespace) -> None:
         es.validate_group(args.name)
     if args.command == "import-jsonl":
         es.validate_thread_id(args.session)
+        if str(args.file) == "-":
+            # As export-jsonl writes '-' to stdout ('cat f | threadlog import-jsonl - s1'):
+            # standard input, by the name under which the import reads it as any file.
+            args.file = Path("/dev/stdin")
         # Looked at, not opened: a pipe (``<(...)``) must keep its data for the import.
         try:
             os.stat(args.file)
@@ -2265,6 +2381,40 @@ def _tolerant_output(*, json_lines: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
+    with _sigterm_as_ctrl_c():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM, a supervisor's stop (systemd, Kubernetes, ``timeout``), stops the command as
+    Ctrl-C does: an import lets its append in flight finish and says what it wrote, an export
+    removes its unfinished part. Python's default would end the process at once, in silence.
+    (The previous handler comes back afterwards: tests run `main` in their own process.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set in the main thread
+        return
+
+    def as_sigint(signum: int, frame: object) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, as_sigint)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler set outside Python, which cannot be put back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    if sys.stderr is None:
+        # Closed (``2>&-``): Python has no stream to write to, and the first error would
+        # end the process with exit 1, the code of a failed verification. Errors go nowhere;
+        # the exit code still says what happened.
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept for the life of the process)
+    if sys.stdout is None:
+        # Closed (``>&-``): refused before anything is done, as nothing could be shown.
+        return _fail("standard output is closed: nothing could be shown", EXIT_USAGE)
     parser = build_parser()
     command: str | None = None
     try:
@@ -2314,13 +2464,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Stored damage, as a thread's undecodable event is: not a usage error.
             return _fail(_describe(exc), EXIT_FAILED)
         if isinstance(exc, es.EventStoreError | OSError):
-            return _fail(_describe(exc), EXIT_USAGE)
+            hint = _acl_hint(command, exc) or _full_hint(exc)
+            described = _describe(exc)
+            return _fail(described.rstrip(".") + hint if hint else described, EXIT_USAGE)
         if not isinstance(exc, Exception):
             raise
         if os.environ.get("THREADLOG_DEBUG"):
             traceback.print_exception(exc)
         return _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
     return EXIT_OK
+
+
+def _acl_hint(command: str | None, exc: BaseException) -> str:
+    """For a writing command that Redis's ACL refused: what it writes and which rules allow it.
+    Redis names no command when a script is refused (and no rule ever), so an auditor's user
+    running rebuild would otherwise read only "can't run this command"."""
+    text = str(exc)
+    if command not in WRITES or _ACL_DENIED not in text or "needs +" in text:
+        return ""  # ("needs +scan": the namespace-wide audits say what they need themselves)
+    return (
+        f"; {command} writes {WRITES[command]}, which a read-only user "
+        "(eventstore.acl_rules(ns, read_only=True)) may not: run it as a user with "
+        "eventstore.acl_rules(ns)"
+    )
+
+
+def _full_hint(exc: BaseException) -> str:
+    """For a write a full server refused (maxmemory, under noeviction): Redis's words name a
+    limit, not a cause or a remedy, and end in a script's sha."""
+    if "command not allowed when used memory > 'maxmemory'" not in str(exc):
+        return ""
+    return (
+        "; the Redis server is full (its maxmemory is reached): raise its maxmemory or free "
+        "memory, then run the command again"
+    )
 
 
 def _reader_gone() -> int:

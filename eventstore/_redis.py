@@ -154,7 +154,8 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
         return StoreConnectionError(f"redis refused the credentials: {exc}")
     if isinstance(exc, rex.ConnectionError | rex.ClusterDownError | ConnectionError):
         return StoreConnectionError(f"redis connection failed: {exc}")
-    if isinstance(exc, rex.NoPermissionError):
+    # Redis 7.0 reports an ACL denial inside a script as a plain ERR, not as NOPERM.
+    if isinstance(exc, rex.NoPermissionError) or "user executing the script can't" in str(exc):
         return OperationalError(f"redis denied the command (ACL): {exc}")
     if isinstance(exc, TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")

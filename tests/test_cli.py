@@ -16,9 +16,11 @@ import re
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -33,7 +35,7 @@ import pytest
 import redis
 
 import eventstore as es
-from adapters import ThreadStore, read_parquet_dir
+from adapters import SessionStore, ThreadStore, read_parquet_dir
 from adapters._export import SOURCE_FILE
 from adapters._framework_events import StoredWrite, WritesPut
 from eventstore._feed import parse_stream_id
@@ -224,6 +226,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["tail", "--limit", "-1"], "must be >= 0"),
     (["export", "--out", ""], "the output directory is empty"),
     (["export", "--out", " ", "--format", "ndjson"], "the output directory is empty"),
+    # Not stdout, as for export-jsonl: parts go into a directory, which '-' would have named.
+    (["export", "--out", "-", "--format", "ndjson"], "'-' (stdout) is no directory"),
     (
         ["export", "--out", "x", "--format", "ndjson", "--compression", "zstd"],
         "--compression applies to --format parquet only",
@@ -285,6 +289,89 @@ def test_unreachable_redis_is_one_line_with_exit_code_2_and_no_password() -> Non
     assert time.monotonic() - started < 30
 
 
+def test_a_closed_stdout_or_stderr_gives_the_documented_exit_codes(redis_url: str) -> None:
+    """``threadlog ... >&-`` (a daemon, a cron line) ended in an internal error (exit 3) with
+    stdout closed, and with stderr closed an error exited 1, the code for failed verification.
+    A closed stdout is refused before anything is done (exit 2; nothing could be shown), and
+    with stderr closed the exit code is still the error's own."""
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("hi")]))
+
+    def run_closing(fd: int, *argv: str) -> int:
+        return subprocess.run(
+            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.DEVNULL if fd == 2 else None,
+            stderr=subprocess.PIPE if fd == 1 else None,
+            preexec_fn=lambda: os.close(fd),
+            timeout=60,
+            check=False,
+        ).returncode
+
+    assert run_closing(1, "threads") == 2
+    assert run_closing(2, "threads") == 0
+    assert run_closing(2, "show", "no-such-thread") == 2
+    assert run_closing(2, "verify", "t") == 0
+    closed = subprocess.run(
+        [*CLI, "threads", "--url", redis_url, "--namespace", namespace],
+        cwd=ROOT,
+        env=child_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.close(1),
+        timeout=60,
+        check=False,
+    )
+    assert closed.stderr == "threadlog: standard output is closed: nothing could be shown\n"
+
+
+def test_a_full_server_says_it_is_full(tmp_path: Path) -> None:
+    """A server at its maxmemory (noeviction) refuses writes with "command not allowed when
+    used memory > 'maxmemory'. script: <sha>, on @user_script:176": the error says the server
+    is full and what to do, and the refused import wrote nothing."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"role":"user","content":"hi"}\n')
+    with redis_server() as server:
+        with_store(server.url, "default", lambda s: s.append("t", [msg("before")]))
+        with redis.Redis.from_url(server.url) as admin:
+            admin.config_set("maxmemory", "1")  # already over it
+            line = assert_one_line_error(cli("import-jsonl", str(source), "s1", url=server.url))
+            admin.config_set("maxmemory", "0")
+            assert admin.exists(KeyLayout("default").log("s1")) == 0
+    assert "maxmemory" in line and "the Redis server is full" in line, line
+    assert "raise its maxmemory or free memory" in line, line
+
+
+def test_a_url_that_reaches_no_redis_server_says_so() -> None:
+    """A --url at the wrong port often reaches another service (an HTTP server, say): Redis's
+    client only says 'Protocol error, got "H" as reply type byte', which names no cause."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_http() -> None:
+        with listener:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    server = threading.Thread(target=answer_http, daemon=True)
+    server.start()
+    try:
+        line = assert_one_line_error(cli("threads", url=f"redis://127.0.0.1:{port}"))
+    finally:
+        listener.close()
+    assert f"cannot use redis at redis://127.0.0.1:{port}" in line, line
+    assert "does not answer as a Redis server does" in line and "check the host and port" in line, (
+        line
+    )
+
+
 def test_a_server_that_evicts_any_key_is_one_line_with_exit_code_2(redis_url: str) -> None:
     namespace = fresh_namespace()
     # Set and reset with redis-py: no threadlog store opens on the server while it evicts.
@@ -331,10 +418,17 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(redis_url: str) -> Non
     async def setup(store: es.EventStore) -> None:
         # Far more output than a pipe buffers (64 KiB), so the writer meets the closed pipe.
         for n in range(20):
-            await store.append("long", [msg(f"line {n}.{i} " * 10) for i in range(100)])
+            # Through the projector: show reads the window the append keeps materialized.
+            await Projector(store).append("long", [msg(f"line {n}.{i} " * 10) for i in range(100)])
 
     with_store(redis_url, namespace, setup)
-    for argv in (["replay", "long"], ["replay", "long", "--json"]):
+    # show --json is one document of ~200 KiB written at once: Python's buffered stdout
+    # dropped what the pipe did not take without a word, and the command said 0.
+    for argv in (
+        ["replay", "long"],
+        ["replay", "long", "--json"],
+        ["show", "long", "--window", "2000", "--json"],
+    ):
         proc = subprocess.Popen(
             [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
             cwd=ROOT,
@@ -412,6 +506,27 @@ def test_installed_script_runs_the_demo_on_the_embedded_default_repeatedly(
         assert ids == [threads[1].group(1), threads[0].group(1)]
     else:
         assert "in-memory backend" in first.out
+
+
+def test_an_empty_threadlog_url_is_refused_not_taken_for_the_embedded_server(
+    tmp_path: Path,
+) -> None:
+    """``THREADLOG_URL=$UNSET`` in a deployment: as an empty --url is, it is refused (exit 2),
+    rather than start a redis-server in the working directory and answer from its empty
+    data ("No threads")."""
+    home = tmp_path / ".threadlog"
+    try:
+        runs = [
+            cli(*argv, cwd=tmp_path, env=child_env(THREADLOG_URL=value))
+            for argv in (["threads"], ["demo"])
+            for value in ("", "  ")
+        ]
+    finally:
+        es.stop_embedded(home)  # one started before the fix
+    for run in runs:
+        line = assert_one_line_error(run)
+        assert "THREADLOG_URL is set but empty" in line, line
+    assert not home.exists()
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
@@ -581,6 +696,45 @@ def test_show_prints_window_state_tree_records_and_transcript(demo: Demo) -> Non
     assert shown["transcript"][0]["message"]["role"] == "system"  # compacted
 
 
+def test_show_says_a_section_is_empty_instead_of_printing_an_empty_table(
+    redis_url: str,
+) -> None:
+    """A thread of one message has no state block, turn or record: each section says so in
+    one line (an empty table's bare header reads like output cut short); --json is as it was."""
+    namespace = fresh_namespace()
+    with_store(
+        redis_url,
+        namespace,
+        lambda s: ThreadStore(s).append_message("e1", {"role": "user", "content": "hi"}),
+    )
+    run = cli("show", "e1", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    for heading, empty in (
+        ("State: 0 blocks", "(no state blocks)"),
+        ("Turn tree: 0 turns", "(no turns)"),
+        ("Turn records in settle order: 0", "(no turn records)"),
+    ):
+        at = run.out.index(heading)
+        assert run.out[at:].splitlines()[1].strip() == empty, run.out
+    for header in ("block   version", "outcome", "tokens in/out"):
+        assert header not in run.out, run.out  # no header of an empty table
+    assert "hi" in run.out  # the window that does hold a message is a table as before
+    # A window of nothing: as of a seq before anything was recorded there is no window, but
+    # a thread of only a transcript has an empty window.
+    with_store(
+        redis_url,
+        namespace,
+        lambda s: SessionStore(s).append("s1", [{"role": "user", "content": "yo"}]),
+    )
+    only_transcript = cli("show", "s1", url=redis_url, namespace=namespace)
+    at = only_transcript.out.index("History window: the last 6 messages")
+    assert only_transcript.out[at:].splitlines()[1].strip() == "(no messages)", only_transcript
+
+    shown = cli("show", "e1", "--json", url=redis_url, namespace=namespace).json()
+    assert (shown["state"], shown["turn_tree"], shown["records"]) == ({}, [], [])
+    assert [m["message"]["content"] for m in shown["messages"]] == ["hi"]
+
+
 def test_show_prints_values_that_look_like_markup_as_they_are(redis_url: str) -> None:
     namespace = fresh_namespace()
 
@@ -595,6 +749,42 @@ def test_show_prints_values_that_look_like_markup_as_they_are(redis_url: str) ->
     run = cli("show", "m1", url=redis_url, namespace=namespace)
     assert run.code == 0, run
     assert "[red]gpt-[/]mini" in run.out and "[bold]hi" in run.out
+
+
+def test_thread_ids_are_shown_with_bidi_and_c1_controls_escaped_by_every_command(
+    redis_url: str,
+) -> None:
+    """A thread id may hold a bidi override (U+202E) or a C1 control (U+009B, CSI on some
+    terminals): 'evil<RLO>gnp.exe' reads as 'evilexe.png'. show and replay escaped it; threads,
+    tail, verify, check, rebuild and their error lines printed it as it is. --json keeps it."""
+    namespace = fresh_namespace()
+    thread = "evil\u202egnp\x9b31m.exe"
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        turn = await threads.open_turn(thread, request_message={"role": "user", "content": "x"})
+        await threads.settle_turn(thread, turn, outcome="completed")
+
+    with_store(redis_url, namespace, setup)
+    for argv in (
+        ["threads"],
+        ["show", thread],
+        ["replay", thread],
+        ["tail", "--since", "1h", "--limit", "2"],
+        ["verify", thread],
+        ["verify", "--all"],
+        ["check", thread],
+        ["rebuild", thread],
+        ["export-jsonl", thread, "-"],  # refused: no transcript; the error names the thread
+    ):
+        run = cli(*argv, url=redis_url, namespace=namespace)
+        assert run.code in (0, 2), run
+        both = run.out + run.err
+        assert "\u202e" not in both and "\x9b" not in both, (argv, both)
+        if argv[0] != "replay" and argv != ["verify", "--all"]:  # those two name no thread
+            assert "evil\\u202egnp\\x9b31m.exe" in both, (argv, both)
+    listed = cli("threads", "--json", url=redis_url, namespace=namespace).json()
+    assert [t["thread"] for t in listed["threads"]] == [thread]
 
 
 def test_json_output_shows_messages_in_their_own_json_form(redis_url: str) -> None:
@@ -676,6 +866,23 @@ def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
         namespace=demo.namespace,
     )
     assert f"ends at seq {demo.version}" in assert_one_line_error(beyond)
+    # --from past the end is refused too: "No events in that range" with exit 0 (and nothing
+    # at all with --json) reads as an empty thread to a script, not as a mistyped seq.
+    for json_flag in ([], ["--json"]):
+        past = cli(
+            "replay",
+            demo.thread,
+            "--from",
+            str(demo.version + 1),
+            *json_flag,
+            url=demo.url,
+            namespace=demo.namespace,
+        )
+        line = assert_one_line_error(past)
+        assert f"--from {demo.version + 1}: thread {demo.thread!r} ends at seq {demo.version}" in (
+            line
+        )
+        assert past.out == ""
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
@@ -1505,8 +1712,14 @@ def test_import_jsonl_creates_a_namespace_only_when_it_writes(
     )
 
 
+# SIGTERM is how a supervisor (systemd, Kubernetes, `timeout`) stops a job: it used to kill the
+# command at once, saying nothing of what it had written; it stops it as Ctrl-C does.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_import_stopped_by_ctrl_c_says_what_it_wrote(
-    redis_url: str, tmp_path: Path, popen: Callable[..., subprocess.Popen[str]]
+    redis_url: str,
+    tmp_path: Path,
+    popen: Callable[..., subprocess.Popen[str]],
+    signum: signal.Signals,
 ) -> None:
     namespace = fresh_namespace()
     source = tmp_path / "big.jsonl"
@@ -1538,7 +1751,7 @@ def test_import_stopped_by_ctrl_c_says_what_it_wrote(
         while not with_store(redis_url, namespace, blocked_writers):
             assert time.monotonic() < deadline and proc.poll() is None, "no append was held"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         time.sleep(1.0)  # time for the signal to reach the loop, even on a loaded machine
     finally:
         with_store(redis_url, namespace, unpause)
@@ -1555,6 +1768,27 @@ def test_import_stopped_by_ctrl_c_says_what_it_wrote(
     assert ": 72 newly written, 128 already there from an earlier run" in rest.out, rest
     exported = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
     assert exported.out == source.read_text()  # every message once, in order
+
+
+def test_import_jsonl_reads_standard_input_from_dash(redis_url: str, tmp_path: Path) -> None:
+    """export-jsonl writes to '-' (stdout); import-jsonl read '-' as a file name ("cannot
+    read -: No such file or directory"), so 'cat f | threadlog import-jsonl - s1' failed."""
+    namespace = fresh_namespace()
+    text = '{"role":"user","content":"hi"}\n{"role":"assistant","content":"yo"}\n'
+    done = subprocess.run(
+        [*CLI, "import-jsonl", "-", "s1", "--url", redis_url, "--namespace", namespace],
+        cwd=ROOT,
+        env=child_env(),
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done
+    assert "imported 2 of 2 lines into session s1" in done.stdout, done
+    back = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
+    assert back.out == text
 
 
 def test_jsonl_lines_too_large_to_store_are_reported_as_such(

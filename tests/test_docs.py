@@ -186,3 +186,30 @@ def test_readme_duckdb_query_runs(tmp_path: Path) -> None:
     finally:
         con.close()
     assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("large", 1, 10, 2), ("small", 2, 20, 4)]
+
+
+def test_a_count_of_zero_reads_nothing_on_every_read_that_takes_one(redis_url: str) -> None:
+    """README, "Using it": every read of `ThreadStore` that takes a count answers nothing for
+    0 (the history window's `limit=0` always did; `records(limit=0)` used to be refused), and
+    every one refuses a negative count or a bool alike."""
+    namespace = f"docs{uuid.uuid4().hex[:8]}"
+
+    async def main() -> None:
+        async with await es.connect(redis_url, namespace=namespace) as store:
+            threads = ThreadStore(store)
+            turn = await threads.open_turn("t", request_message={"role": "user", "content": "hi"})
+            await threads.settle_turn("t", turn, outcome="completed")
+            assert (await threads.records("t")).records  # there is something not to read
+            assert await threads.list_messages("t", limit=0) == []
+            ctx = await threads.context("t", limit=0, records=0)
+            assert (ctx.messages, ctx.records) == ([], [])
+            for thread in ("t", None):  # one thread, and the page across threads
+                page = await threads.records(thread, limit=0)
+                assert (page.records, page.next_cursor) == ([], None)
+            for bad in (-1, True):
+                with pytest.raises(es.InvalidInputError, match="limit must be an int >= 0"):
+                    await threads.list_messages("t", limit=bad)
+                with pytest.raises(es.InvalidInputError, match="limit must be an int >= 0"):
+                    await threads.records("t", limit=bad)
+
+    anyio.run(main)

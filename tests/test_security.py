@@ -10,6 +10,7 @@ refuses a principal of another tenant before any command is sent.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import traceback
 import uuid
@@ -38,6 +39,7 @@ from eventstore.servers import RedisServer, RedisServerError, TlsFiles, make_tls
 from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
 from tests._redis_hooks import RedisHooks
+from tests.test_cli import assert_one_line_error, cli
 
 pytestmark = pytest.mark.anyio
 
@@ -305,6 +307,112 @@ async def test_access_policy_refuses_other_tenants_before_redis_is_asked(
             assert int(c.info("stats")["total_commands_processed"]) == processed + 1
         assert await store.version("t") == 1
         assert len(await threads.list_messages("t", principal=alice)) == 1
+
+
+# -- the threadlog command as a tenant's users ---------------------------------------------------
+
+
+def _recorded_demo(url: str, namespace: str) -> str:
+    """Run ``threadlog demo`` as the given user; the thread it recorded."""
+    run = cli("demo", url=url, namespace=namespace)
+    assert run.code == 0, run
+    found = re.search(r"thread\s+(demo-[0-9A-Z]+)", run.out)
+    assert found is not None, run.out
+    return found.group(1)
+
+
+def test_every_command_runs_as_a_tenant_user_made_as_documented(
+    acl_server: RedisServer, tmp_path: Path
+) -> None:
+    """docs/scaling.md: a user made with `acl_rules(ns)` runs the whole store. Every command of
+    the README runs as that user; the namespace-wide audits alone need SCAN, which the rules
+    leave out, and say so in one line (exit 2) rather than audit the index alone."""
+    namespace = new_namespace()
+    url = tenant_url(acl_server, *add_tenant(acl_server, namespace))
+    thread = _recorded_demo(url, namespace)
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"role":"user","content":"hi"}\n{"role":"assistant","content":"yo"}\n')
+    for argv in (
+        ["threads"],
+        ["threads", "--json"],
+        ["show", thread],
+        ["show", thread, "--as-of", "5"],
+        ["replay", thread],
+        ["tail", "--since", "1h", "--limit", "3"],
+        ["verify", thread],
+        ["check", thread],
+        ["rebuild", thread],
+        ["feed"],
+        ["export", "--format", "ndjson", "--out", str(tmp_path / "out"), "--name", "a"],
+        ["trim-feed"],
+        ["drop-group", "export-a"],
+        ["import-jsonl", str(jsonl), "s1"],
+        ["export-jsonl", "s1", str(tmp_path / "back.jsonl")],
+    ):
+        run = cli(*argv, url=url, namespace=namespace)
+        assert run.code == 0, run
+    assert (tmp_path / "back.jsonl").read_text() == jsonl.read_text()
+    for command in ("verify", "check", "rebuild"):
+        line = assert_one_line_error(cli(command, "--all", url=url, namespace=namespace))
+        assert "denied SCAN (ACL)" in line and "needs +scan" in line, line
+        # ... and --help says so before anyone runs it.
+        assert "+scan" in " ".join(cli(command, "--help").out.split()), command
+
+
+def test_a_read_only_auditor_reads_and_a_writing_command_says_which_rules_it_needs(
+    acl_server: RedisServer, tmp_path: Path
+) -> None:
+    """docs/scaling.md: a user made with `acl_rules(ns, read_only=True)` runs verify, check,
+    show, replay and every read. A command that writes is refused by Redis, writes nothing,
+    and says in one line (exit 2) that it was the ACL and which rules allow it: Redis itself
+    names no command when it refuses one inside a script ("can't run this command")."""
+    namespace = new_namespace()
+    thread = _recorded_demo(tenant_url(acl_server, *add_tenant(acl_server, namespace)), namespace)
+    user, password = f"auditor-{namespace}", secrets.token_urlsafe(18)
+    with admin(acl_server) as c:
+        rules = es.acl_rules(namespace, read_only=True)
+        c.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *rules)
+    url = tenant_url(acl_server, user, password)
+    before = key_dump(acl_server, namespace)
+    for argv in (
+        ["threads"],
+        ["show", thread],
+        ["replay", thread, "--json"],
+        ["tail", "--since", "1h", "--limit", "3"],
+        ["verify", thread],
+        ["check", thread, "--json"],
+        ["feed"],
+        ["export-jsonl", thread, str(tmp_path / "t.jsonl")],
+    ):
+        run = cli(*argv, url=url, namespace=namespace)
+        assert run.code == 0, run
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"role":"user","content":"hi"}\n')
+    for argv in (
+        ["rebuild", thread],
+        ["import-jsonl", str(jsonl), "s1"],
+        ["export", "--format", "ndjson", "--out", str(tmp_path / "out")],
+        ["drop-group", "export-a"],
+    ):
+        line = assert_one_line_error(cli(*argv, url=url, namespace=namespace))
+        assert "redis denied the command (ACL)" in line, line
+        assert f"{argv[0]} writes" in line and "eventstore.acl_rules(ns)" in line, line
+    assert key_dump(acl_server, namespace) == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tenant_user_outside_its_namespace_is_told_to_check_namespace(
+    acl_server: RedisServer,
+) -> None:
+    """Without --namespace the command opens 'default', which a tenant's user cannot reach:
+    the error names the namespace and points at --namespace, not only "no permissions to
+    access one of the keys"."""
+    url = tenant_url(acl_server, *add_tenant(acl_server, new_namespace()))
+    other = new_namespace()
+    for namespace, named in ((None, "default"), (other, other)):
+        line = assert_one_line_error(cli("threads", url=url, namespace=namespace))
+        assert "redis denied the command (ACL)" in line, line
+        assert f"namespace {named!r}: this user's ACL" in line and "check --namespace" in line
 
 
 # -- secrets in errors and logs ---------------------------------------------------------------
