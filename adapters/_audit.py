@@ -735,7 +735,8 @@ class _Verifier:
             mismatch = None  # said by the problem itself
             explained_by_key = True  # no guessing at the failures' cause below
         if first is None:
-            detail = f"{self.checked} events verified, chain intact"
+            noun = "event" if self.checked == 1 else "events"
+            detail = f"{self.checked} {noun} verified, chain intact"
             detail += " (keyed)" if self.secret is not None else " (unkeyed)"
             if mismatch is not None:
                 detail += f"; but {mismatch}"

@@ -191,6 +191,12 @@ async def test_untouched_thread_verifies_clean(store: es.EventStore) -> None:
     assert not verdict.keyed
 
 
+async def test_a_one_event_thread_verifies_in_the_singular(store: es.EventStore) -> None:
+    await store.append("one", [es.MessageAppended(message=es.Message(role="user", content="x"))])
+    verdict = await Auditor(store).verify("one")
+    assert verdict.ok and verdict.detail.startswith("1 event verified, chain intact")
+
+
 async def test_untouched_keyed_thread_verifies_clean(keyed: es.EventStore) -> None:
     version = await populate(keyed)
     verdict = await Auditor(keyed).verify(T)
