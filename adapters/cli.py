@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -1440,6 +1441,40 @@ async def _read_partition(
     return page
 
 
+_OUTAGE_ERRORS = (es.StoreConnectionError, es.StoreTimeoutError)
+_OUTAGE_FIRST_BACKOFF = 0.2
+_OUTAGE_LAST_BACKOFF = 5.0
+
+
+class _Outage:
+    """A long-running command's wait for a server that stopped answering: said once on
+    stderr when it starts and once when it ends, with backoffs doubling in between."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.backoff = _OUTAGE_FIRST_BACKOFF
+
+    async def wait(self, exc: Exception) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            sys.stderr.write(
+                f"threadlog: the server does not answer ({printable(str(exc))}); waiting for it "
+                "(Ctrl-C stops)\n"
+            )
+            sys.stderr.flush()
+        await anyio.sleep(self.backoff)
+        self.backoff = min(self.backoff * 2, _OUTAGE_LAST_BACKOFF)
+
+    def over(self) -> None:
+        if self.since is not None:
+            sys.stderr.write(
+                f"threadlog: the server answers again after {time.monotonic() - self.since:.1f}"
+                " s; following on\n"
+            )
+            sys.stderr.flush()
+            self.since, self.backoff = None, _OUTAGE_FIRST_BACKOFF
+
+
 async def _stop_on_signal(
     scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
@@ -1510,42 +1545,68 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
         # one pending or has none waiting, so a catch-up from --since reads as one timeline.
         pending: dict[int, deque[es.FeedEntry | _FeedGap]] = {p: deque() for p in partitions}
         more: set[int] = set()  # partitions whose last read filled a page: more may follow
+        outage = _Outage()
         while True:
-            for p in partitions:
-                if not pending[p]:
-                    page = await _read_partition(store, p, positions[p])
-                    pending[p].extend(page)
-                    if page:
-                        positions[p] = page[-1].id
-                    if sum(isinstance(e, es.FeedEntry) for e in page) == TAIL_FEED_PAGE:
-                        more.add(p)
-                    else:
-                        more.discard(p)
-            if not any(pending.values()):
-                await anyio.sleep(args.interval)
+            try:
+                done = await step(pending, more, positions)
+            except _OUTAGE_ERRORS as exc:
+                # A restart or failover: wait for the server and go on where tail was (the
+                # positions and the changes pending move only once shown), as `tail -f` does.
+                await outage.wait(exc)
                 continue
-            while True:
-                heads = [p for p in partitions if pending[p]]
-                if not heads or any(not pending[q] for q in more):
-                    break  # a partition to read on before anything later is shown
-                p = min(heads, key=lambda q: parse_stream_id(pending[q][0].id))
-                entry = pending[p].popleft()
-                if isinstance(entry, _FeedGap):
-                    if _show_gap(entry, emit, json=args.json):
-                        return
-                    continue
-                if thread is not None and entry.thread_id != thread:
-                    continue
-                if es.partition_of(entry.thread_id, store.partitions) != p:
-                    # Its events are not where this store looks: read with the wrong layout,
-                    # they would all be shown as deleted.
-                    raise UsageError(
-                        f"namespace {store.namespace!r} no longer has the {store.partitions} "
-                        "partitions tail started with (deleted and written again?): run tail "
-                        "again"
-                    )
-                if await _show_change(store, entry, emit, json=args.json):
-                    return
+            outage.over()
+            if done:
+                return
+
+    async def step(
+        pending: dict[int, deque[es.FeedEntry | _FeedGap]],
+        more: set[int],
+        positions: dict[int, str],
+    ) -> bool:
+        """Read and show what the feeds hold next; True once the --limit is reached."""
+        for p in partitions:
+            if not pending[p]:
+                page = await _read_partition(store, p, positions[p])
+                pending[p].extend(page)
+                if page:
+                    positions[p] = page[-1].id
+                if sum(isinstance(e, es.FeedEntry) for e in page) == TAIL_FEED_PAGE:
+                    more.add(p)
+                else:
+                    more.discard(p)
+        if not any(pending.values()):
+            await anyio.sleep(args.interval)
+            return False
+        while True:
+            heads = [p for p in partitions if pending[p]]
+            if not heads or any(not pending[q] for q in more):
+                break  # a partition to read on before anything later is shown
+            p = min(heads, key=lambda q: parse_stream_id(pending[q][0].id))
+            entry = pending[p].popleft()
+            if isinstance(entry, _FeedGap):
+                if _show_gap(entry, emit, json=args.json):
+                    return True
+                continue
+            if thread is not None and entry.thread_id != thread:
+                continue
+            if es.partition_of(entry.thread_id, store.partitions) != p:
+                # Its events are not where this store looks: read with the wrong layout,
+                # they would all be shown as deleted.
+                raise UsageError(
+                    f"namespace {store.namespace!r} no longer has the {store.partitions} "
+                    "partitions tail started with (deleted and written again?): run tail "
+                    "again"
+                )
+            shown_to = [entry.first_seq]
+            try:
+                if await _show_change(store, entry, emit, json=args.json, shown_to=shown_to):
+                    return True
+            except _OUTAGE_ERRORS:
+                # Shown up to a page boundary: the rest of the change is shown when the
+                # server answers again, nothing twice.
+                pending[p].appendleft(msgspec.structs.replace(entry, first_seq=shown_to[0]))
+                raise
+        return False
 
     if new and args.since is None:
         positions = dict.fromkeys(partitions, "0-0")
@@ -1589,8 +1650,10 @@ async def _show_change(
     emit: Callable[[Text | dict[str, Any]], bool],
     *,
     json: bool,
+    shown_to: list[int] | None = None,
 ) -> bool:
-    """Print the events of one feed entry; True once the --limit is reached."""
+    """Print the events of one feed entry; True once the --limit is reached. ``shown_to[0]``
+    is kept at the first seq not yet shown (a read that fails leaves the rest to show)."""
     type_width = _type_width(store.registry)
     if entry.deleted:
         if json:
@@ -1616,6 +1679,8 @@ async def _show_change(
         return emit(line)
 
     while seq <= last:
+        if shown_to is not None:
+            shown_to[0] = seq  # a page shows whole or not at all: the read is its only await
         stop = min(last, seq + TAIL_PAGE - 1)
         try:
             rows = await store.read_raw(

@@ -2154,6 +2154,37 @@ def test_tail_follows_new_events_until_its_limit(
     assert "old" not in out and "elsewhere" not in out
 
 
+def test_tail_waits_out_a_server_restart_and_follows_on(
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """A server stopped for longer than the client's retries and started again: tail says it
+    waits, says when the server answers, and shows what was written after, once."""
+    with redis_server(extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as server:
+        namespace = fresh_namespace()
+
+        def say(text: str) -> Callable[[es.EventStore], Awaitable[object]]:
+            return lambda s: ThreadStore(s).append_message(
+                "live", {"role": "user", "content": text}
+            )
+
+        with_store(server.url, namespace, say("before"))
+        proc = popen("tail", "live", "--limit", "2", "--interval", "0.05", "--url", server.url,
+                     "--namespace", namespace)  # fmt: skip
+        assert proc.stderr is not None
+        assert "following thread 'live'" in _read_line(proc.stderr, 30)
+        with_store(server.url, namespace, say("first"))
+        assert proc.stdout is not None and "first" in _read_line(proc.stdout, 30)
+        server.stop()
+        assert "the server does not answer" in _read_line(proc.stderr, 30)
+        server.start()
+        with_store(server.url, namespace, say("second"))
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "the server answers again" in err
+        (shown,) = [line for line in out.splitlines() if line.strip()]
+        assert "live #3" in shown and "second" in shown
+
+
 def test_tail_starts_at_each_feeds_end_whatever_the_threads_activity_says(
     redis_url: str, popen: Callable[..., subprocess.Popen[str]]
 ) -> None:
