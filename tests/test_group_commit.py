@@ -669,12 +669,11 @@ async def test_redis_pys_path_keeps_a_threads_calls_in_order_when_the_script_is_
         await store.close()
 
 
-async def test_a_single_connection_batch_broken_midway_fails_only_the_calls_not_answered(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A single-connection client sends a batch's calls one after another; when its connection
-    drops before the second (no client retries), the first has landed and been answered: its
-    caller gets its result, and only the call whose outcome is unknown gets the error."""
+async def _single_connection_store_quitting_before(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, *, evalsha: int
+) -> tuple[es.RedisEventStore, list[int]]:
+    """A store on a single-connection client without retries whose connection the server
+    closes (QUIT) right before the ``evalsha``-th EVALSHA; and the count of EVALSHAs sent."""
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
@@ -683,24 +682,36 @@ async def test_a_single_connection_batch_broken_midway_fails_only_the_calls_not_
         redis_url, single_connection_client=True, retry=Retry(NoBackoff(), 0)
     )
     store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
+    await store.ensure_namespace()
+    execute: Any = client.execute_command
+    evalshas = [0]
+
+    async def quit_before(*args: Any, **kwargs: Any) -> Any:
+        if args[0] == "EVALSHA":
+            evalshas[0] += 1
+            if evalshas[0] == evalsha:
+                await execute("QUIT")  # the server closes the connection
+        return await execute(*args, **kwargs)
+
+    monkeypatch.setattr(client, "execute_command", quit_before)
+    return store, evalshas
+
+
+async def test_a_single_connection_batch_broken_midway_fails_only_the_calls_not_answered(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single-connection client sends a batch's calls one after another; when its connection
+    drops before the second (no client retries), the first has landed and been answered: its
+    caller gets its result, and only the call whose outcome is unknown gets the error."""
+    # "a1" alone, then the batch [a2, b]: the connection closes before b.
+    store, evalshas = await _single_connection_store_quitting_before(
+        redis_url, monkeypatch, evalsha=3
+    )
     try:
-        await store.ensure_namespace()
-        execute: Any = client.execute_command
-        evalshas = 0
-
-        async def quit_before_the_third_call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal evalshas
-            if args[0] == "EVALSHA":
-                evalshas += 1
-                if evalshas == 3:  # "a1" alone, then the batch [a2, b]: before b
-                    await execute("QUIT")  # the server closes the connection
-            return await execute(*args, **kwargs)
-
-        monkeypatch.setattr(client, "execute_command", quit_before_the_third_call)
         outcomes = await _append_in_one_tick(
             store, [("a1", "a", es.ANY), ("a2", "a", es.ANY), ("b", "b", es.ANY)]
         )
-        assert evalshas == 3
+        assert evalshas[0] == 3
         a2, b = outcomes["a2"], outcomes["b"]
         assert isinstance(a2, es.AppendResult) and a2.last_seq == 2
         assert isinstance(b, es.StoreConnectionError)
@@ -741,28 +752,11 @@ async def test_a_single_connection_batch_in_rounds_holds_back_only_the_threads_i
     thread's n-th call in round n). When the connection drops before a call of the first
     round, that call's outcome is unknown and its thread's next call must not be sent (it
     could land before a retry of it); another thread's next call goes on."""
-    import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    client = aioredis.from_url(
-        redis_url, single_connection_client=True, retry=Retry(NoBackoff(), 0)
+    # "a1" alone, then round [a2, b1]: the connection closes before b1.
+    store, evalshas = await _single_connection_store_quitting_before(
+        redis_url, monkeypatch, evalsha=3
     )
-    store = es.RedisEventStore(client, namespace="g" + uuid.uuid4().hex[:12])
     try:
-        await store.ensure_namespace()
-        execute: Any = client.execute_command
-        evalshas = 0
-
-        async def quit_before_the_third_call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal evalshas
-            if args[0] == "EVALSHA":
-                evalshas += 1
-                if evalshas == 3:  # "a1" alone, then round [a2, b1]: before b1
-                    await execute("QUIT")  # the server closes the connection
-            return await execute(*args, **kwargs)
-
-        monkeypatch.setattr(client, "execute_command", quit_before_the_third_call)
         # "a1" goes alone; the rest queue behind it: one batch [a2, b1, b2, a3], in the rounds
         # [a2, b1] and [b2, a3].
         outcomes = await _append_in_one_tick(
@@ -775,7 +769,7 @@ async def test_a_single_connection_batch_in_rounds_holds_back_only_the_threads_i
                 ("a3", "a", es.ANY),
             ],
         )
-        assert evalshas == 4  # b2 was never sent
+        assert evalshas[0] == 4  # b2 was never sent
         assert {n: getattr(r, "last_seq", type(r)) for n, r in outcomes.items()} == {
             "a1": 1,
             "a2": 2,
