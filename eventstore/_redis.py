@@ -146,12 +146,28 @@ LOAD_CHUNK_BYTES = 4 * 1024 * 1024
 _APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared when full
 
 
+_WRONG_CREDENTIALS = ("WRONGPASS", "invalid username-password pair", "invalid password")
+_NO_CREDENTIALS = ("NOAUTH", "Authentication required", "HELLO must be called with the client")
+
+
 def translate_redis_error(exc: BaseException) -> EventStoreError:
     """The one place where redis-py errors become threadlog errors."""
     if isinstance(exc, rex.TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")
-    if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError):
-        return StoreConnectionError(f"redis refused the credentials: {exc}")
+    text = str(exc)
+    # redis-py 8 raises a plain ConnectionError for refused credentials: known by their words.
+    if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError) or any(
+        words in text for words in _WRONG_CREDENTIALS
+    ):
+        return StoreConnectionError(
+            f"redis refused the credentials: {exc} (check the user name and password the URL "
+            "gives before the host, as user:password@host)"
+        )
+    if any(words in text for words in _NO_CREDENTIALS):
+        return StoreConnectionError(
+            f"redis requires a password and none was given: {exc} (give it in the URL before "
+            "the host, as :password@host, or user:password@host for an ACL user)"
+        )
     if isinstance(exc, rex.ConnectionError | rex.ClusterDownError | ConnectionError):
         return StoreConnectionError(f"redis connection failed: {exc}")
     # Redis 7.0 reports an ACL denial inside a script as a plain ERR, not as NOPERM.

@@ -50,7 +50,7 @@ from eventstore import (
 )
 from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
-from eventstore.servers import EmbeddedReaper, free_port
+from eventstore.servers import EmbeddedReaper, free_port, redis_server
 from eventstore.testing import msg, read_all
 from projections import Projector
 
@@ -1195,3 +1195,20 @@ async def test_bursts_beyond_the_pool_wait_for_a_connection(redis_url: str) -> N
         assert len(await store.threads()) == 200
     finally:
         await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_password_missing_or_wrong_is_named_as_such() -> None:
+    """Redis's own words ("HELLO must be called with the client already authenticated",
+    "invalid username-password pair") do not say what to change: the error does."""
+    with redis_server() as server:
+        assert server.unix_socket is not None
+        path = server.unix_socket
+        with redis.Redis(unix_socket_path=str(path)) as admin:
+            admin.config_set("requirepass", "s3cret")  # after start: its PING check needs none
+        with pytest.raises(StoreConnectionError, match="requires a password and none was given"):
+            await es.connect(f"unix://{path}", namespace=_ns())
+        with pytest.raises(StoreConnectionError, match=r"refused the credentials.*user:password@"):
+            await es.connect(f"unix://:wrong@{path}", namespace=_ns())
+        async with await es.connect(f"unix://:s3cret@{path}", namespace=_ns()) as store:
+            assert await store.version("t") == 0
