@@ -353,7 +353,8 @@ async def connect(
     contact with the server as a whole, TLS handshake and retries included; ``socket_timeout``
     (default 5 s) bounds each command after that.
 
-    Raises `InvalidURLError` for a bad URL, `StoreConnectionError` if the server does not
+    Raises `InvalidURLError` for a bad URL (and for ``THREADLOG_URL`` set but empty, which is
+    no URL rather than none), `StoreConnectionError` if the server does not
     answer (`ConnectTimeoutError`, which names the URL without its password and the timeout,
     when nothing answered within ``connect_timeout``), and `UnsafeServerError` for a server
     that may evict any key.
@@ -381,7 +382,15 @@ async def connect(
         if value is not None:
             _check_setting(name, value)
     if url is None:
-        url = os.environ.get(URL_ENV) or None
+        url = os.environ.get(URL_ENV)
+        if url is not None and not url.strip():
+            # Set to nothing (`THREADLOG_URL=${REDIS_URL}` with REDIS_URL unset) read as unset,
+            # a deployment would write to a new redis-server in its working directory instead
+            # of its Redis, and read its empty data as the truth.
+            raise InvalidURLError(
+                f"{URL_ENV} is set but empty: set it to the store's URL, or unset it for the "
+                "embedded server"
+            )
         if url is None:
             # Blocking work (a lock wait, starting a daemon, polling its socket): off the loop.
             url = await asyncio.to_thread(embedded_url, embedded_dir or EMBEDDED_DIR)

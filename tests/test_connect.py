@@ -549,6 +549,20 @@ async def test_threadlog_url_is_honoured(redis_url: str, monkeypatch: pytest.Mon
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("empty", ["", "  "])
+async def test_threadlog_url_set_but_empty_is_refused_not_taken_as_unset(
+    monkeypatch: pytest.MonkeyPatch, short_dir: Path, empty: str
+) -> None:
+    """``THREADLOG_URL=${REDIS_URL}`` with REDIS_URL unset: starting an embedded server in the
+    working directory would send the deployment's writes to it, so it is refused, and no
+    server is started."""
+    monkeypatch.setenv(URL_ENV, empty)
+    with pytest.raises(InvalidURLError, match="set but empty"):
+        await connect(embedded_dir=short_dir / "emb")
+    assert not (short_dir / "emb").exists()
+
+
+@pytest.mark.anyio
 async def test_threadlog_secret_keys_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "chain-key")
     async with await connect("memory://") as store:
