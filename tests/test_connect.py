@@ -655,6 +655,10 @@ def short_dir(embedded_reaper: EmbeddedReaper) -> Iterator[Path]:
     try:
         yield directory
     finally:
+        # A test that failed before stopping its embedded server: stopped here, while its
+        # pid file is there to find it (the reaper cannot, once the directory is gone).
+        for home in [directory, *(p for p in directory.iterdir() if p.is_dir())]:
+            stop_embedded(home)
         shutil.rmtree(directory, ignore_errors=True)
 
 
