@@ -1614,6 +1614,9 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
         positions = await _feed_positions(store, partitions, args.since)
     what = f"thread {thread!r}" if thread is not None else "every thread"
     since = f" since {args.since.isoformat(timespec='seconds')}" if args.since else ""
+    if args.since is not None and args.since > datetime.now(UTC):
+        # Else it reads as a hang: changes made before then are not shown, now or later.
+        since += " (a time still to come: changes made before it are not shown)"
     sys.stderr.write(
         f"threadlog: following {what} in namespace {store.namespace!r}{since}; Ctrl-C stops\n"
     )

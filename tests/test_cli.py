@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -2183,6 +2183,21 @@ def test_tail_waits_out_a_server_restart_and_follows_on(
         assert "the server answers again" in err
         (shown,) = [line for line in out.splitlines() if line.strip()]
         assert "live #3" in shown and "second" in shown
+
+
+def test_tail_since_a_time_to_come_says_so(
+    redis_url: str, popen: Callable[..., subprocess.Popen[str]]
+) -> None:
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("x")]))
+    later = (datetime.now(UTC) + timedelta(hours=1)).isoformat(timespec="seconds")
+    proc = popen("tail", "--since", later, "--url", redis_url, "--namespace", namespace)
+    assert proc.stderr is not None
+    line = _read_line(proc.stderr, 30)
+    assert "a time still to come" in line, line
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
 
 
 def test_tail_starts_at_each_feeds_end_whatever_the_threads_activity_says(
