@@ -643,7 +643,10 @@ class ProjectionRunner:
         versions = {t: await store.version(t) for t in threads}
         # Read after the versions: every change behind them that came after ``position`` is
         # in this tail, and each thread's first one there marks where its counted part ends.
-        tail = await self._feed_after(partition, position)
+        # Changes made after the versions were read lie past every version: the tail stops at
+        # the feed's end as it is now, so writers that keep pace cannot keep it reading.
+        tail_end = (await store.feed_info(partition)).last_id
+        tail = await self._feed_after(partition, position, tail_end)
         upto = dict(versions)
         for entry in tail:
             if entry.thread_id in upto:
@@ -667,20 +670,25 @@ class ProjectionRunner:
                     totals[key] = totals.get(key, 0) + amount
                 events += len(batch)
         seen = {e.id for e in tail}
-        for entry in await self._feed_after(partition, position):
+        # A deletion that landed while the events were read; one landing after cannot change
+        # what was read, so this read too stops at the feed's end as it is now.
+        read_end = (await store.feed_info(partition)).last_id
+        for entry in await self._feed_after(partition, position, read_end):
             if entry.deleted and entry.id not in seen and upto.get(entry.thread_id, 0) > 0:
                 return None  # its events may have been read from its next life
         return events, totals
 
-    async def _feed_after(self, partition: int, position: str) -> list[FeedEntry]:
+    async def _feed_after(self, partition: int, position: str, end: str) -> list[FeedEntry]:
+        """The feed's entries after ``position`` up to ``end`` (both feed ids)."""
         out: list[FeedEntry] = []
-        after = position
-        while True:
+        after, last = position, parse_stream_id(end)
+        while parse_stream_id(after) < last:
             page = await self.store.read_feed(partition, after=after, count=FEED_PAGE)
-            out += page
-            if len(page) < FEED_PAGE:
+            out += [e for e in page if parse_stream_id(e.id) <= last]
+            if len(page) < FEED_PAGE or parse_stream_id(page[-1].id) >= last:
                 return out
             after = page[-1].id
+        return out
 
 
 class UsageRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -595,6 +595,40 @@ async def test_a_backfill_counts_what_the_feed_holds_once_with_its_runner(
     assert totals(await UsageProjection().report(store)) == expected
 
 
+async def test_a_backfill_ends_while_writers_keep_pace_with_its_reads(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each page of the feed the backfill reads, writers add as many changes: it reads up to
+    the feed's end as it was when it started reading, not for as long as they write, and
+    every change is counted once (the later ones by the runner, from the feed)."""
+    expected = await fill(store, 6)
+    monkeypatch.setattr(projections._runner, "FEED_PAGE", 2)
+    real_read_feed = store.read_feed
+    written = 0
+
+    async def read_feed_while_writing(
+        partition: int, *, after: str = "0-0", count: int = 512
+    ) -> list[es.FeedEntry]:
+        nonlocal written
+        page = await real_read_feed(partition, after=after, count=count)
+        if written < 400:
+            for _ in range(2):  # a page's worth, in the partition being read
+                await settle(store, thread_in(store, partition, f"w{written}-"), "small", 1)
+                written += 1
+        return page
+
+    monkeypatch.setattr(store, "read_feed", read_feed_while_writing)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    with anyio.fail_after(60):
+        await runner.run_once()
+    monkeypatch.undo()
+    assert written < 400, "the backfill read for as long as the writers wrote"
+    await runner.run_once()
+    t, a, b = expected["small"]
+    expected["small"] = (t + written, a + written, b)
+    assert totals(await UsageProjection().report(store)) == expected
+
+
 async def test_writes_landing_during_a_backfill_are_counted_once(store: es.EventStore) -> None:
     """Appends and a deletion (with the thread created again) land after the backfill read
     the feed's end and the thread versions: the appends are counted once (by the runner,
@@ -604,9 +638,9 @@ async def test_writes_landing_during_a_backfill_are_counted_once(store: es.Event
     landed = False
 
     class Busy(ProjectionRunner):
-        async def _feed_after(self, partition: int, position: str) -> list[es.FeedEntry]:
+        async def _feed_after(self, partition: int, position: str, end: str) -> list[es.FeedEntry]:
             nonlocal landed
-            tail = await super()._feed_after(partition, position)
+            tail = await super()._feed_after(partition, position, end)
             if not landed and partition == es.partition_of("thread-1", store.partitions):
                 landed = True
                 await settle(store, "thread-1", "small", 5)  # a thread being read
