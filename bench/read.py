@@ -151,9 +151,10 @@ def counting_round_trips() -> Iterator[_Counters]:
     held_cls: Any = HeldConnections
     held_orig = held_cls._once
 
-    async def held_once(conn: Any, payload: bytes, replies: int) -> Any:
+    # The same parameters as `HeldConnections._once` (called positionally), whatever they are.
+    async def held_once(conn: Any, payload: bytes, *args: Any) -> Any:
         counters.sends += 1
-        return await held_orig(conn, payload, replies)
+        return await held_orig(conn, payload, *args)
 
     async def aio_send(self: Any, *args: Any, **kwargs: Any) -> Any:
         counters.sends += 1
