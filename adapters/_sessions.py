@@ -5,7 +5,9 @@ the earlier messages for audit. `session_update` decides which of the two a runt
 transcript needs. A writer whose view of the transcript is stale gets a `ConcurrencyError`,
 never a silent overwrite: "a writer" is a task (each request's task of a server sharing one
 `SessionStore` is a writer of its own), and a `Transcript` handed to `session_update` carries
-the version it was loaded at.
+the version it was loaded at, and the life of the session it was loaded from (a session
+deleted and written again restarts its versions at 1: only the life tells it from the one
+loaded).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from eventstore import (
     EventStore,
     EventTooLargeError,
     ExpectedVersion,
+    IncarnationConflictError,
     InvalidInputError,
     Message,
     NewEvent,
@@ -40,25 +43,30 @@ from ._threads import as_messages
 
 
 class Transcript(msgspec.Struct, frozen=True, kw_only=True):
-    """A session's transcript as loaded, with the version to pass back when writing."""
+    """A session's transcript as loaded, with the version to pass back when writing, and the
+    session's life (`EventStore.incarnation`; None for a session that does not exist yet),
+    read in the same step as the messages."""
 
     session_id: str
     messages: list[Message]
     version: int
+    incarnation: int | None = None
 
 
 class SessionUpdate(msgspec.Struct, frozen=True, kw_only=True):
     """What to write after a turn: ``append`` the new tail, or ``replace`` the transcript.
 
-    ``expected_version`` and ``session_id`` are those of the `Transcript` it was computed
-    from (None when it was computed from bare messages): `SessionStore.save` writes only to
-    that session, and only if it is still at that version.
+    ``expected_version``, ``expected_incarnation`` and ``session_id`` are those of the
+    `Transcript` it was computed from (None when it was computed from bare messages):
+    `SessionStore.save` writes only to that session, and only if it is still at that version
+    in that life (not deleted, and not deleted and written again to the same version).
     """
 
     mode: Literal["append", "replace"]
     messages: list[Message]
     expected_version: int | None = None
     session_id: str | None = None
+    expected_incarnation: int | None = None
 
 
 def session_update(
@@ -68,11 +76,13 @@ def session_update(
     """Append when ``result`` extends ``before`` (only the new tail), replace otherwise.
 
     Given the `Transcript` that `SessionStore.load` returned as ``before``, the update carries
-    its version, and saving it fails with `ConcurrencyError` if the session changed since.
+    its version and life, and saving it fails with `ConcurrencyError` if the session changed
+    since (`IncarnationConflictError` if it was deleted, or deleted and written again).
     """
     loaded = before if isinstance(before, Transcript) else None
     version = loaded.version if loaded is not None else None
     session = loaded.session_id if loaded is not None else None
+    life = loaded.incarnation if loaded is not None else None
     old = as_messages(loaded.messages if loaded is not None else before, "before")
     new = as_messages(result, "result")
     if len(new) >= len(old) and all(_same(a, b) for a, b in zip(old, new, strict=False)):
@@ -81,8 +91,15 @@ def session_update(
             messages=new[len(old) :],
             expected_version=version,
             session_id=session,
+            expected_incarnation=life,
         )
-    return SessionUpdate(mode="replace", messages=new, expected_version=version, session_id=session)
+    return SessionUpdate(
+        mode="replace",
+        messages=new,
+        expected_version=version,
+        session_id=session,
+        expected_incarnation=life,
+    )
 
 
 _EVENT_SLACK = 4096  # what an event adds to its messages: type tag, reason, array headers
@@ -138,44 +155,47 @@ def _content(m: Message) -> Message:
 class SessionStore:
     """Load, append and replace session transcripts (one thread per session).
 
-    The store remembers, per task, the version of each session the task last loaded or wrote,
-    and uses it as the expected version of the task's next write: a writer that did not see
-    another writer's change gets `ConcurrencyError`, also when concurrent requests share one
-    `SessionStore`. A task started after a load inherits what its parent remembered then (its
-    own writes are not seen by the parent, whose next write then conflicts: the safe side). A
-    write before any load is not checked. Pass ``expected_version`` to choose explicitly
+    The store remembers, per task, the version (and life) of each session the task last loaded
+    or wrote, and uses it as the expected version of the task's next write: a writer that did
+    not see another writer's change gets `ConcurrencyError`, also when concurrent requests
+    share one `SessionStore`, and also when the session was deleted (an idle sweep, `delete`)
+    and written again to the same version since (`IncarnationConflictError`, one). A task
+    started after a load inherits what its parent remembered then (its own writes are not
+    seen by the parent, whose next write then conflicts: the safe side). A write before any
+    load is not checked. Pass ``expected_version`` to choose explicitly
     (``ANY`` disables the check), or save a `session_update` of the loaded `Transcript`.
     Write a session's thread only through a `SessionStore`: any other append to it also
-    counts as a change.
-
-    Not detected: a session deleted and written again up to the same version between a load
-    and a write (versions start again at 1 in a new life).
+    counts as a change. An explicit ``expected_version`` is checked as given (the life is
+    checked only with the version it was read with: the remembered one, or an update's).
     """
 
     def __init__(self, store: EventStore, *, policy: AccessPolicy | None = None) -> None:
         self.store = require_store(store, "SessionStore")
         self.projector = Projector(store)
         self.policy = check_policy(policy)
-        # session id -> version, as this task last loaded or wrote it. Never changed in place:
-        # every write sets a new dict, so a task started earlier keeps the one it inherited
-        # (a child task's context holds its parent's dict as it was when the child started).
-        self._versions: ContextVar[Mapping[str, int]] = ContextVar(
+        # session id -> (version, life), as this task last loaded or wrote it. Never changed in
+        # place: every write sets a new dict, so a task started earlier keeps the one it
+        # inherited (a child task's context holds its parent's dict as it was when the child
+        # started).
+        self._versions: ContextVar[Mapping[str, tuple[int, int | None]]] = ContextVar(
             f"threadlog.SessionStore.versions.{id(self)}", default=MappingProxyType({})
         )
 
-    def _seen(self, session_id: str) -> int | None:
-        """The version this task last loaded or wrote of the session (None: none)."""
+    def _seen(self, session_id: str) -> tuple[int, int | None] | None:
+        """The version and life this task last loaded or wrote of the session (None: none)."""
         return self._versions.get().get(session_id)
 
-    def _remember(self, session_id: str, version: int | None) -> None:
-        """Record (or, with None, forget) this task's version of the session."""
+    def _remember(
+        self, session_id: str, version: int | None, incarnation: int | None = None
+    ) -> None:
+        """Record (or, with version None, forget) this task's version and life of the session."""
         # Copied on every write (a task remembers the few sessions it serves; a copy of a
         # small dict costs less than keeping track of which task may still read it).
         versions = dict(self._versions.get())
         if version is None:
             versions.pop(session_id, None)
         else:
-            versions[session_id] = version
+            versions[session_id] = (version, incarnation)
         self._versions.set(MappingProxyType(versions))
 
     async def _allow(
@@ -188,10 +208,16 @@ class SessionStore:
         """The session's current transcript (empty for a new session)."""
         await self._allow(principal, "read", session_id)
         tp = self.projector.transcript_projection
+        # The snapshot carries the life with the version, read in the same step.
         snap = await self.store.read_views(session_id, tp.full_reads())
         messages = tp.messages(snap.results[0])
-        self._remember(session_id, snap.version)
-        return Transcript(session_id=session_id, messages=messages, version=snap.version)
+        self._remember(session_id, snap.version, snap.incarnation)
+        return Transcript(
+            session_id=session_id,
+            messages=messages,
+            version=snap.version,
+            incarnation=snap.incarnation,
+        )
 
     async def history(
         self, session_id: str, *, principal: Principal | None = None
@@ -211,7 +237,9 @@ class SessionStore:
     ) -> int:
         """Add ``messages`` to the end of the transcript; returns the new version."""
         event = TranscriptAppended(messages=as_messages(messages))
-        return await self._write(session_id, event, expected_version, idempotency_key, principal)
+        return await self._write(
+            session_id, event, expected_version, idempotency_key, principal, None
+        )
 
     async def replace(
         self,
@@ -225,7 +253,9 @@ class SessionStore:
     ) -> int:
         """Swap the transcript for ``messages`` (the log keeps the old one); new version."""
         event = TranscriptReplaced(messages=as_messages(messages), reason=reason)
-        return await self._write(session_id, event, expected_version, idempotency_key, principal)
+        return await self._write(
+            session_id, event, expected_version, idempotency_key, principal, None
+        )
 
     async def save(
         self,
@@ -238,7 +268,8 @@ class SessionStore:
         """Apply a `SessionUpdate` (see `session_update`); returns the new version.
 
         The expected version is ``expected_version`` if given, else the update's own (that of
-        the `Transcript` it was computed from), else this task's remembered one. Anything
+        the `Transcript` it was computed from, checked in its life too), else this task's
+        remembered one (and life). Anything
         but a `SessionUpdate` (the messages themselves, the loaded `Transcript`) is refused
         with `InvalidInputError`: `append` and `replace` take messages.
         """
@@ -254,8 +285,10 @@ class SessionStore:
                 f"this update was computed from session {update.session_id!r}'s transcript, "
                 f"not {session_id!r}'s; nothing was written"
             )
+        life = None  # the life of the version expected, when it comes from the update
         if expected_version is None:
             expected_version = update.expected_version
+            life = update.expected_incarnation
         if update.mode == "append":
             if not update.messages:
                 # Nothing to write; the version is still the transcript's, whether or not this
@@ -264,17 +297,23 @@ class SessionStore:
                 await self._allow(principal, "write", session_id)
                 if expected_version is None:
                     seen = self._seen(session_id)
-                    return seen if seen is not None else await self.store.version(session_id)
+                    return seen[0] if seen is not None else await self.store.version(session_id)
                 current = await self.store.version(session_id)
+                if life is not None:
+                    now = await self.store.incarnation(session_id)
+                    if now != life:
+                        raise IncarnationConflictError(
+                            session_id, expected_version, current, life, now
+                        )
                 if not version_satisfies(expected_version, current):
                     raise ConcurrencyError(session_id, expected_version, current)
                 return current
-            return await self.append(
-                session_id, update.messages, expected_version=expected_version, principal=principal
+            event: TranscriptAppended | TranscriptReplaced = TranscriptAppended(
+                messages=as_messages(update.messages)
             )
-        return await self.replace(
-            session_id, update.messages, expected_version=expected_version, principal=principal
-        )
+        else:
+            event = TranscriptReplaced(messages=as_messages(update.messages), reason="compaction")
+        return await self._write(session_id, event, expected_version, None, principal, life)
 
     async def _write(
         self,
@@ -283,22 +322,28 @@ class SessionStore:
         expected_version: ExpectedVersion | None,
         idempotency_key: str | None,
         principal: Principal | None,
+        life: int | None,
     ) -> int:
+        """Write ``event`` at ``expected_version`` (in the life ``life``, when given), or at
+        the version and life this task remembers, or unchecked."""
         await self._allow(principal, "write", session_id)
         if isinstance(event, TranscriptAppended) and not event.messages:
             raise InvalidInputError("append needs at least one message")
-        seen = self._seen(session_id)
-        expected = (
-            expected_version
-            if expected_version is not None
-            else (seen if seen is not None else ANY)
-        )
+        expected: ExpectedVersion
+        if expected_version is not None:
+            expected = expected_version
+        else:
+            seen = self._seen(session_id)
+            # The remembered version is checked in the life it was read in: a session swept
+            # (or deleted) and written again since restarts at 1 and could be at it again.
+            expected, life = seen if seen is not None else (ANY, None)
         try:
             result = await self.projector.append(
                 session_id,
                 [NewEvent(payload=event)],
                 expected_version=expected,
                 idempotency_key=idempotency_key,
+                expected_incarnation=life,
             )
         except EventTooLargeError:
             # Nothing was written (sizes are checked before anything is sent). A transcript
@@ -308,12 +353,17 @@ class SessionStore:
             if len(events) == 1:
                 raise
             result = await self.projector.append(
-                session_id, events, expected_version=expected, idempotency_key=idempotency_key
+                session_id,
+                events,
+                expected_version=expected,
+                idempotency_key=idempotency_key,
+                expected_incarnation=life,
             )
         # A retry answered from the ledger gives the original append's version: what this
         # writer last saw. Other writes since then make its next write conflict (the safe
-        # side); forgetting it instead would let that write through unchecked.
-        self._remember(session_id, result.last_seq)
+        # side); forgetting it instead would let that write through unchecked. The life is
+        # the one the append landed in (for a retry, the one the thread is in now).
+        self._remember(session_id, result.last_seq, result.incarnation)
         return result.last_seq
 
     async def append_batches(

@@ -79,6 +79,7 @@ from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 
 from eventstore import (
     NO_THREAD,
+    AppendResult,
     ConcurrencyError,
     Event,
     EventRegistry,
@@ -90,12 +91,14 @@ from eventstore import (
     HashGetAll,
     HashLoad,
     HashSet,
+    IncarnationConflictError,
     InvalidInputError,
     InvalidThreadIdError,
     MemoryEventStore,
     NewEvent,
     OperationalError,
     RecordedEvent,
+    ThreadReplacedError,
     ViewConflictError,
     ViewEntry,
     ViewOp,
@@ -712,11 +715,19 @@ _NONE: dict[str, ViewEntry] = {}
 
 
 class _Fetch:
-    """The view fields one call has read so far: those it asked for, and those it found."""
+    """The view fields one call has read so far: those it asked for, and those it found.
 
-    def __init__(self) -> None:
+    With ``note`` (a read whose results the saver caches), the life the first read found is
+    passed to it, and a later read that finds another life (the thread was deleted, perhaps
+    written again, in between) raises `ThreadReplacedError`: what was read would mix lives.
+    """
+
+    def __init__(self, note: Callable[[int | None], None] | None = None) -> None:
         self.asked: dict[str, set[str]] = {}
         self.found: dict[str, dict[str, ViewEntry]] = {}
+        self.note = note
+        self.reads = 0
+        self.life: int | None = None
 
     def view(self, view: str) -> dict[str, ViewEntry]:
         return self.found.get(view, _NONE)
@@ -736,6 +747,13 @@ class _Fetch:
         if not reads:
             return
         snap = await store.read_views(tid, reads)
+        if self.note is not None:
+            if not self.reads:
+                self.life = snap.incarnation
+                self.note(snap.incarnation)
+            elif snap.incarnation != self.life:
+                raise ThreadReplacedError(tid)
+        self.reads += 1
         for r, result in zip(reads, snap.results, strict=True):
             assert isinstance(result, dict)
             self.found.setdefault(r.view, {}).update(result)
@@ -940,6 +958,11 @@ class ThreadlogCheckpointSaver(
         self._writes = _Cache()  # (thread, checkpoint field) -> _KnownWrites
         self._hints = _Cache()  # (thread, view, record field) -> _Needs: what to read with it
         self._heads = _Cache()  # (thread, ns) -> (head checkpoint id or None, field version)
+        # (thread,) -> the life the thread's cached state above was read (or written) in; 0:
+        # read when there was no thread. Every write made from that state names the life,
+        # so a thread deleted and written again since (versions, and the guards' field
+        # versions, restart at 1) refuses it, whatever versions it has reached again.
+        self._lives = _Cache()
         self._bridge = _Bridge()
 
     @classmethod
@@ -1117,7 +1140,7 @@ class ThreadlogCheckpointSaver(
             # successor shares most of them, and only the rest is read. A hint only chooses
             # what to read: every value used comes from the store, in this call.
             first = {**hint, **first}
-        fetch = _Fetch()
+        fetch = _Fetch(functools.partial(self._note_life, tid))
         await fetch.read(store, tid, first)
         entry = fetch.entry(view, field)
         if entry is None:
@@ -1401,12 +1424,13 @@ class ThreadlogCheckpointSaver(
         store = await self._get_store()
         budget = max(store.max_event_bytes // 2, 1024)
         async with self._lock(tid):
+            self._drop_if_lifeless(tid)
             cold = [ch for ch in as_lists if self._lineages.get((tid, ns, ch)) is None]
             if cold and parent_id:
                 # A cold cache (a new process): load the parent, as LangGraph itself did before
                 # running, so that the new versions can share its elements.
                 await self._get(store, tid, conf["thread_id"], ns, parent_id, warm=True)
-            conflict: ViewConflictError | None = None
+            conflict: ViewConflictError | IncarnationConflictError | None = None
             for _ in range(ATTEMPTS):
                 missing = [ch for ch in as_lists if self._lineages.get((tid, ns, ch)) is None]
                 head: tuple[str | None, int] | None = self._heads.get((tid, ns))
@@ -1428,14 +1452,17 @@ class ThreadlogCheckpointSaver(
                 events.append(CheckpointPut(record=record))
                 ops = self._guarded_ops(events, ns, plan, head)
                 try:
-                    await self._append(store, tid, events, ops)
+                    await self._write(store, tid, events, ops)
                 except EventTooLargeError as exc:
                     raise _too_large(exc, events) from None
-                except ViewConflictError as exc:
+                except (ViewConflictError, IncarnationConflictError) as exc:
                     # Another writer extended a lineage or moved the head: forget what we knew
                     # and reload the parent's elements (so the new version still shares them),
-                    # then the lineages' lengths and the head as they are now.
+                    # then the lineages' lengths and the head as they are now. The thread
+                    # deleted (and written again) since: nothing known of it holds any more.
                     conflict = exc
+                    if isinstance(exc, IncarnationConflictError):
+                        self._forget(tid)
                     for ch in as_lists:
                         self._lineages.pop((tid, ns, ch))
                     self._heads.pop((tid, ns))
@@ -1495,6 +1522,7 @@ class ThreadlogCheckpointSaver(
         if not reads:
             return
         snap = await store.read_views(tid, reads)
+        self._note_life(tid, snap.incarnation)
         if fields:
             found = snap.results[0]
             assert isinstance(found, dict)
@@ -1675,13 +1703,48 @@ class ThreadlogCheckpointSaver(
         ops: Sequence[ViewOp],
         *,
         expected_version: ExpectedVersion | None = None,
-    ) -> int:
+        expected_incarnation: int | None = None,
+    ) -> AppendResult:
         news = [NewEvent(payload=e) for e in events]
         if expected_version is None:
-            result = await store.append(tid, news, view_ops=ops)
-        else:
-            result = await store.append(tid, news, view_ops=ops, expected_version=expected_version)
-        return result.last_seq
+            return await store.append(
+                tid, news, view_ops=ops, expected_incarnation=expected_incarnation
+            )
+        return await store.append(
+            tid,
+            news,
+            view_ops=ops,
+            expected_version=expected_version,
+            expected_incarnation=expected_incarnation,
+        )
+
+    async def _write(
+        self, store: EventStore, tid: str, events: Sequence[Event], ops: Sequence[ViewOp]
+    ) -> None:
+        """Append what was planned from the cached state, in the life that state is of
+        (`IncarnationConflictError` once the thread is in another), and note the life it
+        landed in (a thread this write created)."""
+        life = self._lives.get((tid,))
+        result = await self._append(store, tid, events, ops, expected_incarnation=life or None)
+        self._note_life(tid, result.incarnation, written=True)
+
+    def _drop_if_lifeless(self, tid: str) -> None:
+        """Forget the thread's cached state if its life is not known (the caches evict on
+        their own): a write planned from it could not name the life it is of."""
+        if self._lives.get((tid,)) is None:
+            self._forget(tid)
+
+    def _note_life(self, tid: str, life: int | None, *, written: bool = False) -> None:
+        """Record the life the thread's cached state is of, as a read (or, ``written``, an
+        append made from that state) found it. Another life than the one recorded: the
+        state cached is of a thread that is gone, and is forgotten. A write from state read
+        when there was no thread created it (its guards held): that state is of the new life.
+        """
+        now = life or 0
+        known: int | None = self._lives.get((tid,))
+        if known is not None and known != now and not (written and known == 0):
+            self._forget(tid)
+        self._lives.put((tid,), now)
 
     async def aput_writes(
         self,
@@ -1705,9 +1768,10 @@ class ThreadlogCheckpointSaver(
         store = await self._get_store()
         budget = max(store.max_event_bytes // 2, 1024)
         async with self._lock(tid):
-            conflict: ViewConflictError | None = None
+            conflict: ViewConflictError | IncarnationConflictError | None = None
             attempt = 0
             for _ in range(ATTEMPTS):
+                self._drop_if_lifeless(tid)
                 known: _KnownWrites | None = self._writes.get((tid, field))
                 if known is None:
                     known = await self._read_writes(store, tid, field)
@@ -1733,11 +1797,15 @@ class ThreadlogCheckpointSaver(
                             guard = None
                         ops.append(op)
                 try:
-                    await self._append(store, tid, events, ops)
+                    await self._write(store, tid, events, ops)
                 except EventTooLargeError as exc:
                     raise _too_large(exc, events) from None
-                except ViewConflictError as exc:  # another process wrote them meanwhile
+                except (ViewConflictError, IncarnationConflictError) as exc:
+                    # Another process wrote them meanwhile (or the thread was deleted, and
+                    # perhaps written again, since: nothing cached of it holds any more).
                     conflict = exc
+                    if isinstance(exc, IncarnationConflictError):
+                        self._forget(tid)
                     self._writes.pop((tid, field))
                     # Full jitter: processes writing one step's tasks at once otherwise collide
                     # again in lockstep, and a writer ran out of attempts.
@@ -1764,6 +1832,7 @@ class ThreadlogCheckpointSaver(
     async def _read_writes(self, store: EventStore, tid: str, field: str) -> _KnownWrites:
         """A checkpoint's stored writes, chunk by chunk, with the versions its guards need."""
         snap = await store.read_views(tid, [HashGet(WRITES, (field,)), HashGet(WRITES_N, (field,))])
+        self._note_life(tid, snap.incarnation)
         first, count = snap.results
         assert isinstance(first, dict) and isinstance(count, dict)
         views = _Views()
@@ -1774,6 +1843,8 @@ class ThreadlogCheckpointSaver(
             # between, it moved the count's version too, and the guard refuses this put.
             fields = tuple(_more_field(field, j) for j in range(1, int(count[field].value) + 1))
             more = await store.read_views(tid, [HashGet(WRITES_MORE, fields)])
+            if more.incarnation != snap.incarnation:
+                raise ThreadReplacedError(tid)  # the chunks would be of another life
             found = more.results[0]
             assert isinstance(found, dict)
             views.hashes[WRITES_MORE].update(found)
@@ -1790,6 +1861,7 @@ class ThreadlogCheckpointSaver(
         self._heads.forget_thread(tid)
         self._writes.forget_thread(tid)
         self._hints.forget_thread(tid)
+        self._lives.forget_thread(tid)
 
     async def adelete_thread(self, thread_id: str) -> None:
         tid = self.thread_id_of(thread_id)
@@ -1935,8 +2007,15 @@ class ThreadlogCheckpointSaver(
                 held.hashes[WRITES_N] = counts
                 ops = _event_ops(event, 0, held)
                 try:
-                    await self._append(store, tid, [event], ops, expected_version=snap.version)
-                except ConcurrencyError as exc:  # the thread moved on: look again
+                    await self._append(
+                        store,
+                        tid,
+                        [event],
+                        ops,
+                        expected_version=snap.version,
+                        expected_incarnation=snap.incarnation,
+                    )
+                except ConcurrencyError as exc:  # the thread moved on (or was replaced): again
                     conflict = exc
                     continue
                 self._forget(tid)

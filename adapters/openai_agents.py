@@ -434,9 +434,16 @@ class ThreadlogSession:
                 event = ItemPopped(added_seq=entry.seq, digest=item_digest(entry.value))
                 # The thread version is the guard: every event of a session moves the tail, so
                 # it is stricter than "this entry is still the tail" only after an add and a pop
-                # that cancel out, and the view has no finer guard to offer.
+                # that cancel out, and the view has no finer guard to offer. The life with it:
+                # a session swept and written again to this version since has another tail.
                 try:
-                    await _to_the_end(self._append([event], expected_version=snap.version))
+                    await _to_the_end(
+                        self._append(
+                            [event],
+                            expected_version=snap.version,
+                            expected_incarnation=snap.incarnation,
+                        )
+                    )
                 except ConcurrencyError:
                     if time.monotonic() >= deadline:
                         raise
@@ -511,7 +518,13 @@ class ThreadlogSession:
                 f"({exc}); run rebuild"
             ) from None
 
-    async def _append(self, events: list[Event], *, expected_version: ExpectedVersion) -> None:
+    async def _append(
+        self,
+        events: list[Event],
+        *,
+        expected_version: ExpectedVersion,
+        expected_incarnation: int | None = None,
+    ) -> None:
         # The same NewEvents on every attempt: a retry after a lost reply carries the same
         # idempotency key and is answered from the ledger instead of appending twice.
         news = [NewEvent(payload=e) for e in events]
@@ -519,7 +532,10 @@ class ThreadlogSession:
         for attempt in range(TRANSIENT_ATTEMPTS):
             try:
                 result = await self.projector.append(
-                    self.thread_id, news, expected_version=expected_version
+                    self.thread_id,
+                    news,
+                    expected_version=expected_version,
+                    expected_incarnation=expected_incarnation,
                 )
                 break
             except (StoreConnectionError, StoreTimeoutError):

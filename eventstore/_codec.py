@@ -700,6 +700,18 @@ def expected_version_arg(expected: ExpectedVersion) -> str:
     return str(expected)
 
 
+def expected_incarnation_arg(expected: object) -> bytes:
+    """An append's expected incarnation as the append script takes it: ``-`` for none, else
+    its digits; `InvalidInputError` unless None or an int >= 1 (a bool is no life)."""
+    if expected is None:
+        return b"-"
+    if isinstance(expected, bool) or not isinstance(expected, int) or expected < 1:
+        raise InvalidInputError(
+            f"expected_incarnation must be None or an int >= 1, not {expected!r}"
+        )
+    return b"%d" % expected
+
+
 def version_satisfies(expected: ExpectedVersion, version: int) -> bool:
     """Whether a thread at ``version`` meets ``expected``, as an append checks it (the script
     compares the same way); raises `InvalidInputError` for a malformed expected version."""

@@ -47,12 +47,19 @@ class AppendResult:
 
     ``duplicate`` is True when the idempotency key matched an earlier append, whose result this
     is; nothing was written by the retry.
+
+    ``incarnation`` is the life the thread is in right after the append (`EventStore.incarnation`;
+    for a duplicate, the life it is in now), to pass as the next append's
+    ``expected_incarnation``: a writer that created the thread learns its life without another
+    round trip. None where the backend records none (`EventStore.recorded_append` on a thread
+    deleted since).
     """
 
     thread_id: str
     first_seq: int
     last_seq: int
     duplicate: bool = field(default=False, compare=False)
+    incarnation: int | None = field(default=None, compare=False)
 
     @property
     def version(self) -> int:
@@ -104,8 +111,14 @@ class EventStore(abc.ABC):
         expected_version: ExpectedVersion = ANY,
         idempotency_key: str | None = None,
         view_ops: Sequence[ViewOp] = (),
+        expected_incarnation: int | None = None,
     ) -> AppendResult:
         """Append ``events`` to the thread, all or nothing, applying ``view_ops`` in the same step.
+
+        With ``expected_incarnation`` (an `incarnation` or `AppendResult.incarnation` the caller
+        read), the append lands only while the thread is in that life: versions, seqs and view
+        field versions restart at 1 when a thread is deleted and written again, so an expected
+        version (or guarded view op) alone can match a later life by coincidence.
 
         The idempotency key defaults to one derived from the first event's id, so a retry with
         the same `NewEvent` objects is safe. A key that was already used returns the original
@@ -113,8 +126,13 @@ class EventStore(abc.ABC):
 
         Raises:
             InvalidInputError: a bad thread id, empty or oversized events, an unregistered type,
-                a payload that fails validation, a malformed view op. Nothing is sent.
+                a payload that fails validation, a malformed view op, an
+                ``expected_incarnation`` not None or an int >= 1. Nothing is sent.
             ConcurrencyError: the expected version does not hold. Nothing is written.
+            IncarnationConflictError: (a `ConcurrencyError`) the thread is not in the life
+                ``expected_incarnation`` names: deleted since, or deleted and written again.
+                Checked after the idempotency key (a retry of an append that landed still
+                returns its result). Nothing is written.
             ViewConflictError: a guarded view op found another version. Nothing is written.
             IdempotencyKeyReusedError: the key was used for different events. Nothing is written.
             ChainKeyMismatchError: the thread was created with another chain key, or one side

@@ -40,6 +40,47 @@ class ConcurrencyError(ConflictError):
         return (type(self), (self.thread_id, self.expected, self.actual))
 
 
+class IncarnationConflictError(ConcurrencyError):
+    """Raised when an append's ``expected_incarnation`` is not the thread's life: the thread
+    was deleted since the caller read it (``actual_incarnation`` None), or deleted and written
+    again (another life, whose versions restarted at 1 and may equal the one expected).
+
+    A `ConcurrencyError`, so a caller that reloads and retries on one handles it; ``expected``
+    and ``actual`` are the append's expected version and the thread's version, as there.
+    """
+
+    def __init__(
+        self,
+        thread_id: str,
+        expected: object,
+        actual: int,
+        expected_incarnation: int,
+        actual_incarnation: int | None,
+    ) -> None:
+        self.expected_incarnation = expected_incarnation
+        self.actual_incarnation = actual_incarnation
+        # ConcurrencyError's message is about versions; this one names the lives instead.
+        super().__init__(thread_id, expected, actual)
+        now = "no longer exists" if actual_incarnation is None else (
+            f"is in life {actual_incarnation} (version {actual})"
+        )  # fmt: skip
+        self.args = (
+            f"thread {thread_id!r}: expected life {expected_incarnation}, the thread {now}",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (
+                self.thread_id,
+                self.expected,
+                self.actual,
+                self.expected_incarnation,
+                self.actual_incarnation,
+            ),
+        )
+
+
 class ThreadReplacedError(ConflictError):
     """Raised when a thread was deleted (and perhaps written again under its id) while a read
     of several batches went through it: the events read so far belong to a life of the thread

@@ -28,6 +28,7 @@ from ._codec import (
     decode_entry,
     encode_events,
     entry_fields,
+    expected_incarnation_arg,
     expected_version_arg,
     idempotency_key_for,
     idempotency_key_text,
@@ -44,6 +45,7 @@ from ._errors import (
     ConcurrencyError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
+    IncarnationConflictError,
     InvalidInputError,
     StoreClosedError,
     ThreadReplacedError,
@@ -289,6 +291,7 @@ class MemoryEventStore(EventStore):
         expected_version: ExpectedVersion = ANY,
         idempotency_key: str | None = None,
         view_ops: Sequence[ViewOp] = (),
+        expected_incarnation: int | None = None,
     ) -> AppendResult:
         encoded = encode_events(
             thread_id,
@@ -298,6 +301,7 @@ class MemoryEventStore(EventStore):
             secret=self._secret,
         )
         expected_version_arg(expected_version)  # a malformed one is refused before the yield
+        expected_incarnation_arg(expected_incarnation)
         ops = list(view_ops)
         check_ops(ops, len(encoded), in_append=True)
         for op in ops:
@@ -320,7 +324,9 @@ class MemoryEventStore(EventStore):
                 raise IdempotencyKeyReusedError(
                     thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
                 )
-            return AppendResult(thread_id, prior[0], prior[1], duplicate=True)
+            return AppendResult(
+                thread_id, prior[0], prior[1], duplicate=True, incarnation=thread.incarnation
+            )
         if thread.fingerprint is not None and thread.fingerprint != self._fingerprint:
             raise ChainKeyMismatchError(
                 thread_id, thread.fingerprint != UNKEYED_FINGERPRINT, bool(self._secret)
@@ -328,6 +334,17 @@ class MemoryEventStore(EventStore):
         version = thread.version
         if version == 0 and thread.entries:  # as the append script: a log without its meta
             raise log_without_meta(thread_id, "; nothing was appended")
+        # As the script: only the life tells this thread from a later one at the same version.
+        if expected_incarnation is not None and (
+            not version or thread.incarnation != expected_incarnation
+        ):
+            raise IncarnationConflictError(
+                thread_id,
+                expected_version,
+                version,
+                expected_incarnation,
+                thread.incarnation if version else None,
+            )
         if not version_satisfies(expected_version, version):
             raise ConcurrencyError(thread_id, expected_version, version)
         # Guards see the ops before them in this append, as if its events came one by one (as
@@ -380,7 +397,7 @@ class MemoryEventStore(EventStore):
             }
         )
         self._ns.index[thread_id] = now
-        return AppendResult(thread_id, first, last)
+        return AppendResult(thread_id, first, last, incarnation=thread.incarnation)
 
     @staticmethod
     def _apply(thread: _Thread, op: ViewOp, version: int) -> None:
@@ -438,8 +455,10 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
         prior = thread.ledger.get(ikey) if thread else None
-        return (
-            None if prior is None else AppendResult(thread_id, prior[0], prior[1], duplicate=True)
+        if prior is None or thread is None:
+            return None
+        return AppendResult(
+            thread_id, prior[0], prior[1], duplicate=True, incarnation=thread.incarnation
         )
 
     async def read_raw(
@@ -551,7 +570,8 @@ class MemoryEventStore(EventStore):
                 fields = [n.split(b":", 1)[1].decode("utf-8", "surrogateescape") for n in names]
                 raw = _flat((f.encode(), h[f]) for f in fields if f in h)
             results.append(decode_view_result(thread_id, r, raw))
-        return ViewSnapshot(thread.version if thread else 0, results)
+        version = thread.version if thread else 0
+        return ViewSnapshot(version, results, thread.incarnation if thread and version else None)
 
     async def load_views(
         self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int

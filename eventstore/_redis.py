@@ -28,6 +28,7 @@ from ._codec import (
     decode_payload_rows,
     decode_rows,
     encode_append,
+    expected_incarnation_arg,
     expected_version_arg,
     idempotency_key_for,
     idempotency_key_text,
@@ -54,6 +55,7 @@ from ._errors import (
     EventStoreError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
+    IncarnationConflictError,
     InvalidInputError,
     OperationalError,
     StoreClosedError,
@@ -294,23 +296,37 @@ def _as_dict(fields: Any) -> dict[bytes, bytes]:
     return dict(zip(it, it, strict=True))
 
 
-# An `AppendResult` built without its dataclass __init__, whose four object.__setattr__ calls
+# An `AppendResult` built without its dataclass __init__, whose five object.__setattr__ calls
 # (it is frozen) cost more than anything else an answered append does; slot by slot, the same
 # object.
 _new_object = object.__new__
 _set_result_fields = tuple(
-    vars(AppendResult)[name].__set__ for name in ("thread_id", "first_seq", "last_seq", "duplicate")
+    vars(AppendResult)[name].__set__
+    for name in ("thread_id", "first_seq", "last_seq", "duplicate", "incarnation")
 )
 
 
-def _append_result(thread_id: str, first: int, last: int, duplicate: bool) -> AppendResult:
+def _append_result(
+    thread_id: str, first: int, last: int, duplicate: bool, incarnation: int | None
+) -> AppendResult:
     result: AppendResult = _new_object(AppendResult)
-    set_thread, set_first, set_last, set_duplicate = _set_result_fields
+    set_thread, set_first, set_last, set_duplicate, set_incarnation = _set_result_fields
     set_thread(result, thread_id)
     set_first(result, first)
     set_last(result, last)
     set_duplicate(result, duplicate)
+    set_incarnation(result, incarnation)
     return result
+
+
+def _reply_life(raw: Any) -> int | None:
+    """The incarnation an append reply carries (meta ``n``): None when the thread records
+    none, or one that is not a number (damage `verify` reports; the append itself landed or
+    was recorded, so it is not failed over it)."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 # RESP bulk string headers "$<n>\r\n" of short arguments, looked up rather than formatted: an
@@ -319,17 +335,25 @@ def _append_result(thread_id: str, first: int, last: int, duplicate: bool) -> Ap
 _BULK = [b"$%d\r\n" % n for n in range(1024)]
 _CRLF = b"\r\n"
 _APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
+# A one-event append's arguments between its request digest and its event id: "1" event,
+# "0" ops, then the expected incarnation, "-" (none) unless the writer names a life.
+_ONE_NO_LIFE = b"\r\n$1\r\n1\r\n$1\r\n0\r\n$1\r\n-\r\n$16\r\n"
 
 
 def _pack_append(
-    head: bytes, exp: bytes, ikey: bytes, rdigest: bytes, encoded: Sequence[EncodedEvent]
+    head: bytes,
+    exp: bytes,
+    ikey: bytes,
+    rdigest: bytes,
+    life: bytes,
+    encoded: Sequence[EncodedEvent],
 ) -> bytes:
     """An append of several events and no view ops, packed after the thread's memoized head."""
     n = b"%d" % len(encoded)
     parts = [
-        b"*%d\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n0\r\n"
-        % (14 + 5 * len(encoded), head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
-           len(n), n)
+        b"*%d\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$1\r\n0\r\n$%d\r\n%b\r\n"
+        % (15 + 5 * len(encoded), head, len(exp), exp, len(ikey), ikey, len(rdigest), rdigest,
+           len(n), n, len(life), life)
     ]  # fmt: skip
     for e in encoded:
         v, digest = b"%d" % e.version, e.digest.encode("ascii")
@@ -578,6 +602,7 @@ class RedisEventStore(EventStore):
         expected_version: ExpectedVersion = ANY,
         idempotency_key: str | None = None,
         view_ops: Sequence[ViewOp] = (),
+        expected_incarnation: int | None = None,
     ) -> AppendResult:
         # (Anything but a str is refused by `_memo_thread`'s validation, unhashable ids too.)
         memo = self._append_keys.get(thread_id) if isinstance(thread_id, str) else None
@@ -596,6 +621,14 @@ class RedisEventStore(EventStore):
             exp = b"%d" % expected_version
         else:
             exp = expected_version_arg(expected_version).encode("ascii")
+        # No life, or a plain int life, without a call (every append takes this path); the
+        # rest (refused, or an int subclass) through the validation.
+        if expected_incarnation is None:
+            life = b"-"
+        elif type(expected_incarnation) is int and expected_incarnation >= 1:
+            life = b"%d" % expected_incarnation
+        else:
+            life = expected_incarnation_arg(expected_incarnation)
         ops = list(view_ops) if view_ops else []
         if ops:
             check_ops(ops, len(encoded), in_append=True)
@@ -617,25 +650,28 @@ class RedisEventStore(EventStore):
                 b = _BULK
                 n_ikey, n_data, n_meta = len(ikey), len(data), len(meta)
                 # The thread's head (to its chain key fingerprint), expected version,
-                # idempotency key, request digest, "1" event, "0" ops, then the event's id,
-                # version, data, meta and digest. Fixed lengths by construction: request
-                # digest 8 bytes, id 16, content digest 32 hex digits.
+                # idempotency key, request digest, "1" event, "0" ops, expected incarnation,
+                # then the event's id, version, data, meta and digest. Fixed lengths by
+                # construction: request digest 8 bytes, id 16, content digest 32 hex digits.
+                mid = _ONE_NO_LIFE if expected_incarnation is None else (
+                    b"\r\n$1\r\n1\r\n$1\r\n0\r\n$%d\r\n%b\r\n$16\r\n" % (len(life), life)
+                )  # fmt: skip
                 call = b"".join((
-                    b"*19\r\n", head, b[len(exp)], exp, _CRLF,
+                    b"*20\r\n", head, b[len(exp)], exp, _CRLF,
                     b[n_ikey] if n_ikey < 1024 else b"$%d\r\n" % n_ikey, ikey,
-                    b"\r\n$8\r\n", rdigest, b"\r\n$1\r\n1\r\n$1\r\n0\r\n$16\r\n", e.id_bytes,
+                    b"\r\n$8\r\n", rdigest, mid, e.id_bytes,
                     _CRLF, b[len(v)], v, _CRLF,
                     b[n_data] if n_data < 1024 else b"$%d\r\n" % n_data, data, _CRLF,
                     b[n_meta] if n_meta < 1024 else b"$%d\r\n" % n_meta, meta,
                     b"\r\n$32\r\n", e.digest.encode(), _CRLF,
                 ))  # fmt: skip
             else:
-                call = _pack_append(head, exp, ikey, rdigest, encoded)
+                call = _pack_append(head, exp, ikey, rdigest, life, encoded)
         else:
             keys: list[Any] = list(thread_keys)
             args: list[Any] = [
                 thread, self._fingerprint, exp, ikey, rdigest, b"%d" % len(encoded),
-                b"%d" % len(ops),
+                b"%d" % len(ops), life,
             ]  # fmt: skip
             for e in encoded:
                 args += (e.id_bytes, b"%d" % e.version, e.data, e.meta, e.digest.encode("ascii"))
@@ -653,11 +689,25 @@ class RedisEventStore(EventStore):
             raise translate_redis_error(exc) from exc
         status = reply[0]
         if status == b"ok":
-            return _append_result(thread_id, int(reply[1]), int(reply[2]), False)
+            try:  # inline: `_reply_life` is a call more on every append
+                life_now = int(reply[4])
+            except ValueError:
+                life_now = None  # a damaged "n" (verify reports it); the append landed
+            return _append_result(thread_id, int(reply[1]), int(reply[2]), False, life_now)
         if status == b"dup":
-            return AppendResult(thread_id, int(reply[1]), int(reply[2]), duplicate=True)
+            life_now = _reply_life(reply[3]) if len(reply) > 3 else None
+            return _append_result(thread_id, int(reply[1]), int(reply[2]), True, life_now)
         if status == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+        if status == b"life":
+            assert expected_incarnation is not None  # the script checks only a life it is given
+            raise IncarnationConflictError(
+                thread_id,
+                expected_version,
+                int(reply[2]),
+                expected_incarnation,
+                None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
+            )
         if status == b"reused":
             raise IdempotencyKeyReusedError(
                 thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
@@ -746,11 +796,11 @@ class RedisEventStore(EventStore):
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         validate_thread_id(thread_id)
         ikey = caller_key_field(idempotency_key)
-        raw = await self._command("HGET", self.keys.meta(thread_id), ikey)
+        raw, n = await self._command("HMGET", self.keys.meta(thread_id), ikey, "n")
         if raw is None:
             return None
         first, last = parse_ledger_entry(thread_id, raw)
-        return AppendResult(thread_id, first, last, duplicate=True)
+        return _append_result(thread_id, first, last, True, _reply_life(n))
 
     async def _command(self, *parts: Any) -> Any:
         """One command whose reply redis-py would not reshape (no reply callback), on the held
@@ -1058,14 +1108,14 @@ class RedisEventStore(EventStore):
                 args += ("hl", k, lk, redis_index(r.start), redis_index(r.stop))
         reply = await _call(READ_VIEWS(self.client, index.keys, args))
         results: list[ViewResult] = []
-        for r, raw in zip(reads, reply[1:], strict=True):
+        for r, raw in zip(reads, reply[1:-1], strict=True):
             results.append(decode_view_result(thread_id, r, raw))
-        return ViewSnapshot(_meta_version(thread_id, reply[0]), results)
+        return ViewSnapshot(_meta_version(thread_id, reply[0]), results, _reply_life(reply[-1]))
 
     async def _read_views_multi(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
         # Plain reads in MULTI/EXEC: the same atomic snapshot as the script, without Lua
         # copying every value (a 1,000-value list costs ~10x less on the server).
-        commands: list[tuple[Any, ...]] = [("HGET", self.keys.meta(thread_id), "v")]
+        commands: list[tuple[Any, ...]] = [("HMGET", self.keys.meta(thread_id), "v", "n")]
         for r in reads:
             key = self.keys.view(thread_id, r.view)
             if isinstance(r, ListRange):
@@ -1076,9 +1126,12 @@ class RedisEventStore(EventStore):
                 # EXISTS for no fields keeps the reply positions aligned.
                 commands.append(("HMGET", key, *r.fields) if r.fields else ("EXISTS", key))
         replies = await self._transaction(commands)
-        version = replies[0]
-        if isinstance(version, Exception):
-            raise translate_redis_error(version)
+        meta = replies[0]
+        if isinstance(meta, Exception):
+            raise translate_redis_error(meta)
+        version, life = meta
+        # As the script: a meta without a version is no thread, whatever life it still names.
+        incarnation = None if version is None else _reply_life(life)
         results: list[ViewResult] = []
         for r, raw in zip(reads, replies[1:], strict=True):
             if isinstance(raw, Exception):
@@ -1096,7 +1149,7 @@ class RedisEventStore(EventStore):
             elif isinstance(r, HashGetAll) and isinstance(raw, dict):
                 raw = [x for kv in raw.items() for x in kv]
             results.append(decode_view_result(thread_id, r, raw))
-        return ViewSnapshot(_meta_version(thread_id, version), results)
+        return ViewSnapshot(_meta_version(thread_id, version), results, incarnation)
 
     async def _transaction(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """The commands in one MULTI/EXEC; their replies, an error reply in its command's place."""

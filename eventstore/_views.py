@@ -250,10 +250,16 @@ def check_reads(reads: object) -> list[ViewRead]:
 
 
 class ViewSnapshot(msgspec.Struct, frozen=True):
-    """View reads taken atomically, with the thread's version at that moment."""
+    """View reads taken atomically, with the thread's version at that moment.
+
+    ``incarnation`` is the life the thread was in (`EventStore.incarnation`; None without a
+    thread, or where none is recorded), read in the same step: a writer that writes after
+    these reads passes it as ``expected_incarnation`` along with ``version``.
+    """
 
     version: int
     results: list[ViewResult]
+    incarnation: int | None = None
 
 
 def decode_view_result(thread_id: str, read: ViewRead, raw: list[bytes]) -> ViewResult:

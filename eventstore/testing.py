@@ -40,6 +40,7 @@ from ._errors import (
     EventValidationError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
+    IncarnationConflictError,
     InvalidInputError,
     InvalidThreadIdError,
     OperationalError,
@@ -991,6 +992,88 @@ class EventStoreConformance:
         await store.append("t", [msg("c")])
         again = await store.incarnation("t")
         assert again is not None and again != life
+
+    async def test_an_append_in_the_life_it_expects_lands_and_returns_the_life(
+        self, store: EventStore
+    ) -> None:
+        first = await store.append("t", [msg("a")], expected_version=NO_THREAD)
+        life = await store.incarnation("t")
+        assert first.incarnation == life and life is not None
+        landed = await store.append("t", [msg("b")], expected_version=1, expected_incarnation=life)
+        assert (landed.first_seq, landed.incarnation) == (2, life)
+        several = await store.append(
+            "t", [msg("c"), msg("d")], expected_incarnation=life, view_ops=[ListPush("l", (b"c",))]
+        )
+        assert (several.last_seq, several.incarnation) == (4, life)
+        assert _texts(await read_all(store, "t")) == ["a", "b", "c", "d"]
+
+    async def test_an_append_to_a_life_that_is_gone_writes_nothing(self, store: EventStore) -> None:
+        """The ABA of a recreated thread: versions and view field versions restart at 1, so an
+        expected version (and guarded view ops) read in the old life can match the new one.
+        Only the life tells them apart: refused, nothing written, the thread as it was."""
+        from ._keys import partition_of
+
+        await store.append("t", [msg("a")], view_ops=[HashSet("s", "f", b"old")])
+        old = await store.incarnation("t")
+        assert old is not None
+        await store.delete_thread("t", views=["s"])
+        stale: dict[str, Any] = {"expected_version": 1, "expected_incarnation": old}
+        with pytest.raises(IncarnationConflictError) as gone:
+            await store.append("t", [msg("stale")], **stale)
+        assert isinstance(gone.value, ConcurrencyError)
+        assert (gone.value.expected_incarnation, gone.value.actual_incarnation) == (old, None)
+        assert (gone.value.actual, await store.version("t")) == (0, 0)
+        # Written again by another writer up to the version the stale one read.
+        await store.append("t", [msg("new")], view_ops=[HashSet("s", "f", b"new")])
+        new = await store.incarnation("t")
+        p = partition_of("t", store.partitions)
+        feed_before = await store.read_feed(p)
+        with pytest.raises(IncarnationConflictError) as replaced:
+            await store.append(
+                "t",
+                [msg("stale")],
+                idempotency_key="stale",
+                view_ops=[HashSet("s", "f", b"stale", 0, 1)],  # its guard passes by coincidence
+                **stale,
+            )
+        assert (replaced.value.actual_incarnation, replaced.value.actual) == (new, 1)
+        assert replaced.value.expected == 1
+        assert _texts(await read_all(store, "t")) == ["new"]
+        snap = await store.read_views("t", [HashGetAll("s")])
+        assert snap.results[0] == {"f": ViewEntry(1, b"new", 1)}
+        assert await store.read_feed(p) == feed_before
+        assert await store.recorded_append("t", "stale") is None
+        # In the life it names, the same append lands.
+        ok = await store.append("t", [msg("fresh")], expected_version=1, expected_incarnation=new)
+        assert (ok.first_seq, ok.incarnation) == (2, new)
+
+    async def test_a_retry_of_an_append_that_landed_returns_it_whatever_the_life(
+        self, store: EventStore
+    ) -> None:
+        """As for the expected version: the ledger answers first, so a retry of an append
+        that landed (its reply lost) gets its result, with the life the thread is in."""
+        await store.append("t", [msg("a")])
+        life = await store.incarnation("t")
+        assert life is not None
+        events = [msg("b")]
+        first = await store.append(
+            "t", events, expected_version=1, expected_incarnation=life, idempotency_key="k"
+        )
+        again = await store.append(
+            "t", events, expected_version=1, expected_incarnation=life + 1, idempotency_key="k"
+        )
+        assert again == first and again.duplicate and again.incarnation == life
+        recorded = await store.recorded_append("t", "k")
+        assert recorded == first and recorded is not None and recorded.incarnation == life
+        assert await store.version("t") == 2
+
+    @pytest.mark.parametrize("bad", [0, -1, True, False, "1", 1.0])
+    async def test_malformed_expected_incarnation_is_rejected(
+        self, store: EventStore, bad: Any
+    ) -> None:
+        with pytest.raises(InvalidInputError):
+            await store.append("t", [msg("x")], expected_incarnation=bad)
+        assert await store.version("t") == 0
 
     # -- deletion -------------------------------------------------------------------------------
 

@@ -213,8 +213,12 @@ class Projector:
         *,
         expected_version: ExpectedVersion = ANY,
         idempotency_key: str | None = None,
+        expected_incarnation: int | None = None,
     ) -> AppendResult:
-        """Append ``events`` and update every projection's views in the same atomic step."""
+        """Append ``events`` and update every projection's views in the same atomic step.
+
+        ``expected_incarnation``: only while the thread is in that life (`EventStore.append`).
+        """
         if isinstance(events, Event | NewEvent) or not isinstance(events, Sequence):
             raise InvalidInputError("events must be a sequence of Event or NewEvent")
         news = [as_new_event(e) for e in events]
@@ -224,6 +228,7 @@ class Projector:
             expected_version=expected_version,
             idempotency_key=idempotency_key,
             view_ops=self.view_ops(news),
+            expected_incarnation=expected_incarnation,
         )
 
     # -- folds ----------------------------------------------------------------------------------

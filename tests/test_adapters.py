@@ -817,6 +817,56 @@ async def test_an_update_of_a_loaded_transcript_carries_its_version(
     assert await sessions.save("s", session_update(fresh, [*fresh.messages, user("b")])) == 3
 
 
+async def test_a_stale_save_after_the_session_was_deleted_and_written_again_is_refused(
+    store: es.EventStore,
+) -> None:
+    """The ABA of a session: A loads it at version 2; it is deleted (an idle sweep) and B
+    starts it again, up to version 2. Versions restart at 1, so only the life the transcript
+    was loaded in tells A's update (its remembered version too) from one made for B's."""
+    a, b = SessionStore(store), SessionStore(store)
+    await a.append("s", [user("a1")])
+    await a.append("s", [assistant("a2")])
+    loaded = await a.load("s")
+    assert loaded.version == 2 and loaded.incarnation == await store.incarnation("s")
+    update = session_update(loaded, [*loaded.messages, user("stale")])
+    assert update.expected_incarnation == loaded.incarnation
+    await b.delete("s")
+    await b.append("s", [user("b1")])
+    await b.append("s", [assistant("b2")])
+    with pytest.raises(es.IncarnationConflictError) as by_update:
+        await a.save("s", update)
+    assert isinstance(by_update.value, es.ConcurrencyError)
+    assert by_update.value.actual_incarnation == await store.incarnation("s")
+    with pytest.raises(es.IncarnationConflictError):  # the version this task remembers
+        await a.append("s", [user("stale")])
+    with pytest.raises(es.IncarnationConflictError):
+        await a.replace("s", [assistant("stale summary")])
+    with pytest.raises(es.IncarnationConflictError):  # nothing to write, still checked
+        await a.save("s", session_update(loaded, loaded.messages))
+    assert [m.text for m in (await b.load("s")).messages] == ["b1", "b2"]
+    assert await store.version("s") == 2
+    # Loaded again, in the session's new life: A's write lands, and later ones follow it.
+    fresh = await a.load("s")
+    assert await a.save("s", session_update(fresh, [*fresh.messages, user("a3")])) == 3
+    assert await a.append("s", [assistant("a4")]) == 4
+    assert [m.text for m in (await b.load("s")).messages] == ["b1", "b2", "a3", "a4"]
+
+
+async def test_a_session_started_by_this_writer_is_remembered_in_its_life(
+    store: es.EventStore,
+) -> None:
+    """A writer that creates a session learns its life from the append itself: deleted and
+    written again by another writer to the same version, its next write is refused."""
+    a, b = SessionStore(store), SessionStore(store)
+    assert (await a.load("s")).incarnation is None  # no session yet: no life to check
+    assert await a.append("s", [user("a1")]) == 1
+    await b.delete("s")
+    await b.append("s", [user("b1")])
+    with pytest.raises(es.IncarnationConflictError):
+        await a.append("s", [user("a2")])
+    assert [m.text for m in (await b.load("s")).messages] == ["b1"]
+
+
 async def test_a_transcript_bigger_than_one_event_is_written_whole(store: es.EventStore) -> None:
     """A compacted transcript over the event size limit (1 MiB) goes as several events of one
     atomic append; only a single message over the limit is refused, writing nothing."""

@@ -78,6 +78,7 @@ PUBLIC_NAMES = [
     "HashSet",
     "IdempotencyKeyReusedError",
     "ImagePart",
+    "IncarnationConflictError",
     "InvalidInputError",
     "InvalidNamespaceError",
     "InvalidThreadIdError",
@@ -249,6 +250,9 @@ def _sample(cls: type[BaseException]) -> BaseException:
             "t", True, False
         ),
         ViewConflictError: lambda: ViewConflictError("t", "state", "field", 1, 2),
+        eventstore.IncarnationConflictError: lambda: eventstore.IncarnationConflictError(
+            "t", 3, 3, 1_700_000_000_000_001, 1_700_000_000_000_002
+        ),
         eventstore.ThreadReplacedError: lambda: eventstore.ThreadReplacedError("t"),
         EventTooLargeError: lambda: EventTooLargeError("t", 2_000_000, 1_048_576, 3),
         CorruptEventError: lambda: CorruptEventError("t", 12, "unknown", unknown_type=True),
@@ -282,6 +286,15 @@ def test_exceptions_pickle_with_their_attributes(cls: type[BaseException]) -> No
     assert str(again) == str(exc)
     assert again.args == exc.args
     assert vars(again) == vars(exc)
+
+
+def test_incarnation_conflict_is_a_concurrency_error_with_its_lives() -> None:
+    exc = pickle.loads(pickle.dumps(eventstore.IncarnationConflictError("t", 3, 0, 17, None)))
+    assert isinstance(exc, eventstore.IncarnationConflictError)
+    assert isinstance(exc, ConcurrencyError)
+    assert (exc.thread_id, exc.expected, exc.actual) == ("t", 3, 0)
+    assert (exc.expected_incarnation, exc.actual_incarnation) == (17, None)
+    assert "no longer exists" in str(exc)
 
 
 def test_concurrency_error_keeps_expected_and_actual() -> None:

@@ -208,14 +208,22 @@ async def test_packed_appends_are_the_calls_redis_py_would_send(
     # Past 1,024 bytes, a length is formatted rather than looked up: a long payload and key.
     first = es.NewEvent(payload=msg("one " * 300), id=es.new_ulid(), turn_id=es.new_ulid())
     second = es.NewEvent(payload=msg("two"), id=es.new_ulid())
-    await standalone.append("p", [first], expected_version=es.NO_THREAD)
+    life = (await standalone.append("p", [first], expected_version=es.NO_THREAD)).incarnation
+    assert life is not None
     big = es.NewEvent(payload=msg("big " * 300), id=es.new_ulid())
-    await standalone.append("p", [big], idempotency_key="€" * 500)
+    await standalone.append("p", [big], idempotency_key="€" * 500, expected_incarnation=life)
     await standalone.append("p", [msg("x"), second], expected_version=2)
+    await standalone.append("p", [msg("y"), msg("z")], expected_incarnation=life)
     keys = [k.encode() for k in standalone.keys.thread_keys("p")]
-    for (first_key, packed), (n, expected, ikey) in zip(
+    n_life = b"%d" % life
+    for (first_key, packed), (n, expected, ikey, in_life) in zip(
         sent,
-        [(1, b"no_thread", b"e"), (1, b"any", b"k:" + "€".encode() * 500), (2, b"2", b"e")],
+        [
+            (1, b"no_thread", b"e", b"-"),
+            (1, b"any", b"k:" + "€".encode() * 500, n_life),
+            (2, b"2", b"e", b"-"),
+            (2, b"any", b"e", n_life),
+        ],
         strict=True,
     ):
         assert isinstance(packed, bytes) and first_key == keys[0]
@@ -225,15 +233,46 @@ async def test_packed_appends_are_the_calls_redis_py_would_send(
         # The thread, the store's chain key fingerprint ("-": no key), the expected version...
         assert args[:3] == [b"p", b"-", expected] and args[3].startswith(ikey)
         assert args[3] == ikey or len(args[3]) == 17
-        assert len(args[4]) == 8 and args[5:7] == [b"%d" % n, b"0"]
-        assert len(args) == 7 + 5 * n
-        events = [args[7 + 5 * i : 12 + 5 * i] for i in range(n)]
+        assert len(args[4]) == 8 and args[5:8] == [b"%d" % n, b"0", in_life]
+        assert len(args) == 8 + 5 * n
+        events = [args[8 + 5 * i : 13 + 5 * i] for i in range(n)]
         assert all(len(e[0]) == 16 and len(e[4]) == 32 for e in events)
         source = _parse_command(
             with_script_source(packed, APPEND.sha.encode(), APPEND.source.encode())
         )
         assert source == [b"EVAL", APPEND.source.encode(), *command[2:]]
-    assert [e.seq for e in await read_all(standalone, "p")] == [1, 2, 3, 4]
+    assert [e.seq for e in await read_all(standalone, "p")] == [1, 2, 3, 4, 5, 6]
+
+
+async def test_a_batch_refuses_only_the_calls_in_a_gone_life(store: es.RedisEventStore) -> None:
+    """Appends in one pipeline, each naming a life: those naming the life a thread was
+    recreated out of are refused and write nothing; the others land with their life."""
+    old = {}
+    for i in range(10):
+        old[f"t{i}"] = (await store.append(f"t{i}", [msg("a")])).incarnation
+    await store.delete_thread("t5")
+    new_life = (await store.append("t5", [msg("again")])).incarnation
+    assert new_life is not None and new_life != old["t5"]
+    refused: list[es.IncarnationConflictError] = []
+    lives: dict[str, int | None] = {}
+    pipelines = committer(store).pipelines
+
+    async def one(thread: str, view: dict[str, int | None]) -> None:
+        try:
+            result = await store.append(
+                thread, [msg("b")], expected_version=1, expected_incarnation=view[thread]
+            )
+            lives[thread] = result.incarnation
+        except es.IncarnationConflictError as exc:
+            refused.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(one, f"t{i}", old)
+    assert committer(store).pipelines > pipelines  # the appends went out in batches
+    assert [(e.thread_id, e.actual_incarnation, e.actual) for e in refused] == [("t5", new_life, 1)]
+    assert lives == {t: old[t] for t in old if t != "t5"}
+    assert [e.seq for e in await read_all(store, "t5")] == [1]
 
 
 async def test_a_batch_refuses_only_the_call_with_another_chain_key(

@@ -483,6 +483,46 @@ async def test_two_savers_extend_the_same_thread() -> None:
     assert (await b.acheck("shared")).ok
 
 
+async def test_a_saver_caching_a_deleted_life_never_writes_into_the_new_one(
+    store: es.EventStore,
+) -> None:
+    """The ABA of a recreated thread: saver a reads it; b deletes it and writes it again to
+    the same point, so its versions, lineage lengths and head field versions are a's again.
+    a's put from its cache (guards planned from the old life) must not land there: refused,
+    reloaded, written after b's line, which stays whole; the views stay the fold of the log."""
+    a, b = ThreadlogCheckpointSaver(store), ThreadlogCheckpointSaver(store)
+    cfg = config("reborn")
+    cfg["recursion_limit"] = 100
+    tid = a.thread_id_of("reborn")
+    await growing_graph().compile(checkpointer=a).ainvoke({"messages": [], "target": 5}, cfg)
+    seen = await a.aget_tuple(config("reborn"))
+    assert seen is not None
+    old_life, old_version = await store.incarnation(tid), await store.version(tid)
+    await b.adelete_thread("reborn")
+    await growing_graph().compile(checkpointer=b).ainvoke({"messages": [], "target": 5}, cfg)
+    theirs = await b.aget_tuple(config("reborn"))
+    assert theirs is not None
+    assert await store.incarnation(tid) != old_life and await store.version(tid) == old_version
+    b_messages = theirs.checkpoint["channel_values"]["messages"]
+    assert b_messages != seen.checkpoint["channel_values"]["messages"]  # other message ids
+    # a writes a checkpoint from what it saw (its cache: the old life's lineages and head).
+    checkpoint = copy_checkpoint(seen.checkpoint)
+    version = a.get_next_version(str(checkpoint["channel_versions"]["messages"]), None)
+    mine = [*seen.checkpoint["channel_values"]["messages"], AIMessage("a's own", id="own")]
+    checkpoint["id"] = str(uuid6(clock_seq=-1))
+    checkpoint["channel_values"] = {**checkpoint["channel_values"], "messages": mine}
+    checkpoint["channel_versions"] = {**checkpoint["channel_versions"], "messages": version}
+    metadata: Any = {"source": "update", "step": 6}
+    stored = await a.aput(seen.config, checkpoint, metadata, {"messages": version})
+    # Pending writes from a's cache of the old life's checkpoint go the same way.
+    await a.aput_writes(seen.config, [("x", 1)], "task-a")
+    assert (await a.acheck("reborn")).ok
+    again = await b.aget_tuple(theirs.config)
+    assert again is not None and again.checkpoint["channel_values"]["messages"] == b_messages
+    got = await b.aget_tuple(stored)
+    assert got is not None and got.checkpoint["channel_values"]["messages"] == mine
+
+
 class ReadCounter:
     """Counts a store's ``read_views`` calls (its round trips for view reads)."""
 

@@ -627,6 +627,33 @@ async def test_an_access_policy_confines_a_session(store: es.EventStore) -> None
         ThreadlogSession("alice-chat", store, thread_prefix=5)  # type: ignore[arg-type]
 
 
+async def test_a_pop_never_lands_in_a_life_of_the_session_it_did_not_read(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pop_item reads the tail, then appends its removal expecting the version it read. If
+    the session is deleted and written again to that version in between, the removal must
+    not land in the new life (it names an item that life never held): refused, the new tail
+    read, and that one popped."""
+    session = ThreadlogSession("reborn", store)
+    other = ThreadlogSession("reborn", store)
+    await session.add_items([user("a"), user("b")])
+    read = store.read_views
+    armed = [True]
+
+    async def read_then_replace(thread_id: str, reads: Any) -> es.ViewSnapshot:
+        snap = await read(thread_id, reads)
+        if armed[0]:
+            armed[0] = False
+            await other.delete()
+            await other.add_items([user("c"), user("d")])
+            assert await store.version(thread_id) == snap.version  # the same version again
+        return snap
+
+    monkeypatch.setattr(store, "read_views", read_then_replace)
+    assert await session.pop_item() == user("d")
+    assert contents(await other.get_items()) == ["c"]
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Shift the session module's clock: append milliseconds to ``clock[0]``."""

@@ -514,8 +514,13 @@ class StoresAgree(RuleBasedStateMachine):
         assert [e.seq for e in mem_log] == list(range(1, version + 1))
         assert self.on_both(lambda s: s.version(thread)) == (version, version)
         mem_views, red_views = self.on_both(lambda s: s.read_views(thread, VIEW_READS))
-        assert mem_views == red_views
+        assert (mem_views.version, mem_views.results) == (red_views.version, red_views.results)
         assert mem_views.version == version
+        # Each backend mints its own lives: both name one exactly when the thread exists, and
+        # the one its change feed and `incarnation` name.
+        lives = self.on_both(lambda s: s.incarnation(thread))
+        assert (mem_views.incarnation, red_views.incarnation) == lives
+        assert (lives[0] is None) == (lives[1] is None) == (version == 0)
 
 
 async def _delete_namespace(store: RedisEventStore) -> None:

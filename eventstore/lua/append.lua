@@ -7,7 +7,8 @@ ARGV[1] thread id              ARGV[2] the writer's chain key fingerprint ("-": 
 ARGV[3] expected version: "any" | "no_thread" | "exists" | decimal exact version
 ARGV[4] idempotency key (ledger field)    ARGV[5] request digest (8 raw bytes)
 ARGV[6] N events                 ARGV[7] M view ops
-ARGV[8 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
+ARGV[8] expected incarnation: "-" (none) | decimal "n" of the life the writer read
+ARGV[9 ..] per event, 5 values: id (16 bytes), schema version, data, meta, content digest
 then per op: opcode, view key index (into KEYS), operands:
   "lp" key event n v1..vn      push stamped values to a list
   "lr" key event n v1..vn      replace a list with stamped values
@@ -16,8 +17,8 @@ then per op: opcode, view key index (into KEYS), operands:
   "hd" key field expected                delete a hash field
   "vc" key                               delete a view
 
-Returns {"ok", first, last, time} | {"dup", first, last} | {"conflict", actual}
-      | {"reused"} | {"view", key index, field, expected, actual} | {"key", recorded fingerprint}
+Returns {"ok", first, last, time, incarnation} | {"dup", first, last, incarnation}
+      | {"conflict", actual} | {"life", actual incarnation or nil, actual version} | {"reused"} | {"view", key index, field, expected, actual} | {"key", recorded fingerprint}
       | {"meta", the stored version that is not a number} | {"lost"} (a log without its meta)
 Every check runs before the first write: Redis does not roll a script back.
 
@@ -35,7 +36,8 @@ local log, meta, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local thread, fingerprint, expected = ARGV[1], ARGV[2], ARGV[3]
 local ikey, rdigest = ARGV[4], ARGV[5]
 local n_events, n_ops = tonumber(ARGV[6]), tonumber(ARGV[7])
-local FIRST_EVENT = 8
+local life = ARGV[8]
+local FIRST_EVENT = 9
 
 -- 1. idempotency: a known key returns the original result and writes nothing
 local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey, 'n', 'f')
@@ -44,7 +46,7 @@ if prior then
   if string.sub(prior, -6) ~= string.sub(rdigest, 1, 6) then return {'reused'} end
   local first, last = string.match(string.sub(prior, 1, -7), '^(%d+) ?(%d*)$')
   if last == '' then last = first end
-  return {'dup', tonumber(first), tonumber(last)}
+  return {'dup', tonumber(first), tonumber(last), state[5]}
 end
 
 -- 2. one chain key per thread: links made with another key would never verify under its own
@@ -60,6 +62,12 @@ local version = tonumber(v)
 -- No version recorded, yet events in the log: the meta hash (version, chain head, ledger) was
 -- lost. Appending would reuse seq 1; reported as damage instead (a new thread pays one call).
 if not state[1] and redis.call('EXISTS', log) == 1 then return {'lost'} end
+-- The life the writer read: versions restart at 1 when a thread is deleted and written again,
+-- so only the life tells the thread it read from a later one at the same version (ABA). A
+-- meta without a version is no thread (its life is gone), whatever "n" it still holds.
+if life ~= '-' and (state[5] ~= life or not state[1]) then
+  return {'life', state[1] and state[5] or false, version}
+end
 if expected == 'no_thread' then
   if version ~= 0 then return {'conflict', version} end
 elseif expected == 'exists' then
@@ -231,4 +239,4 @@ else  -- a thread from before incarnations or key fingerprints were recorded get
 end
 redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s, 'n', incarnation)
 redis.call('ZADD', index, now_s, thread)
-return {'ok', first, last, now}
+return {'ok', first, last, now, incarnation}

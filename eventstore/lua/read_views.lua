@@ -8,8 +8,8 @@ ARGV[1] R reads, then per read: kind, key index, operands:
   "hg" key n f1..fn              some fields of a hash
   "hl" key listkey start stop    hash fields named by a list range
 
-Returns {version, r1, ..., rR}; list results are arrays of values, hash results are flat
-field/value arrays.
+Returns {version, r1, ..., rR, incarnation}; list results are arrays of values, hash results
+are flat field/value arrays; the incarnation (meta "n") is nil without a thread (no version).
 ]]
 
 -- A key holding the other kind of view reads as empty (as in the memory backend), not WRONGTYPE.
@@ -34,8 +34,11 @@ local function pick(key, fields)
   end
   return flat
 end
--- The version as stored: the client parses it (a damaged one is reported, not nil here).
-local out = {redis.call('HGET', KEYS[1], 'v') or '0'}
+-- The version as stored: the client parses it (a damaged one is reported, not nil here). The
+-- life comes in the same call: a writer that loads views to write after them names the life it
+-- read (an expected version alone matches a thread deleted and written again to that version).
+local meta = redis.call('HMGET', KEYS[1], 'v', 'n')
+local out = {meta[1] or '0'}
 local pos = 2
 for r = 1, tonumber(ARGV[1]) do
   local kind, key = ARGV[pos], KEYS[tonumber(ARGV[pos + 1])]
@@ -66,4 +69,5 @@ for r = 1, tonumber(ARGV[1]) do
     return redis.error_reply('ERR threadlog: unknown view read ' .. tostring(kind))
   end
 end
+out[#out + 1] = meta[1] and meta[2] or false
 return out
