@@ -68,6 +68,10 @@ _LEAF_TYPES = (
     msgspec.inspect.DateTimeType, msgspec.inspect.DateType, msgspec.inspect.TimeType,
     msgspec.inspect.TimeDeltaType, msgspec.inspect.UUIDType, msgspec.inspect.DecimalType,
 )  # fmt: skip
+# The msgpack bytes a container can start with (fixmap, fixarray, array 16/32, map 16/32),
+# and the table that deletes every other byte.
+_CONTAINER_HEADERS = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+_NOT_CONTAINERS = bytes(b for b in range(256) if b not in _CONTAINER_HEADERS)
 # Per struct class: the values of its fields that may hold containers, as one call.
 _nested_fields: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 
@@ -125,7 +129,8 @@ def too_deep(value: Any, *, level: int = 1) -> bool:
 
 
 def check_nesting(payload: Event, index: int, thread_id: str | None = None) -> None:
-    """Refuse an event that nests past `MAX_NESTING` (before anything encodes it).
+    """Refuse an event that nests past `MAX_NESTING` (`encode_events` asks only for events
+    whose encoding could, and for those the interpreter could not encode at all).
 
     Raises:
         EventValidationError: naming the event and the limit.
@@ -346,16 +351,22 @@ def _encode(
                     causation_id=new.causation_id,
                 )
         version = registry.version_of(payload)
-        check_nesting(payload, index, thread_id)
         try:
             data = _encoder.encode(payload)
         except (
             msgspec.EncodeError, TypeError, OverflowError, UnicodeEncodeError, RecursionError
         ) as exc:  # fmt: skip
+            if isinstance(exc, RecursionError):
+                check_nesting(payload, index, thread_id)  # past the limit: said in its words
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"
             ) from exc
+        if len(data) > MAX_NESTING and len(data.translate(None, _NOT_CONTAINERS)) > MAX_NESTING:
+            # Every list, map or struct is encoded with one of these header bytes, so an
+            # encoding holding no more of them than the limit nests no deeper: one pass in C
+            # clears almost every event, and only the others are walked.
+            check_nesting(payload, index, thread_id)
         if check is None:
             check = registry.fast_path()[0].decode
         try:
