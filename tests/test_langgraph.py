@@ -434,6 +434,18 @@ async def test_a_long_new_list_is_split_into_events() -> None:
     assert await store.version(saver.thread_id_of("big")) == 0
 
 
+def _extended_by_a(saver: Any, seen: Any) -> tuple[Any, str]:
+    """A checkpoint saver ``a`` writes from what it saw (``seen``, maybe stale): the same
+    checkpoint with one more message of its own, under a new id; and the messages version."""
+    checkpoint = copy_checkpoint(seen.checkpoint)
+    version = saver.get_next_version(str(checkpoint["channel_versions"]["messages"]), None)
+    mine = [*seen.checkpoint["channel_values"]["messages"], AIMessage("a's own", id="own")]
+    checkpoint["id"] = str(uuid6(clock_seq=-1))
+    checkpoint["channel_values"] = {**checkpoint["channel_values"], "messages": mine}
+    checkpoint["channel_versions"] = {**checkpoint["channel_versions"], "messages": version}
+    return checkpoint, version
+
+
 async def test_two_savers_extend_the_same_thread() -> None:
     store = CountingStore(namespace="two")
     a, b = ThreadlogCheckpointSaver(store), ThreadlogCheckpointSaver(store)
@@ -448,17 +460,15 @@ async def test_two_savers_extend_the_same_thread() -> None:
     await graph_b.ainvoke(more_of(15), cfg)  # b starts cold, loads the parent, extends to 15
     # a now writes a checkpoint from what it saw: its plan for the message list is stale.
     CountingStore.conflicts = 0
-    checkpoint = copy_checkpoint(seen.checkpoint)
-    version = a.get_next_version(str(checkpoint["channel_versions"]["messages"]), None)
-    mine = [*seen.checkpoint["channel_values"]["messages"], AIMessage("a's own", id="own")]
-    checkpoint["id"] = str(uuid6(clock_seq=-1))
-    checkpoint["channel_values"] = {**checkpoint["channel_values"], "messages": mine}
-    checkpoint["channel_versions"] = {**checkpoint["channel_versions"], "messages": version}
+    checkpoint, version = _extended_by_a(a, seen)
     metadata: Any = {"source": "update", "step": 11}
     stored = await a.aput(seen.config, checkpoint, metadata, {"messages": version})
     assert CountingStore.conflicts == 1  # refused once, reloaded, written
     got = await b.aget_tuple(stored)
-    assert got is not None and got.checkpoint["channel_values"]["messages"] == mine
+    assert (
+        got is not None
+        and got.checkpoint["channel_values"]["messages"] == checkpoint["channel_values"]["messages"]
+    )
     history = growing_graph().compile(checkpointer=a).aget_state_history(config("shared"))
     lengths = sorted({len(s.values.get("messages", [])) async for s in history})
     assert lengths == list(range(0, 16))  # b's line (to 15) and a's branch (11) both readable
@@ -506,12 +516,7 @@ async def test_a_saver_caching_a_deleted_life_never_writes_into_the_new_one(
     b_messages = theirs.checkpoint["channel_values"]["messages"]
     assert b_messages != seen.checkpoint["channel_values"]["messages"]  # other message ids
     # a writes a checkpoint from what it saw (its cache: the old life's lineages and head).
-    checkpoint = copy_checkpoint(seen.checkpoint)
-    version = a.get_next_version(str(checkpoint["channel_versions"]["messages"]), None)
-    mine = [*seen.checkpoint["channel_values"]["messages"], AIMessage("a's own", id="own")]
-    checkpoint["id"] = str(uuid6(clock_seq=-1))
-    checkpoint["channel_values"] = {**checkpoint["channel_values"], "messages": mine}
-    checkpoint["channel_versions"] = {**checkpoint["channel_versions"], "messages": version}
+    checkpoint, version = _extended_by_a(a, seen)
     metadata: Any = {"source": "update", "step": 6}
     stored = await a.aput(seen.config, checkpoint, metadata, {"messages": version})
     # Pending writes from a's cache of the old life's checkpoint go the same way.
@@ -520,7 +525,10 @@ async def test_a_saver_caching_a_deleted_life_never_writes_into_the_new_one(
     again = await b.aget_tuple(theirs.config)
     assert again is not None and again.checkpoint["channel_values"]["messages"] == b_messages
     got = await b.aget_tuple(stored)
-    assert got is not None and got.checkpoint["channel_values"]["messages"] == mine
+    assert (
+        got is not None
+        and got.checkpoint["channel_values"]["messages"] == checkpoint["channel_values"]["messages"]
+    )
 
 
 class ReadCounter:
