@@ -8,6 +8,7 @@ import operator
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -1292,13 +1293,22 @@ class Split(TypedDict):
 
 
 def crashing_graph(checkpointer: BaseCheckpointSaver[Any], runs: dict[str, int]) -> Any:
-    """``a``, then ``b`` and ``c`` in one step (``c`` fails while ``runs["fail"]``), then ``d``."""
+    """``a``, then ``b`` and ``c`` in one step (``c`` fails while ``runs["fail"]``, once ``b``
+    has finished and its writes have had time to be stored), then ``d``."""
+    b_done = threading.Event()
 
     def node(name: str) -> Any:
         def run(state: Split) -> dict[str, Any]:
             runs[name] = runs.get(name, 0) + 1
             if name == "c" and runs.get("fail"):
+                # b and c run at once, each in a thread: failing before b's writes are stored
+                # would test the scheduler (which Python 3.12 orders differently from 3.11),
+                # not the saver. A write takes a millisecond; 0.3 s is ample.
+                assert b_done.wait(10), "b did not finish"
+                time.sleep(0.3)
                 raise RuntimeError("the process died in the middle of the step")
+            if name == "b":
+                b_done.set()
             return {"log": [name]}
 
         return run
