@@ -16,11 +16,10 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import msgspec.inspect
 from ulid import ULID
 
 from ._contract import ExpectedVersion, StreamState
@@ -60,51 +59,20 @@ _EMPTY_META = b""
 _EVENT_TYPES = (Event, NewEvent)  # a tuple: `A | B` would build a union on every call
 
 
-# Field types that never hold a container: a struct's fields of only these are not visited.
-_LEAF_TYPES = (
-    msgspec.inspect.StrType, msgspec.inspect.IntType, msgspec.inspect.FloatType,
-    msgspec.inspect.BoolType, msgspec.inspect.NoneType, msgspec.inspect.LiteralType,
-    msgspec.inspect.BytesType, msgspec.inspect.ByteArrayType, msgspec.inspect.EnumType,
-    msgspec.inspect.DateTimeType, msgspec.inspect.DateType, msgspec.inspect.TimeType,
-    msgspec.inspect.TimeDeltaType, msgspec.inspect.UUIDType, msgspec.inspect.DecimalType,
-)  # fmt: skip
 # The msgpack bytes a container can start with (fixmap, fixarray, array 16/32, map 16/32),
 # and the table that deletes every other byte.
 _CONTAINER_HEADERS = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
 _NOT_CONTAINERS = bytes(b for b in range(256) if b not in _CONTAINER_HEADERS)
-# Per struct class: the values of its fields that may hold containers, as one call.
-_nested_fields: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
-
-
-def _may_nest(t: msgspec.inspect.Type) -> bool:
-    if isinstance(t, msgspec.inspect.UnionType):
-        return any(_may_nest(member) for member in t.types)
-    return not isinstance(t, _LEAF_TYPES)
-
-
-def _nested_fields_of(kind: type) -> Callable[[Any], tuple[Any, ...]]:
-    info = msgspec.inspect.type_info(kind)
-    assert isinstance(info, msgspec.inspect.StructType)
-    names = [f.name for f in info.fields if _may_nest(f.type)]
-    if not names:
-        return lambda _item: ()
-    if len(names) == 1:
-        only = operator.attrgetter(names[0])
-        return lambda item: (only(item),)
-    return operator.attrgetter(*names)
 
 
 def too_deep(value: Any, *, level: int = 1) -> bool:
     """Whether ``value``, found at nesting ``level`` of an event, nests past `MAX_NESTING`.
 
-    Iterative, so that it answers for any depth without recursing itself. It runs on every
-    append, so it visits only what can nest: a struct's fields typed as strings, numbers and
-    the like are skipped by their annotations (a value of another type there fails the
-    store's decode check instead), and scalars where they are found.
+    Iterative, so that it answers for any depth without recursing itself. Every field of a
+    struct is visited, whatever its annotation says, as the encoder writes what is there.
     """
     pending: list[tuple[Any, int]] = [(value, level)]
     pop, push = pending.pop, pending.append
-    nested_fields = _nested_fields
     while pending:
         item, depth = pop()
         kind = type(item)
@@ -112,13 +80,10 @@ def too_deep(value: Any, *, level: int = 1) -> bool:
             children: Any = item
         elif kind is dict:
             children = item.values()
+        elif isinstance(item, msgspec.Struct):
+            children = [getattr(item, name) for name in kind.__struct_fields__]
         else:
-            fields = nested_fields.get(kind)
-            if fields is None:
-                if not isinstance(item, msgspec.Struct):
-                    continue  # a scalar, bytes or another leaf the encoder judges
-                fields = nested_fields[kind] = _nested_fields_of(kind)
-            children = fields(item)
+            continue  # a scalar, bytes or another leaf the encoder judges
         if depth > MAX_NESTING:
             return True
         depth += 1
