@@ -35,7 +35,7 @@ from eventstore import (
     TranscriptAppended,
     TranscriptReplaced,
 )
-from eventstore._codec import MAX_NESTING, too_deep
+from eventstore._codec import MAX_NESTING, encoded_too_deep
 from eventstore._contract import require_store
 
 from ._access import Principal
@@ -162,16 +162,20 @@ def parse_jsonl(
         except RecursionError:
             errors.append(JsonlLineError(number, _TOO_DEEP))
             continue
-        if too_deep(message, level=_MESSAGE_LEVEL):
+        try:
+            encoded = _encoder.encode(message)
+        except RecursionError:
+            errors.append(JsonlLineError(number, _TOO_DEEP))
+            continue
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            errors.append(JsonlLineError(number, f"message cannot be stored: {exc}"))
+            continue
+        if encoded_too_deep(message, encoded, level=_MESSAGE_LEVEL):
             # Parsed (a newer Python's decoder recurses further), yet past what the log
             # stores: the same line is malformed on every Python.
             errors.append(JsonlLineError(number, _TOO_DEEP))
             continue
-        try:
-            stored = len(_encoder.encode(message))
-        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
-            errors.append(JsonlLineError(number, f"message cannot be stored: {exc}"))
-            continue
+        stored = len(encoded)
         if stored > max_message_bytes:
             errors.append(_too_large(number, message, stored, max_message_bytes))
             continue

@@ -93,6 +93,19 @@ def too_deep(value: Any, *, level: int = 1) -> bool:
     return False
 
 
+def encoded_too_deep(value: Any, data: bytes, *, level: int = 1) -> bool:
+    """`too_deep`, for a ``value`` whose msgpack encoding is ``data``: every list, map or
+    struct is encoded with one of the container header bytes, so an encoding holding no more
+    of them than the levels left nests no deeper. One pass in C clears almost every value;
+    only the others are walked."""
+    left = MAX_NESTING - level + 1
+    return (
+        len(data) > left
+        and len(data.translate(None, _NOT_CONTAINERS)) > left
+        and too_deep(value, level=level)
+    )
+
+
 def check_nesting(payload: Event, index: int, thread_id: str | None = None) -> None:
     """Refuse an event that nests past `MAX_NESTING` (`encode_events` asks only for events
     whose encoding could, and for those the interpreter could not encode at all).
@@ -327,11 +340,8 @@ def _encode(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) "
                 f"cannot be encoded: {exc}"
             ) from exc
-        if len(data) > MAX_NESTING and len(data.translate(None, _NOT_CONTAINERS)) > MAX_NESTING:
-            # Every list, map or struct is encoded with one of these header bytes, so an
-            # encoding holding no more of them than the limit nests no deeper: one pass in C
-            # clears almost every event, and only the others are walked.
-            check_nesting(payload, index, thread_id)
+        if encoded_too_deep(payload, data):
+            check_nesting(payload, index, thread_id)  # says so in the limit's words
         if check is None:
             check = registry.fast_path()[0].decode
         try:
