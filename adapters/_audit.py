@@ -1216,13 +1216,16 @@ class Auditor:
                 raise UnverifiedLogError(verdict)
             if scan.fold_error is not None:
                 raise scan.fold_error
+            # The write is guarded by the life the scan began in as well as by the version:
+            # a thread replaced between the last read and the write refuses it.
+            life = scan.life if isinstance(scan.life, int) else None
             try:
-                await projector.store_views(fold.folded())
+                await projector.store_views(fold.folded(), expected_incarnation=life)
             except ConcurrencyError:
-                continue  # appended to meanwhile: verify and fold again
-            if not await self._same_life(scan):
-                # Replaced between the last read and the write, which the version alone
-                # guards: what was written may be the old life's. Rebuild the new one.
+                continue  # appended to or replaced meanwhile: verify and fold again
+            if life is None and not await self._same_life(scan):
+                # No life to guard the write with (none recorded): what was written may be
+                # another life's if the thread was replaced meanwhile. Rebuild that one.
                 continue
             return fold.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))

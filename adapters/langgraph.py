@@ -1887,13 +1887,16 @@ class ThreadlogCheckpointSaver(
         store = await self._get_store()
         views = _Views()
         expected: ExpectedVersion = NO_THREAD
+        # The target's life, from the first chunk on: each later chunk lands only in it (a
+        # target deleted and written again up to the copy's version must not get the rest).
+        life: int | None = None
         batch: list[RecordedEvent] = []
         # The chunk being appended: sent again (the same events, so the same idempotency key)
         # to learn whether it landed when its append was interrupted.
-        sending: tuple[list[NewEvent], list[ViewOp], ExpectedVersion] | None = None
+        sending: _Chunk | None = None
 
         async def flush() -> None:
-            nonlocal expected, batch, sending
+            nonlocal expected, life, batch, sending
             if not batch:
                 return
             ops: list[ViewOp] = []
@@ -1911,16 +1914,20 @@ class ThreadlogCheckpointSaver(
                 )
                 for e in batch
             ]
-            sending = (news, ops, expected)
+            sending = (news, ops, expected, life)
             try:
-                result = await store.append(dst, news, view_ops=ops, expected_version=expected)
+                result = await store.append(
+                    dst, news, view_ops=ops, expected_version=expected, expected_incarnation=life
+                )
             except ConcurrencyError:
                 sending = None  # refused whole: nothing of it landed
-                raise InvalidInputError(
-                    f"copy_thread: target thread {target_thread_id!r} is not empty"
-                ) from None
+                if expected is NO_THREAD:
+                    raise InvalidInputError(
+                        f"copy_thread: target thread {target_thread_id!r} is not empty"
+                    ) from None
+                raise
             sending = None
-            expected = result.last_seq
+            expected, life = result.last_seq, result.incarnation
             batch = []
 
         async with self._lock(dst):
@@ -1934,7 +1941,7 @@ class ThreadlogCheckpointSaver(
                 # A partial copy is a thread whose latest checkpoint is an old one of the
                 # source: a graph resumed on it would go on from there, silently.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(UNDO_TIMEOUT_S):
-                    await _undo_copy(store, dst, expected, sending)
+                    await _undo_copy(store, dst, expected, life, sending)
                 raise
             finally:
                 self._forget(dst)
@@ -2109,27 +2116,33 @@ class ThreadlogCheckpointSaver(
         return self._run(self.acheck, thread_id)
 
 
+_Chunk = tuple[list[NewEvent], list[ViewOp], ExpectedVersion, int | None]
+"""A chunk of a copy: its events, view ops, expected version and the target's life (or None)."""
+
+
 async def _undo_copy(
-    store: EventStore,
-    dst: str,
-    written: ExpectedVersion,
-    sending: tuple[list[NewEvent], list[ViewOp], ExpectedVersion] | None,
+    store: EventStore, dst: str, written: ExpectedVersion, life: int | None, sending: _Chunk | None
 ) -> None:
     """Delete what an interrupted copy wrote to ``dst``: its chunks up to version ``written``,
     and the chunk it was sending if that one landed. A target written by anyone else since is
-    kept (the delete expects the copy's own version)."""
+    kept (the delete expects the copy's own version and life)."""
     version = written if isinstance(written, int) else 0
     if sending is not None:
-        news, ops, expected = sending
+        news, ops, expected, life = sending
         # The same events: answered from the idempotency ledger if they landed. If they had
         # not, they land now, and are deleted with the rest.
         with contextlib.suppress(Exception):
-            version = (
-                await store.append(dst, news, view_ops=ops, expected_version=expected)
-            ).last_seq
+            landed = await store.append(
+                dst, news, view_ops=ops, expected_version=expected, expected_incarnation=life
+            )
+            version, life = landed.last_seq, landed.incarnation
     if version:
+        # Only the copy's own life at its own version: a target deleted and written again
+        # meanwhile (perhaps up to the same version) is someone else's thread.
         with contextlib.suppress(ConcurrencyError):
-            await store.delete_thread(dst, views=list(VIEWS), expected_version=version)
+            await store.delete_thread(
+                dst, views=list(VIEWS), expected_version=version, expected_incarnation=life
+            )
 
 
 def _split_writes(writes: list[StoredWrite], budget: int) -> list[list[StoredWrite]]:

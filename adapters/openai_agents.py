@@ -274,19 +274,31 @@ def _pop_lock(store: EventStore, thread_id: str) -> anyio.Lock:
     return lock
 
 
-async def _last_event(store: EventStore, thread_id: str) -> tuple[int, int] | None:
-    """The seq and time (ms) of the thread's last event; None for no thread."""
+_LastWrite = tuple[int, int, int | None]
+"""A session's last event: its seq and time (ms), and the thread's life read just before."""
+
+
+async def _last_event(store: EventStore, thread_id: str) -> _LastWrite | None:
+    """The seq and time (ms) of the thread's last event, and the life (`incarnation`) read
+    just before it; None for no thread."""
+    life = await store.incarnation(thread_id)
     async for event in store.read(thread_id, backwards=True, limit=1):
-        return event.seq, event.time_ms
+        return event.seq, event.time_ms, life
     return None
 
 
-async def _delete_if_still(store: EventStore, thread_id: str, version: int) -> bool:
-    """Delete an idle session if nothing was written to it since it was found idle (at
-    ``version``); False when a write came first: it is no longer idle, and kept."""
+async def _delete_if_still(store: EventStore, thread_id: str, last: _LastWrite) -> bool:
+    """Delete an idle session if nothing was written to it since it was found idle (at its
+    ``last`` event); False when a write came first: it is no longer idle, and kept. So is a
+    session deleted and started again meanwhile, even up to the same version (its life
+    differs from the one read)."""
+    version, _, life = last
     try:
         await store.delete_thread(
-            thread_id, views=list(SessionItemsProjection.views), expected_version=version
+            thread_id,
+            views=list(SessionItemsProjection.views),
+            expected_version=version,
+            expected_incarnation=life,
         )
     except ConcurrencyError:
         return False
@@ -553,7 +565,7 @@ class ThreadlogSession:
             return
         last = await _last_event(self.store, self.thread_id)
         if last is not None and now - last[1] > self.ttl_ms:
-            if await _delete_if_still(self.store, self.thread_id, last[0]):
+            if await _delete_if_still(self.store, self.thread_id, last):
                 self._active_ms = None
                 return
             last = await _last_event(self.store, self.thread_id)  # written meanwhile
@@ -588,7 +600,7 @@ async def sweep_idle_sessions(
         last = await _last_event(store, info.thread_id)
         if last is None or last[1] >= cutoff:
             continue
-        if await _delete_if_still(store, info.thread_id, last[0]):
+        if await _delete_if_still(store, info.thread_id, last):
             deleted.append(info.thread_id)
     return deleted
 

@@ -404,15 +404,26 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def load_views(
-        self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
+        self,
+        thread_id: str,
+        ops: Sequence[ViewOp],
+        *,
+        expected_version: int,
+        expected_incarnation: int | None = None,
     ) -> None:
-        """Apply view ops outside an append (rebuilds), only if the thread is at that version.
+        """Apply view ops outside an append (rebuilds), only if the thread is at that version
+        and, with ``expected_incarnation`` (the `incarnation` the ops were folded in), still
+        in that life: a thread deleted and written again up to the same version meanwhile
+        must not get the old life's views.
 
         A thread with events that its partition's thread index does not list is listed again
         (by its last append time), in the same step: a rebuild repairs a lost listing.
 
         Raises:
             ConcurrencyError: the thread moved on; fold again and retry.
+            IncarnationConflictError: (a `ConcurrencyError`) the thread is not in the life
+                ``expected_incarnation`` names: deleted, or deleted and written again.
+            InvalidInputError: ``expected_incarnation`` neither None nor an int >= 1.
         """
 
     @abc.abstractmethod
@@ -461,7 +472,12 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def delete_thread(
-        self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
+        self,
+        thread_id: str,
+        *,
+        views: Sequence[str] = (),
+        expected_version: int | None = None,
+        expected_incarnation: int | None = None,
     ) -> int:
         """Delete the thread: its log, meta, idempotency ledger and the named views.
 
@@ -470,11 +486,17 @@ class EventStore(abc.ABC):
         An append after deletion starts a new thread at seq 1.
 
         With ``expected_version``, only a thread at that version is deleted, in the same
-        atomic step: a thread written since the caller looked at it is kept.
+        atomic step: a thread written since the caller looked at it is kept. With
+        ``expected_incarnation`` (an `incarnation` or `AppendResult.incarnation`), only a
+        thread still in that life: one deleted and written again since, perhaps up to the
+        same version, is another thread under the same id, and is kept.
 
         Raises:
             ConcurrencyError: the thread is not at ``expected_version``; nothing is deleted.
-            InvalidInputError: ``expected_version`` not None or an int >= 0.
+            IncarnationConflictError: (a `ConcurrencyError`) the thread is not in the life
+                ``expected_incarnation`` names; nothing is deleted.
+            InvalidInputError: ``expected_version`` not None or an int >= 0, or
+                ``expected_incarnation`` not None or an int >= 1.
         """
 
     # -- the change feed -----------------------------------------------------------------------

@@ -574,11 +574,27 @@ class MemoryEventStore(EventStore):
         return ViewSnapshot(version, results, thread.incarnation if thread and version else None)
 
     async def load_views(
-        self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
+        self,
+        thread_id: str,
+        ops: Sequence[ViewOp],
+        *,
+        expected_version: int,
+        expected_incarnation: int | None = None,
     ) -> None:
+        expected_incarnation_arg(expected_incarnation)
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
         version = thread.version if thread else 0
+        if expected_incarnation is not None and (
+            not version or thread is None or thread.incarnation != expected_incarnation
+        ):
+            raise IncarnationConflictError(
+                thread_id,
+                expected_version,
+                version,
+                expected_incarnation,
+                thread.incarnation if thread and version else None,
+            )
         if version != expected_version:
             raise ConcurrencyError(thread_id, expected_version, version)
         for op in ops:
@@ -638,15 +654,31 @@ class MemoryEventStore(EventStore):
         return sorted(t for t, th in self._ns.threads.items() if th.ids or th.version)
 
     async def delete_thread(
-        self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
+        self,
+        thread_id: str,
+        *,
+        views: Sequence[str] = (),
+        expected_version: int | None = None,
+        expected_incarnation: int | None = None,
     ) -> int:
         validate_thread_id(thread_id)
         for view in views:
             validate_view_name(view)
         validate_expected_deletion(expected_version)
+        expected_incarnation_arg(expected_incarnation)
         await anyio.lowlevel.checkpoint()
         thread = self._thread(thread_id)  # as it is now, after the checkpoint
         actual = thread.version if thread is not None else 0
+        if expected_incarnation is not None and (
+            not actual or thread is None or thread.incarnation != expected_incarnation
+        ):
+            raise IncarnationConflictError(
+                thread_id,
+                expected_version,
+                actual,
+                expected_incarnation,
+                thread.incarnation if thread and actual else None,
+            )
         if expected_version is not None and actual != expected_version:
             raise ConcurrencyError(thread_id, expected_version, actual)
         if thread is None:

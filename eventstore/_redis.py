@@ -252,6 +252,26 @@ def _incarnation_of(thread_id: str, n: Any) -> int:
         ) from None  # fmt: skip
 
 
+def _check_load_reply(
+    thread_id: str, reply: Any, expected_version: int, expected_incarnation: int | None
+) -> None:
+    """Raise what a view load's refusal (`load_views.lua`, `swap_views.lua`) means."""
+    status = reply[0]
+    if status == b"conflict":
+        raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
+    if status == b"life":
+        assert expected_incarnation is not None  # the scripts check only a life they are given
+        raise IncarnationConflictError(
+            thread_id,
+            expected_version,
+            int(reply[2]),
+            expected_incarnation,
+            None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
+        )
+    if status == b"meta":
+        raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
+
+
 def _in_life(
     thread_id: str, life: Any, incarnation: int, start: int, stop: int | None, rows: list[Any]
 ) -> bool:
@@ -1167,9 +1187,15 @@ class RedisEventStore(EventStore):
         return list(executed)
 
     async def load_views(
-        self, thread_id: str, ops: Sequence[ViewOp], *, expected_version: int
+        self,
+        thread_id: str,
+        ops: Sequence[ViewOp],
+        *,
+        expected_version: int,
+        expected_incarnation: int | None = None,
     ) -> None:
         validate_thread_id(thread_id)
+        life = expected_incarnation_arg(expected_incarnation)
         values = size = 0
         sizes: list[list[int]] = []  # per op: the bytes of each value (hash: field and value)
         for op in ops:
@@ -1190,10 +1216,12 @@ class RedisEventStore(EventStore):
         if expected_version > 0 and (
             values > self.load_chunk_values or size > self.load_chunk_bytes
         ):
-            await self._load_views_chunked(thread_id, ops, sizes, expected_version)
+            await self._load_views_chunked(
+                thread_id, ops, sizes, expected_version, expected_incarnation
+            )
             return
         index = _KeyIndex([self.keys.meta(thread_id)])
-        args: list[Any] = [expected_version, len(ops)]
+        args: list[Any] = [expected_version, life, len(ops)]
         for op in ops:
             k = index(self.keys.view(thread_id, op.view))
             if isinstance(op, ListLoad):
@@ -1209,10 +1237,7 @@ class RedisEventStore(EventStore):
                 raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
         self._index_last(index, args, thread_id)
         reply = await _call(LOAD_VIEWS(self.client, index.keys, args))
-        if reply[0] == b"conflict":
-            raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
-        if reply[0] == b"meta":
-            raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
+        _check_load_reply(thread_id, reply, expected_version, expected_incarnation)
 
     def _index_last(self, index: _KeyIndex, args: list[Any], thread_id: str) -> None:
         """End a view load's keys with the thread index and its args with the thread id: the
@@ -1226,6 +1251,7 @@ class RedisEventStore(EventStore):
         ops: Sequence[ViewOp],
         sizes: list[list[int]],
         expected_version: int,
+        expected_incarnation: int | None,
     ) -> None:
         """A load too big for one command: bounded chunks to staging keys, then one swap.
 
@@ -1239,7 +1265,8 @@ class RedisEventStore(EventStore):
         token = secrets.token_hex(8)
         meta = self.keys.meta(thread_id)
         index = _KeyIndex([meta])
-        args: list[Any] = [expected_version, len(ops)]
+        life = expected_incarnation_arg(expected_incarnation)
+        args: list[Any] = [expected_version, life, len(ops)]
         staged: list[str] = []
         plan: list[tuple[ListLoad | HashLoad, str, list[tuple[int, int]]]] = []
         for n, op in enumerate(ops):
@@ -1288,11 +1315,8 @@ class RedisEventStore(EventStore):
                 with contextlib.suppress(rex.RedisError, rex.RedisClusterException, OSError):
                     await self.client.unlink(*staged)
             raise
-        if reply[0] == b"conflict":
-            raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
-        if reply[0] == b"meta":
-            raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
-        if reply[0] != b"ok":
+        _check_load_reply(thread_id, reply, expected_version, expected_incarnation)
+        if reply[0] == b"lost":
             lost = index.keys[int(reply[1]) - 1]
             raise OperationalError(
                 f"thread {thread_id!r}: the staged contents of {lost} vanished before the load "
@@ -1492,14 +1516,29 @@ class RedisEventStore(EventStore):
         return sorted(found)
 
     async def delete_thread(
-        self, thread_id: str, *, views: Sequence[str] = (), expected_version: int | None = None
+        self,
+        thread_id: str,
+        *,
+        views: Sequence[str] = (),
+        expected_version: int | None = None,
+        expected_incarnation: int | None = None,
     ) -> int:
         validate_thread_id(thread_id)
         expected = validate_expected_deletion(expected_version)
+        life = expected_incarnation_arg(expected_incarnation)
         keys = list(self.keys.thread_keys(thread_id))
         keys += [self.keys.view(thread_id, v) for v in dict.fromkeys(views)]
-        reply = await _call(DELETE_THREAD(self.client, keys, [thread_id, expected]))
-        if isinstance(reply, list):  # {"conflict", actual}
+        reply = await _call(DELETE_THREAD(self.client, keys, [thread_id, expected, life]))
+        if isinstance(reply, list):  # {"conflict", actual} | {"life", actual life, version}
+            if reply[0] == b"life":
+                assert expected_incarnation is not None
+                raise IncarnationConflictError(
+                    thread_id,
+                    expected_version,
+                    int(reply[2]),
+                    expected_incarnation,
+                    None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
+                )
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
         return int(reply)
 

@@ -713,6 +713,40 @@ class EventStoreConformance:
             await store.load_views("t", [ListLoad("l", ())], expected_version=0)
         assert (await store.read_views("t", [ListRange("l")])).results[0] != []
 
+    async def test_load_views_only_in_the_expected_life(self, store: EventStore) -> None:
+        """A load folded in one life refuses another at the same version (ABA): the thread
+        deleted and written again since, or deleted; nothing is written either way."""
+        await store.append("t", [msg("a")], view_ops=[ListPush("l", (b"old",))])
+        old = await store.incarnation("t")
+        assert old is not None
+        fresh = [ListLoad("l", (ViewEntry(1, b"fresh"),))]
+        await store.delete_thread("t", views=["l"])
+        with pytest.raises(IncarnationConflictError) as gone:
+            await store.load_views("t", fresh, expected_version=0, expected_incarnation=old)
+        assert (gone.value.expected_incarnation, gone.value.actual_incarnation) == (old, None)
+        await store.append("t", [msg("b")], view_ops=[ListPush("l", (b"new",))])
+        new = await store.incarnation("t")
+        assert new is not None and new != old
+        with pytest.raises(IncarnationConflictError) as replaced:
+            await store.load_views("t", fresh, expected_version=1, expected_incarnation=old)
+        assert (replaced.value.actual_incarnation, replaced.value.actual) == (new, 1)
+        assert isinstance(replaced.value, ConcurrencyError)  # a rebuild's retry handles it
+        got = (await store.read_views("t", [ListRange("l")])).results[0]
+        assert [e.value for e in got] == [b"new"]  # type: ignore[union-attr]
+        await store.load_views("t", fresh, expected_version=1, expected_incarnation=new)
+        got = (await store.read_views("t", [ListRange("l")])).results[0]
+        assert [e.value for e in got] == [b"fresh"]  # type: ignore[union-attr]
+        for bad in (0, -1, True, "1", 1.0):
+            with pytest.raises(InvalidInputError, match="expected_incarnation"):
+                await store.load_views(
+                    "t",
+                    [ListLoad("l", ())],
+                    expected_version=1,
+                    expected_incarnation=bad,  # type: ignore[arg-type]
+                )
+        got = (await store.read_views("t", [ListRange("l")])).results[0]
+        assert [e.value for e in got] == [b"fresh"]  # type: ignore[union-attr]
+
     async def test_view_op_referring_to_missing_event_is_rejected(self, store: EventStore) -> None:
         with pytest.raises(InvalidInputError):
             await store.append("t", [msg("a")], view_ops=[ListPush("l", (b"x",), event=1)])
@@ -1117,6 +1151,37 @@ class EventStoreConformance:
         assert await store.delete_thread("t", expected_version=0) == 0  # no thread: at 0
         with pytest.raises(ConcurrencyError):
             await store.delete_thread("never", expected_version=3)
+
+    async def test_delete_thread_in_an_expected_life(self, store: EventStore) -> None:
+        """A deletion decided on one life keeps another at the same version (the thread was
+        deleted and written again since): nothing deleted, not even a tombstone."""
+        from ._keys import partition_of
+
+        await store.append("t", [msg("a")])
+        old = await store.incarnation("t")
+        assert old is not None
+        await store.delete_thread("t")
+        await store.append("t", [msg("b")], view_ops=[ListPush("l", (b"b",))])
+        new = await store.incarnation("t")
+        p = partition_of("t", store.partitions)
+        feed_before = await store.read_feed(p)
+        for version in (1, None):
+            with pytest.raises(IncarnationConflictError) as caught:
+                await store.delete_thread(
+                    "t", views=["l"], expected_version=version, expected_incarnation=old
+                )
+            assert caught.value.actual_incarnation == new and caught.value.actual == 1
+        assert _texts(await read_all(store, "t")) == ["b"]
+        assert (await store.read_views("t", [ListRange("l")])).results != [[]]
+        assert await store.read_feed(p) == feed_before
+        for bad in (0, -1, "2", True, 1.0):
+            with pytest.raises(InvalidInputError, match="expected_incarnation"):
+                await store.delete_thread("t", expected_incarnation=bad)  # type: ignore[arg-type]
+        assert await store.version("t") == 1
+        assert await store.delete_thread("t", views=["l"], expected_incarnation=new) == 1
+        with pytest.raises(IncarnationConflictError) as gone:
+            await store.delete_thread("t", expected_incarnation=new)
+        assert gone.value.actual_incarnation is None
 
     # -- the change feed ------------------------------------------------------------------------
 

@@ -486,30 +486,40 @@ class Projector:
         validate_thread_id(thread_id)
         for _ in range(REBUILD_ATTEMPTS):
             try:
-                # The thread's life before and after: the write is guarded by the version
-                # only, so a thread deleted and written again up to the same version after
-                # the fold would get the old life's views (lives never repeat).
+                # The write is guarded by the life read first as well as by the version: a
+                # thread deleted and written again up to the same version after the fold
+                # must not get the old life's views (lives never repeat). A fold that read
+                # another life than this one is refused by the same check.
                 life = await self.store.incarnation(thread_id)
                 version = await self.store.version(thread_id)
+                if life is None and version:
+                    continue  # created between the two reads: read its life
                 folded = await self._fold_to(thread_id, version)
-                await self.store_views(folded)
-                if await self.store.incarnation(thread_id) != life:
-                    continue  # what was written may be the old life's: rebuild the new one
+                await self.store_views(folded, expected_incarnation=life)
             except (ConcurrencyError, ThreadReplacedError):
                 continue  # appended to, or deleted and written again, meanwhile
             return folded.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
-    async def store_views(self, folded: Folded) -> None:
+    async def store_views(self, folded: Folded, *, expected_incarnation: int | None = None) -> None:
         """Replace every view of the thread with what ``folded`` holds, only if the thread is
-        still at ``folded.version`` (the last step of `rebuild`).
+        still at ``folded.version`` (the last step of `rebuild`) and, with
+        ``expected_incarnation`` (the `EventStore.incarnation` read before the fold), still in
+        that life.
 
         Raises:
             ConcurrencyError: the thread moved on (nothing written); fold again.
+            IncarnationConflictError: (a `ConcurrencyError`) the thread was deleted, or deleted
+                and written again, since its life was read (nothing written); fold again.
         """
         with paused_collector():
             ops = self._materialize(folded)
-        await self.store.load_views(folded.thread_id, ops, expected_version=folded.version)
+        await self.store.load_views(
+            folded.thread_id,
+            ops,
+            expected_version=folded.version,
+            expected_incarnation=expected_incarnation,
+        )
 
     async def check(self, thread_id: str) -> CheckReport:
         """Compare every materialized view with the fold of the log at the same version."""

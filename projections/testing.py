@@ -825,6 +825,32 @@ class ProjectionConformance:
         assert not (await projector.check("busy")).ok  # left as it was: its state view is gone
         assert await projector.rebuild("busy") == await store.version("busy")
 
+    async def test_a_thread_replaced_between_the_fold_and_the_write_never_gets_old_views(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        """Deleted and written again up to the same version after the fold: the version alone
+        would let the old life's views in. The write is refused, and the rebuild folds again."""
+        await projector.append("t", [MessageAppended(message=message("old"))])
+        real_load = store.load_views
+        seen: list[list[str]] = []
+
+        async def load_views(thread_id: str, *args: Any, **kwargs: Any) -> None:
+            if not seen:  # once, just after the first fold
+                await projector.delete_thread("t")
+                await projector.append("t", [MessageAppended(message=message("new"))])
+            try:
+                await real_load(thread_id, *args, **kwargs)
+            finally:
+                seen.append(_texts(await projector.last("t")))
+
+        store.load_views = load_views  # type: ignore[method-assign]
+        try:
+            assert await projector.rebuild("t") == 1
+        finally:
+            del store.load_views
+        assert seen == [["new"], ["new"]]  # the first write was refused: never "old"
+        assert (await projector.check("t")).ok
+
     # -- bad input ------------------------------------------------------------------------------
 
     @pytest.mark.parametrize(

@@ -843,9 +843,9 @@ async def test_a_thread_replaced_just_before_rebuild_writes_gets_its_own_views(
     store: es.EventStore, monkeypatch: pytest.MonkeyPatch, trust_log: bool
 ) -> None:
     """Between the rebuild's last read and its write, the thread deleted and written again up
-    to the same version: the write (guarded by the version only) put the old life's views on
-    the new one. The life is read again after the write, and the new life rebuilt (by
-    `Auditor.rebuild`, and by `Projector.rebuild`, which ``trust_log`` runs)."""
+    to the same version: a write guarded by the version only put the old life's views on the
+    new one. The write names the life it was folded in and is refused; the new life is rebuilt
+    (by `Auditor.rebuild`, and by `Projector.rebuild`, which ``trust_log`` runs)."""
     projector = Projector(store)
     auditor = Auditor(store)
     for text in ("one", "two", "three"):
@@ -853,17 +853,23 @@ async def test_a_thread_replaced_just_before_rebuild_writes_gets_its_own_views(
     original = auditor.projector.store_views
     replaced: list[bool] = []
 
-    async def replace_then_store(folded: Any) -> None:
+    seen: list[list[str]] = []  # the window after each write
+
+    async def replace_then_store(folded: Any, **guard: Any) -> None:
         if not replaced:
             replaced.append(True)
             await projector.delete_thread(T)
             for text in ("uno", "dos", "tres"):
                 await projector.append(T, [es.MessageAppended(message=user(text))])
-        await original(folded)
+        try:
+            await original(folded, **guard)
+        finally:
+            seen.append(await texts(projector))
 
     monkeypatch.setattr(auditor.projector, "store_views", replace_then_store)
     assert await auditor.rebuild(T, trust_log=trust_log) == 3
-    assert replaced and await texts(projector) == ["uno", "dos", "tres"]
+    # The first write was refused: the old life's window was never there.
+    assert seen == [["uno", "dos", "tres"]] * 2
     assert (await auditor.check(T)).ok
 
 

@@ -1212,6 +1212,38 @@ async def test_an_interrupted_copy_leaves_no_partial_target(
     assert (await graph.aget_state(config("dst"))).values == expected
 
 
+async def test_a_copy_whose_target_is_replaced_half_way_leaves_the_new_target_alone(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two chunks of a copy, the target deleted and written again up to the copy's
+    version by someone else: the next chunk used to land on that other thread (its expected
+    version matched), and the undo of a failed copy would have deleted it."""
+    monkeypatch.setattr(lg, "COPY_CHUNK", 4)
+    saver = ThreadlogCheckpointSaver(store)
+    graph = todo_graph().compile(checkpointer=saver)
+    for i in range(6):
+        await graph.ainvoke({"todo": [f"task {i}"], "n": i}, config("src"))
+    dst = saver.thread_id_of("dst")
+    real_append = store.append
+    foreign: list[es.RecordedEvent] = []
+
+    async def append(thread_id: str, events: Any, **kwargs: Any) -> es.AppendResult:
+        if thread_id == dst and isinstance(kwargs.get("expected_version"), int) and not foreign:
+            # The copy's first chunk landed: another writer replaces the target, up to the
+            # same version, with events of its own.
+            version = kwargs["expected_version"]
+            await store.delete_thread(dst, views=list(lg.VIEWS))
+            filler = [es.StateUpdated(block="other", value=i) for i in range(version)]
+            await real_append(dst, [es.NewEvent(payload=e) for e in filler])
+            foreign.extend([e async for e in store.read(dst)])
+        return await real_append(thread_id, events, **kwargs)
+
+    monkeypatch.setattr(store, "append", append)
+    with pytest.raises(es.IncarnationConflictError):
+        await saver.acopy_thread("src", "dst")
+    assert foreign and [e async for e in store.read(dst)] == foreign  # untouched, not undone
+
+
 def test_sync_list_is_read_as_it_is_consumed(monkeypatch: pytest.MonkeyPatch) -> None:
     # As InMemorySaver's list, a generator: `next(saver.list(cfg))` used to build every
     # checkpoint of the thread, each with all its channel values, first. (LangGraph's own

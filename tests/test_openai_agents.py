@@ -745,6 +745,36 @@ async def test_a_session_written_after_it_was_found_idle_is_kept(
     assert [cast(Any, i)["content"] for i in items] == ["x", "y", "y"]
 
 
+async def test_a_session_started_again_after_it_was_found_idle_is_kept(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the idle check and the delete, the session deleted and started again with as
+    many items: the same version, another life. The version alone let the fresh session be
+    deleted as the idle one."""
+    session = ThreadlogSession("again", store)
+    await session.add_items([user("old")])
+    real_read = store.read
+    restarted: list[int] = []
+
+    async def read_then_restart(thread_id: str, **kwargs: Any) -> Any:
+        events = [event async for event in real_read(thread_id, **kwargs)]
+        if kwargs.get("backwards") and not restarted:  # the idle check, read
+            restarted.append(1)
+            fresh = ThreadlogSession("again", store)
+            await fresh.delete()
+            await fresh.add_items([user("new")])
+        for event in events:
+            yield event
+
+    monkeypatch.setattr(store, "read", read_then_restart)
+    far = int(time.time() * 1000) + 3_600_000
+    assert await sweep_idle_sessions(store, 60, now_ms=far) == []
+    monkeypatch.undo()
+    assert restarted == [1]
+    assert await store.version(session.thread_id) == 1
+    assert [cast(Any, i)["content"] for i in await session.get_items()] == ["new"]
+
+
 async def test_private_registry_and_views(redis_url: str, namespace: str) -> None:
     registry = es.EventRegistry()
     store = await es.connect(redis_url, namespace=namespace, registry=registry)

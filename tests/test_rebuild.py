@@ -231,6 +231,35 @@ async def test_the_swap_refuses_a_thread_that_moved_after_the_last_chunk(
     assert (await projector.check("t")).ok
 
 
+async def test_the_swap_refuses_a_thread_replaced_up_to_the_same_version_after_the_last_chunk(
+    store: HookedStore,
+) -> None:
+    """Deleted and written again to the version the contents were folded at (ABA): each
+    chunk's version read passes, and only the life tells the swap the contents are stale."""
+    projector = make_projector(store)
+    await write_turns(projector, "t", 10)
+    folded = await projector.fold("t")
+    life = await store.incarnation("t")
+    ops = [op for p in projector.projections for op in p.materialize(folded.states[p.name])]
+
+    new_views = None
+
+    async def replace() -> None:
+        nonlocal new_views
+        await store.delete_thread("t")
+        await write_turns(projector, "t", 10)
+        new_views = await snapshot(projector, "t")
+
+    total = await after_the_last_chunk(store, ops, folded.version, replace)
+    with pytest.raises(es.IncarnationConflictError) as info:
+        await store.load_views("t", ops, expected_version=folded.version, expected_incarnation=life)
+    assert info.value.expected_incarnation == life
+    assert info.value.actual_incarnation == await store.incarnation("t") != life
+    assert store.chunks == total  # every chunk went; the swap script said no
+    assert await staging_keys(store) == []
+    assert new_views is not None and await snapshot(projector, "t") == new_views
+
+
 async def test_the_swap_refuses_a_version_only_lua_would_read_as_a_number(
     store: HookedStore,
 ) -> None:
