@@ -40,6 +40,7 @@ from eventstore import (
     validate_count,
     validate_thread_id,
 )
+from eventstore._codec import expected_incarnation_arg
 from eventstore._contract import require_store
 from projections import (
     DEFAULT_WINDOW,
@@ -330,6 +331,7 @@ class ThreadStore:
         *,
         turn_id: str | None,
         expected_block_version: int | None = None,
+        expected_incarnation: int | None = None,
         idempotency_key: str | None = None,
         principal: Principal | None = None,
     ) -> AppendResult:
@@ -337,7 +339,11 @@ class ThreadStore:
 
         With ``expected_block_version`` the update applies only if the block is at exactly that
         version (0: the block must not exist); otherwise `ViewConflictError` and nothing is
-        written. Failure is not rollback: an update recorded before its turn fails stays.
+        written. Block versions restart when a thread is deleted and written again: pass the
+        `Context.incarnation` the block was read in as ``expected_incarnation`` too, and an
+        update planned in a life that is gone raises `IncarnationConflictError` (nothing
+        written) instead of landing in the next one. Failure is not rollback: an update
+        recorded before its turn fails stays.
         A ``turn_id`` must name a turn opened in this thread (`TurnNotFoundError` otherwise).
         To retry after an unknown outcome (a timeout), pass the same ``idempotency_key`` on
         both calls: the retry of one that landed is then answered ``duplicate``, where without
@@ -346,6 +352,7 @@ class ThreadStore:
         """
         if expected_block_version is not None:
             validate_count(expected_block_version, "expected_block_version")
+        expected_incarnation_arg(expected_incarnation)  # refused before any read
         _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
         await self._require_turn(thread_id, turn_id)
@@ -353,7 +360,10 @@ class ThreadStore:
             block=block, value=value, turn_id=turn_id, expected_version=expected_block_version
         )
         return await self.projector.append(
-            thread_id, [NewEvent(payload=event, turn_id=turn_id)], idempotency_key=idempotency_key
+            thread_id,
+            [NewEvent(payload=event, turn_id=turn_id)],
+            idempotency_key=idempotency_key,
+            expected_incarnation=expected_incarnation,
         )
 
     async def _require_turn(self, thread_id: str, turn_id: str | None) -> None:

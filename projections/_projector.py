@@ -67,6 +67,9 @@ class Folded(msgspec.Struct, frozen=True):
     thread_id: str
     version: int
     states: dict[str, Any]
+    incarnation: int | None = None
+    """The life the log was folded in, when the fold read it (`Projector.fold` ``as_of`` a
+    point); None otherwise."""
 
 
 class Difference(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +137,11 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[StoredMessage]
     state: dict[str, Block]
     records: list[TurnRecord]
+    incarnation: int | None = None
+    """The thread's life these were read in (`EventStore.incarnation`; in the same atomic step,
+    or, ``as_of`` a past point, the life the fold read whole): what a write planned from them
+    passes as ``expected_incarnation``, so that it lands only in this life. None for a thread
+    without events."""
 
 
 class Projector:
@@ -286,7 +294,7 @@ class Projector:
                     # Seqs the version holds that the log lost at its end: the state at the
                     # last entry there is would pass for the point asked about.
                     raise missing_from_log(thread_id, folded.version + 1)
-                return folded
+                return msgspec.structs.replace(folded, incarnation=life)
         raise ThreadReplacedError(thread_id)
 
     async def _fold_to(self, thread_id: str, stop: int | None) -> Folded:
@@ -437,6 +445,7 @@ class Projector:
             return Context(
                 thread_id=thread_id,
                 version=folded.version,
+                incarnation=folded.incarnation,
                 messages=MessagesProjection.window(folded.states[self.messages.name], n),
                 state=sp.select(folded.states[sp.name], view),
                 records=(
@@ -450,12 +459,18 @@ class Projector:
             reads.append(MessagesProjection.window_read(n))
         if records:
             reads.append(RecordsProjection.settled_read(records))
-        version, results = await self._read(thread_id, reads)
+        snap = await self.store.read_views(thread_id, reads)
+        results = snap.results
         state = sp.parse(results[0], view)
         messages = MessagesProjection.parse(results[1]) if n else []
         recs = RecordsProjection.parse(thread_id, results[-1]) if records else []
         return Context(
-            thread_id=thread_id, version=version, messages=messages, state=state, records=recs
+            thread_id=thread_id,
+            version=snap.version,
+            messages=messages,
+            state=state,
+            records=recs,
+            incarnation=snap.incarnation,
         )
 
     async def delete_thread(self, thread_id: str) -> int:

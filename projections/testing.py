@@ -604,6 +604,8 @@ class ProjectionConformance:
         # What an agent assembled its prompt from (`context`) and one turn's record, as they
         # were at each past point: the reads an audit of a decision needs most.
         points = await self._conversation(store, projector, "t")
+        life = await store.incarnation("t")
+        assert life is not None
         for seq, when, live in points:
             for at in (seq, when):
                 past = await projector.context("t", view=PLANNER.name, records=2, as_of=at)
@@ -613,6 +615,7 @@ class ProjectionConformance:
                     messages=live.window,
                     state=live.planner,
                     records=live.latest_records,
+                    incarnation=life,  # the life the fold read: a write planned from it names it
                 ), f"as_of={at}"
                 for turn in live.turns:
                     assert await projector.record("t", turn.turn_id, as_of=at) == turn

@@ -381,6 +381,44 @@ async def test_state_version_conflict_writes_nothing(store: es.EventStore) -> No
     assert await store.version("t") == 1
 
 
+async def test_a_state_update_planned_in_a_gone_life_writes_nothing(store: es.EventStore) -> None:
+    """The block read at version 1, then the thread deleted and written again up to block
+    version 1: the block version alone let the stale update land in the new life."""
+    threads = ThreadStore(store)
+    await threads.update_state("t", "plan", "old", turn_id=None)
+    read = await threads.context("t", limit=0)
+    assert read.state["plan"].version == 1
+    assert read.incarnation is not None and read.incarnation == await store.incarnation("t")
+    await threads.delete_thread("t")
+    await threads.update_state("t", "plan", "new", turn_id=None)
+    with pytest.raises(es.IncarnationConflictError) as info:
+        await threads.update_state(
+            "t",
+            "plan",
+            "from the old plan",
+            turn_id=None,
+            expected_block_version=1,
+            expected_incarnation=read.incarnation,
+        )
+    assert info.value.actual_incarnation == await store.incarnation("t")
+    assert (await threads.state("t"))["plan"].value == "new"
+    assert await store.version("t") == 1
+    # In its own life, the same update lands.
+    now = await threads.context("t", limit=0)
+    await threads.update_state(
+        "t",
+        "plan",
+        "next",
+        turn_id=None,
+        expected_block_version=1,
+        expected_incarnation=now.incarnation,
+    )
+    assert (await threads.state("t"))["plan"].value == "next"
+    with pytest.raises(es.InvalidInputError, match="expected_incarnation"):
+        await threads.update_state("t", "plan", 1, turn_id="x", expected_incarnation=0)
+    assert (await threads.context("never")).incarnation is None
+
+
 async def test_events_tagged_with_a_turn_never_opened_are_refused(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("t", request_message={"role": "user", "content": "hi"})
