@@ -226,6 +226,27 @@ class MemoryServer:
         return ns
 
 
+def _check_life(
+    thread_id: str,
+    thread: _Thread | None,
+    version: int,
+    expected_version: object,
+    expected_incarnation: int | None,
+) -> None:
+    """As the scripts: only the life tells a thread from a later one at the same version (a
+    thread without a version has no life, whatever it still holds)."""
+    if expected_incarnation is not None and (
+        not version or thread is None or thread.incarnation != expected_incarnation
+    ):
+        raise IncarnationConflictError(
+            thread_id,
+            expected_version,
+            version,
+            expected_incarnation,
+            thread.incarnation if thread is not None and version else None,
+        )
+
+
 _incarnation_lock = threading.Lock()
 _last_incarnation = 0
 
@@ -335,16 +356,7 @@ class MemoryEventStore(EventStore):
         if version == 0 and thread.entries:  # as the append script: a log without its meta
             raise log_without_meta(thread_id, "; nothing was appended")
         # As the script: only the life tells this thread from a later one at the same version.
-        if expected_incarnation is not None and (
-            not version or thread.incarnation != expected_incarnation
-        ):
-            raise IncarnationConflictError(
-                thread_id,
-                expected_version,
-                version,
-                expected_incarnation,
-                thread.incarnation if version else None,
-            )
+        _check_life(thread_id, thread, version, expected_version, expected_incarnation)
         if not version_satisfies(expected_version, version):
             raise ConcurrencyError(thread_id, expected_version, version)
         # Guards see the ops before them in this append, as if its events came one by one (as
@@ -585,16 +597,7 @@ class MemoryEventStore(EventStore):
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
         version = thread.version if thread else 0
-        if expected_incarnation is not None and (
-            not version or thread is None or thread.incarnation != expected_incarnation
-        ):
-            raise IncarnationConflictError(
-                thread_id,
-                expected_version,
-                version,
-                expected_incarnation,
-                thread.incarnation if thread and version else None,
-            )
+        _check_life(thread_id, thread, version, expected_version, expected_incarnation)
         if version != expected_version:
             raise ConcurrencyError(thread_id, expected_version, version)
         for op in ops:
@@ -669,16 +672,7 @@ class MemoryEventStore(EventStore):
         await anyio.lowlevel.checkpoint()
         thread = self._thread(thread_id)  # as it is now, after the checkpoint
         actual = thread.version if thread is not None else 0
-        if expected_incarnation is not None and (
-            not actual or thread is None or thread.incarnation != expected_incarnation
-        ):
-            raise IncarnationConflictError(
-                thread_id,
-                expected_version,
-                actual,
-                expected_incarnation,
-                thread.incarnation if thread and actual else None,
-            )
+        _check_life(thread_id, thread, actual, expected_version, expected_incarnation)
         if expected_version is not None and actual != expected_version:
             raise ConcurrencyError(thread_id, expected_version, actual)
         if thread is None:

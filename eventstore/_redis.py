@@ -252,6 +252,20 @@ def _incarnation_of(thread_id: str, n: Any) -> int:
         ) from None  # fmt: skip
 
 
+def _other_life(
+    thread_id: str, expected_version: object, expected_incarnation: int | None, reply: Any
+) -> IncarnationConflictError:
+    """The error a script's ``{"life", actual life or false, actual version}`` reply means."""
+    assert expected_incarnation is not None  # the scripts check only a life they are given
+    return IncarnationConflictError(
+        thread_id,
+        expected_version,
+        int(reply[2]),
+        expected_incarnation,
+        None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
+    )
+
+
 def _check_load_reply(
     thread_id: str, reply: Any, expected_version: int, expected_incarnation: int | None
 ) -> None:
@@ -260,14 +274,7 @@ def _check_load_reply(
     if status == b"conflict":
         raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
     if status == b"life":
-        assert expected_incarnation is not None  # the scripts check only a life they are given
-        raise IncarnationConflictError(
-            thread_id,
-            expected_version,
-            int(reply[2]),
-            expected_incarnation,
-            None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
-        )
+        raise _other_life(thread_id, expected_version, expected_incarnation, reply)
     if status == b"meta":
         raise _damaged_version(thread_id, reply[1], "; nothing was loaded")
 
@@ -720,14 +727,7 @@ class RedisEventStore(EventStore):
         if status == b"conflict":
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
         if status == b"life":
-            assert expected_incarnation is not None  # the script checks only a life it is given
-            raise IncarnationConflictError(
-                thread_id,
-                expected_version,
-                int(reply[2]),
-                expected_incarnation,
-                None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
-            )
+            raise _other_life(thread_id, expected_version, expected_incarnation, reply)
         if status == b"reused":
             raise IdempotencyKeyReusedError(
                 thread_id, idempotency_key_text(idempotency_key, encoded[0].id)
@@ -1531,14 +1531,7 @@ class RedisEventStore(EventStore):
         reply = await _call(DELETE_THREAD(self.client, keys, [thread_id, expected, life]))
         if isinstance(reply, list):  # {"conflict", actual} | {"life", actual life, version}
             if reply[0] == b"life":
-                assert expected_incarnation is not None
-                raise IncarnationConflictError(
-                    thread_id,
-                    expected_version,
-                    int(reply[2]),
-                    expected_incarnation,
-                    None if reply[1] is None else _incarnation_of(thread_id, reply[1]),
-                )
+                raise _other_life(thread_id, expected_version, expected_incarnation, reply)
             raise ConcurrencyError(thread_id, expected_version, int(reply[1]))
         return int(reply)
 
