@@ -836,6 +836,35 @@ async def test_a_task_started_after_a_load_does_not_see_its_parents_later_writes
     assert [m.text for m in (await sessions.load("s")).messages] == ["u1", "u2"]
 
 
+async def test_a_worker_task_remembers_the_sessions_it_served_last(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One task serving session after session (a queue worker): it remembered every session
+    it ever served, and each write copied all of them (4.5 ms an append after 20,000). It
+    now keeps the ones it served last, still checks those, and forgets the oldest."""
+    import adapters._sessions as sessions_module
+
+    # Small buckets: the bound is reached after a few dozen sessions, not a thousand.
+    monkeypatch.setattr(sessions_module, "REMEMBER_PER_BUCKET", 2)
+    bound = sessions_module.REMEMBER_BUCKETS * 2
+    sessions = SessionStore(store)
+    await sessions.append("first", [user("a")])
+    await sessions.load("first")
+    served = [f"s{i}" for i in range(20 * bound)]
+    for session_id in served:
+        await sessions.append(session_id, [user("hi")])
+    assert len(sessions._versions.get()) <= bound
+    last = served[-1]
+    await sessions.load(last)
+    await SessionStore(store).append(last, [user("another writer")])
+    with pytest.raises(es.ConcurrencyError):  # served last: remembered, so checked
+        await sessions.append(last, [user("stale")])
+    # Served before 640 others: forgotten, so written as by a task that never loaded it.
+    await SessionStore(store).append("first", [user("another writer")])
+    assert await sessions.append("first", [user("unchecked")]) == 3
+    assert [m.text for m in (await sessions.load(last)).messages] == ["hi", "another writer"]
+
+
 async def test_an_update_of_a_loaded_transcript_carries_its_version(
     store: es.EventStore,
 ) -> None:
