@@ -644,6 +644,16 @@ class EventStore(abc.ABC):
         """The stored checkpoint of async projection ``name`` in a partition ("0-0": none)."""
 
     @abc.abstractmethod
+    async def checkpoints(self, partition: int) -> dict[str, str]:
+        """Every async projection's stored checkpoint in a partition, by name (a projection
+        with none is absent). A checkpoint outlives its projection's consumer group (a feed
+        deleted takes the groups with it): this is how a reader that lost its group is found.
+
+        Raises:
+            InvalidInputError: a bad partition.
+        """
+
+    @abc.abstractmethod
     async def namespace_id(self) -> str:
         """The id of this namespace's data set: a ULID made the first time any store asks and
         kept with the namespace's settings, the same for every client from then on.

@@ -1765,6 +1765,11 @@ class RedisEventStore(EventStore):
         raw = await _call(self.client.hget(self.keys.checkpoints(partition), name))
         return raw.decode("ascii") if raw else "0-0"
 
+    async def checkpoints(self, partition: int) -> dict[str, str]:
+        self._feed_key(partition)
+        raw = await _call(self.client.hgetall(self.keys.checkpoints(partition)))
+        return {k.decode("utf-8"): v.decode("ascii", "replace") for k, v in raw.items()}
+
     async def namespace_id(self) -> str:
         key = KeyLayout.config_key(self.namespace)
         recorded = await _call(self.client.hget(key, "id"))

@@ -1582,6 +1582,11 @@ class EventStoreConformance:
         assert await store.read_aux(0, "stats", "usage") == {"2026-01-01|small": 20, "turns": 1}
         assert await store.checkpoint_of(0, "stats") == "5-1"
         assert await store.checkpoint_of(1, "stats") == "0-0"
+        assert await apply(0, "other", expected="0-0", checkpoint="2-0") is True
+        assert await store.checkpoints(0) == {"stats": "5-1", "other": "2-0"}
+        assert await store.checkpoints(1) == {}
+        with pytest.raises(InvalidInputError):
+            await store.checkpoints(store.partitions)
         with pytest.raises(InvalidInputError):
             await apply(0, "stats", expected="5-1", checkpoint="nope")
         with pytest.raises(InvalidInputError):

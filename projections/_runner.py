@@ -120,6 +120,15 @@ class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
     lost_changes: bool
     """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
     read are gone from the feed."""
+    registered: bool = True
+    """Whether the group is registered on the partition's feed. False for an async projection
+    whose checkpoint is there without a group because the feed was deleted or replaced,
+    taking the group with it (``feed_reset``): a group dropped on purpose is not listed."""
+    feed_reset: bool = False
+    """For an async projection: the feed holds neither the entry at its checkpoint nor a trim
+    record reaching it, so it was deleted or replaced since, and whatever it held after the
+    checkpoint went without a trace. Its runner stops there with `FeedResetError`; the
+    remedy is the projection under a new name with ``backfill=True``."""
 
 
 async def feed_group_lag(store: EventStore) -> list[GroupLag]:
@@ -134,19 +143,38 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
     so a listing costs a few round trips a group and partition plus one a 1,024 entries of a
     backlog that is not the whole feed.
 
+    An async projection whose partition's feed was deleted (or replaced) has a checkpoint
+    there but no group any more (the groups went with the feed): it is listed too, with
+    ``registered`` False and ``feed_reset`` True, as its runner stops there. A projection
+    whose group was dropped on purpose (`drop_feed_group`, with its feed intact) is not.
+
     Raises:
         InvalidInputError: ``store`` not an `EventStore`.
     """
     store = require_store(store, "feed_group_lag")
     rows: list[GroupLag] = []
     for partition in range(store.partitions):
+        checkpoints = await store.checkpoints(partition)
+        groups = await store.feed_groups(partition)
+        names = {g.name for g in groups}
+        # A projection's position is its checkpoint, when it has one (and may be a projection's).
+        positions = {
+            g.name: checkpoints.get(g.name, "0-0")
+            for g in groups
+            if _projection_name(g.name) and checkpoints.get(g.name, "0-0") != "0-0"
+        }
+        lost_groups = {n: c for n, c in checkpoints.items() if n not in names and c != "0-0"}
+        missing = [
+            (name, checkpoint)
+            for name, checkpoint in (positions | lost_groups).items()
+            if not await _holds(store, partition, checkpoint)
+        ]
+        # Read after the entries were looked for: an entry trimmed meanwhile is in its record.
         info = await store.feed_info(partition)
-        for group in await store.feed_groups(partition):
-            position = group.last_delivered
-            if _projection_name(group.name):
-                checkpoint = await store.checkpoint_of(partition, group.name)
-                if checkpoint != "0-0":
-                    position = checkpoint
+        trimmed_to = parse_stream_id(info.trimmed_to)
+        reset = {name for name, at in missing if trimmed_to < parse_stream_id(at)}
+        for group in groups:
+            position = positions.get(group.name, group.last_delivered)
             unread, oldest = await _unread(store, info, position)
             rows.append(
                 GroupLag(
@@ -158,10 +186,42 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
                     last_delivered=group.last_delivered,
                     pending=group.pending,
                     oldest_pending=group.oldest_pending,
-                    lost_changes=parse_stream_id(info.trimmed_to) > parse_stream_id(position),
+                    lost_changes=trimmed_to > parse_stream_id(position),
+                    feed_reset=group.name in reset,
+                )
+            )
+        for name, checkpoint in lost_groups.items():
+            if name not in reset:
+                continue  # its group was dropped from an intact feed: retired, or soon back
+            unread, oldest = await _unread(store, info, checkpoint)
+            rows.append(
+                GroupLag(
+                    name=name,
+                    partition=partition,
+                    position=checkpoint,
+                    unread=unread,
+                    oldest_unread=oldest,
+                    last_delivered="0-0",
+                    pending=0,
+                    oldest_pending=None,
+                    lost_changes=False,
+                    registered=False,
+                    feed_reset=True,
                 )
             )
     return sorted(rows, key=lambda r: (r.name, r.partition))
+
+
+async def _holds(store: EventStore, partition: int, position: str) -> bool:
+    """Whether the partition's feed holds the entry at ``position``."""
+    page = await store.read_feed(partition, after=_just_before(position), count=1)
+    return bool(page) and parse_stream_id(page[0].id) == parse_stream_id(position)
+
+
+def _just_before(position: str) -> str:
+    """The stream id right before ``position`` (a read after it starts at ``position``)."""
+    ms, n = parse_stream_id(position)
+    return format_stream_id((ms, n - 1) if n else (ms - 1, 2**64 - 1))
 
 
 def _projection_name(group: str) -> bool:
@@ -445,8 +505,8 @@ class ProjectionRunner:
         trip, so that `_past_trimmed` can tell a feed that lost it without a trim record."""
         if checkpoint == "0-0":
             return True, await self.store.read_feed(partition, count=self.batch_size)
-        ms, n = at = parse_stream_id(checkpoint)
-        before = format_stream_id((ms, n - 1) if n else (ms - 1, 2**64 - 1))
+        at = parse_stream_id(checkpoint)
+        before = _just_before(checkpoint)
         page = await self.store.read_feed(partition, after=before, count=self.batch_size + 1)
         held = bool(page) and parse_stream_id(page[0].id) == at
         return held, page[1:] if held else page[: self.batch_size]

@@ -1125,6 +1125,52 @@ async def test_group_lag_counts_a_backlog_longer_than_a_page_and_flags_lost_chan
     assert rows["reader"].unread == 0
 
 
+async def test_a_projection_whose_feed_was_deleted_is_listed_without_a_group(
+    store: es.EventStore,
+) -> None:
+    """The feed deleted under a projection took its group along, while its checkpoint stays
+    and its runner stops with `FeedResetError`: `feed_group_lag` lists it (no group, feed
+    reset) rather than leave it out. A group dropped on purpose from an intact feed is not."""
+    p = es.partition_of("t", store.partitions)
+    q = (p + 1) % store.partitions
+    await settle(store, "t", "small", 1)
+    await settle(store, thread_in(store, q, "q"), "small", 1)
+    for projection in (UsageProjection(), Renamed()):
+        await ProjectionRunner(store, projection, consumer="c", partitions=[p, q]).run_once()
+    checkpoint = await store.checkpoint_of(p, "usage")
+    assert await store.checkpoints(p) == {"usage": checkpoint, "usage-v2": checkpoint}
+    assert await drop_feed_group(store, "usage-v2") == sorted([p, q])  # retired on purpose
+    await delete_feed(store, p)
+    await anyio.sleep(0.01)
+    for _ in range(2):  # an empty feed, then a new one past the checkpoint
+        rows = {(r.name, r.partition): r for r in await feed_group_lag(store)}
+        # The retired one is listed where the feed was deleted: a checkpoint alone cannot
+        # tell a retired projection from a running one, and its figures lack changes too.
+        assert set(rows) == {("usage", p), ("usage", q), ("usage-v2", p)}
+        assert (rows["usage-v2", p].registered, rows["usage-v2", p].feed_reset) == (False, True)
+        lost = rows["usage", p]
+        assert (lost.registered, lost.feed_reset, lost.position) == (False, True, checkpoint)
+        assert (lost.last_delivered, lost.pending, lost.lost_changes) == ("0-0", 0, False)
+        assert lost.unread == (await store.feed_info(p)).length
+        assert (rows["usage", q].registered, rows["usage", q].feed_reset) == (True, False)
+        await settle(store, thread_in(store, p, "new"), "small", 5)
+    with pytest.raises(es.FeedResetError):
+        await ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p]).run_once()
+    # A group registered again on the new feed (by hand, or an older release's runner): the
+    # row is the group's, still said to be on a reset feed.
+    await store.create_feed_group(p, "usage")
+    (row,) = [r for r in await feed_group_lag(store) if (r.name, r.partition) == ("usage", p)]
+    assert (row.registered, row.feed_reset, row.position) == (True, True, checkpoint)
+    # Trimmed past the checkpoint is not a reset: the feed records it (lost changes instead).
+    await delete_feed(store, p)
+    await settle(store, thread_in(store, p, "new"), "small", 5)
+    await store.create_feed_group(p, "usage", start=checkpoint)
+    await anyio.sleep(0.01)
+    assert await store.trim_feed(p, max_age_ms=0) == 1
+    (row,) = [r for r in await feed_group_lag(store) if (r.name, r.partition) == ("usage", p)]
+    assert (row.registered, row.feed_reset, row.lost_changes) == (True, False, True)
+
+
 def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes_it(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1160,6 +1206,31 @@ def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes
     assert main(["drop-group", "usage", *where]) == 0
     assert "Dropped consumer group 'usage' from 4 partitions" in capsys.readouterr().out
     assert unread() == {"usage-v2": 0}
+
+
+def test_threadlog_feed_flags_a_projection_whose_feed_was_deleted(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`threadlog feed` lists the projection that lost its group with its feed, and says so."""
+    from adapters.cli import main
+
+    namespace = "r" + uuid.uuid4().hex[:12]
+    where = ["--url", redis_url, "--namespace", namespace]
+
+    async def setup() -> None:
+        async with await es.connect(redis_url, namespace=namespace, partitions=4) as store:
+            await settle(store, "t", "small", 1)
+            await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+            await delete_feed(store, es.partition_of("t", 4))
+
+    anyio.run(setup)
+    capsys.readouterr()
+    assert main(["feed", "--json", *where]) == 0
+    groups = json.loads(capsys.readouterr().out)["groups"]
+    reset = [(g["partition"], g["registered"]) for g in groups if g["feed_reset"]]
+    assert reset == [(es.partition_of("t", 4), False)]
+    assert main(["feed", *where]) == 0
+    assert "feed reset under it" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
