@@ -34,6 +34,7 @@ from eventstore import (
     FeedResetError,
     FeedTrimmedError,
     InvalidInputError,
+    OperationalError,
     RecordedEvent,
     StoreConnectionError,
     StoreTimeoutError,
@@ -303,6 +304,10 @@ class ProjectionRunner:
     after the checkpoint with it, leaving no trim record: the runner stops there with
     `FeedResetError` rather than read on from a new feed past them.
 
+    A partition that fails (a change the projection raises for, a feed trimmed or reset under
+    its checkpoint) stops alone; the runner works its other partitions and raises the error
+    afterwards (see `run`), listing it in `failed` meanwhile.
+
     `run` waits out a store it cannot reach (a restart, a failover: `StoreConnectionError` or
     `StoreTimeoutError` once the client's own retries are spent), logging a warning each
     time, backing off from 0.1 s to 5 s, and reads on from the checkpoint when the store
@@ -370,6 +375,7 @@ class ProjectionRunner:
         """Where this runner last put the projection's group, per partition."""
         self._created: set[int] = set()
         """Partitions where this runner registered the group and has applied nothing since."""
+        self._failed: dict[int, Exception] = {}
 
     @staticmethod
     def _owned(store: EventStore, partitions: Sequence[int] | None) -> list[int]:
@@ -387,21 +393,50 @@ class ProjectionRunner:
             raise InvalidInputError(f"partitions must be distinct, not {owned!r}")
         return owned
 
+    @property
+    def failed(self) -> dict[int, Exception]:
+        """The partitions the current (or last) `run` or `run_once` stopped working, each with
+        its error: for a health check while `run` goes on with the others."""
+        return dict(self._failed)
+
     async def run_once(self) -> int:
         """Work every owned partition until its feed holds nothing after the projection's
         checkpoint; returns the entries this runner applied (other runners of the projection
-        may have applied some of them meanwhile)."""
+        may have applied some of them meanwhile).
+
+        A partition that fails stops alone, as in `run`: the others are worked to their end,
+        then its error is raised."""
         done = 0
+        failed: dict[int, Exception] = {}
+        self._failed = failed
         for partition in self.partitions:
-            done += await self._drain(partition)
+            done += await self._work(partition, failed)
+        if failed:
+            raise self._failure(failed)
         return done
 
     async def run(self, stop: anyio.Event) -> int:
         """Work until ``stop`` is set; the batch in hand is finished (applied) first.
 
         The partitions are taken in turns of at most `TURN_BATCHES` batches each, so one whose
-        feed fills as fast as it is read does not keep the others waiting."""
+        feed fills as fast as it is read does not keep the others waiting.
+
+        A partition that fails stops alone: a change the projection raises for (or whose
+        events do not decode), its feed trimmed or reset under the checkpoint, a damaged
+        checkpoint or figure. Partitions are independent (a checkpoint and a group each), so
+        the others go on, and their groups let trimming go on; the failed one stays at the
+        change (its checkpoint right before it, its group holding the rest of its feed) and is
+        not tried again in this run, as waiting cures none of these. The error is logged when
+        it happens, `failed` lists it, and `run` raises it once ``stop`` is set, or at once when
+        every owned partition has stopped (the first one's error, with a note naming them
+        all): a run that left changes unapplied never returns as if it had not. A store that
+        answers with an error (an ACL denial, a read-only replica, a closed store: an
+        `OperationalError` other than an outage) is the store's, not a partition's: it stops
+        every partition at once, raised as is.
+        """
         done = 0
+        failed: dict[int, Exception] = {}
+        self._failed = failed
         outage_since: float | None = None
         backoff = OUTAGE_FIRST_BACKOFF
         while not stop.is_set():
@@ -410,7 +445,10 @@ class ProjectionRunner:
                 for partition in self.partitions:
                     if stop.is_set():
                         break
-                    processed += await self._drain(partition, stop=stop, turn=TURN_BATCHES)
+                    if partition not in failed:
+                        processed += await self._work(
+                            partition, failed, stop=stop, turn=TURN_BATCHES
+                        )
             except _OUTAGE as exc:
                 done += processed
                 now = time.monotonic()
@@ -438,10 +476,48 @@ class ProjectionRunner:
                 )  # fmt: skip
                 outage_since, backoff = None, OUTAGE_FIRST_BACKOFF
             done += processed
+            if failed and len(failed) == len(self.partitions):
+                break  # nothing left to work
             if not processed:
                 with anyio.move_on_after(self.poll_interval):
                     await stop.wait()
+        if failed:
+            raise self._failure(failed)
         return done
+
+    async def _work(
+        self,
+        partition: int,
+        failed: dict[int, Exception],
+        *,
+        stop: anyio.Event | None = None,
+        turn: int | None = None,
+    ) -> int:
+        """`_drain` the partition; an error of its own (not the store's) sets it aside in
+        ``failed``, logged, and the caller goes on with the others."""
+        try:
+            return await self._drain(partition, stop=stop, turn=turn)
+        except OperationalError:
+            raise  # the store's (an outage is waited out by `run`): every partition's
+        except Exception as exc:
+            failed[partition] = exc
+            log.error(
+                "runner %s: projection %s stops working partition %d in this run (%r); "
+                "its other partitions go on",
+                self.consumer, self.projection.name, partition, exc,
+            )  # fmt: skip
+            return 0
+
+    def _failure(self, failed: dict[int, Exception]) -> Exception:
+        """The error to raise for the partitions a run stopped working: the first one's."""
+        first = next(iter(failed.values()))
+        where = ", ".join(f"{p} ({type(e).__name__})" for p, e in failed.items())
+        first.add_note(
+            f"projection {self.projection.name!r} stopped working partition"
+            f"{'s' if len(failed) > 1 else ''} {where} in this run; every other partition "
+            "it owns was worked (`ProjectionRunner.failed` has each error)"
+        )
+        return first
 
     async def _drain(
         self, partition: int, *, stop: anyio.Event | None = None, turn: int | None = None

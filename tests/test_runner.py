@@ -450,7 +450,7 @@ async def test_a_runner_refused_for_a_trimmed_feed_leaves_no_group(store: es.Eve
     await usage.run_once()
     assert await store.trim_feed(p) == 5
     with pytest.raises(es.FeedTrimmedError, match="projection 'late'"):
-        await ProjectionRunner(store, Late(), consumer="c").run_once()
+        await ProjectionRunner(store, Late(), consumer="c", partitions=[p]).run_once()
     assert [g.name for g in await store.feed_groups(p)] == ["usage"]
     for _ in range(5):
         await settle(store, "t", "small", 1)
@@ -732,6 +732,68 @@ async def test_a_change_the_projection_raises_for_stops_the_runner_there(
         assert totals(await UsageProjection().report(store)) == {"small": (3, 3, 0)}
     (group,) = await store.feed_groups(p)
     assert group.last_delivered == feed[2].id  # trimming keeps the change it stopped at
+
+
+async def test_a_partition_that_fails_stops_alone_and_its_error_is_still_raised(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poison change stops its partition there; `run` goes on with the others (changes
+    made after the failure too), lists the error in `failed` and raises it once stopped, and
+    `run_once` raises it after working the others; before, the first partition's error
+    stopped them all. Every partition stopped: raised at once. The store answering with an
+    error (not an outage) still stops every partition at once."""
+    p = es.partition_of("poison", store.partitions)
+    q = (p + 1) % store.partitions
+    other = thread_in(store, q, "q")
+    await settle(store, "poison", "small", 100)
+    await settle(store, other, "small", 1)
+    (poison,) = await store.read_feed(p)
+    runner = ProjectionRunner(
+        store, Poisoned(), consumer="c", partitions=[p, q], poll_interval=0.01
+    )
+    stop = anyio.Event()
+    outcome: dict[str, object] = {}
+
+    async def run() -> None:
+        try:
+            outcome["applied"] = await runner.run(stop)
+        except ValueError as exc:
+            outcome["error"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(10):
+            while not runner.failed:
+                await anyio.sleep(0.01)
+            await settle(store, other, "small", 2)  # after the failure: applied all the same
+            while totals(await UsageProjection().report(store)) != {"small": (2, 3, 1)}:
+                await anyio.sleep(0.01)
+        assert outcome == {}  # still running
+        stop.set()
+    error = outcome["error"]
+    assert isinstance(error, ValueError) and runner.failed == {p: error}
+    notes = " ".join(error.__notes__)
+    assert f"change {poison.id} of partition {p} (thread 'poison'" in notes
+    assert f"partition {p} (ValueError)" in notes
+    assert await store.checkpoint_of(p, "usage") == "0-0"  # stays at the change
+    assert [g.last_delivered for g in await store.feed_groups(p)] == ["0-0"]
+
+    await settle(store, other, "small", 4)
+    with pytest.raises(ValueError, match="cannot take this one"):
+        await runner.run_once()
+    assert totals(await UsageProjection().report(store)) == {"small": (3, 7, 3)}
+    alone = ProjectionRunner(store, Poisoned(), consumer="c", partitions=[p])
+    with anyio.fail_after(5), pytest.raises(ValueError, match="cannot take this one"):
+        await alone.run(anyio.Event())
+
+    async def denied(entry: es.FeedEntry) -> list[es.RecordedEvent]:
+        raise es.OperationalError("redis denied the command (ACL)")
+
+    monkeypatch.setattr(store, "read_change", denied)
+    renamed = ProjectionRunner(store, Renamed(), consumer="c", partitions=[p, q])
+    with anyio.fail_after(5), pytest.raises(es.OperationalError, match="denied"):
+        await renamed.run(anyio.Event())
+    assert await store.checkpoint_of(q, "usage-v2") == "0-0"  # never reached
 
 
 class Overflowing(UsageProjection):
