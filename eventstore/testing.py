@@ -404,6 +404,15 @@ class EventStoreConformance:
             assert info.value.thread_id == "t"
             assert await store.version("t") == prefill
 
+    async def test_versions_of_several_threads_in_their_order(self, store: EventStore) -> None:
+        await store.append("a", [msg("1"), msg("2")])
+        await store.append("b", [msg("1")])
+        assert await store.versions(["b", "none", "a", "b"]) == [1, 0, 2, 1]
+        assert await store.versions([]) == []
+        for bad in ("ab", ["a", ""], [b"a"]):
+            with pytest.raises(InvalidInputError):
+                await store.versions(bad)  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("bad", [-1, "3", 1.5, True, None])
     async def test_malformed_expected_version_is_rejected(
         self, store: EventStore, bad: Any

@@ -35,6 +35,7 @@ from eventstore import (
     FeedTrimmedError,
     InvalidInputError,
     OperationalError,
+    RawRange,
     RecordedEvent,
     StoreConnectionError,
     StoreTimeoutError,
@@ -43,6 +44,7 @@ from eventstore import (
     validate_group,
     validate_view_name,
 )
+from eventstore._codec import decode_rows
 from eventstore._contract import require_store
 from eventstore._feed import format_stream_id, parse_stream_id, validate_increments
 from eventstore._ids import validate_count
@@ -50,6 +52,11 @@ from eventstore._ids import validate_count
 log = logging.getLogger("threadlog.runner")
 
 BACKFILL_ATTEMPTS = 5
+BACKFILL_BATCH = 512
+"""Threads a backfill asks its versions, and reads its first events, in one round trip."""
+BACKFILL_FIRST_PAGE = 128
+"""Events of each thread in that read (at most 64k events in hand); a longer thread's rest
+is read on its own."""
 FEED_PAGE = 1024
 TURN_BATCHES = 8
 """The batches `ProjectionRunner.run` applies in one partition before it turns to the next."""
@@ -733,7 +740,8 @@ class ProjectionRunner:
         ``id`` is the feed position the backfill counts up to. A thread deleted before that
         position is not counted (a runner reading the feed late would find its events gone);
         a deletion landing while the backfill reads makes it start again (a few times, then
-        `ConflictError`).
+        `ConflictError`). Versions and first events are read `BACKFILL_BATCH` threads at a
+        time (a round trip each on Redis), not a thread at a time.
 
         Raises:
             ConflictError: threads kept being deleted while it read.
@@ -776,7 +784,10 @@ class ProjectionRunner:
         through the projection, summed (None: a thread was deleted meanwhile)."""
         store = self.store
         threads = [t.thread_id for t in await store.threads() if t.partition == partition]
-        versions = {t: await store.version(t) for t in threads}
+        versions: dict[str, int] = {}
+        for i in range(0, len(threads), BACKFILL_BATCH):
+            chunk = threads[i : i + BACKFILL_BATCH]
+            versions.update(zip(chunk, await store.versions(chunk), strict=True))
         # Read after the versions: every change behind them that came after ``position`` is
         # in this tail, and each thread's first one there marks where its counted part ends.
         # Changes made after the versions were read lie past every version: the tail stops at
@@ -790,21 +801,43 @@ class ProjectionRunner:
                 upto[entry.thread_id] = min(upto[entry.thread_id], end)
         events = 0
         totals: dict[tuple[str, str], int] = {}
-        for thread_id, stop in upto.items():
-            if stop <= 0:
-                continue
-            async for batch in store.read_batches(thread_id, stop=stop):
-                change = FeedEntry(
-                    id=position,
-                    partition=partition,
-                    thread_id=thread_id,
-                    first_seq=batch[0].seq,
-                    last_seq=batch[-1].seq,
-                )
-                for hash_name, field, amount in self.projection.increments(change, batch):
-                    key = (hash_name, field)
-                    totals[key] = totals.get(key, 0) + amount
-                events += len(batch)
+
+        def count(thread_id: str, batch: list[RecordedEvent]) -> None:
+            nonlocal events
+            change = FeedEntry(
+                id=position,
+                partition=partition,
+                thread_id=thread_id,
+                first_seq=batch[0].seq,
+                last_seq=batch[-1].seq,
+            )
+            for hash_name, field, amount in self.projection.increments(change, batch):
+                key = (hash_name, field)
+                totals[key] = totals.get(key, 0) + amount
+            events += len(batch)
+
+        counted = [(t, stop) for t, stop in upto.items() if stop > 0]
+        for i in range(0, len(counted), BACKFILL_BATCH):
+            part = counted[i : i + BACKFILL_BATCH]
+            # The first page of every thread of the part in one round trip (standalone Redis;
+            # `read_raw_ranges` reads a range at a time on a cluster, as before).
+            firsts = await store.read_raw_ranges(
+                [RawRange(thread_id=t, stop=stop) for t, stop in part], count=BACKFILL_FIRST_PAGE
+            )
+            for (thread_id, stop), rows in zip(part, firsts, strict=True):
+                batch = decode_rows(thread_id, rows, store.registry) if rows else []
+                if (
+                    not batch
+                    or batch[-1].seq != len(batch)
+                    or len(batch) < min(stop, BACKFILL_FIRST_PAGE)
+                ):
+                    batch = []  # not seqs 1..n as expected: read as before, which says why
+                else:
+                    count(thread_id, batch)
+                start = len(batch) + 1
+                if start <= stop:
+                    async for more in store.read_batches(thread_id, start=start, stop=stop):
+                        count(thread_id, more)
         seen = {e.id for e in tail}
         # A deletion that landed while the events were read; one landing after cannot change
         # what was read, so this read too stops at the feed's end as it is now.

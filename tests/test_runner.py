@@ -595,6 +595,34 @@ async def test_a_backfill_counts_what_the_feed_holds_once_with_its_runner(
     assert totals(await UsageProjection().report(store)) == expected
 
 
+async def test_a_backfill_asks_the_thread_versions_a_batch_at_a_time(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The versions of a partition's threads are asked `BACKFILL_BATCH` at a time (one round
+    trip each on Redis), not one thread at a time, and their events read a batch of first
+    pages at a time; a thread longer than a page is read on from there: all counted once."""
+    expected = await fill(store, 12)
+    for i in range(5):
+        await settle(store, "long", "large", i + 1)
+    t, a, b = expected["large"]
+    expected["large"] = (t + 5, a + 15, b + 6)
+    monkeypatch.setattr(projections._runner, "BACKFILL_BATCH", 2)
+    monkeypatch.setattr(projections._runner, "BACKFILL_FIRST_PAGE", 3)
+    asked: list[int] = []
+    real_versions = store.versions
+
+    async def versions(thread_ids: Sequence[str]) -> list[int]:
+        asked.append(len(thread_ids))
+        return await real_versions(thread_ids)
+
+    monkeypatch.setattr(store, "versions", versions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    assert await runner.backfill() == 12 * 2 + 1 + 5 * 2
+    threads = len(await store.threads())
+    assert sum(asked) == threads and max(asked) == 2
+    assert totals(await UsageProjection().report(store)) == expected
+
+
 async def test_a_backfill_ends_while_writers_keep_pace_with_its_reads(
     store: es.EventStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
