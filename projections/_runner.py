@@ -39,6 +39,7 @@ from eventstore import (
     RecordedEvent,
     StoreConnectionError,
     StoreTimeoutError,
+    ThreadReplacedError,
     TurnSettled,
     validate_consumer,
     validate_group,
@@ -836,8 +837,11 @@ class ProjectionRunner:
                     count(thread_id, batch)
                 start = len(batch) + 1
                 if start <= stop:
-                    async for more in store.read_batches(thread_id, start=start, stop=stop):
-                        count(thread_id, more)
+                    try:
+                        async for more in store.read_batches(thread_id, start=start, stop=stop):
+                            count(thread_id, more)
+                    except ThreadReplacedError:
+                        return None  # deleted between two of its batches: as below
         seen = {e.id for e in tail}
         # A deletion that landed while the events were read; one landing after cannot change
         # what was read, so this read too stops at the feed's end as it is now.

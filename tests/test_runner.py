@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -621,6 +621,37 @@ async def test_a_backfill_asks_the_thread_versions_a_batch_at_a_time(
     threads = len(await store.threads())
     assert sum(asked) == threads and max(asked) == 2
     assert totals(await UsageProjection().report(store)) == expected
+
+
+async def test_a_long_thread_deleted_while_a_backfill_reads_it_starts_the_backfill_over(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread of several read batches deleted (and written again) while the backfill reads
+    it: the read refuses to go on in the new life (`ThreadReplacedError`), and the backfill
+    starts over, as for a deletion it finds in the feed, rather than fail."""
+    note = es.MessageAppended(message=es.Message(role="user", content="x"))
+    for _ in range(5):
+        await store.append("long", [note] * 500)
+    await settle(store, "long", "small", 1)
+    real_read_batches = store.read_batches
+    replaced = False
+
+    async def read_batches(
+        thread_id: str, *, start: int = 1, stop: int | None = None
+    ) -> AsyncIterator[list[es.RecordedEvent]]:
+        nonlocal replaced
+        async for batch in real_read_batches(thread_id, start=start, stop=stop):
+            yield batch
+            if thread_id == "long" and not replaced:
+                replaced = True
+                await store.delete_thread("long")
+                await settle(store, "long", "medium", 7)
+
+    monkeypatch.setattr(store, "read_batches", read_batches)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    assert await runner.backfill() == 2
+    assert replaced
+    assert totals(await UsageProjection().report(store)) == {"medium": (1, 7, 3)}
 
 
 async def test_a_backfill_ends_while_writers_keep_pace_with_its_reads(
