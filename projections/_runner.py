@@ -324,7 +324,8 @@ class ProjectionRunner:
     ever; 0: it raises at once, as `run_once` always does).
 
     Raises:
-        InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited), a
+        InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited),
+            ``projection`` not an `AsyncProjection` instance (a class, a view projection), a
             bad projection name or consumer name, ``partitions`` not distinct
             ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
             not a finite number >= `MIN_POLL_INTERVAL`, ``accept_trimmed_feed`` or
@@ -346,7 +347,13 @@ class ProjectionRunner:
         max_outage: float | None = DEFAULT_MAX_OUTAGE,
     ) -> None:
         store = require_store(store, "ProjectionRunner")
-        validate_view_name(projection.name)
+        if not isinstance(projection, AsyncProjection):
+            # Else a class, or a view projection, failed only at the first change, blamed on
+            # it, with the projection's consumer groups registered by then.
+            raise InvalidInputError(
+                f"projection must be an instance of an AsyncProjection subclass, not {projection!r}"
+            )
+        validate_view_name(getattr(projection, "name", None))
         validate_consumer(consumer)
         validate_count(batch_size, "batch_size", minimum=1)
         if (

@@ -20,8 +20,10 @@ import projections._runner
 from eventstore._feed import parse_stream_id
 from eventstore.servers import redis_server
 from projections import (
+    AsyncProjection,
     GroupLag,
     Increment,
+    MessagesProjection,
     ProjectionRunner,
     UsageProjection,
     UsageRow,
@@ -524,6 +526,29 @@ async def test_a_runner_with_bad_settings_is_refused_at_once(
     await settle(store, "t", "small", 1)
     with pytest.raises(es.InvalidInputError):
         ProjectionRunner(store, UsageProjection(), consumer="c", **bad)  # type: ignore[arg-type]
+    assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
+
+
+class Nameless(AsyncProjection):
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        return []
+
+
+@pytest.mark.parametrize(
+    "bad", [UsageProjection, MessagesProjection(), object(), None, Nameless()], ids=repr
+)
+async def test_a_runner_given_no_async_projection_is_refused_at_once(
+    store: es.EventStore, bad: object
+) -> None:
+    """A class instead of an instance, a view projection, or one without a name: refused when
+    the runner is made. Before, it failed at the first change (blamed on the change), after
+    registering the projection's consumer group, which then held trimming back."""
+    await settle(store, "t", "small", 1)
+    with pytest.raises(es.InvalidInputError, match=r"projection|view name"):
+        runner = ProjectionRunner(store, bad, consumer="c")  # type: ignore[arg-type]
+        await runner.run_once()
     assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
 
 
