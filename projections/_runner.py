@@ -16,6 +16,7 @@ moves it to the checkpoint after each batch, so `trim_feed` removes only applied
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import math
 import time
@@ -448,7 +449,15 @@ class ProjectionRunner:
         answers with an error (an ACL denial, a read-only replica, a closed store: an
         `OperationalError` other than an outage) is the store's, not a partition's: it stops
         every partition at once, raised as is.
+
+        Raises:
+            InvalidInputError: ``stop`` not an event awaited with ``wait()`` (anyio's, or
+                asyncio's): a `threading.Event` would block the event loop in its wait.
         """
+        if not callable(getattr(stop, "is_set", None)) or not inspect.iscoroutinefunction(
+            getattr(stop, "wait", None)
+        ):
+            raise InvalidInputError(f"stop must be an anyio.Event, not {stop!r}")
         done = 0
         failed: dict[int, Exception] = {}
         self._failed = failed

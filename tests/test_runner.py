@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -526,6 +527,20 @@ async def test_a_runner_with_bad_settings_is_refused_at_once(
     await settle(store, "t", "small", 1)
     with pytest.raises(es.InvalidInputError):
         ProjectionRunner(store, UsageProjection(), consumer="c", **bad)  # type: ignore[arg-type]
+    assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
+
+
+@pytest.mark.parametrize("stop", [None, "stop", threading.Event()], ids=repr)
+async def test_run_refuses_a_stop_that_is_no_awaitable_event(
+    store: es.EventStore, stop: object
+) -> None:
+    """A `threading.Event` would block the event loop in its ``wait()`` (for ever, as nothing
+    else of the loop can set it); None raised a bare AttributeError. Both are refused, before
+    anything is read or registered."""
+    await settle(store, "t", "small", 1)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c")
+    with anyio.fail_after(5), pytest.raises(es.InvalidInputError, match="stop must be"):
+        await runner.run(stop)  # type: ignore[arg-type]
     assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
 
 
