@@ -912,7 +912,12 @@ class UsageProjection(AsyncProjection):
         return out
 
     async def report(self, store: EventStore) -> list[UsageRow]:
-        """The usage table, summed over every partition, by day then tier."""
+        """The usage table, summed over every partition, by day then tier.
+
+        Raises:
+            InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited).
+        """
+        store = require_store(store, "UsageProjection.report")
         totals: dict[str, dict[str, int]] = {}
         for partition in range(store.partitions):
             for metric in self._METRICS:

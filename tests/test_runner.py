@@ -107,6 +107,8 @@ async def test_a_runner_given_a_store_not_awaited_is_refused_at_once(redis_url: 
             r"coroutine: await it",
         ):
             ProjectionRunner(pending, UsageProjection(), consumer="c")  # type: ignore[arg-type]
+        with pytest.raises(es.InvalidInputError, match=r"^UsageProjection.report needs .*await"):
+            await UsageProjection().report(pending)  # type: ignore[arg-type]
     finally:
         async with await pending:
             pass
