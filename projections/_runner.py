@@ -167,7 +167,7 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
         checkpoints = await store.checkpoints(partition)
         groups = await store.feed_groups(partition)
         names = {g.name for g in groups}
-        # A projection's position is its checkpoint, when it has one (and may be a projection's).
+        # A group that may be a projection's is judged by its checkpoint, when it has one.
         positions = {
             g.name: checkpoints.get(g.name, "0-0")
             for g in groups
