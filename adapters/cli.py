@@ -1766,6 +1766,8 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
                         "reached": g.position,
                         "lost_changes": g.lost_changes,
                         "unread": g.unread,
+                        "registered": g.registered,
+                        "feed_reset": g.feed_reset,
                     }
                     for members in groups.values()
                     for g in members
@@ -1803,10 +1805,19 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
     for name, members in sorted(groups.items()):
         unread = [g.oldest_unread for g in members if g.oldest_unread is not None]
         damaged = [g.partition for g in members if g.lost_changes]
+        reset = [g.partition for g in members if g.feed_reset]
         note = Text()
         if damaged:
             where = ", ".join(str(p) for p in damaged)
             note.append(f"lost changes: the feed was trimmed past it (partition {where})", "red")
+        if reset:
+            # A projection whose feed was deleted under it: no group left, its runner stops.
+            where = ", ".join(str(p) for p in reset)
+            note.append(
+                f"{'; ' if damaged else ''}feed reset under it (partition {where}): run the "
+                "projection under a new name with backfill",
+                "red",
+            )
         table.add_row(
             name,
             f"export --name {name[7:]}" if name.startswith("export-") else "projection runner",

@@ -284,6 +284,18 @@ class EventStore(abc.ABC):
     async def version(self, thread_id: str) -> int:
         """The seq of the thread's last event; 0 when the thread has none."""
 
+    async def versions(self, thread_ids: Sequence[str]) -> list[int]:
+        """`version` of each of ``thread_ids``, in their order. The Redis backend asks for
+        them all in one round trip (a pipeline: each is read on its own, not together).
+
+        Raises:
+            InvalidInputError: ``thread_ids`` a lone str or bytes, or a bad thread id in it.
+                Nothing is sent.
+            CorruptEventError: a thread's meta hash records a version that is not a number.
+        """
+        ids = thread_id_list(thread_ids)
+        return [await self.version(t) for t in ids]
+
     @abc.abstractmethod
     async def seq_at(self, thread_id: str, time_ms: int) -> int:
         """The seq of the last event recorded at or before ``time_ms``; 0 if there is none
@@ -644,6 +656,16 @@ class EventStore(abc.ABC):
         """The stored checkpoint of async projection ``name`` in a partition ("0-0": none)."""
 
     @abc.abstractmethod
+    async def checkpoints(self, partition: int) -> dict[str, str]:
+        """Every async projection's stored checkpoint in a partition, by name (a projection
+        with none is absent). A checkpoint outlives its projection's consumer group (a feed
+        deleted takes the groups with it): this is how a reader that lost its group is found.
+
+        Raises:
+            InvalidInputError: a bad partition.
+        """
+
+    @abc.abstractmethod
     async def namespace_id(self) -> str:
         """The id of this namespace's data set: a ULID made the first time any store asks and
         kept with the namespace's settings, the same for every client from then on.
@@ -733,6 +755,17 @@ def _to_ms(value: datetime | int | None, name: str) -> int | None:
         return int(value.timestamp() * 1000)
     except (OverflowError, OSError, ValueError) as exc:  # a time the platform cannot convert
         raise InvalidInputError(f"{name} {value!r} is out of the range of times: {exc}") from None
+
+
+def thread_id_list(thread_ids: Sequence[str]) -> list[str]:
+    """``thread_ids`` as a list of valid thread ids (a lone str would be taken for its
+    characters)."""
+    if isinstance(thread_ids, str | bytes) or not isinstance(thread_ids, Sequence):
+        raise InvalidInputError(f"thread_ids must be a sequence of thread ids, not {thread_ids!r}")
+    ids = list(thread_ids)
+    for thread_id in ids:
+        validate_thread_id(thread_id)
+    return ids
 
 
 def require_store(store: object, owner: str) -> EventStore:

@@ -905,6 +905,14 @@ class MemoryEventStore(EventStore):
         found = self._ns.checkpoints.get((partition, name))
         return format_stream_id(found) if found else "0-0"
 
+    async def checkpoints(self, partition: int) -> dict[str, str]:
+        self._feed(partition)
+        return {
+            name: format_stream_id(at)
+            for (p, name), at in self._ns.checkpoints.items()
+            if p == partition
+        }
+
     async def namespace_id(self) -> str:
         self._check_open()
         return self._ns.id

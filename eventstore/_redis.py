@@ -45,6 +45,7 @@ from ._contract import (
     ExpectedVersion,
     RawRange,
     ThreadInfo,
+    thread_id_list,
     threads_cursor,
 )
 from ._errors import (
@@ -793,6 +794,26 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         raw = await self._command("HGET", self.keys.meta(thread_id), "v")
         return _meta_version(thread_id, raw)
+
+    async def versions(self, thread_ids: Sequence[str]) -> list[int]:
+        ids = thread_id_list(thread_ids)
+        if not ids:
+            return []
+        if self._is_cluster:
+            # redis-py's cluster pipeline sends each node its commands in one go.
+            pipe = self.client.pipeline(transaction=False)
+            for thread_id in ids:
+                pipe.hget(self.keys.meta(thread_id), "v")
+            replies = await _call(pipe.execute())
+        else:
+            commands = [(b"HGET", self.keys.meta(t), b"v") for t in ids]
+            replies = await self._raw_replies(commands)
+        out = []
+        for thread_id, raw in zip(ids, replies, strict=True):
+            if isinstance(raw, Exception):
+                raise translate_redis_error(raw) from raw
+            out.append(_meta_version(thread_id, raw))
+        return out
 
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:
         validate_thread_id(thread_id)
@@ -1757,6 +1778,11 @@ class RedisEventStore(EventStore):
         self._feed_key(partition)
         raw = await _call(self.client.hget(self.keys.checkpoints(partition), name))
         return raw.decode("ascii") if raw else "0-0"
+
+    async def checkpoints(self, partition: int) -> dict[str, str]:
+        self._feed_key(partition)
+        raw = await _call(self.client.hgetall(self.keys.checkpoints(partition)))
+        return {k.decode("utf-8"): v.decode("ascii", "replace") for k, v in raw.items()}
 
     async def namespace_id(self) -> str:
         key = KeyLayout.config_key(self.namespace)

@@ -404,6 +404,15 @@ class EventStoreConformance:
             assert info.value.thread_id == "t"
             assert await store.version("t") == prefill
 
+    async def test_versions_of_several_threads_in_their_order(self, store: EventStore) -> None:
+        await store.append("a", [msg("1"), msg("2")])
+        await store.append("b", [msg("1")])
+        assert await store.versions(["b", "none", "a", "b"]) == [1, 0, 2, 1]
+        assert await store.versions([]) == []
+        for bad in ("ab", ["a", ""], [b"a"]):
+            with pytest.raises(InvalidInputError):
+                await store.versions(bad)  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("bad", [-1, "3", 1.5, True, None])
     async def test_malformed_expected_version_is_rejected(
         self, store: EventStore, bad: Any
@@ -1582,6 +1591,11 @@ class EventStoreConformance:
         assert await store.read_aux(0, "stats", "usage") == {"2026-01-01|small": 20, "turns": 1}
         assert await store.checkpoint_of(0, "stats") == "5-1"
         assert await store.checkpoint_of(1, "stats") == "0-0"
+        assert await apply(0, "other", expected="0-0", checkpoint="2-0") is True
+        assert await store.checkpoints(0) == {"stats": "5-1", "other": "2-0"}
+        assert await store.checkpoints(1) == {}
+        with pytest.raises(InvalidInputError):
+            await store.checkpoints(store.partitions)
         with pytest.raises(InvalidInputError):
             await apply(0, "stats", expected="5-1", checkpoint="nope")
         with pytest.raises(InvalidInputError):

@@ -16,6 +16,7 @@ moves it to the checkpoint after each batch, so `trim_feed` removes only applied
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import math
 import time
@@ -34,14 +35,18 @@ from eventstore import (
     FeedResetError,
     FeedTrimmedError,
     InvalidInputError,
+    OperationalError,
+    RawRange,
     RecordedEvent,
     StoreConnectionError,
     StoreTimeoutError,
+    ThreadReplacedError,
     TurnSettled,
     validate_consumer,
     validate_group,
     validate_view_name,
 )
+from eventstore._codec import decode_rows
 from eventstore._contract import require_store
 from eventstore._feed import format_stream_id, parse_stream_id, validate_increments
 from eventstore._ids import validate_count
@@ -49,6 +54,11 @@ from eventstore._ids import validate_count
 log = logging.getLogger("threadlog.runner")
 
 BACKFILL_ATTEMPTS = 5
+BACKFILL_BATCH = 512
+"""Threads a backfill asks its versions, and reads its first events, in one round trip."""
+BACKFILL_FIRST_PAGE = 128
+"""Events of each thread in that read (at most 64k events in hand); a longer thread's rest
+is read on its own."""
 FEED_PAGE = 1024
 TURN_BATCHES = 8
 """The batches `ProjectionRunner.run` applies in one partition before it turns to the next."""
@@ -120,6 +130,15 @@ class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
     lost_changes: bool
     """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
     read are gone from the feed."""
+    registered: bool = True
+    """Whether the group is registered on the partition's feed. False for an async projection
+    whose checkpoint is there without a group because the feed was deleted or replaced,
+    taking the group with it (``feed_reset``): a group dropped on purpose is not listed."""
+    feed_reset: bool = False
+    """For an async projection: the feed holds neither the entry at its checkpoint nor a trim
+    record reaching it, so it was deleted or replaced since, and whatever it held after the
+    checkpoint went without a trace. Its runner stops there with `FeedResetError`; the
+    remedy is the projection under a new name with ``backfill=True``."""
 
 
 async def feed_group_lag(store: EventStore) -> list[GroupLag]:
@@ -134,19 +153,38 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
     so a listing costs a few round trips a group and partition plus one a 1,024 entries of a
     backlog that is not the whole feed.
 
+    An async projection whose partition's feed was deleted (or replaced) has a checkpoint
+    there but no group any more (the groups went with the feed): it is listed too, with
+    ``registered`` False and ``feed_reset`` True, as its runner stops there. A projection
+    whose group was dropped on purpose (`drop_feed_group`, with its feed intact) is not.
+
     Raises:
         InvalidInputError: ``store`` not an `EventStore`.
     """
     store = require_store(store, "feed_group_lag")
     rows: list[GroupLag] = []
     for partition in range(store.partitions):
+        checkpoints = await store.checkpoints(partition)
+        groups = await store.feed_groups(partition)
+        names = {g.name for g in groups}
+        # A group that may be a projection's is judged by its checkpoint, when it has one.
+        positions = {
+            g.name: checkpoints.get(g.name, "0-0")
+            for g in groups
+            if _projection_name(g.name) and checkpoints.get(g.name, "0-0") != "0-0"
+        }
+        lost_groups = {n: c for n, c in checkpoints.items() if n not in names and c != "0-0"}
+        missing = [
+            (name, checkpoint)
+            for name, checkpoint in (positions | lost_groups).items()
+            if not await _holds(store, partition, checkpoint)
+        ]
+        # Read after the entries were looked for: an entry trimmed meanwhile is in its record.
         info = await store.feed_info(partition)
-        for group in await store.feed_groups(partition):
-            position = group.last_delivered
-            if _projection_name(group.name):
-                checkpoint = await store.checkpoint_of(partition, group.name)
-                if checkpoint != "0-0":
-                    position = checkpoint
+        trimmed_to = parse_stream_id(info.trimmed_to)
+        reset = {name for name, at in missing if trimmed_to < parse_stream_id(at)}
+        for group in groups:
+            position = positions.get(group.name, group.last_delivered)
             unread, oldest = await _unread(store, info, position)
             rows.append(
                 GroupLag(
@@ -158,10 +196,42 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
                     last_delivered=group.last_delivered,
                     pending=group.pending,
                     oldest_pending=group.oldest_pending,
-                    lost_changes=parse_stream_id(info.trimmed_to) > parse_stream_id(position),
+                    lost_changes=trimmed_to > parse_stream_id(position),
+                    feed_reset=group.name in reset,
+                )
+            )
+        for name, checkpoint in lost_groups.items():
+            if name not in reset:
+                continue  # its group was dropped from an intact feed: retired, or soon back
+            unread, oldest = await _unread(store, info, checkpoint)
+            rows.append(
+                GroupLag(
+                    name=name,
+                    partition=partition,
+                    position=checkpoint,
+                    unread=unread,
+                    oldest_unread=oldest,
+                    last_delivered="0-0",
+                    pending=0,
+                    oldest_pending=None,
+                    lost_changes=False,
+                    registered=False,
+                    feed_reset=True,
                 )
             )
     return sorted(rows, key=lambda r: (r.name, r.partition))
+
+
+async def _holds(store: EventStore, partition: int, position: str) -> bool:
+    """Whether the partition's feed holds the entry at ``position``."""
+    page = await store.read_feed(partition, after=_just_before(position), count=1)
+    return bool(page) and parse_stream_id(page[0].id) == parse_stream_id(position)
+
+
+def _just_before(position: str) -> str:
+    """The stream id right before ``position`` (a read after it starts at ``position``)."""
+    ms, n = parse_stream_id(position)
+    return format_stream_id((ms, n - 1) if n else (ms - 1, 2**64 - 1))
 
 
 def _projection_name(group: str) -> bool:
@@ -243,6 +313,10 @@ class ProjectionRunner:
     after the checkpoint with it, leaving no trim record: the runner stops there with
     `FeedResetError` rather than read on from a new feed past them.
 
+    A partition that fails (a change the projection raises for, a feed trimmed or reset under
+    its checkpoint) stops alone; the runner works its other partitions and raises the error
+    afterwards (see `run`), listing it in `failed` meanwhile.
+
     `run` waits out a store it cannot reach (a restart, a failover: `StoreConnectionError` or
     `StoreTimeoutError` once the client's own retries are spent), logging a warning each
     time, backing off from 0.1 s to 5 s, and reads on from the checkpoint when the store
@@ -251,7 +325,8 @@ class ProjectionRunner:
     ever; 0: it raises at once, as `run_once` always does).
 
     Raises:
-        InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited), a
+        InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited),
+            ``projection`` not an `AsyncProjection` instance (a class, a view projection), a
             bad projection name or consumer name, ``partitions`` not distinct
             ints of the store's partitions, ``batch_size`` not an int >= 1, ``poll_interval``
             not a finite number >= `MIN_POLL_INTERVAL`, ``accept_trimmed_feed`` or
@@ -273,7 +348,13 @@ class ProjectionRunner:
         max_outage: float | None = DEFAULT_MAX_OUTAGE,
     ) -> None:
         store = require_store(store, "ProjectionRunner")
-        validate_view_name(projection.name)
+        if not isinstance(projection, AsyncProjection):
+            # Else a class, or a view projection, failed only at the first change, blamed on
+            # it, with the projection's consumer groups registered by then.
+            raise InvalidInputError(
+                f"projection must be an instance of an AsyncProjection subclass, not {projection!r}"
+            )
+        validate_view_name(getattr(projection, "name", None))
         validate_consumer(consumer)
         validate_count(batch_size, "batch_size", minimum=1)
         if (
@@ -310,6 +391,7 @@ class ProjectionRunner:
         """Where this runner last put the projection's group, per partition."""
         self._created: set[int] = set()
         """Partitions where this runner registered the group and has applied nothing since."""
+        self._failed: dict[int, Exception] = {}
 
     @staticmethod
     def _owned(store: EventStore, partitions: Sequence[int] | None) -> list[int]:
@@ -327,21 +409,58 @@ class ProjectionRunner:
             raise InvalidInputError(f"partitions must be distinct, not {owned!r}")
         return owned
 
+    @property
+    def failed(self) -> dict[int, Exception]:
+        """The partitions the current (or last) `run` or `run_once` stopped working, each with
+        its error: for a health check while `run` goes on with the others."""
+        return dict(self._failed)
+
     async def run_once(self) -> int:
         """Work every owned partition until its feed holds nothing after the projection's
         checkpoint; returns the entries this runner applied (other runners of the projection
-        may have applied some of them meanwhile)."""
+        may have applied some of them meanwhile).
+
+        A partition that fails stops alone, as in `run`: the others are worked to their end,
+        then its error is raised."""
         done = 0
+        failed: dict[int, Exception] = {}
+        self._failed = failed
         for partition in self.partitions:
-            done += await self._drain(partition)
+            done += await self._work(partition, failed)
+        if failed:
+            raise self._failure(failed)
         return done
 
     async def run(self, stop: anyio.Event) -> int:
         """Work until ``stop`` is set; the batch in hand is finished (applied) first.
 
         The partitions are taken in turns of at most `TURN_BATCHES` batches each, so one whose
-        feed fills as fast as it is read does not keep the others waiting."""
+        feed fills as fast as it is read does not keep the others waiting.
+
+        A partition that fails stops alone: a change the projection raises for (or whose
+        events do not decode), its feed trimmed or reset under the checkpoint, a damaged
+        checkpoint or figure. Partitions are independent (a checkpoint and a group each), so
+        the others go on, and their groups let trimming go on; the failed one stays at the
+        change (its checkpoint right before it, its group holding the rest of its feed) and is
+        not tried again in this run, as waiting cures none of these. The error is logged when
+        it happens, `failed` lists it, and `run` raises it once ``stop`` is set, or at once when
+        every owned partition has stopped (the first one's error, with a note naming them
+        all): a run that left changes unapplied never returns as if it had not. A store that
+        answers with an error (an ACL denial, a read-only replica, a closed store: an
+        `OperationalError` other than an outage) is the store's, not a partition's: it stops
+        every partition at once, raised as is.
+
+        Raises:
+            InvalidInputError: ``stop`` not an event awaited with ``wait()`` (anyio's, or
+                asyncio's): a `threading.Event` would block the event loop in its wait.
+        """
+        if not callable(getattr(stop, "is_set", None)) or not inspect.iscoroutinefunction(
+            getattr(stop, "wait", None)
+        ):
+            raise InvalidInputError(f"stop must be an anyio.Event, not {stop!r}")
         done = 0
+        failed: dict[int, Exception] = {}
+        self._failed = failed
         outage_since: float | None = None
         backoff = OUTAGE_FIRST_BACKOFF
         while not stop.is_set():
@@ -350,7 +469,10 @@ class ProjectionRunner:
                 for partition in self.partitions:
                     if stop.is_set():
                         break
-                    processed += await self._drain(partition, stop=stop, turn=TURN_BATCHES)
+                    if partition not in failed:
+                        processed += await self._work(
+                            partition, failed, stop=stop, turn=TURN_BATCHES
+                        )
             except _OUTAGE as exc:
                 done += processed
                 now = time.monotonic()
@@ -378,10 +500,48 @@ class ProjectionRunner:
                 )  # fmt: skip
                 outage_since, backoff = None, OUTAGE_FIRST_BACKOFF
             done += processed
+            if failed and len(failed) == len(self.partitions):
+                break  # nothing left to work
             if not processed:
                 with anyio.move_on_after(self.poll_interval):
                     await stop.wait()
+        if failed:
+            raise self._failure(failed)
         return done
+
+    async def _work(
+        self,
+        partition: int,
+        failed: dict[int, Exception],
+        *,
+        stop: anyio.Event | None = None,
+        turn: int | None = None,
+    ) -> int:
+        """`_drain` the partition; an error of its own (not the store's) sets it aside in
+        ``failed``, logged, and the caller goes on with the others."""
+        try:
+            return await self._drain(partition, stop=stop, turn=turn)
+        except OperationalError:
+            raise  # the store's (an outage is waited out by `run`): every partition's
+        except Exception as exc:
+            failed[partition] = exc
+            log.error(
+                "runner %s: projection %s stops working partition %d in this run (%r); "
+                "its other partitions go on",
+                self.consumer, self.projection.name, partition, exc,
+            )  # fmt: skip
+            return 0
+
+    def _failure(self, failed: dict[int, Exception]) -> Exception:
+        """The error to raise for the partitions a run stopped working: the first one's."""
+        first = next(iter(failed.values()))
+        where = ", ".join(f"{p} ({type(e).__name__})" for p, e in failed.items())
+        first.add_note(
+            f"projection {self.projection.name!r} stopped working partition"
+            f"{'s' if len(failed) > 1 else ''} {where} in this run; every other partition "
+            "it owns was worked (`ProjectionRunner.failed` has each error)"
+        )
+        return first
 
     async def _drain(
         self, partition: int, *, stop: anyio.Event | None = None, turn: int | None = None
@@ -445,8 +605,8 @@ class ProjectionRunner:
         trip, so that `_past_trimmed` can tell a feed that lost it without a trim record."""
         if checkpoint == "0-0":
             return True, await self.store.read_feed(partition, count=self.batch_size)
-        ms, n = at = parse_stream_id(checkpoint)
-        before = format_stream_id((ms, n - 1) if n else (ms - 1, 2**64 - 1))
+        at = parse_stream_id(checkpoint)
+        before = _just_before(checkpoint)
         page = await self.store.read_feed(partition, after=before, count=self.batch_size + 1)
         held = bool(page) and parse_stream_id(page[0].id) == at
         return held, page[1:] if held else page[: self.batch_size]
@@ -597,7 +757,8 @@ class ProjectionRunner:
         ``id`` is the feed position the backfill counts up to. A thread deleted before that
         position is not counted (a runner reading the feed late would find its events gone);
         a deletion landing while the backfill reads makes it start again (a few times, then
-        `ConflictError`).
+        `ConflictError`). Versions and first events are read `BACKFILL_BATCH` threads at a
+        time (a round trip each on Redis), not a thread at a time.
 
         Raises:
             ConflictError: threads kept being deleted while it read.
@@ -640,7 +801,10 @@ class ProjectionRunner:
         through the projection, summed (None: a thread was deleted meanwhile)."""
         store = self.store
         threads = [t.thread_id for t in await store.threads() if t.partition == partition]
-        versions = {t: await store.version(t) for t in threads}
+        versions: dict[str, int] = {}
+        for i in range(0, len(threads), BACKFILL_BATCH):
+            chunk = threads[i : i + BACKFILL_BATCH]
+            versions.update(zip(chunk, await store.versions(chunk), strict=True))
         # Read after the versions: every change behind them that came after ``position`` is
         # in this tail, and each thread's first one there marks where its counted part ends.
         # Changes made after the versions were read lie past every version: the tail stops at
@@ -654,21 +818,46 @@ class ProjectionRunner:
                 upto[entry.thread_id] = min(upto[entry.thread_id], end)
         events = 0
         totals: dict[tuple[str, str], int] = {}
-        for thread_id, stop in upto.items():
-            if stop <= 0:
-                continue
-            async for batch in store.read_batches(thread_id, stop=stop):
-                change = FeedEntry(
-                    id=position,
-                    partition=partition,
-                    thread_id=thread_id,
-                    first_seq=batch[0].seq,
-                    last_seq=batch[-1].seq,
-                )
-                for hash_name, field, amount in self.projection.increments(change, batch):
-                    key = (hash_name, field)
-                    totals[key] = totals.get(key, 0) + amount
-                events += len(batch)
+
+        def count(thread_id: str, batch: list[RecordedEvent]) -> None:
+            nonlocal events
+            change = FeedEntry(
+                id=position,
+                partition=partition,
+                thread_id=thread_id,
+                first_seq=batch[0].seq,
+                last_seq=batch[-1].seq,
+            )
+            for hash_name, field, amount in self.projection.increments(change, batch):
+                key = (hash_name, field)
+                totals[key] = totals.get(key, 0) + amount
+            events += len(batch)
+
+        counted = [(t, stop) for t, stop in upto.items() if stop > 0]
+        for i in range(0, len(counted), BACKFILL_BATCH):
+            part = counted[i : i + BACKFILL_BATCH]
+            # The first page of every thread of the part in one round trip (standalone Redis;
+            # `read_raw_ranges` reads a range at a time on a cluster, as before).
+            firsts = await store.read_raw_ranges(
+                [RawRange(thread_id=t, stop=stop) for t, stop in part], count=BACKFILL_FIRST_PAGE
+            )
+            for (thread_id, stop), rows in zip(part, firsts, strict=True):
+                batch = decode_rows(thread_id, rows, store.registry) if rows else []
+                if (
+                    not batch
+                    or batch[-1].seq != len(batch)
+                    or len(batch) < min(stop, BACKFILL_FIRST_PAGE)
+                ):
+                    batch = []  # not seqs 1..n as expected: read as before, which says why
+                else:
+                    count(thread_id, batch)
+                start = len(batch) + 1
+                if start <= stop:
+                    try:
+                        async for more in store.read_batches(thread_id, start=start, stop=stop):
+                            count(thread_id, more)
+                    except ThreadReplacedError:
+                        return None  # deleted between two of its batches: as below
         seen = {e.id for e in tail}
         # A deletion that landed while the events were read; one landing after cannot change
         # what was read, so this read too stops at the feed's end as it is now.
@@ -723,7 +912,12 @@ class UsageProjection(AsyncProjection):
         return out
 
     async def report(self, store: EventStore) -> list[UsageRow]:
-        """The usage table, summed over every partition, by day then tier."""
+        """The usage table, summed over every partition, by day then tier.
+
+        Raises:
+            InvalidInputError: ``store`` not an `EventStore` (a ``connect()`` not awaited).
+        """
+        store = require_store(store, "UsageProjection.report")
         totals: dict[str, dict[str, int]] = {}
         for partition in range(store.partitions):
             for metric in self._METRICS:

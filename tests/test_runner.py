@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -20,8 +21,10 @@ import projections._runner
 from eventstore._feed import parse_stream_id
 from eventstore.servers import redis_server
 from projections import (
+    AsyncProjection,
     GroupLag,
     Increment,
+    MessagesProjection,
     ProjectionRunner,
     UsageProjection,
     UsageRow,
@@ -104,6 +107,8 @@ async def test_a_runner_given_a_store_not_awaited_is_refused_at_once(redis_url: 
             r"coroutine: await it",
         ):
             ProjectionRunner(pending, UsageProjection(), consumer="c")  # type: ignore[arg-type]
+        with pytest.raises(es.InvalidInputError, match=r"^UsageProjection.report needs .*await"):
+            await UsageProjection().report(pending)  # type: ignore[arg-type]
     finally:
         async with await pending:
             pass
@@ -450,7 +455,7 @@ async def test_a_runner_refused_for_a_trimmed_feed_leaves_no_group(store: es.Eve
     await usage.run_once()
     assert await store.trim_feed(p) == 5
     with pytest.raises(es.FeedTrimmedError, match="projection 'late'"):
-        await ProjectionRunner(store, Late(), consumer="c").run_once()
+        await ProjectionRunner(store, Late(), consumer="c", partitions=[p]).run_once()
     assert [g.name for g in await store.feed_groups(p)] == ["usage"]
     for _ in range(5):
         await settle(store, "t", "small", 1)
@@ -527,6 +532,43 @@ async def test_a_runner_with_bad_settings_is_refused_at_once(
     assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
 
 
+@pytest.mark.parametrize("stop", [None, "stop", threading.Event()], ids=repr)
+async def test_run_refuses_a_stop_that_is_no_awaitable_event(
+    store: es.EventStore, stop: object
+) -> None:
+    """A `threading.Event` would block the event loop in its ``wait()`` (for ever, as nothing
+    else of the loop can set it); None raised a bare AttributeError. Both are refused, before
+    anything is read or registered."""
+    await settle(store, "t", "small", 1)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c")
+    with anyio.fail_after(5), pytest.raises(es.InvalidInputError, match="stop must be"):
+        await runner.run(stop)  # type: ignore[arg-type]
+    assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
+
+
+class Nameless(AsyncProjection):
+    def increments(
+        self, entry: es.FeedEntry, events: Sequence[es.RecordedEvent]
+    ) -> list[Increment]:
+        return []
+
+
+@pytest.mark.parametrize(
+    "bad", [UsageProjection, MessagesProjection(), object(), None, Nameless()], ids=repr
+)
+async def test_a_runner_given_no_async_projection_is_refused_at_once(
+    store: es.EventStore, bad: object
+) -> None:
+    """A class instead of an instance, a view projection, or one without a name: refused when
+    the runner is made. Before, it failed at the first change (blamed on the change), after
+    registering the projection's consumer group, which then held trimming back."""
+    await settle(store, "t", "small", 1)
+    with pytest.raises(es.InvalidInputError, match=r"projection|view name"):
+        runner = ProjectionRunner(store, bad, consumer="c")  # type: ignore[arg-type]
+        await runner.run_once()
+    assert [await store.feed_groups(p) for p in range(store.partitions)] == [[]] * 4
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -593,6 +635,65 @@ async def test_a_backfill_counts_what_the_feed_holds_once_with_its_runner(
     assert read == 9 * 2 + 1  # every event, once
     assert await runner.run_once() == 0
     assert totals(await UsageProjection().report(store)) == expected
+
+
+async def test_a_backfill_asks_the_thread_versions_a_batch_at_a_time(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The versions of a partition's threads are asked `BACKFILL_BATCH` at a time (one round
+    trip each on Redis), not one thread at a time, and their events read a batch of first
+    pages at a time; a thread longer than a page is read on from there: all counted once."""
+    expected = await fill(store, 12)
+    for i in range(5):
+        await settle(store, "long", "large", i + 1)
+    t, a, b = expected["large"]
+    expected["large"] = (t + 5, a + 15, b + 6)
+    monkeypatch.setattr(projections._runner, "BACKFILL_BATCH", 2)
+    monkeypatch.setattr(projections._runner, "BACKFILL_FIRST_PAGE", 3)
+    asked: list[int] = []
+    real_versions = store.versions
+
+    async def versions(thread_ids: Sequence[str]) -> list[int]:
+        asked.append(len(thread_ids))
+        return await real_versions(thread_ids)
+
+    monkeypatch.setattr(store, "versions", versions)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    assert await runner.backfill() == 12 * 2 + 1 + 5 * 2
+    threads = len(await store.threads())
+    assert sum(asked) == threads and max(asked) == 2
+    assert totals(await UsageProjection().report(store)) == expected
+
+
+async def test_a_long_thread_deleted_while_a_backfill_reads_it_starts_the_backfill_over(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread of several read batches deleted (and written again) while the backfill reads
+    it: the read refuses to go on in the new life (`ThreadReplacedError`), and the backfill
+    starts over, as for a deletion it finds in the feed, rather than fail."""
+    note = es.MessageAppended(message=es.Message(role="user", content="x"))
+    for _ in range(5):
+        await store.append("long", [note] * 500)
+    await settle(store, "long", "small", 1)
+    real_read_batches = store.read_batches
+    replaced = False
+
+    async def read_batches(
+        thread_id: str, *, start: int = 1, stop: int | None = None
+    ) -> AsyncIterator[list[es.RecordedEvent]]:
+        nonlocal replaced
+        async for batch in real_read_batches(thread_id, start=start, stop=stop):
+            yield batch
+            if thread_id == "long" and not replaced:
+                replaced = True
+                await store.delete_thread("long")
+                await settle(store, "long", "medium", 7)
+
+    monkeypatch.setattr(store, "read_batches", read_batches)
+    runner = ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True)
+    assert await runner.backfill() == 2
+    assert replaced
+    assert totals(await UsageProjection().report(store)) == {"medium": (1, 7, 3)}
 
 
 async def test_a_backfill_ends_while_writers_keep_pace_with_its_reads(
@@ -732,6 +833,68 @@ async def test_a_change_the_projection_raises_for_stops_the_runner_there(
         assert totals(await UsageProjection().report(store)) == {"small": (3, 3, 0)}
     (group,) = await store.feed_groups(p)
     assert group.last_delivered == feed[2].id  # trimming keeps the change it stopped at
+
+
+async def test_a_partition_that_fails_stops_alone_and_its_error_is_still_raised(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poison change stops its partition there; `run` goes on with the others (changes
+    made after the failure too), lists the error in `failed` and raises it once stopped, and
+    `run_once` raises it after working the others; before, the first partition's error
+    stopped them all. Every partition stopped: raised at once. The store answering with an
+    error (not an outage) still stops every partition at once."""
+    p = es.partition_of("poison", store.partitions)
+    q = (p + 1) % store.partitions
+    other = thread_in(store, q, "q")
+    await settle(store, "poison", "small", 100)
+    await settle(store, other, "small", 1)
+    (poison,) = await store.read_feed(p)
+    runner = ProjectionRunner(
+        store, Poisoned(), consumer="c", partitions=[p, q], poll_interval=0.01
+    )
+    stop = anyio.Event()
+    outcome: dict[str, object] = {}
+
+    async def run() -> None:
+        try:
+            outcome["applied"] = await runner.run(stop)
+        except ValueError as exc:
+            outcome["error"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(10):
+            while not runner.failed:
+                await anyio.sleep(0.01)
+            await settle(store, other, "small", 2)  # after the failure: applied all the same
+            while totals(await UsageProjection().report(store)) != {"small": (2, 3, 1)}:
+                await anyio.sleep(0.01)
+        assert outcome == {}  # still running
+        stop.set()
+    error = outcome["error"]
+    assert isinstance(error, ValueError) and runner.failed == {p: error}
+    notes = " ".join(error.__notes__)
+    assert f"change {poison.id} of partition {p} (thread 'poison'" in notes
+    assert f"partition {p} (ValueError)" in notes
+    assert await store.checkpoint_of(p, "usage") == "0-0"  # stays at the change
+    assert [g.last_delivered for g in await store.feed_groups(p)] == ["0-0"]
+
+    await settle(store, other, "small", 4)
+    with pytest.raises(ValueError, match="cannot take this one"):
+        await runner.run_once()
+    assert totals(await UsageProjection().report(store)) == {"small": (3, 7, 3)}
+    alone = ProjectionRunner(store, Poisoned(), consumer="c", partitions=[p])
+    with anyio.fail_after(5), pytest.raises(ValueError, match="cannot take this one"):
+        await alone.run(anyio.Event())
+
+    async def denied(entry: es.FeedEntry) -> list[es.RecordedEvent]:
+        raise es.OperationalError("redis denied the command (ACL)")
+
+    monkeypatch.setattr(store, "read_change", denied)
+    renamed = ProjectionRunner(store, Renamed(), consumer="c", partitions=[p, q])
+    with anyio.fail_after(5), pytest.raises(es.OperationalError, match="denied"):
+        await renamed.run(anyio.Event())
+    assert await store.checkpoint_of(q, "usage-v2") == "0-0"  # never reached
 
 
 class Overflowing(UsageProjection):
@@ -1125,6 +1288,52 @@ async def test_group_lag_counts_a_backlog_longer_than_a_page_and_flags_lost_chan
     assert rows["reader"].unread == 0
 
 
+async def test_a_projection_whose_feed_was_deleted_is_listed_without_a_group(
+    store: es.EventStore,
+) -> None:
+    """The feed deleted under a projection took its group along, while its checkpoint stays
+    and its runner stops with `FeedResetError`: `feed_group_lag` lists it (no group, feed
+    reset) rather than leave it out. A group dropped on purpose from an intact feed is not."""
+    p = es.partition_of("t", store.partitions)
+    q = (p + 1) % store.partitions
+    await settle(store, "t", "small", 1)
+    await settle(store, thread_in(store, q, "q"), "small", 1)
+    for projection in (UsageProjection(), Renamed()):
+        await ProjectionRunner(store, projection, consumer="c", partitions=[p, q]).run_once()
+    checkpoint = await store.checkpoint_of(p, "usage")
+    assert await store.checkpoints(p) == {"usage": checkpoint, "usage-v2": checkpoint}
+    assert await drop_feed_group(store, "usage-v2") == sorted([p, q])  # retired on purpose
+    await delete_feed(store, p)
+    await anyio.sleep(0.01)
+    for _ in range(2):  # an empty feed, then a new one past the checkpoint
+        rows = {(r.name, r.partition): r for r in await feed_group_lag(store)}
+        # The retired one is listed where the feed was deleted: a checkpoint alone cannot
+        # tell a retired projection from a running one, and its figures lack changes too.
+        assert set(rows) == {("usage", p), ("usage", q), ("usage-v2", p)}
+        assert (rows["usage-v2", p].registered, rows["usage-v2", p].feed_reset) == (False, True)
+        lost = rows["usage", p]
+        assert (lost.registered, lost.feed_reset, lost.position) == (False, True, checkpoint)
+        assert (lost.last_delivered, lost.pending, lost.lost_changes) == ("0-0", 0, False)
+        assert lost.unread == (await store.feed_info(p)).length
+        assert (rows["usage", q].registered, rows["usage", q].feed_reset) == (True, False)
+        await settle(store, thread_in(store, p, "new"), "small", 5)
+    with pytest.raises(es.FeedResetError):
+        await ProjectionRunner(store, UsageProjection(), consumer="c", partitions=[p]).run_once()
+    # A group registered again on the new feed (by hand, or an older release's runner): the
+    # row is the group's, still said to be on a reset feed.
+    await store.create_feed_group(p, "usage")
+    (row,) = [r for r in await feed_group_lag(store) if (r.name, r.partition) == ("usage", p)]
+    assert (row.registered, row.feed_reset, row.position) == (True, True, checkpoint)
+    # Trimmed past the checkpoint is not a reset: the feed records it (lost changes instead).
+    await delete_feed(store, p)
+    await settle(store, thread_in(store, p, "new"), "small", 5)
+    await store.create_feed_group(p, "usage", start=checkpoint)
+    await anyio.sleep(0.01)
+    assert await store.trim_feed(p, max_age_ms=0) == 1
+    (row,) = [r for r in await feed_group_lag(store) if (r.name, r.partition) == ("usage", p)]
+    assert (row.registered, row.feed_reset, row.lost_changes) == (True, False, True)
+
+
 def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes_it(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1160,6 +1369,31 @@ def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes
     assert main(["drop-group", "usage", *where]) == 0
     assert "Dropped consumer group 'usage' from 4 partitions" in capsys.readouterr().out
     assert unread() == {"usage-v2": 0}
+
+
+def test_threadlog_feed_flags_a_projection_whose_feed_was_deleted(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`threadlog feed` lists the projection that lost its group with its feed, and says so."""
+    from adapters.cli import main
+
+    namespace = "r" + uuid.uuid4().hex[:12]
+    where = ["--url", redis_url, "--namespace", namespace]
+
+    async def setup() -> None:
+        async with await es.connect(redis_url, namespace=namespace, partitions=4) as store:
+            await settle(store, "t", "small", 1)
+            await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+            await delete_feed(store, es.partition_of("t", 4))
+
+    anyio.run(setup)
+    capsys.readouterr()
+    assert main(["feed", "--json", *where]) == 0
+    groups = json.loads(capsys.readouterr().out)["groups"]
+    reset = [(g["partition"], g["registered"]) for g in groups if g["feed_reset"]]
+    assert reset == [(es.partition_of("t", 4), False)]
+    assert main(["feed", *where]) == 0
+    assert "feed reset under it" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
