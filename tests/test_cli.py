@@ -9,7 +9,9 @@ stops the server it started.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -20,6 +22,7 @@ import socket
 import stat
 import subprocess
 import sys
+import termios
 import threading
 import time
 import uuid
@@ -2183,6 +2186,59 @@ def test_tail_waits_out_a_server_restart_and_follows_on(
         assert "the server answers again" in err
         (shown,) = [line for line in out.splitlines() if line.strip()]
         assert "live #3" in shown and "second" in shown
+
+
+def _pipe_is_full(stream: IO[str], room: int) -> bool:
+    """Whether a pipe the test reads from has less than ``room`` bytes free: a writer of
+    that much (no more than PIPE_BUF, written whole or not at all) is blocked."""
+    waiting = array.array("i", [0])
+    fcntl.ioctl(stream.fileno(), termios.FIONREAD, waiting)
+    return fcntl.fcntl(stream.fileno(), fcntl.F_GETPIPE_SZ) - waiting[0] < room
+
+
+def test_tail_resumes_a_change_cut_by_a_server_restart_where_it_was(
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """One append of more events than tail reads at once (a feed entry shown over several
+    pages), and the server stops after the first page was shown: tail shows the rest once it
+    answers again, from the first event not shown, nothing twice and nothing skipped."""
+    from adapters.cli import TAIL_PAGE
+
+    events = 2 * TAIL_PAGE + 100
+    with redis_server(extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as server:
+        namespace = fresh_namespace()
+        pad = "x" * 2100  # lines of ~2.4 KB: a 4 KB pipe has room for one
+        first = with_store(
+            server.url,
+            namespace,
+            lambda s: s.append("big", [msg(f"{i} {pad}") for i in range(events)]),
+        )
+        assert (first.first_seq, first.last_seq) == (1, events)
+        proc = popen("tail", "big", "--json", "--since", "1h", "--limit", str(events),
+                     "--url", server.url, "--namespace", namespace)  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+        assert "following thread 'big'" in _read_line(proc.stderr, 30)
+        deadline = time.monotonic() + 30
+        while not _pipe_is_full(proc.stdout, 2048):  # tail blocked writing its first page
+            assert time.monotonic() < deadline, "tail wrote nothing"
+            time.sleep(0.01)
+        server.stop()
+        rows: list[dict[str, Any]] = []
+        drain = threading.Thread(target=lambda: rows.extend(map(json.loads, proc.stdout)))
+        drain.start()
+        assert "the server does not answer" in _read_line(proc.stderr, 30)
+        time.sleep(0.5)  # the drain reads what tail wrote before it found the server gone
+        assert [r["seq"] for r in rows] == list(range(1, TAIL_PAGE + 1))  # cut mid-change
+        server.start()
+        drain.join(timeout=60)
+        proc.wait(timeout=30)
+        err = proc.stderr.read()
+    assert proc.returncode == 0, err
+    assert "the server answers again" in err, err
+    assert [r["seq"] for r in rows] == list(range(1, events + 1))
+    assert {r["thread"] for r in rows} == {"big"}
+    assert rows[-1]["payload"]["message"]["content"].startswith(f"{events - 1} ")
 
 
 def test_tail_since_a_time_to_come_says_so(
