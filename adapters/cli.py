@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, NoReturn, cast
+from typing import IO, Any, NoReturn, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -99,6 +99,9 @@ exit codes:
   130  interrupted (Ctrl-C, or SIGTERM, which stops a command as Ctrl-C does); tail
        stops with 0
   141  the output's reader went away (a pipe into head), nothing on stderr
+verify, check and rebuild --all as a Redis user that may not SCAN (a tenant's) cover the
+threads of the thread index, say once on stderr that a thread missing from it could not be
+looked for, and exit as for the threads they covered.
 """
 URL_ENV = "THREADLOG_URL"
 # Export writes files, consumer groups and the data set's id, but no event: a namespace it is
@@ -123,6 +126,7 @@ WRITES: dict[str, str] = {
 """What each command writes besides reading: the ACL hint's words for a user who may only read."""
 _ACL_DENIED = "(ACL)"  # how translate_redis_error marks a command Redis's ACL refused
 _KEYS_DENIED = "no permissions to access one of the keys"  # Redis's words: outside ~pattern
+_SCAN_DENIED = "redis denied SCAN (ACL)"  # the store's words (`EventStore.stored_threads`)
 _NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
@@ -133,6 +137,9 @@ MAX_NUMBER = 2**63 - 1  # the largest seq, count or window the command accepts
 _MAX_STREAM_ID_SEQ = 2**64 - 1
 _RUN_VERIFY = re.compile(r"\s*\(run 'verify'\)")  # the store's pointer; the CLI names the command
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
+
+
+R = TypeVar("R")
 
 
 class UsageError(Exception):
@@ -278,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument(
         "--all",
         action="store_true",
-        help="every thread of the namespace, indexed or not: the keys are scanned, so the "
-        "Redis user needs +scan, which eventstore.acl_rules (a tenant's user) leaves out",
+        help="every thread of the namespace, indexed or not: the keys are scanned (+scan). A "
+        "user without it (eventstore.acl_rules, a tenant's) gets the thread index's threads, "
+        "and a note that one missing from the index could not be looked for",
     )
 
     formatter = argparse.RawDescriptionHelpFormatter
@@ -1853,6 +1861,38 @@ async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
     )
 
 
+_OF_THE_INDEX = " of the thread index"  # an audit of every thread by a user without +scan
+
+
+class _EveryThread:
+    """An audit of every thread of the namespace (verify, check, rebuild --all) that falls
+    back to the thread index's threads when the Redis user may not SCAN the keys: a tenant's
+    user (`eventstore.acl_rules`) is refused SCAN, as Redis does not confine it to the user's
+    key pattern, and would otherwise not be able to audit its namespace at all."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self.index_only = False
+
+    async def run(self, job: Callable[[bool], Awaitable[R]]) -> R:
+        """``job(index_only)``: first with the keys scanned; without, once SCAN was denied
+        (the listing comes first, so nothing was audited twice)."""
+        try:
+            return await job(False)
+        except es.OperationalError as exc:
+            if _SCAN_DENIED not in str(exc):
+                raise
+        self.index_only = True
+        self.ctx.err.print(
+            Text(
+                "threadlog: this Redis user may not SCAN (ACL; eventstore.acl_rules leaves "
+                "+scan out), so only the threads of the thread index are covered: a thread "
+                "missing from the index could not be looked for (a user with +scan finds it)"
+            )
+        )
+        return await job(True)
+
+
 def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
     line = Text(f"verify {verdict.thread_id}: ")
     if verdict.ok:
@@ -1889,16 +1929,21 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
         if not verdict.ok:
             raise Failed
         return
+    listing = _EveryThread(ctx)
     with ctx.progress("verifying") as bar:
-        verdicts = await auditor.verify_all(progress=bar.update)
+        verdicts = await listing.run(
+            lambda index_only: auditor.verify_all(progress=bar.update, index_only=index_only)
+        )
+    index_only = listing.index_only
     bad = [v for v in verdicts.values() if not v.ok]
     if args.json:
-        ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": verdicts})
+        ns = ctx.store.namespace
+        ctx.json({"namespace": ns, "ok": not bad, "index_only": index_only, "threads": verdicts})
     else:
         events = sum(v.checked for v in verdicts.values())
         line = Text(
-            f"verified {plural(len(verdicts), 'thread')} ({plural(events, 'event')}) in namespace "
-            f"{ctx.store.namespace!r}: "
+            f"verified {plural(len(verdicts), 'thread')} ({plural(events, 'event')})"
+            f"{_OF_THE_INDEX if index_only else ''} in namespace {ctx.store.namespace!r}: "
         )
         if bad:
             line.append(f"{len(bad)} FAILED", style="bold red")
@@ -2038,13 +2083,19 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
         return
     failed: dict[str, es.EventStoreError] = {}
+    listing = _EveryThread(ctx)
     with ctx.progress("verifying and rebuilding") as bar:
         try:
-            done = await auditor.rebuild_all(progress=bar.update, trust_log=args.trust_log)
+            done = await listing.run(
+                lambda index_only: auditor.rebuild_all(
+                    progress=bar.update, trust_log=args.trust_log, index_only=index_only
+                )
+            )
         except RebuildError as exc:
             done, failed = exc.rebuilt, exc.failed
     line = Text(
-        f"rebuilt the views of {plural(len(done), 'thread')} in namespace {ctx.store.namespace!r}"
+        f"rebuilt the views of {plural(len(done), 'thread')}"
+        f"{_OF_THE_INDEX if listing.index_only else ''} in namespace {ctx.store.namespace!r}"
     )
     busy = {t for t, e in failed.items() if isinstance(e, RebuildBusyError)}
     unverified = {t for t, e in failed.items() if isinstance(e, UnverifiedLogError)}
@@ -2153,17 +2204,23 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         if report is None or not report.ok or not verdict.ok:
             raise Failed
         return
+    listing = _EveryThread(ctx)
     with ctx.progress("verifying and checking") as bar:
-        found_all = await auditor.check_all(progress=bar.update)
+        found_all = await listing.run(
+            lambda index_only: auditor.check_all(progress=bar.update, index_only=index_only)
+        )
     verdicts = {t: f.verdict for t, f in found_all.items()}
     reports = {t: f.report for t, f in found_all.items() if f.report is not None}
     rows = {t: _check_row(f.verdict, f.report) for t, f in found_all.items()}
     bad = [t for t, row in rows.items() if not row["ok"]]
     if args.json:
-        ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": rows})
+        ns, index_only = ctx.store.namespace, listing.index_only
+        ctx.json({"namespace": ns, "ok": not bad, "index_only": index_only, "threads": rows})
     else:
         line = Text(
-            f"checked {plural(len(verdicts), 'thread')} in namespace {ctx.store.namespace!r}: "
+            f"checked {plural(len(verdicts), 'thread')}"
+            f"{_OF_THE_INDEX if listing.index_only else ''} in namespace "
+            f"{ctx.store.namespace!r}: "
         )
         damaged = [t for t in bad if t not in reports]
         different = [t for t in bad if t in reports and not reports[t].ok]

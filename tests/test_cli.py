@@ -2225,7 +2225,8 @@ def test_tail_resumes_a_change_cut_by_a_server_restart_where_it_was(
             time.sleep(0.01)
         server.stop()
         rows: list[dict[str, Any]] = []
-        drain = threading.Thread(target=lambda: rows.extend(map(json.loads, proc.stdout)))
+        stdout = proc.stdout
+        drain = threading.Thread(target=lambda: rows.extend(map(json.loads, stdout)))
         drain.start()
         assert "the server does not answer" in _read_line(proc.stderr, 30)
         time.sleep(0.5)  # the drain reads what tail wrote before it found the server gone
