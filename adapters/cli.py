@@ -1473,11 +1473,11 @@ class _Outage:
         await anyio.sleep(self.backoff)
         self.backoff = min(self.backoff * 2, _OUTAGE_LAST_BACKOFF)
 
-    def over(self) -> None:
+    def over(self, then: str = "following on") -> None:
         if self.since is not None:
             sys.stderr.write(
                 f"threadlog: the server answers again after {time.monotonic() - self.since:.1f}"
-                " s; following on\n"
+                f" s; {then}\n"
             )
             sys.stderr.flush()
             self.since, self.backoff = None, _OUTAGE_FIRST_BACKOFF
@@ -1507,13 +1507,21 @@ async def _await_namespace(
         f"threadlog: namespace {store.namespace!r} has not been written yet; waiting for it\n"
     )
     sys.stderr.flush()
+    outage = _Outage()  # a restart while tail waits is waited out, as one while it follows
     while True:
         await anyio.sleep(interval)
-        if await store.namespace_exists():
-            break
-    return await stack.enter_async_context(
-        await es.connect(ctx.where.url, namespace=store.namespace, create_namespace=False)
-    )
+        try:
+            if not await store.namespace_exists():
+                outage.over("still waiting for the namespace")
+                continue
+            opened = await es.connect(
+                ctx.where.url, namespace=store.namespace, create_namespace=False
+            )
+        except _OUTAGE_ERRORS as exc:
+            await outage.wait(exc)
+            continue
+        outage.over()
+        return await stack.enter_async_context(opened)
 
 
 async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:

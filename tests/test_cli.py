@@ -2188,6 +2188,28 @@ def test_tail_waits_out_a_server_restart_and_follows_on(
         assert "live #3" in shown and "second" in shown
 
 
+def test_tail_waiting_for_its_namespace_waits_out_a_server_restart(
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """tail started before its namespace was written waits for it; a restart of the server
+    meanwhile is waited out as one while it follows (it ended tail, exit 2)."""
+    with redis_server(extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as server:
+        namespace = fresh_namespace()
+        proc = popen("tail", "--json", "--limit", "1", "--interval", "0.05",
+                     "--url", server.url, "--namespace", namespace)  # fmt: skip
+        assert proc.stderr is not None
+        assert "has not been written yet; waiting for it" in _read_line(proc.stderr, 30)
+        server.stop()
+        assert "the server does not answer" in _read_line(proc.stderr, 30)
+        server.start()
+        assert "still waiting for the namespace" in _read_line(proc.stderr, 30)
+        with_store(server.url, namespace, lambda s: s.append("t", [msg("after")]))
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    assert (row["thread"], row["seq"]) == ("t", 1), row
+
+
 def _pipe_is_full(stream: IO[str], room: int) -> bool:
     """Whether a pipe the test reads from has less than ``room`` bytes free: a writer of
     that much (no more than PIPE_BUF, written whole or not at all) is blocked."""
