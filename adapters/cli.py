@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, NoReturn, TypeVar, cast
+from typing import IO, Any, NoReturn, TextIO, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -2497,7 +2497,7 @@ def _tolerant_output(*, json_lines: bool) -> None:
     """Text the output's encoding cannot hold (a message in Chinese on a latin-1 or ASCII
     terminal) is written escaped (``\\u4e16``), never a crash half-way through a command;
     JSON lines go out as UTF-8 whatever the locale says, as JSON is exchanged."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, _ForgivingStderr.unwrapped(sys.stderr)):
         if not isinstance(stream, io.TextIOWrapper):
             continue  # replaced (a test's buffer): its owner decides
         try:
@@ -2514,8 +2514,67 @@ def _tolerant_output(*, json_lines: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
-    with _sigterm_as_ctrl_c():
+    with _sigterm_as_ctrl_c(), _ForgivingStderr.installed():
         return _main(argv)
+
+
+class _ForgivingStderr:
+    """Standard error that, once a write to it fails, writes nowhere. A full disk (``2>log``
+    on a full file system), a reader gone (``2> >(...)``) or a terminal hung up fail the
+    write of an error message, which then left the command as an unhandled exception: exit 1,
+    the code of a failed verification, for a usage error; tail stopped following (exit 141)
+    with its output's reader still there. What goes to stderr is said about the command,
+    never a reason to change what it does or its exit code."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.broken = False
+
+    @staticmethod
+    def unwrapped(stream: Any) -> Any:
+        return stream.stream if isinstance(stream, _ForgivingStderr) else stream
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls) -> Iterator[None]:
+        """``sys.stderr`` wrapped for the block (tests run `main` in their own process)."""
+        original = sys.stderr
+        if original is None:  # closed: `_main` gives it /dev/null
+            yield
+            return
+        sys.stderr = cast("TextIO", cls(original))
+        try:
+            yield
+        finally:
+            sys.stderr = original
+
+    def _fail(self) -> None:
+        self.broken = True
+        # What the stream still buffers goes to /dev/null, not to a failing flush at exit.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.stream.fileno())
+            finally:
+                os.close(devnull)
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self.stream.write(text)
+            except OSError:
+                self._fail()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except OSError:
+                self._fail()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding...
+        return getattr(self.stream, name)
 
 
 @contextlib.contextmanager

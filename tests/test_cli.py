@@ -329,6 +329,43 @@ def test_a_closed_stdout_or_stderr_gives_the_documented_exit_codes(redis_url: st
     assert closed.stderr == "threadlog: standard output is closed: nothing could be shown\n"
 
 
+def test_a_stderr_that_fails_to_write_keeps_exit_codes_and_tail_following(
+    redis_url: str,
+) -> None:
+    """Standard error on a full disk (/dev/full) or a pipe whose reader went away: the error
+    message could not be written and the command ended as an unhandled exception, exit 1
+    (failed verification) for a usage error; tail stopped at its first line on stderr (exit
+    141) with its output's reader still there. The exit code is now the error's own, and
+    tail shows what it was asked for."""
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("hi")]))
+
+    def run(stderr: int | IO[str], *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    read_end, gone = os.pipe()
+    os.close(read_end)  # stderr's reader went away: a write gets EPIPE
+    try:
+        with open("/dev/full", "w") as full:
+            for stderr in (full, gone):
+                assert run(stderr, "show", "no-such-thread").returncode == 2
+                assert run(stderr, "verify", "t").returncode == 0
+                tail = run(stderr, "tail", "--since", "1h", "--limit", "1", "--json")
+                assert tail.returncode == 0, tail
+                assert json.loads(tail.stdout)["seq"] == 1, tail
+    finally:
+        os.close(gone)
+
+
 def test_a_full_server_says_it_is_full(tmp_path: Path) -> None:
     """A server at its maxmemory (noeviction) refuses writes with "command not allowed when
     used memory > 'maxmemory'. script: <sha>, on @user_script:176": the error says the server
