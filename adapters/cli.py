@@ -1126,7 +1126,10 @@ async def _version_or_none(store: es.EventStore, thread_id: str) -> int | None:
 async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     limit = args.limit or None
-    infos = await store.threads(limit=None if limit is None else limit + 1)
+    # One more than shown says whether there are more; not past the 64-bit limit Redis takes
+    # (--limit 9223372036854775807 was "redis error: value is not an integer").
+    asked = None if limit is None or limit >= MAX_NUMBER else limit + 1
+    infos = await store.threads(limit=asked)
     more = limit is not None and len(infos) > limit
     infos = infos[:limit] if limit is not None else infos
     rows = [(info, await _version_or_none(store, info.thread_id)) for info in infos]

@@ -695,6 +695,11 @@ def test_threads_lists_newest_activity_first(redis_url: str) -> None:
     assert human.code == 0, human
     assert human.out.index("middle") < human.out.index("newer")
     assert "older" not in human.out and "raise --limit" in human.out
+    # The largest --limit accepted lists them all (its +1 went past what Redis takes).
+    largest = cli(
+        "threads", "--json", "--limit", str(2**63 - 1), url=redis_url, namespace=namespace
+    )
+    assert largest.code == 0 and largest.json() == listed, largest
     unknown = cli("threads", url=redis_url, namespace=fresh_namespace())
     assert "no namespace" in assert_one_line_error(unknown)
     empty = fresh_namespace()
