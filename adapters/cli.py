@@ -1697,7 +1697,9 @@ async def _show_change(
             return emit({**row, "last": upto, "time_ms": entry.time_ms, "detail": why})
         span = f"events #{first}..{upto}" if first < upto else f"event #{first}"
         line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
-        line.append(f"{span}: {why} (run 'threadlog verify {entry.thread_id}')", style="red")
+        line.append(
+            printable(f"{span}: {why} (run 'threadlog verify {entry.thread_id}')"), style="red"
+        )
         return emit(line)
 
     while seq <= last:
@@ -1742,7 +1744,7 @@ async def _show_change(
             else:
                 line = Text(f"{fmt_time(event.time_ms)}  {event.thread_id} #{event.seq}  ")
                 line.append(f"{event.type:<{type_width}} ", style="cyan")
-                line.append(event_summary(event))
+                line.append(printable(event_summary(event)))  # as replay: see `printable`
                 done = emit(line)
             if done:
                 return True
@@ -1910,7 +1912,7 @@ def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
         line.append("OK", style="bold green")
     else:
         line.append("FAILED", style="bold red")
-    line.append(f" - {verdict.detail}")
+    line.append(printable(f" - {verdict.detail}"))
     ctx.out.print(line)
     if not verdict.ok:
         table = Table(box=box.SIMPLE_HEAD)
@@ -1918,7 +1920,9 @@ def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
         table.add_column("damage", no_wrap=True)
         table.add_column("detail", overflow="fold")
         for problem in verdict.problems:
-            table.add_row(str(problem.seq), Text(problem.kind, style="red"), Text(problem.detail))
+            table.add_row(
+                str(problem.seq), Text(problem.kind, style="red"), Text(printable(problem.detail))
+            )
         ctx.out.print(table)
         if verdict.problems_omitted:
             ctx.out.print(f"... and {verdict.problems_omitted} more problems")
@@ -1977,7 +1981,7 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
                     str(v.first_bad_seq),
                     Text(v.kind or "", style="red"),
                     str(len(v.problems) + v.problems_omitted),
-                    Text(v.detail),
+                    Text(printable(v.detail)),
                 )
             ctx.out.print(table)
     if bad:
@@ -2089,7 +2093,7 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         try:
             version = await auditor.rebuild(thread, trust_log=args.trust_log)
         except UnverifiedLogError as exc:
-            ctx.err.print(Text(f"threadlog: {_refused(exc)}"))
+            ctx.err.print(Text(printable(f"threadlog: {_refused(exc)}")))
             raise Failed from exc
         ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
         return
@@ -2122,7 +2126,7 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.out.print(line)
     for thread, error in failed.items():
         text = _refused(error) if isinstance(error, UnverifiedLogError) else str(error)
-        ctx.out.print(Text(f"  {thread}: {text}", style="red"))
+        ctx.out.print(Text(printable(f"  {thread}: {text}"), style="red"))
     if failed:
         raise Failed
 
@@ -2158,7 +2162,9 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
         # Only index damage lets a log through to the comparison (the log itself verified).
         ctx.out.print(
             Text(
-                f"  damaged: {verdict.detail} (run 'threadlog verify {report.thread_id}')",
+                printable(
+                    f"  damaged: {verdict.detail} (run 'threadlog verify {report.thread_id}')"
+                ),
                 style="red",
             )
         )
@@ -2167,12 +2173,15 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
         for name in ("view", "key", "from the log", "materialized"):
             table.add_column(name, overflow="fold")
         for d in report.differences:
-            table.add_row(Text(d.view), Text(d.key), Text(d.expected), Text(d.actual))
+            # A state block's name (a view key) is the agent's: it may hold an escape sequence.
+            cells = (d.view, d.key, d.expected, d.actual)
+            table.add_row(*(Text(printable(cell)) for cell in cells))
         ctx.out.print(table)
     for a in report.anomalies:
         ctx.out.print(
             Text(
-                f"  note: seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}", style="yellow"
+                printable(f"  note: seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}"),
+                style="yellow",
             )
         )
 
@@ -2182,9 +2191,11 @@ def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
     line = Text(f"check {verdict.thread_id}: ")
     line.append("LOG DAMAGED", style="bold red")
     line.append(
-        f" - the log itself fails verification ({verdict.kind}: {verdict.detail}); "
-        f"its views were not compared with it and must not be rebuilt from it: run "
-        f"'threadlog verify {verdict.thread_id}'"
+        printable(
+            f" - the log itself fails verification ({verdict.kind}: {verdict.detail}); "
+            f"its views were not compared with it and must not be rebuilt from it: run "
+            f"'threadlog verify {verdict.thread_id}'"
+        )
     )
     ctx.out.print(line)
 
@@ -2444,7 +2455,8 @@ async def _require_namespace(store: es.EventStore, where: Where) -> None:
 
 def _one_line(text: str) -> str:
     text = " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
-    return text.translate(_TERMINAL_UNSAFE)  # a thread id in an error, as `_Escaping` says
+    # Every control character, C0 too: an error may quote what an agent wrote (a block name).
+    return printable(text)
 
 
 def _describe(exc: BaseException) -> str:

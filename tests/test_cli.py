@@ -977,7 +977,9 @@ def test_show_as_of_a_time_folds_one_life_of_the_thread(
     assert shown["messages"] == [] and shown["version"] == 0 and shown["as_of"] == 0
 
 
-def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str) -> None:
+def test_replay_show_tail_and_check_print_no_control_characters_from_the_log(
+    redis_url: str,
+) -> None:
     """What a thread holds is written by agents and their users: an escape sequence in it must
     not reach the auditor's terminal as one (clear the screen, rewrite a line, hide text), nor
     a bidi override reorder what is shown. They are shown escaped; ``--json`` keeps them."""
@@ -1016,13 +1018,25 @@ def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str
             ],
         )
 
+    async def damage_views(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.delete(store.keys.view("t", "state")) == 1
+
     with_store(redis_url, namespace, setup)
-    for args in (["replay", "t"], ["show", "t"], ["show", "t", "--as-of", "3"]):
+    tail = ["tail", "t", "--since", "1h", "--limit", "5"]
+    for args in (["replay", "t"], ["show", "t"], ["show", "t", "--as-of", "3"], tail):
         run = cli(*args, url=redis_url, namespace=namespace)
         assert run.code == 0, run
         for raw in ("\x1b", "\u202e", "\x07", "\r"):
             assert raw not in run.out, (args, raw, run.out)
         assert "\\x1b[2J" in run.out or "\\x1b[2K" in run.out, run.out
+    # tail printed the events' summaries raw (the screen cleared), and check a differing
+    # state block's name raw: a view's keys are the agent's too.
+    with_store(redis_url, namespace, damage_views)
+    for args in (["check", "t"], ["check", "--all"]):
+        run = cli(*args, url=redis_url, namespace=namespace)
+        assert run.code == 1 and "DIFFERENT" in run.out, run
+        assert "\x1b" not in run.out and "notes\\x1b[8m" in run.out, (args, run.out)
     rows = [
         json.loads(line)
         for line in cli(
