@@ -1828,9 +1828,12 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
         if damaged:
             where = ", ".join(str(p) for p in damaged)
             note.append(f"lost changes: the feed was trimmed past it (partition {where})", "red")
+        reader = f"export --name {name[7:]}" if name.startswith("export-") else "projection runner"
         table.add_row(
-            name,
-            f"export --name {name[7:]}" if name.startswith("export-") else "projection runner",
+            # As Text: a group made by another tool may be named anything, and as a plain str
+            # rich reads it as markup ("[/]" stopped the command with an internal error).
+            Text(printable(name)),
+            Text(printable(reader)),
             str(len(members)),
             f"{sum(g.unread for g in members):,}",
             _id_time(min(unread, key=parse_stream_id)) if unread else "nothing unread",

@@ -2516,6 +2516,26 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
     assert "--max-age" in cli("trim-feed", "--help").out
 
 
+def test_feed_shows_a_group_another_tool_named_as_it_is_named(redis_url: str) -> None:
+    """Consumer groups on the feed made outside threadlog (an admin's XGROUP CREATE) may be
+    named anything: '[/]' stopped 'threadlog feed' with an internal error (rich markup), and an
+    escape sequence in a name reached the terminal raw."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append("t", [msg("a")])
+        feed = store.keys.feed(es.partition_of("t", store.partitions))
+        for name in ("[/]", "[red]x", "evil\x1b[2J"):
+            await store.client.xgroup_create(feed, name, "0-0")
+
+    with_store(redis_url, namespace, setup)
+    run = cli("feed", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert "[/]" in run.out and "[red]x" in run.out and "evil\\x1b[2J" in run.out, run.out
+    assert "\x1b" not in run.out, run.out
+
+
 def test_trim_feed_by_an_age_longer_than_the_epoch_removes_nothing(redis_url: str) -> None:
     namespace = fresh_namespace()
     with_store(redis_url, namespace, lambda s: s.append("old-1", [msg("a")]))
