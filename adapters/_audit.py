@@ -1143,34 +1143,49 @@ class Auditor:
                 if skip == len(rows):
                     count *= 2  # a full batch of entries that share one seq: read wider
 
-    async def threads(self) -> list[str]:
+    async def threads(self, *, index_only: bool = False) -> list[str]:
         """Every thread an audit of the namespace covers: those of the thread index (most
         recent activity first), then those only the stored keys hold (by id).
 
         The keys are scanned too (`EventStore.stored_threads`) so that a thread removed from
         the index is not hidden from the audit; `verify` reports it (kind ``unindexed``).
+        ``index_only`` lists the index alone, for a Redis user that may not ``SCAN`` (a
+        tenant's, made with `eventstore.acl_rules`): a thread removed from the index is then
+        not listed, and an audit of what is listed cannot say it is missing.
+
+        Raises:
+            OperationalError: the Redis user may not ``SCAN`` (and ``index_only`` is False).
         """
         listed = [info.thread_id for info in await self.store.threads()]
+        if index_only:
+            return listed
         known = set(listed)
         return listed + [t for t in await self.store.stored_threads() if t not in known]
 
-    async def verify_all(self, *, progress: Progress | None = None) -> dict[str, Verdict]:
-        """Verify every thread of the namespace (`threads`: the index's and the keys');
-        returns thread -> verdict. A thread deleted since it was listed is left out."""
-        return await self._each_thread(self.verify, _verdict_of, progress)
+    async def verify_all(
+        self, *, progress: Progress | None = None, index_only: bool = False
+    ) -> dict[str, Verdict]:
+        """Verify every thread of the namespace (`threads`: the index's and the keys', or the
+        index's alone with ``index_only``); returns thread -> verdict. A thread deleted since
+        it was listed is left out."""
+        return await self._each_thread(self.verify, _verdict_of, progress, index_only)
 
-    async def check_all(self, *, progress: Progress | None = None) -> dict[str, ThreadCheck]:
-        """`check` every thread of the namespace (`threads`: the index's and the keys');
-        returns thread -> what was found. A thread deleted since it was listed is left out."""
-        return await self._each_thread(self.check, _verdict_of_check, progress)
+    async def check_all(
+        self, *, progress: Progress | None = None, index_only: bool = False
+    ) -> dict[str, ThreadCheck]:
+        """`check` every thread of the namespace (`threads`: the index's and the keys', or the
+        index's alone with ``index_only``); returns thread -> what was found. A thread deleted
+        since it was listed is left out."""
+        return await self._each_thread(self.check, _verdict_of_check, progress, index_only)
 
     async def _each_thread(
         self,
         job: Callable[[str], Awaitable[R]],
         verdict_of: Callable[[R], Verdict],
         progress: Progress | None,
+        index_only: bool,
     ) -> dict[str, R]:
-        threads = await self.threads()
+        threads = await self.threads(index_only=index_only)
         out: dict[str, R] = {}
         for done, thread_id in enumerate(threads, start=1):
             found = await job(thread_id)
@@ -1231,17 +1246,21 @@ class Auditor:
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
     async def rebuild_all(
-        self, *, progress: Progress | None = None, trust_log: bool = False
+        self,
+        *,
+        progress: Progress | None = None,
+        trust_log: bool = False,
+        index_only: bool = False,
     ) -> dict[str, int]:
-        """`rebuild` every thread of the namespace (`threads`: the index's and the keys');
-        returns thread -> version.
+        """`rebuild` every thread of the namespace (`threads`: the index's and the keys', or
+        the index's alone with ``index_only``); returns thread -> version.
 
         Threads whose log fails verification (unless ``trust_log``), cannot be folded or kept
         changing are left as they were, and after all the others were rebuilt `RebuildError`
         names them (``failed`` maps each to its `UnverifiedLogError`, `CorruptEventError`,
         `WrongKeyTypeError` or `RebuildBusyError`).
         """
-        threads = await self.threads()
+        threads = await self.threads(index_only=index_only)
         rebuilt: dict[str, int] = {}
         failed: dict[str, EventStoreError] = {}
         for done, thread_id in enumerate(threads, start=1):

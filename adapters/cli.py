@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, NoReturn, cast
+from typing import IO, Any, NoReturn, TextIO, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -99,6 +99,9 @@ exit codes:
   130  interrupted (Ctrl-C, or SIGTERM, which stops a command as Ctrl-C does); tail
        stops with 0
   141  the output's reader went away (a pipe into head), nothing on stderr
+verify, check and rebuild --all as a Redis user that may not SCAN (a tenant's) cover the
+threads of the thread index, say once on stderr that a thread missing from it could not be
+looked for, and exit as for the threads they covered.
 """
 URL_ENV = "THREADLOG_URL"
 # Export writes files, consumer groups and the data set's id, but no event: a namespace it is
@@ -123,6 +126,7 @@ WRITES: dict[str, str] = {
 """What each command writes besides reading: the ACL hint's words for a user who may only read."""
 _ACL_DENIED = "(ACL)"  # how translate_redis_error marks a command Redis's ACL refused
 _KEYS_DENIED = "no permissions to access one of the keys"  # Redis's words: outside ~pattern
+_SCAN_DENIED = "redis denied SCAN (ACL)"  # the store's words (`EventStore.stored_threads`)
 _NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
 PLAIN_WIDTH = 120
@@ -133,6 +137,9 @@ MAX_NUMBER = 2**63 - 1  # the largest seq, count or window the command accepts
 _MAX_STREAM_ID_SEQ = 2**64 - 1
 _RUN_VERIFY = re.compile(r"\s*\(run 'verify'\)")  # the store's pointer; the CLI names the command
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*):[^@\s]*@", re.IGNORECASE)
+
+
+R = TypeVar("R")
 
 
 class UsageError(Exception):
@@ -278,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument(
         "--all",
         action="store_true",
-        help="every thread of the namespace, indexed or not: the keys are scanned, so the "
-        "Redis user needs +scan, which eventstore.acl_rules (a tenant's user) leaves out",
+        help="every thread of the namespace, indexed or not: the keys are scanned (+scan). A "
+        "user without it (eventstore.acl_rules, a tenant's) gets the thread index's threads, "
+        "and a note that one missing from the index could not be looked for",
     )
 
     formatter = argparse.RawDescriptionHelpFormatter
@@ -1118,7 +1126,10 @@ async def _version_or_none(store: es.EventStore, thread_id: str) -> int | None:
 async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     limit = args.limit or None
-    infos = await store.threads(limit=None if limit is None else limit + 1)
+    # One more than shown says whether there are more; not past the 64-bit limit Redis takes
+    # (--limit 9223372036854775807 was "redis error: value is not an integer").
+    asked = None if limit is None or limit >= MAX_NUMBER else limit + 1
+    infos = await store.threads(limit=asked)
     more = limit is not None and len(infos) > limit
     infos = infos[:limit] if limit is not None else infos
     rows = [(info, await _version_or_none(store, info.thread_id)) for info in infos]
@@ -1465,11 +1476,11 @@ class _Outage:
         await anyio.sleep(self.backoff)
         self.backoff = min(self.backoff * 2, _OUTAGE_LAST_BACKOFF)
 
-    def over(self) -> None:
+    def over(self, then: str = "following on") -> None:
         if self.since is not None:
             sys.stderr.write(
                 f"threadlog: the server answers again after {time.monotonic() - self.since:.1f}"
-                " s; following on\n"
+                f" s; {then}\n"
             )
             sys.stderr.flush()
             self.since, self.backoff = None, _OUTAGE_FIRST_BACKOFF
@@ -1499,13 +1510,21 @@ async def _await_namespace(
         f"threadlog: namespace {store.namespace!r} has not been written yet; waiting for it\n"
     )
     sys.stderr.flush()
+    outage = _Outage()  # a restart while tail waits is waited out, as one while it follows
     while True:
         await anyio.sleep(interval)
-        if await store.namespace_exists():
-            break
-    return await stack.enter_async_context(
-        await es.connect(ctx.where.url, namespace=store.namespace, create_namespace=False)
-    )
+        try:
+            if not await store.namespace_exists():
+                outage.over("still waiting for the namespace")
+                continue
+            opened = await es.connect(
+                ctx.where.url, namespace=store.namespace, create_namespace=False
+            )
+        except _OUTAGE_ERRORS as exc:
+            await outage.wait(exc)
+            continue
+        outage.over()
+        return await stack.enter_async_context(opened)
 
 
 async def cmd_tail(ctx: Ctx, args: argparse.Namespace) -> None:
@@ -1678,7 +1697,9 @@ async def _show_change(
             return emit({**row, "last": upto, "time_ms": entry.time_ms, "detail": why})
         span = f"events #{first}..{upto}" if first < upto else f"event #{first}"
         line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
-        line.append(f"{span}: {why} (run 'threadlog verify {entry.thread_id}')", style="red")
+        line.append(
+            printable(f"{span}: {why} (run 'threadlog verify {entry.thread_id}')"), style="red"
+        )
         return emit(line)
 
     while seq <= last:
@@ -1723,7 +1744,7 @@ async def _show_change(
             else:
                 line = Text(f"{fmt_time(event.time_ms)}  {event.thread_id} #{event.seq}  ")
                 line.append(f"{event.type:<{type_width}} ", style="cyan")
-                line.append(event_summary(event))
+                line.append(printable(event_summary(event)))  # as replay: see `printable`
                 done = emit(line)
             if done:
                 return True
@@ -1818,9 +1839,12 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
                 "projection under a new name with backfill",
                 "red",
             )
+        reader = f"export --name {name[7:]}" if name.startswith("export-") else "projection runner"
         table.add_row(
-            name,
-            f"export --name {name[7:]}" if name.startswith("export-") else "projection runner",
+            # As Text: a group made by another tool may be named anything, and as a plain str
+            # rich reads it as markup ("[/]" stopped the command with an internal error).
+            Text(printable(name)),
+            Text(printable(reader)),
             str(len(members)),
             f"{sum(g.unread for g in members):,}",
             _id_time(min(unread, key=parse_stream_id)) if unread else "nothing unread",
@@ -1864,13 +1888,45 @@ async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
     )
 
 
+_OF_THE_INDEX = " of the thread index"  # an audit of every thread by a user without +scan
+
+
+class _EveryThread:
+    """An audit of every thread of the namespace (verify, check, rebuild --all) that falls
+    back to the thread index's threads when the Redis user may not SCAN the keys: a tenant's
+    user (`eventstore.acl_rules`) is refused SCAN, as Redis does not confine it to the user's
+    key pattern, and would otherwise not be able to audit its namespace at all."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self.index_only = False
+
+    async def run(self, job: Callable[[bool], Awaitable[R]]) -> R:
+        """``job(index_only)``: first with the keys scanned; without, once SCAN was denied
+        (the listing comes first, so nothing was audited twice)."""
+        try:
+            return await job(False)
+        except es.OperationalError as exc:
+            if _SCAN_DENIED not in str(exc):
+                raise
+        self.index_only = True
+        self.ctx.err.print(
+            Text(
+                "threadlog: this Redis user may not SCAN (ACL; eventstore.acl_rules leaves "
+                "+scan out), so only the threads of the thread index are covered: a thread "
+                "missing from the index could not be looked for (a user with +scan finds it)"
+            )
+        )
+        return await job(True)
+
+
 def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
     line = Text(f"verify {verdict.thread_id}: ")
     if verdict.ok:
         line.append("OK", style="bold green")
     else:
         line.append("FAILED", style="bold red")
-    line.append(f" - {verdict.detail}")
+    line.append(printable(f" - {verdict.detail}"))
     ctx.out.print(line)
     if not verdict.ok:
         table = Table(box=box.SIMPLE_HEAD)
@@ -1878,7 +1934,9 @@ def _print_verdict(ctx: Ctx, verdict: Verdict) -> None:
         table.add_column("damage", no_wrap=True)
         table.add_column("detail", overflow="fold")
         for problem in verdict.problems:
-            table.add_row(str(problem.seq), Text(problem.kind, style="red"), Text(problem.detail))
+            table.add_row(
+                str(problem.seq), Text(problem.kind, style="red"), Text(printable(problem.detail))
+            )
         ctx.out.print(table)
         if verdict.problems_omitted:
             ctx.out.print(f"... and {verdict.problems_omitted} more problems")
@@ -1900,16 +1958,21 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
         if not verdict.ok:
             raise Failed
         return
+    listing = _EveryThread(ctx)
     with ctx.progress("verifying") as bar:
-        verdicts = await auditor.verify_all(progress=bar.update)
+        verdicts = await listing.run(
+            lambda index_only: auditor.verify_all(progress=bar.update, index_only=index_only)
+        )
+    index_only = listing.index_only
     bad = [v for v in verdicts.values() if not v.ok]
     if args.json:
-        ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": verdicts})
+        ns = ctx.store.namespace
+        ctx.json({"namespace": ns, "ok": not bad, "index_only": index_only, "threads": verdicts})
     else:
         events = sum(v.checked for v in verdicts.values())
         line = Text(
-            f"verified {plural(len(verdicts), 'thread')} ({plural(events, 'event')}) in namespace "
-            f"{ctx.store.namespace!r}: "
+            f"verified {plural(len(verdicts), 'thread')} ({plural(events, 'event')})"
+            f"{_OF_THE_INDEX if index_only else ''} in namespace {ctx.store.namespace!r}: "
         )
         if bad:
             line.append(f"{len(bad)} FAILED", style="bold red")
@@ -1932,7 +1995,7 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
                     str(v.first_bad_seq),
                     Text(v.kind or "", style="red"),
                     str(len(v.problems) + v.problems_omitted),
-                    Text(v.detail),
+                    Text(printable(v.detail)),
                 )
             ctx.out.print(table)
     if bad:
@@ -2044,18 +2107,24 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         try:
             version = await auditor.rebuild(thread, trust_log=args.trust_log)
         except UnverifiedLogError as exc:
-            ctx.err.print(Text(f"threadlog: {_refused(exc)}"))
+            ctx.err.print(Text(printable(f"threadlog: {_refused(exc)}")))
             raise Failed from exc
         ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
         return
     failed: dict[str, es.EventStoreError] = {}
+    listing = _EveryThread(ctx)
     with ctx.progress("verifying and rebuilding") as bar:
         try:
-            done = await auditor.rebuild_all(progress=bar.update, trust_log=args.trust_log)
+            done = await listing.run(
+                lambda index_only: auditor.rebuild_all(
+                    progress=bar.update, trust_log=args.trust_log, index_only=index_only
+                )
+            )
         except RebuildError as exc:
             done, failed = exc.rebuilt, exc.failed
     line = Text(
-        f"rebuilt the views of {plural(len(done), 'thread')} in namespace {ctx.store.namespace!r}"
+        f"rebuilt the views of {plural(len(done), 'thread')}"
+        f"{_OF_THE_INDEX if listing.index_only else ''} in namespace {ctx.store.namespace!r}"
     )
     busy = {t for t, e in failed.items() if isinstance(e, RebuildBusyError)}
     unverified = {t for t, e in failed.items() if isinstance(e, UnverifiedLogError)}
@@ -2071,7 +2140,7 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.out.print(line)
     for thread, error in failed.items():
         text = _refused(error) if isinstance(error, UnverifiedLogError) else str(error)
-        ctx.out.print(Text(f"  {thread}: {text}", style="red"))
+        ctx.out.print(Text(printable(f"  {thread}: {text}"), style="red"))
     if failed:
         raise Failed
 
@@ -2107,7 +2176,9 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
         # Only index damage lets a log through to the comparison (the log itself verified).
         ctx.out.print(
             Text(
-                f"  damaged: {verdict.detail} (run 'threadlog verify {report.thread_id}')",
+                printable(
+                    f"  damaged: {verdict.detail} (run 'threadlog verify {report.thread_id}')"
+                ),
                 style="red",
             )
         )
@@ -2116,12 +2187,15 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
         for name in ("view", "key", "from the log", "materialized"):
             table.add_column(name, overflow="fold")
         for d in report.differences:
-            table.add_row(Text(d.view), Text(d.key), Text(d.expected), Text(d.actual))
+            # A state block's name (a view key) is the agent's: it may hold an escape sequence.
+            cells = (d.view, d.key, d.expected, d.actual)
+            table.add_row(*(Text(printable(cell)) for cell in cells))
         ctx.out.print(table)
     for a in report.anomalies:
         ctx.out.print(
             Text(
-                f"  note: seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}", style="yellow"
+                printable(f"  note: seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}"),
+                style="yellow",
             )
         )
 
@@ -2131,9 +2205,11 @@ def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
     line = Text(f"check {verdict.thread_id}: ")
     line.append("LOG DAMAGED", style="bold red")
     line.append(
-        f" - the log itself fails verification ({verdict.kind}: {verdict.detail}); "
-        f"its views were not compared with it and must not be rebuilt from it: run "
-        f"'threadlog verify {verdict.thread_id}'"
+        printable(
+            f" - the log itself fails verification ({verdict.kind}: {verdict.detail}); "
+            f"its views were not compared with it and must not be rebuilt from it: run "
+            f"'threadlog verify {verdict.thread_id}'"
+        )
     )
     ctx.out.print(line)
 
@@ -2164,17 +2240,23 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         if report is None or not report.ok or not verdict.ok:
             raise Failed
         return
+    listing = _EveryThread(ctx)
     with ctx.progress("verifying and checking") as bar:
-        found_all = await auditor.check_all(progress=bar.update)
+        found_all = await listing.run(
+            lambda index_only: auditor.check_all(progress=bar.update, index_only=index_only)
+        )
     verdicts = {t: f.verdict for t, f in found_all.items()}
     reports = {t: f.report for t, f in found_all.items() if f.report is not None}
     rows = {t: _check_row(f.verdict, f.report) for t, f in found_all.items()}
     bad = [t for t, row in rows.items() if not row["ok"]]
     if args.json:
-        ctx.json({"namespace": ctx.store.namespace, "ok": not bad, "threads": rows})
+        ns, index_only = ctx.store.namespace, listing.index_only
+        ctx.json({"namespace": ns, "ok": not bad, "index_only": index_only, "threads": rows})
     else:
         line = Text(
-            f"checked {plural(len(verdicts), 'thread')} in namespace {ctx.store.namespace!r}: "
+            f"checked {plural(len(verdicts), 'thread')}"
+            f"{_OF_THE_INDEX if listing.index_only else ''} in namespace "
+            f"{ctx.store.namespace!r}: "
         )
         damaged = [t for t in bad if t not in reports]
         different = [t for t in bad if t in reports and not reports[t].ok]
@@ -2387,7 +2469,8 @@ async def _require_namespace(store: es.EventStore, where: Where) -> None:
 
 def _one_line(text: str) -> str:
     text = " ".join(_URL_PASSWORD.sub(r"\1:***@", text).split())
-    return text.translate(_TERMINAL_UNSAFE)  # a thread id in an error, as `_Escaping` says
+    # Every control character, C0 too: an error may quote what an agent wrote (a block name).
+    return printable(text)
 
 
 def _describe(exc: BaseException) -> str:
@@ -2443,7 +2526,7 @@ def _tolerant_output(*, json_lines: bool) -> None:
     """Text the output's encoding cannot hold (a message in Chinese on a latin-1 or ASCII
     terminal) is written escaped (``\\u4e16``), never a crash half-way through a command;
     JSON lines go out as UTF-8 whatever the locale says, as JSON is exchanged."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, _ForgivingStderr.unwrapped(sys.stderr)):
         if not isinstance(stream, io.TextIOWrapper):
             continue  # replaced (a test's buffer): its owner decides
         try:
@@ -2460,8 +2543,67 @@ def _tolerant_output(*, json_lines: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
-    with _sigterm_as_ctrl_c():
+    with _sigterm_as_ctrl_c(), _ForgivingStderr.installed():
         return _main(argv)
+
+
+class _ForgivingStderr:
+    """Standard error that, once a write to it fails, writes nowhere. A full disk (``2>log``
+    on a full file system), a reader gone (``2> >(...)``) or a terminal hung up fail the
+    write of an error message, which then left the command as an unhandled exception: exit 1,
+    the code of a failed verification, for a usage error; tail stopped following (exit 141)
+    with its output's reader still there. What goes to stderr is said about the command,
+    never a reason to change what it does or its exit code."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.broken = False
+
+    @staticmethod
+    def unwrapped(stream: Any) -> Any:
+        return stream.stream if isinstance(stream, _ForgivingStderr) else stream
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls) -> Iterator[None]:
+        """``sys.stderr`` wrapped for the block (tests run `main` in their own process)."""
+        original = sys.stderr
+        if original is None:  # closed: `_main` gives it /dev/null
+            yield
+            return
+        sys.stderr = cast("TextIO", cls(original))
+        try:
+            yield
+        finally:
+            sys.stderr = original
+
+    def _fail(self) -> None:
+        self.broken = True
+        # What the stream still buffers goes to /dev/null, not to a failing flush at exit.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.stream.fileno())
+            finally:
+                os.close(devnull)
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self.stream.write(text)
+            except OSError:
+                self._fail()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except OSError:
+                self._fail()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding...
+        return getattr(self.stream, name)
 
 
 @contextlib.contextmanager

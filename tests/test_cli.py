@@ -9,7 +9,9 @@ stops the server it started.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -20,6 +22,7 @@ import socket
 import stat
 import subprocess
 import sys
+import termios
 import threading
 import time
 import uuid
@@ -324,6 +327,43 @@ def test_a_closed_stdout_or_stderr_gives_the_documented_exit_codes(redis_url: st
         check=False,
     )
     assert closed.stderr == "threadlog: standard output is closed: nothing could be shown\n"
+
+
+def test_a_stderr_that_fails_to_write_keeps_exit_codes_and_tail_following(
+    redis_url: str,
+) -> None:
+    """Standard error on a full disk (/dev/full) or a pipe whose reader went away: the error
+    message could not be written and the command ended as an unhandled exception, exit 1
+    (failed verification) for a usage error; tail stopped at its first line on stderr (exit
+    141) with its output's reader still there. The exit code is now the error's own, and
+    tail shows what it was asked for."""
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda s: s.append("t", [msg("hi")]))
+
+    def run(stderr: int | IO[str], *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    read_end, gone = os.pipe()
+    os.close(read_end)  # stderr's reader went away: a write gets EPIPE
+    try:
+        with open("/dev/full", "w") as full:
+            for stderr in (full, gone):
+                assert run(stderr, "show", "no-such-thread").returncode == 2
+                assert run(stderr, "verify", "t").returncode == 0
+                tail = run(stderr, "tail", "--since", "1h", "--limit", "1", "--json")
+                assert tail.returncode == 0, tail
+                assert json.loads(tail.stdout)["seq"] == 1, tail
+    finally:
+        os.close(gone)
 
 
 def test_a_full_server_says_it_is_full(tmp_path: Path) -> None:
@@ -655,6 +695,11 @@ def test_threads_lists_newest_activity_first(redis_url: str) -> None:
     assert human.code == 0, human
     assert human.out.index("middle") < human.out.index("newer")
     assert "older" not in human.out and "raise --limit" in human.out
+    # The largest --limit accepted lists them all (its +1 went past what Redis takes).
+    largest = cli(
+        "threads", "--json", "--limit", str(2**63 - 1), url=redis_url, namespace=namespace
+    )
+    assert largest.code == 0 and largest.json() == listed, largest
     unknown = cli("threads", url=redis_url, namespace=fresh_namespace())
     assert "no namespace" in assert_one_line_error(unknown)
     empty = fresh_namespace()
@@ -932,7 +977,9 @@ def test_show_as_of_a_time_folds_one_life_of_the_thread(
     assert shown["messages"] == [] and shown["version"] == 0 and shown["as_of"] == 0
 
 
-def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str) -> None:
+def test_replay_show_tail_and_check_print_no_control_characters_from_the_log(
+    redis_url: str,
+) -> None:
     """What a thread holds is written by agents and their users: an escape sequence in it must
     not reach the auditor's terminal as one (clear the screen, rewrite a line, hide text), nor
     a bidi override reorder what is shown. They are shown escaped; ``--json`` keeps them."""
@@ -971,13 +1018,25 @@ def test_replay_and_show_print_no_control_characters_from_the_log(redis_url: str
             ],
         )
 
+    async def damage_views(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.delete(store.keys.view("t", "state")) == 1
+
     with_store(redis_url, namespace, setup)
-    for args in (["replay", "t"], ["show", "t"], ["show", "t", "--as-of", "3"]):
+    tail = ["tail", "t", "--since", "1h", "--limit", "5"]
+    for args in (["replay", "t"], ["show", "t"], ["show", "t", "--as-of", "3"], tail):
         run = cli(*args, url=redis_url, namespace=namespace)
         assert run.code == 0, run
         for raw in ("\x1b", "\u202e", "\x07", "\r"):
             assert raw not in run.out, (args, raw, run.out)
         assert "\\x1b[2J" in run.out or "\\x1b[2K" in run.out, run.out
+    # tail printed the events' summaries raw (the screen cleared), and check a differing
+    # state block's name raw: a view's keys are the agent's too.
+    with_store(redis_url, namespace, damage_views)
+    for args in (["check", "t"], ["check", "--all"]):
+        run = cli(*args, url=redis_url, namespace=namespace)
+        assert run.code == 1 and "DIFFERENT" in run.out, run
+        assert "\x1b" not in run.out and "notes\\x1b[8m" in run.out, (args, run.out)
     rows = [
         json.loads(line)
         for line in cli(
@@ -2185,6 +2244,83 @@ def test_tail_waits_out_a_server_restart_and_follows_on(
         assert "live #3" in shown and "second" in shown
 
 
+def test_tail_waiting_for_its_namespace_waits_out_a_server_restart(
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """tail started before its namespace was written waits for it; a restart of the server
+    meanwhile is waited out as one while it follows (it ended tail, exit 2)."""
+    with redis_server(extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as server:
+        namespace = fresh_namespace()
+        proc = popen("tail", "--json", "--limit", "1", "--interval", "0.05",
+                     "--url", server.url, "--namespace", namespace)  # fmt: skip
+        assert proc.stderr is not None
+        assert "has not been written yet; waiting for it" in _read_line(proc.stderr, 30)
+        server.stop()
+        assert "the server does not answer" in _read_line(proc.stderr, 30)
+        server.start()
+        assert "still waiting for the namespace" in _read_line(proc.stderr, 30)
+        with_store(server.url, namespace, lambda s: s.append("t", [msg("after")]))
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    assert (row["thread"], row["seq"]) == ("t", 1), row
+
+
+def _pipe_is_full(stream: IO[str], room: int) -> bool:
+    """Whether a pipe the test reads from has less than ``room`` bytes free: a writer of
+    that much (no more than PIPE_BUF, written whole or not at all) is blocked."""
+    waiting = array.array("i", [0])
+    fcntl.ioctl(stream.fileno(), termios.FIONREAD, waiting)
+    return fcntl.fcntl(stream.fileno(), fcntl.F_GETPIPE_SZ) - waiting[0] < room
+
+
+@pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipe sizes")
+def test_tail_resumes_a_change_cut_by_a_server_restart_where_it_was(
+    popen: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """One append of more events than tail reads at once (a feed entry shown over several
+    pages), and the server stops after the first page was shown: tail shows the rest once it
+    answers again, from the first event not shown, nothing twice and nothing skipped."""
+    from adapters.cli import TAIL_PAGE
+
+    events = 2 * TAIL_PAGE + 100
+    with redis_server(extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as server:
+        namespace = fresh_namespace()
+        pad = "x" * 2100  # lines of ~2.4 KB: a 4 KB pipe has room for one
+        first = with_store(
+            server.url,
+            namespace,
+            lambda s: s.append("big", [msg(f"{i} {pad}") for i in range(events)]),
+        )
+        assert (first.first_seq, first.last_seq) == (1, events)
+        proc = popen("tail", "big", "--json", "--since", "1h", "--limit", str(events),
+                     "--url", server.url, "--namespace", namespace)  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+        assert "following thread 'big'" in _read_line(proc.stderr, 30)
+        deadline = time.monotonic() + 30
+        while not _pipe_is_full(proc.stdout, 2048):  # tail blocked writing its first page
+            assert time.monotonic() < deadline, "tail wrote nothing"
+            time.sleep(0.01)
+        server.stop()
+        rows: list[dict[str, Any]] = []
+        stdout = proc.stdout
+        drain = threading.Thread(target=lambda: rows.extend(map(json.loads, stdout)))
+        drain.start()
+        assert "the server does not answer" in _read_line(proc.stderr, 30)
+        time.sleep(0.5)  # the drain reads what tail wrote before it found the server gone
+        assert [r["seq"] for r in rows] == list(range(1, TAIL_PAGE + 1))  # cut mid-change
+        server.start()
+        drain.join(timeout=60)
+        proc.wait(timeout=30)
+        err = proc.stderr.read()
+    assert proc.returncode == 0, err
+    assert "the server answers again" in err, err
+    assert [r["seq"] for r in rows] == list(range(1, events + 1))
+    assert {r["thread"] for r in rows} == {"big"}
+    assert rows[-1]["payload"]["message"]["content"].startswith(f"{events - 1} ")
+
+
 def test_tail_since_a_time_to_come_says_so(
     redis_url: str, popen: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -2379,6 +2515,26 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
     assert dropped.code == 0 and "from 1 partition;" in dropped.out, dropped
     assert cli("feed", "--json", url=redis_url, namespace=namespace).json()["groups"] == []
     assert "--max-age" in cli("trim-feed", "--help").out
+
+
+def test_feed_shows_a_group_another_tool_named_as_it_is_named(redis_url: str) -> None:
+    """Consumer groups on the feed made outside threadlog (an admin's XGROUP CREATE) may be
+    named anything: '[/]' stopped 'threadlog feed' with an internal error (rich markup), and an
+    escape sequence in a name reached the terminal raw."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append("t", [msg("a")])
+        feed = store.keys.feed(es.partition_of("t", store.partitions))
+        for name in ("[/]", "[red]x", "evil\x1b[2J"):
+            await store.client.xgroup_create(feed, name, "0-0")
+
+    with_store(redis_url, namespace, setup)
+    run = cli("feed", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert "[/]" in run.out and "[red]x" in run.out and "evil\\x1b[2J" in run.out, run.out
+    assert "\x1b" not in run.out, run.out
 
 
 def test_trim_feed_by_an_age_longer_than_the_epoch_removes_nothing(redis_url: str) -> None:

@@ -39,7 +39,7 @@ from eventstore.servers import RedisServer, RedisServerError, TlsFiles, make_tls
 from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
 from tests._redis_hooks import RedisHooks
-from tests.test_cli import assert_one_line_error, cli
+from tests.test_cli import Run, assert_one_line_error, cli, with_store
 
 pytestmark = pytest.mark.anyio
 
@@ -353,10 +353,107 @@ def test_every_command_runs_as_a_tenant_user_made_as_documented(
         assert run.code == 0, run
     assert (tmp_path / "back.jsonl").read_text() == jsonl.read_text()
     for command in ("verify", "check", "rebuild"):
-        line = assert_one_line_error(cli(command, "--all", url=url, namespace=namespace))
-        assert "denied SCAN (ACL)" in line and "needs +scan" in line, line
+        run = cli(command, "--all", url=url, namespace=namespace)
+        assert run.code == 0, run
+        assert "of the thread index" in run.out and "may not SCAN" in run.err, run
         # ... and --help says so before anyone runs it.
         assert "+scan" in " ".join(cli(command, "--help").out.split()), command
+
+
+def _scan_note(run: Run) -> None:
+    """``run`` said once, in one line, that it audited the thread index's threads alone."""
+    assert "Traceback" not in run.err, run
+    notes = [line for line in run.err.splitlines() if "may not SCAN" in line]
+    assert len(notes) == 1 and len(run.err.splitlines()) == 1, run
+    assert "a thread missing from the index could not be looked for" in notes[0], run
+
+
+def test_audits_of_every_thread_by_a_user_without_scan_cover_the_index_and_say_so(
+    acl_server: RedisServer,
+) -> None:
+    """A tenant's user may not SCAN (`acl_rules` leaves it out): verify, check and rebuild
+    --all audit the threads of the thread index, say once that a thread missing from it could
+    not be looked for, and exit as for the threads they audited. They used to stop at the
+    listing (exit 2), so a tenant could not audit its namespace at all. An admin (who may
+    SCAN) finds the thread removed from the index as well."""
+    namespace = new_namespace()
+    url = tenant_url(acl_server, *add_tenant(acl_server, namespace))
+    auditor_user, auditor_password = f"auditor-{namespace}", secrets.token_urlsafe(18)
+    with admin(acl_server) as c:
+        rules = es.acl_rules(namespace, read_only=True)
+        c.execute_command(
+            "ACL", "SETUSER", auditor_user, "reset", "on", f">{auditor_password}", *rules
+        )
+    auditor_url = tenant_url(acl_server, auditor_user, auditor_password)
+    admin_url = f"redis://127.0.0.1:{acl_server.port}"
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for thread in ("alpha", "beta", "hidden"):
+            await threads.append_message(thread, {"role": "user", "content": "hello"})
+        # Damage only an admin can do: a view deleted, a thread taken out of the index.
+        assert isinstance(store, RedisEventStore)
+        with admin(acl_server) as c:
+            assert c.delete(store.keys.view("alpha", "messages")) == 1
+            assert c.zrem(store.keys.index(store.keys.partition("hidden")), "hidden") == 1
+
+    with_store(url, namespace, setup)
+    for who in (url, auditor_url):
+        verify = cli("verify", "--all", url=who, namespace=namespace)
+        assert verify.code == 0, verify
+        assert "verified 2 threads (2 events) of the thread index" in verify.out, verify
+        assert "all OK" in verify.out and "hidden" not in verify.out, verify
+        _scan_note(verify)
+        as_json = cli("verify", "--all", "--json", url=who, namespace=namespace)
+        assert as_json.code == 0, as_json
+        _scan_note(as_json)
+        report = as_json.json()
+        assert (report["ok"], report["index_only"]) == (True, True), report
+        assert sorted(report["threads"]) == ["alpha", "beta"], report
+        check = cli("check", "--all", url=who, namespace=namespace)
+        assert check.code == 1, check  # alpha's views differ from its log
+        assert "checked 2 threads of the thread index" in check.out, check
+        assert "1 DIFFERENT" in check.out and "check alpha: DIFFERENT" in check.out, check
+        _scan_note(check)
+        checked = cli("check", "--all", "--json", url=who, namespace=namespace)
+        assert checked.code == 1 and checked.json()["index_only"] is True, checked
+    denied = cli("rebuild", "--all", url=auditor_url, namespace=namespace)
+    assert denied.code == 2 and "rebuild writes" in denied.err, denied  # may not write views
+    rebuilt = cli("rebuild", "--all", url=url, namespace=namespace)
+    assert rebuilt.code == 0, rebuilt
+    assert "rebuilt the views of 2 threads of the thread index" in rebuilt.out, rebuilt
+    _scan_note(rebuilt)
+    clean = cli("check", "--all", url=url, namespace=namespace)
+    assert clean.code == 0 and "all OK" in clean.out, clean
+    # A user who may SCAN (here the admin) looks at the keys too: the unindexed thread is
+    # found, and no note is given.
+    full = cli("verify", "--all", "--json", url=admin_url, namespace=namespace)
+    assert full.code == 1 and full.err == "", full
+    report = full.json()
+    assert report["index_only"] is False, report
+    assert report["threads"]["hidden"]["kind"] == "unindexed", report
+
+
+async def test_an_auditor_of_the_index_alone_runs_as_a_tenant_user(acl_server: RedisServer) -> None:
+    """`Auditor.verify_all` as a tenant's user (no +scan) stops and says why; with
+    ``index_only`` it audits the threads the index lists, and a thread removed from the index
+    is not among them (nothing else could find it)."""
+    namespace = new_namespace()
+    url = tenant_url(acl_server, *add_tenant(acl_server, namespace))
+    async with await es.connect(url, namespace=namespace) as store:
+        assert isinstance(store, RedisEventStore)
+        for thread in ("a", "b"):
+            await store.append(thread, [msg("hi")])
+        with admin(acl_server) as c:
+            assert c.zrem(store.keys.index(store.keys.partition("b")), "b") == 1
+        auditor = Auditor(store)
+        for everything in (auditor.threads(), auditor.verify_all(), auditor.check_all()):
+            with pytest.raises(OperationalError, match=r"denied SCAN \(ACL\).*needs \+scan"):
+                await everything
+        assert await auditor.threads(index_only=True) == ["a"]
+        assert list(await auditor.verify_all(index_only=True)) == ["a"]
+        assert list(await auditor.check_all(index_only=True)) == ["a"]
+        assert await auditor.rebuild_all(index_only=True) == {"a": 1}
 
 
 def test_a_read_only_auditor_reads_and_a_writing_command_says_which_rules_it_needs(
