@@ -445,10 +445,12 @@ class EventStore(abc.ABC):
         limit: int | None = None,
         before_ms: int | None = None,
         after: ThreadInfo | tuple[int, str] | None = None,
+        partition: int | None = None,
     ) -> list[ThreadInfo]:
         """Threads of the namespace, most recent activity first: by last activity (ms)
         descending, then by thread id descending (code points, which is the UTF-8 byte order
-        Redis keeps), on every backend and across partitions.
+        Redis keeps), on every backend and across partitions; with ``partition``, only the
+        threads of that partition (one partition's index is read, not every one).
 
         ``before_ms`` lists only the threads last active before that time. ``after`` pages: pass
         the last `ThreadInfo` of a page (or its ``(last_activity_ms, thread_id)``) and the next
@@ -459,7 +461,7 @@ class EventStore(abc.ABC):
         Raises:
             InvalidInputError: ``limit`` neither None nor an int >= 0, ``before_ms`` neither
                 None nor an int, ``after`` neither None, a `ThreadInfo` nor an (int, thread id)
-                pair.
+                pair, ``partition`` neither None nor one of the store's partitions.
             CorruptKeyError: the thread index holds a member that is no thread id or a score
                 that is no time in ms (changed from outside threadlog; Redis).
         """

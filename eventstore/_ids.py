@@ -100,6 +100,18 @@ def validate_limit(limit: object, name: str = "limit") -> None:
         validate_count(limit, name)
 
 
+def validate_partition(partition: object, partitions: int) -> int:
+    """``partition`` if it is one of ``partitions`` (an int in 0..partitions-1, not a bool),
+    else `InvalidInputError`."""
+    if isinstance(partition, bool) or not isinstance(partition, int):
+        raise InvalidInputError(
+            f"partition must be an int in 0..{partitions - 1}, not {partition!r:.40}"
+        )
+    if not 0 <= partition < partitions:
+        raise InvalidInputError(f"partition must be in 0..{partitions - 1}, not {partition}")
+    return partition
+
+
 def validate_expected_deletion(expected_version: object) -> str:
     """A deletion's expected version as the delete script takes it: "" for none (any), else
     its digits; `InvalidInputError` unless None or an int >= 0."""

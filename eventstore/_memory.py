@@ -76,6 +76,7 @@ from ._ids import (
     validate_int,
     validate_limit,
     validate_namespace,
+    validate_partition,
     validate_seq_range,
     validate_thread_id,
     validate_view_name,
@@ -628,14 +629,21 @@ class MemoryEventStore(EventStore):
         limit: int | None = None,
         before_ms: int | None = None,
         after: ThreadInfo | tuple[int, str] | None = None,
+        partition: int | None = None,
     ) -> list[ThreadInfo]:
         self._check_open()
         validate_limit(limit)
         cursor = threads_cursor(before_ms, after)
+        if partition is not None:
+            validate_partition(partition, self.partitions)
         rows = (
-            ThreadInfo(t, ms, partition_of(t, self.partitions))
-            for t, ms in self._ns.index.items()
-            if cursor is None or (ms, t) < cursor
+            info
+            for info in (
+                ThreadInfo(t, ms, partition_of(t, self.partitions))
+                for t, ms in self._ns.index.items()
+                if cursor is None or (ms, t) < cursor
+            )
+            if partition is None or info.partition == partition
         )
         # Newest first, ties by thread id descending: the order ZREVRANGE gives on Redis.
         key = lambda t: (t.last_activity_ms, t.thread_id)  # noqa: E731
@@ -700,8 +708,7 @@ class MemoryEventStore(EventStore):
 
     def _feed(self, partition: int, *, create: bool = False) -> _Feed | None:
         self._check_open()
-        if isinstance(partition, bool) or not 0 <= partition < self.partitions:
-            raise InvalidInputError(f"partition must be in 0..{self.partitions - 1}")
+        validate_partition(partition, self.partitions)
         feed = self._ns.feeds.get(partition)
         if feed is None and create:
             feed = self._ns.feeds[partition] = _Feed()

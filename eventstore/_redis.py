@@ -88,6 +88,7 @@ from ._ids import (
     validate_expected_deletion,
     validate_int,
     validate_limit,
+    validate_partition,
     validate_seq_range,
     validate_thread_id,
     validate_view_name,
@@ -1441,13 +1442,16 @@ class RedisEventStore(EventStore):
         limit: int | None = None,
         before_ms: int | None = None,
         after: ThreadInfo | tuple[int, str] | None = None,
+        partition: int | None = None,
     ) -> list[ThreadInfo]:
         validate_limit(limit)
         cursor = threads_cursor(before_ms, after)
+        if partition is not None:
+            validate_partition(partition, self.partitions)
         if limit == 0:
             return []
         per_partition: list[list[ThreadInfo]] = []
-        for p in range(self.partitions):
+        for p in range(self.partitions) if partition is None else (partition,):
             key = self.keys.index(p)
             rows: Any
             if cursor is None or not cursor[1]:
@@ -1559,9 +1563,7 @@ class RedisEventStore(EventStore):
     # -- the change feed ------------------------------------------------------------------------
 
     def _feed_key(self, partition: int) -> str:
-        if isinstance(partition, bool) or not 0 <= partition < self.partitions:
-            raise InvalidInputError(f"partition must be in 0..{self.partitions - 1}")
-        return self.keys.feed(partition)
+        return self.keys.feed(validate_partition(partition, self.partitions))
 
     def _entries(self, partition: int, rows: Any) -> list[FeedEntry]:
         out = []

@@ -776,6 +776,32 @@ class EventStoreConformance:
         older = await store.threads(before_ms=listed[0].last_activity_ms)
         assert [t.thread_id for t in older] == ["three", "two"]
 
+    async def test_threads_of_one_partition(self, store: EventStore) -> None:
+        """``partition`` lists that partition's threads alone, in the same order and with the
+        same limits and cursors; a partition the store has not is refused, as by the feed."""
+        from ._keys import partition_of
+
+        names = [f"p{i}" for i in range(40)]
+        for name in names:
+            await store.append(name, [msg(name)])
+        everything = await store.threads()
+        for p in range(store.partitions):
+            mine = [t for t in everything if t.partition == p]
+            assert await store.threads(partition=p) == mine
+            assert {t.thread_id for t in mine} == {
+                n for n in names if partition_of(n, store.partitions) == p
+            }
+            if mine:
+                assert await store.threads(partition=p, limit=1) == mine[:1]
+                assert await store.threads(partition=p, after=mine[0]) == mine[1:]
+        listed = [t for p in range(store.partitions) for t in await store.threads(partition=p)]
+        assert len(listed) == 40
+        for bad in (-1, store.partitions, True, "0", 1.0):
+            with pytest.raises(InvalidInputError, match="partition"):
+                await store.threads(partition=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidInputError, match="partition"):
+                await store.read_feed(bad)  # type: ignore[arg-type]
+
     async def test_threads_page_exactly_through_threads_sharing_a_millisecond(
         self, store: EventStore
     ) -> None:

@@ -800,7 +800,7 @@ class ProjectionRunner:
         """Every event of the partition's threads that a change up to ``position`` recorded,
         through the projection, summed (None: a thread was deleted meanwhile)."""
         store = self.store
-        threads = [t.thread_id for t in await store.threads() if t.partition == partition]
+        threads = [t.thread_id for t in await store.threads(partition=partition)]
         versions: dict[str, int] = {}
         for i in range(0, len(threads), BACKFILL_BATCH):
             chunk = threads[i : i + BACKFILL_BATCH]
