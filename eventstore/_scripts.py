@@ -8,12 +8,15 @@ import re
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ._wire import HeldConnections, can_hold, pack_command, pack_script_call, with_script_source
 
 Call = tuple[list[Any], list[Any]] | bytes
 """One call of a script: its keys and args, or (direct path only) its packed ``EVALSHA``."""
+
+Batch = list[tuple[Any, Call, "asyncio.Future[Any]"]]
+"""Calls sent together: each one's first key, the call, and its caller's future."""
 
 
 _INCLUDE = re.compile(r"^--#include (\w+)$", re.MULTILINE)
@@ -87,12 +90,14 @@ class GroupCommit:
         self.client = client
         self.script = script
         self.max_batch = max(1, max_batch)
-        self._queue: list[tuple[Any, Call, asyncio.Future[Any]]] = []
+        self._queue: Batch = []
         self._in_flight = 0
         self._waiting = 0  # calls queued or in a pipeline, not yet answered
         self._busy: dict[Any, int] = {}  # first key -> calls in flight with it
         self._queue_waits = False  # the queue holds a call whose first key is in flight
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Send task -> its batch, and whether the send let go of the batch's threads (a task
+        # cancelled before it ran never did: `_sent` does it then).
+        self._tasks: dict[asyncio.Task[None], tuple[Batch, list[bool]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last send
         # Its own RESP path where it is exact (see `_wire`), redis-py's otherwise; a store
         # passes the connections it holds, to share them with its reads (and closes them).
@@ -209,8 +214,9 @@ class GroupCommit:
             self.pipelines += 1
             self.pipelined_calls += len(batch)
             loop = self._loop = asyncio.get_running_loop()
-            task = loop.create_task(self._send(batch, repeats))
-            self._tasks.add(task)
+            released = [False]
+            task = loop.create_task(self._send(batch, repeats, released))
+            self._tasks[task] = (batch, released)
             task.add_done_callback(self._sent)
             rest = self._queue
             if not rest:
@@ -222,14 +228,36 @@ class GroupCommit:
                 return
 
     def _sent(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        batch, released = self._tasks.pop(task)
         self._in_flight -= 1
+        # A send cancelled (an application tearing its tasks down) or stopped by a
+        # KeyboardInterrupt: its callers were not cancelled themselves, and a CancelledError
+        # would read to them as their own cancellation. Each still waiting gets an error that
+        # says its outcome is unknown (the call may have been sent).
+        if task.cancelled() or task.exception() is not None:
+            if not released[0]:  # cancelled before it ran: its threads are still marked
+                self._release(batch)
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(
+                        RedisError(
+                            "the task sending this call was cancelled; its outcome is unknown "
+                            "(it may have been sent): retry it with the same idempotency key"
+                        )
+                    )
         if self._queue and not self._in_flight:
             self._flush()
 
-    async def _send(
-        self, batch: list[tuple[Any, Call, asyncio.Future[Any]]], repeats: bool
-    ) -> None:
+    def _release(self, batch: Batch) -> None:
+        busy = self._busy
+        for key, _, _ in batch:
+            n = busy[key] - 1
+            if n:
+                busy[key] = n
+            else:
+                del busy[key]
+
+    async def _send(self, batch: Batch, repeats: bool, released: list[bool]) -> None:
         try:
             try:
                 calls = [call for _, call, _ in batch]
@@ -240,14 +268,9 @@ class GroupCommit:
             finally:
                 # Answered (or failed): its threads may go out again, even before its callers
                 # resume and make their next calls.
-                busy = self._busy
-                for key, _, _ in batch:
-                    n = busy[key] - 1
-                    if n:
-                        busy[key] = n
-                    else:
-                        del busy[key]
-        except BaseException as exc:
+                self._release(batch)
+                released[0] = True
+        except Exception as exc:
             for _, _, future in batch:
                 if not future.done():  # its caller was cancelled
                     future.set_exception(exc)

@@ -821,3 +821,101 @@ async def test_a_single_connection_batch_in_rounds_holds_back_only_the_threads_i
         assert await _texts(store, "b") == []
     finally:
         await store.close()
+
+
+# -- cancellation: a caller gets its own outcome, never another's cancellation -----------------
+
+
+async def test_cancelling_one_of_several_appenders_leaves_the_others_their_results(
+    store: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appenders queued in one batch; one of them is cancelled right as the batch goes out.
+    The others must get their own results (the batch is sent by its own task, not the
+    caller's), and the cancelled one's append may or may not land."""
+    outcomes: dict[int, object] = {}
+    scopes: list[anyio.CancelScope] = []
+    gc = committer(store)
+    flush = gc._flush
+
+    def flush_then_cancel_one() -> None:
+        flush()
+        scopes[0].cancel()
+
+    monkeypatch.setattr(gc, "_flush", flush_then_cancel_one)
+
+    async def one(i: int) -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            outcomes[i] = (await store.append(f"t{i}", [msg(str(i))])).last_seq
+        if scope.cancelled_caught:
+            outcomes[i] = "cancelled"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.append, "warm", [msg("busy")])  # the others queue behind it
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert outcomes.pop(0) == "cancelled"
+    assert outcomes == {i: 1 for i in range(1, 8)}
+    monkeypatch.undo()
+    assert len(await read_all(store, "t0")) in (0, 1)
+
+
+async def _outcomes_when_the_send_is_cancelled(
+    store: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch, *, started: bool
+) -> dict[str, object]:
+    """ "a1" goes alone, "a2" and "b" queue behind it; the task that sends their batch is
+    cancelled (as an application tearing its tasks down would), before it runs (``started``
+    False) or while it waits for the reply (the server paused). What each caller got."""
+    gc = committer(store)
+    flush, run = gc._flush, gc._run
+
+    def flush_then_cancel() -> None:
+        flush()
+        for task in list(gc._tasks):
+            if started:
+                asyncio.get_running_loop().call_later(0.1, task.cancel)
+            else:
+                task.cancel()
+
+    async def paused_run(calls: list[Any], **kwargs: Any) -> list[Any]:
+        await store.client.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+        return await run(calls, **kwargs)
+
+    monkeypatch.setattr(gc, "_flush", flush_then_cancel)
+    if started:
+        monkeypatch.setattr(gc, "_run", paused_run)
+    outcomes: dict[str, object] = {}
+
+    async def one(name: str, thread: str) -> None:
+        try:
+            outcomes[name] = await store.append(thread, [msg(name)], idempotency_key=name)
+        except BaseException as exc:  # a CancelledError here is what must not happen
+            outcomes[name] = exc
+
+    with anyio.fail_after(5):  # a batch cancelled before it ran left its callers waiting
+        await asyncio.gather(*(one(name, name[0]) for name in ("a1", "a2", "b")))
+    monkeypatch.undo()
+    return outcomes
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-it-ran", "mid-send"])
+async def test_callers_of_a_cancelled_send_get_a_typed_unknown_outcome(
+    store: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch, started: bool
+) -> None:
+    """Callers that were not cancelled themselves must not see a CancelledError (asyncio would
+    take it as their own cancellation, anyio would not know it): they get an OperationalError,
+    "may or may not have landed", and a retry with the same key settles it."""
+    if started and store._is_cluster:
+        pytest.skip("CLIENT PAUSE holds one node of the cluster")
+    outcomes = await _outcomes_when_the_send_is_cancelled(store, monkeypatch, started=started)
+    assert isinstance(outcomes.pop("a1"), es.AppendResult)
+    for name in ("a2", "b"):
+        error = outcomes[name]
+        assert isinstance(error, es.OperationalError), repr(error)
+        assert "outcome is unknown" in str(error)
+        retried = await store.append(name[0], [msg(name)], idempotency_key=name)
+        assert await _texts(store, name[0]) == (["a1", "a2"] if name == "a2" else ["b"])
+        assert retried.last_seq == (2 if name == "a2" else 1)
+    # Nothing of the cancelled batch is left holding its threads: the next calls go out.
+    with anyio.fail_after(5):
+        await asyncio.gather(store.append("a", [msg("a3")]), store.append("b", [msg("b2")]))
