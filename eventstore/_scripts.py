@@ -95,6 +95,10 @@ class GroupCommit:
         self._waiting = 0  # calls queued or in a pipeline, not yet answered
         self._busy: dict[Any, int] = {}  # first key -> calls in flight with it
         self._queue_waits = False  # the queue holds a call whose first key is in flight
+        # First key -> calls of unknown outcome holding it back: what they sent is being read
+        # aside (`HeldConnections.draining`) and may not have run yet (`_hold_back`).
+        self._in_doubt: dict[Any, int] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
         # Send task -> its batch, and whether the send let go of the batch's threads (a task
         # cancelled before it ran never did: `_sent` does it then).
         self._tasks: dict[asyncio.Task[None], tuple[Batch, list[bool]]] = {}
@@ -126,8 +130,10 @@ class GroupCommit:
         busy = self._busy
         # Alone when nothing is in flight; with max_batch 1 (no batches), when nothing is
         # queued and its thread is not in flight: one thread's calls are never in two sends.
-        if not self._queue and (
-            not self._in_flight or (self.max_batch == 1 and first_key not in busy)
+        if (
+            not self._queue
+            and not self._in_doubt
+            and (not self._in_flight or (self.max_batch == 1 and first_key not in busy))
         ):
             self._in_flight += 1
             self.sent_alone += 1
@@ -136,6 +142,10 @@ class GroupCommit:
             self._loop = None
             try:
                 return await self._one(call)
+            except BaseException as exc:
+                if not isinstance(exc, ResponseError):  # outcome unknown
+                    self._hold_back([first_key])
+                raise
             finally:
                 self._mark(first_key, -1)
                 self._in_flight -= 1
@@ -151,7 +161,9 @@ class GroupCommit:
         queue = self._queue
         queue.append((first_key, call, future))
         self._waiting += 1
-        if first_key in busy:
+        if self._in_doubt and not self._in_flight:
+            self._flush()  # no send returns to do it: the calls not held back go now
+        elif first_key in busy:
             self._queue_waits = True
         elif not self._queue_waits:
             # Half of the calls waiting, at least 2 and at most max_batch (>= 2 here).
@@ -195,13 +207,22 @@ class GroupCommit:
         n, busy = self.max_batch, self._busy
         while True:
             queue = self._queue
+            held: Batch = []
+            if self._in_doubt:
+                # The calls of a thread in doubt stay queued, in order, until it is let go.
+                doubt = self._in_doubt
+                held = [c for c in queue if c[0] in doubt]
+                if held:
+                    queue = [c for c in queue if c[0] not in doubt]
+                    if not queue:
+                        return
             if len(queue) <= n:
-                batch, self._queue = queue, []
+                batch, self._queue = queue, held
                 self._queue_waits = False
             else:
                 # A queue held back behind a thread in flight grows past max_batch: it goes
                 # out max_batch calls at a time, in order.
-                batch, self._queue = queue[:n], queue[n:]
+                batch, self._queue = queue[:n], held + queue[n:]
             # A thread with two calls in the batch: its keys were not busy before (a queue
             # holding a busy thread waits), so a count already above 0 is this batch's own.
             repeats = False
@@ -237,6 +258,7 @@ class GroupCommit:
         if task.cancelled() or task.exception() is not None:
             if not released[0]:  # cancelled before it ran: its threads are still marked
                 self._release(batch)
+            self._hold_back([key for key, _, _ in batch])
             for _, _, future in batch:
                 if not future.done():
                     future.set_exception(
@@ -271,17 +293,57 @@ class GroupCommit:
                 self._release(batch)
                 released[0] = True
         except Exception as exc:
+            self._hold_back([key for key, _, _ in batch])
             for _, _, future in batch:
                 if not future.done():  # its caller was cancelled
                     future.set_exception(exc)
             return
-        for (_, _, future), reply in zip(batch, replies, strict=True):
-            if future.done():  # its caller was cancelled
-                continue
+        for (key, _, future), reply in zip(batch, replies, strict=True):
             if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
+                if _outcome_unknown(reply):
+                    self._hold_back([key])
+                if not future.done():  # else its caller was cancelled
+                    future.set_exception(reply)
+            elif not future.done():
                 future.set_result(reply)
+
+    def _hold_back(self, keys: list[Any]) -> None:
+        """Hold back the next calls of these threads (first keys), whose last call's outcome is
+        unknown, until what it sent has been read aside (`HeldConnections.draining`).
+
+        A call that timed out (or whose caller was cancelled) was written: its bytes wait in
+        the server's socket buffer when the server is stalled, and still run when it wakes.
+        Closing the connection does not take them back, and Redis may serve another
+        connection first when it wakes (a large call is read in several passes): a thread's
+        next call, made after the caller was told "outcome unknown", landed before it. Its
+        connection is read aside instead; once its replies are in, it has run, and the
+        thread's calls go on. Held at most `_wire._DRAIN_TIMEOUTS` socket timeouts.
+        """
+        held = self._held
+        if held is None or not held.draining:
+            return  # nothing sent is still to run (or, through redis-py, nothing to watch)
+        doubt = self._in_doubt
+        for key in keys:
+            doubt[key] = doubt.get(key, 0) + 1
+        task = asyncio.get_running_loop().create_task(
+            self._let_go(keys, list(held.draining.values()))
+        )
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _let_go(self, keys: list[Any], drains: list[asyncio.Task[None]]) -> None:
+        try:
+            await asyncio.wait(drains)
+        finally:
+            doubt = self._in_doubt
+            for key in keys:
+                n = doubt[key] - 1
+                if n:
+                    doubt[key] = n
+                else:
+                    del doubt[key]
+            if self._queue and not self._in_flight:
+                self._flush()
 
     async def _run(self, calls: list[Call], *, atomic: bool = False) -> list[Any]:
         """The calls in one pipeline (``atomic``: in one ``MULTI``/``EXEC``), a reply or an

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -919,3 +920,90 @@ async def test_callers_of_a_cancelled_send_get_a_typed_unknown_outcome(
     # Nothing of the cancelled batch is left holding its threads: the next calls go out.
     with anyio.fail_after(5):
         await asyncio.gather(store.append("a", [msg("a3")]), store.append("b", [msg("b2")]))
+
+
+# -- a call timed out: what it sent still runs, and must run before the thread's next calls ----
+
+# Holds the server's event loop for ARGV[1] microseconds (a slow script of another client, a
+# fork, a swapped page): every connection's bytes wait in the server's socket buffers.
+_STALL = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > tonumber(ARGV[1])
+return 1
+"""
+
+
+@pytest.mark.parametrize("how", ["timed-out", "cancelled", "timed-out-in-a-batch"])
+async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """An append times out (or its caller gives up on it) while the server is stalled; its
+    bytes are in the server's socket buffer and run once it wakes. The caller, told the outcome
+    is unknown, appends again to the thread (retrying until answered, as a caller should). The
+    first append must not land after that next one. Closing its connection did not take its
+    bytes back, and Redis served the next one's connection first (the large first append is
+    read in several passes): the thread's log read [B, A] where the caller made A, then B.
+    So B is not sent before the server has woken (and answered A, read aside)."""
+    import redis.asyncio as aioredis
+
+    from eventstore._connect import StoreSettings, open_store
+
+    opened = await open_store(
+        StoreSettings.from_url(
+            redis_url,
+            namespace="g" + uuid.uuid4().hex[:12],
+            socket_timeout=5.0 if how == "cancelled" else 0.2,
+            retries=0,
+        )
+    )
+    assert isinstance(opened, es.RedisEventStore)
+    store, other = opened, aioredis.from_url(redis_url)
+    big = [msg("A" + "x" * 100_000)]
+    try:
+        await store.append("t", [msg("first")])
+        # Connections left idle (held, and in the pool): the next appends do not wait for new
+        # ones, whose handshakes the stall would hold.
+        await asyncio.gather(*(store.append(f"w{i}", [msg("w")]) for i in range(20)))
+        await asyncio.gather(*(store.client.ping() for _ in range(4)))
+        assert store._held is not None
+        exchange, b_sent = store._held.exchange, list[float]()
+
+        async def recorded(payload: bytes, replies: int, answered: Any = None) -> list[Any]:
+            if b"B-mark" in payload:
+                b_sent.append(time.monotonic())
+            return await exchange(payload, replies, answered)
+
+        monkeypatch.setattr(store._held, "exchange", recorded)
+        stall = asyncio.ensure_future(other.eval(_STALL, 0, 800_000))
+        stall.add_done_callback(lambda _: b_sent.append(-time.monotonic()))
+        await anyio.sleep(0.05)
+        if how == "cancelled":
+            with anyio.move_on_after(0.2) as scope:
+                await store.append("t", big)
+            assert scope.cancelled_caught
+        elif how == "timed-out":
+            with pytest.raises(es.StoreTimeoutError):
+                await store.append("t", big)
+        else:
+            # Another thread's append goes alone; A queues behind it, and goes in a batch.
+            alone = asyncio.ensure_future(store.append("u", [msg("u")]))
+            await asyncio.sleep(0)
+            with pytest.raises(es.StoreTimeoutError):
+                await store.append("t", big)
+            with pytest.raises(es.StoreTimeoutError):
+                await alone
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    await store.append("t", [msg("B-mark")], idempotency_key="b")
+                    break
+                except es.OperationalError:
+                    continue  # outcome unknown: the same key again
+            await stall
+        assert [text[:1] for text in await _texts(store, "t")] == ["f", "A", "B"]
+        stall_end = -min(b_sent)
+        assert min(t for t in b_sent if t > 0) > stall_end - 0.1, "B went out in the stall"
+    finally:
+        await other.aclose()
+        await store.close()
