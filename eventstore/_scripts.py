@@ -8,6 +8,7 @@ import re
 from importlib import resources
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ._wire import HeldConnections, can_hold, pack_command, pack_script_call, with_script_source
@@ -491,12 +492,51 @@ class GroupCommit:
                         answered[:] = replies
                     raise
             return replies
+        if isinstance(self.client, RedisCluster) and len(calls) > 1:
+            return await self._per_node(calls, command, text)
+        return await self._one_pipeline(calls, command, text)
+
+    async def _one_pipeline(self, calls: list[Call], command: str, text: str) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
             assert not isinstance(call, bytes)  # packed calls are for the direct path only
             keys, args = call
             pipe.execute_command(command, text, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))
+
+    async def _per_node(self, calls: list[Call], command: str, text: str) -> list[Any]:
+        """A cluster batch as one pipeline per node, sent together. One pipeline for all
+        raises for all when one node fails (redis-py's, after its retries), and does so as
+        soon as that node fails, before the others have answered: the calls other nodes ran
+        were reported failed (a caller retrying them without an idempotency key would append
+        them twice). Per node, each node's calls get its own outcome."""
+        groups: dict[Any, list[int]] = {}
+        for i, call in enumerate(calls):
+            assert not isinstance(call, bytes)
+            node = self.client.get_node_from_key(call[0][0])
+            groups.setdefault(None if node is None else node.name, []).append(i)
+        if len(groups) == 1:
+            return await self._one_pipeline(calls, command, text)
+        indices = list(groups.values())
+        outcomes = await asyncio.gather(
+            *(self._one_pipeline([calls[i] for i in idx], command, text) for idx in indices),
+            return_exceptions=True,
+        )
+        replies: list[Any] = [None] * len(calls)
+        errors: list[BaseException] = []
+        for idx, outcome in zip(indices, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):
+                    raise outcome
+                errors.append(outcome)
+                for i in idx:
+                    replies[i] = outcome
+            else:
+                for i, reply in zip(idx, outcome, strict=True):
+                    replies[i] = reply
+        if len(errors) == len(indices):
+            raise errors[0]  # no call's outcome is known
+        return replies
 
 
 def _outcome_unknown(reply: Any) -> bool:

@@ -1007,3 +1007,49 @@ async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
     finally:
         await other.aclose()
         await store.close()
+
+
+@pytest.mark.slow
+async def test_a_cluster_batch_with_a_node_down_keeps_the_other_nodes_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster batch spans nodes; one node dies just before it goes out (no client retries).
+    The calls the other nodes ran must get their results: one pipeline for the whole batch
+    raised for all as soon as the dead node failed, so appends that had landed were reported
+    "outcome unknown". Only the dead node's calls get the error. (A private cluster: the test
+    kills a node.)"""
+    from eventstore.servers import redis_cluster
+
+    with redis_cluster(primaries=3) as cluster:
+        store = await _store_with(cluster.url, retries=0)
+        try:
+            gc = committer(store)
+            threads = [f"t{i}" for i in range(12)]
+            node_of = {
+                t: store.client.get_node_from_key(store.keys.thread_keys(t)[0]).name
+                for t in threads
+            }
+            assert len(set(node_of.values())) >= 2
+            dead = node_of["t0"]
+            (victim,) = [n for n in cluster.nodes if f"127.0.0.1:{n.port}" == dead]
+            run = gc._run
+
+            async def node_dies_first(calls: list[Any], **kwargs: Any) -> list[Any]:
+                if victim.process is not None and victim.process.poll() is None:
+                    victim.process.kill()
+                    victim.process.wait()
+                return await run(calls, **kwargs)
+
+            monkeypatch.setattr(gc, "_run", node_dies_first)
+            # "warm" goes alone; the rest queue behind it and go in batches.
+            calls: list[tuple[str, str, es.ExpectedVersion]] = [("warm", "warm", es.ANY)]
+            outcomes = await _append_in_one_tick(store, calls + [(t, t, es.ANY) for t in threads])
+            assert gc.pipelines > 0
+            for t in threads:
+                if node_of[t] == dead:
+                    assert isinstance(outcomes[t], es.StoreConnectionError), (t, outcomes[t])
+                else:
+                    assert isinstance(outcomes[t], es.AppendResult), (t, outcomes[t])
+                    assert await _texts(store, t) == [t]
+        finally:
+            await store.close()
