@@ -77,7 +77,12 @@ class GroupCommit:
     call stays atomic on its own, and the server runs a pipeline's calls in submission order
     (two queued appends to one thread with consecutive expected versions both succeed). A
     batch holding one thread twice is the exception: it goes in one ``MULTI``/``EXEC``, or in
-    rounds, so that a script cached again mid-batch cannot reorder it (`_run_in_order`).
+    rounds, so that a script cached again mid-batch cannot reorder it (`_run_in_order`). On
+    Redis Cluster a batch goes as one pipeline per node (`_per_node`).
+
+    A call whose outcome is unknown (timed out, cancelled) after it was written holds back its
+    thread's next calls until what it sent has run (`_hold_back`); a caller whose send task was
+    cancelled, not itself, gets an error saying its outcome is unknown (`_sent`).
     """
 
     def __init__(
