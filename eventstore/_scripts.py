@@ -516,10 +516,13 @@ class GroupCommit:
         were reported failed (a caller retrying them without an idempotency key would append
         them twice). Per node, each node's calls get its own outcome."""
         groups: dict[Any, list[int]] = {}
-        for i, call in enumerate(calls):
-            assert not isinstance(call, bytes)
-            node = self.client.get_node_from_key(call[0][0])
-            groups.setdefault(None if node is None else node.name, []).append(i)
+        try:
+            for i, call in enumerate(calls):
+                assert not isinstance(call, bytes)
+                node = self.client.get_node_from_key(call[0][0])
+                groups.setdefault(None if node is None else node.name, []).append(i)
+        except Exception:  # a slot without a known node: the pipeline finds (or refreshes) it
+            groups = {None: list(range(len(calls)))}
         if len(groups) == 1:
             return await self._one_pipeline(calls, command, text)
         indices = list(groups.values())
