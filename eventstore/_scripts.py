@@ -8,12 +8,16 @@ import re
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ._wire import HeldConnections, can_hold, pack_command, pack_script_call, with_script_source
 
 Call = tuple[list[Any], list[Any]] | bytes
 """One call of a script: its keys and args, or (direct path only) its packed ``EVALSHA``."""
+
+Batch = list[tuple[Any, Call, "asyncio.Future[Any]"]]
+"""Calls sent together: each one's first key, the call, and its caller's future."""
 
 
 _INCLUDE = re.compile(r"^--#include (\w+)$", re.MULTILINE)
@@ -73,7 +77,12 @@ class GroupCommit:
     call stays atomic on its own, and the server runs a pipeline's calls in submission order
     (two queued appends to one thread with consecutive expected versions both succeed). A
     batch holding one thread twice is the exception: it goes in one ``MULTI``/``EXEC``, or in
-    rounds, so that a script cached again mid-batch cannot reorder it (`_run_in_order`).
+    rounds, so that a script cached again mid-batch cannot reorder it (`_run_in_order`). On
+    Redis Cluster a batch goes as one pipeline per node (`_per_node`).
+
+    A call whose outcome is unknown (timed out, cancelled) after it was written holds back its
+    thread's next calls until what it sent has run (`_hold_back`); a caller whose send task was
+    cancelled, not itself, gets an error saying its outcome is unknown (`_sent`).
     """
 
     def __init__(
@@ -87,12 +96,18 @@ class GroupCommit:
         self.client = client
         self.script = script
         self.max_batch = max(1, max_batch)
-        self._queue: list[tuple[Any, Call, asyncio.Future[Any]]] = []
+        self._queue: Batch = []
         self._in_flight = 0
         self._waiting = 0  # calls queued or in a pipeline, not yet answered
         self._busy: dict[Any, int] = {}  # first key -> calls in flight with it
         self._queue_waits = False  # the queue holds a call whose first key is in flight
-        self._tasks: set[asyncio.Task[None]] = set()
+        # First key -> calls of unknown outcome holding it back: what they sent is being read
+        # aside (`HeldConnections.draining`) and may not have run yet (`_hold_back`).
+        self._in_doubt: dict[Any, int] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        # Send task -> its batch, and whether the send let go of the batch's threads (a task
+        # cancelled before it ran never did: `_sent` does it then).
+        self._tasks: dict[asyncio.Task[None], tuple[Batch, list[bool]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last send
         # Its own RESP path where it is exact (see `_wire`), redis-py's otherwise; a store
         # passes the connections it holds, to share them with its reads (and closes them).
@@ -121,8 +136,10 @@ class GroupCommit:
         busy = self._busy
         # Alone when nothing is in flight; with max_batch 1 (no batches), when nothing is
         # queued and its thread is not in flight: one thread's calls are never in two sends.
-        if not self._queue and (
-            not self._in_flight or (self.max_batch == 1 and first_key not in busy)
+        if (
+            not self._queue
+            and not self._in_doubt
+            and (not self._in_flight or (self.max_batch == 1 and first_key not in busy))
         ):
             self._in_flight += 1
             self.sent_alone += 1
@@ -131,6 +148,10 @@ class GroupCommit:
             self._loop = None
             try:
                 return await self._one(call)
+            except BaseException as exc:
+                if not isinstance(exc, ResponseError):  # outcome unknown
+                    self._hold_back([first_key])
+                raise
             finally:
                 self._mark(first_key, -1)
                 self._in_flight -= 1
@@ -146,7 +167,9 @@ class GroupCommit:
         queue = self._queue
         queue.append((first_key, call, future))
         self._waiting += 1
-        if first_key in busy:
+        if self._in_doubt and not self._in_flight:
+            self._flush()  # no send returns to do it: the calls not held back go now
+        elif first_key in busy:
             self._queue_waits = True
         elif not self._queue_waits:
             # Half of the calls waiting, at least 2 and at most max_batch (>= 2 here).
@@ -190,13 +213,22 @@ class GroupCommit:
         n, busy = self.max_batch, self._busy
         while True:
             queue = self._queue
+            held: Batch = []
+            if self._in_doubt:
+                # The calls of a thread in doubt stay queued, in order, until it is let go.
+                doubt = self._in_doubt
+                held = [c for c in queue if c[0] in doubt]
+                if held:
+                    queue = [c for c in queue if c[0] not in doubt]
+                    if not queue:
+                        return
             if len(queue) <= n:
-                batch, self._queue = queue, []
+                batch, self._queue = queue, held
                 self._queue_waits = False
             else:
                 # A queue held back behind a thread in flight grows past max_batch: it goes
                 # out max_batch calls at a time, in order.
-                batch, self._queue = queue[:n], queue[n:]
+                batch, self._queue = queue[:n], held + queue[n:]
             # A thread with two calls in the batch: its keys were not busy before (a queue
             # holding a busy thread waits), so a count already above 0 is this batch's own.
             repeats = False
@@ -209,8 +241,9 @@ class GroupCommit:
             self.pipelines += 1
             self.pipelined_calls += len(batch)
             loop = self._loop = asyncio.get_running_loop()
-            task = loop.create_task(self._send(batch, repeats))
-            self._tasks.add(task)
+            released = [False]
+            task = loop.create_task(self._send(batch, repeats, released))
+            self._tasks[task] = (batch, released)
             task.add_done_callback(self._sent)
             rest = self._queue
             if not rest:
@@ -222,14 +255,37 @@ class GroupCommit:
                 return
 
     def _sent(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        batch, released = self._tasks.pop(task)
         self._in_flight -= 1
+        # A send cancelled (an application tearing its tasks down) or stopped by a
+        # KeyboardInterrupt: its callers were not cancelled themselves, and a CancelledError
+        # would read to them as their own cancellation. Each still waiting gets an error that
+        # says its outcome is unknown (the call may have been sent).
+        if task.cancelled() or task.exception() is not None:
+            if not released[0]:  # cancelled before it ran: its threads are still marked
+                self._release(batch)
+            self._hold_back([key for key, _, _ in batch])
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(
+                        RedisError(
+                            "the task sending this call was cancelled; its outcome is unknown "
+                            "(it may have been sent): retry it with the same idempotency key"
+                        )
+                    )
         if self._queue and not self._in_flight:
             self._flush()
 
-    async def _send(
-        self, batch: list[tuple[Any, Call, asyncio.Future[Any]]], repeats: bool
-    ) -> None:
+    def _release(self, batch: Batch) -> None:
+        busy = self._busy
+        for key, _, _ in batch:
+            n = busy[key] - 1
+            if n:
+                busy[key] = n
+            else:
+                del busy[key]
+
+    async def _send(self, batch: Batch, repeats: bool, released: list[bool]) -> None:
         try:
             try:
                 calls = [call for _, call, _ in batch]
@@ -240,25 +296,60 @@ class GroupCommit:
             finally:
                 # Answered (or failed): its threads may go out again, even before its callers
                 # resume and make their next calls.
-                busy = self._busy
-                for key, _, _ in batch:
-                    n = busy[key] - 1
-                    if n:
-                        busy[key] = n
-                    else:
-                        del busy[key]
-        except BaseException as exc:
+                self._release(batch)
+                released[0] = True
+        except Exception as exc:
+            self._hold_back([key for key, _, _ in batch])
             for _, _, future in batch:
                 if not future.done():  # its caller was cancelled
                     future.set_exception(exc)
             return
-        for (_, _, future), reply in zip(batch, replies, strict=True):
-            if future.done():  # its caller was cancelled
-                continue
+        for (key, _, future), reply in zip(batch, replies, strict=True):
             if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
+                if _outcome_unknown(reply):
+                    self._hold_back([key])
+                if not future.done():  # else its caller was cancelled
+                    future.set_exception(reply)
+            elif not future.done():
                 future.set_result(reply)
+
+    def _hold_back(self, keys: list[Any]) -> None:
+        """Hold back the next calls of these threads (first keys), whose last call's outcome is
+        unknown, until what it sent has been read aside (`HeldConnections.draining`).
+
+        A call that timed out (or whose caller was cancelled) was written: its bytes wait in
+        the server's socket buffer when the server is stalled, and still run when it wakes.
+        Closing the connection does not take them back, and Redis may serve another
+        connection first when it wakes (a large call is read in several passes): a thread's
+        next call, made after the caller was told "outcome unknown", landed before it. Its
+        connection is read aside instead; once its replies are in, it has run, and the
+        thread's calls go on. Held at most `_wire._DRAIN_TIMEOUTS` socket timeouts.
+        """
+        held = self._held
+        if held is None or not held.draining:
+            return  # nothing sent is still to run (or, through redis-py, nothing to watch)
+        doubt = self._in_doubt
+        for key in keys:
+            doubt[key] = doubt.get(key, 0) + 1
+        task = asyncio.get_running_loop().create_task(
+            self._let_go(keys, list(held.draining.values()))
+        )
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _let_go(self, keys: list[Any], drains: list[asyncio.Task[None]]) -> None:
+        try:
+            await asyncio.wait(drains)
+        finally:
+            doubt = self._in_doubt
+            for key in keys:
+                n = doubt[key] - 1
+                if n:
+                    doubt[key] = n
+                else:
+                    del doubt[key]
+            if self._queue and not self._in_flight:
+                self._flush()
 
     async def _run(self, calls: list[Call], *, atomic: bool = False) -> list[Any]:
         """The calls in one pipeline (``atomic``: in one ``MULTI``/``EXEC``), a reply or an
@@ -406,12 +497,54 @@ class GroupCommit:
                         answered[:] = replies
                     raise
             return replies
+        if isinstance(self.client, RedisCluster) and len(calls) > 1:
+            return await self._per_node(calls, command, text)
+        return await self._one_pipeline(calls, command, text)
+
+    async def _one_pipeline(self, calls: list[Call], command: str, text: str) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
             assert not isinstance(call, bytes)  # packed calls are for the direct path only
             keys, args = call
             pipe.execute_command(command, text, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))
+
+    async def _per_node(self, calls: list[Call], command: str, text: str) -> list[Any]:
+        """A cluster batch as one pipeline per node, sent together. One pipeline for all
+        raises for all when one node fails (redis-py's, after its retries), and does so as
+        soon as that node fails, before the others have answered: the calls other nodes ran
+        were reported failed (a caller retrying them without an idempotency key would append
+        them twice). Per node, each node's calls get its own outcome."""
+        groups: dict[Any, list[int]] = {}
+        try:
+            for i, call in enumerate(calls):
+                assert not isinstance(call, bytes)
+                node = self.client.get_node_from_key(call[0][0])
+                groups.setdefault(None if node is None else node.name, []).append(i)
+        except Exception:  # a slot without a known node: the pipeline finds (or refreshes) it
+            groups = {None: list(range(len(calls)))}
+        if len(groups) == 1:
+            return await self._one_pipeline(calls, command, text)
+        indices = list(groups.values())
+        outcomes = await asyncio.gather(
+            *(self._one_pipeline([calls[i] for i in idx], command, text) for idx in indices),
+            return_exceptions=True,
+        )
+        replies: list[Any] = [None] * len(calls)
+        errors: list[BaseException] = []
+        for idx, outcome in zip(indices, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):
+                    raise outcome
+                errors.append(outcome)
+                for i in idx:
+                    replies[i] = outcome
+            else:
+                for i, reply in zip(idx, outcome, strict=True):
+                    replies[i] = reply
+        if len(errors) == len(indices):
+            raise errors[0]  # no call's outcome is known
+        return replies
 
 
 def _outcome_unknown(reply: Any) -> bool:

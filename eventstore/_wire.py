@@ -19,7 +19,15 @@ What stays the same as redis-py's path:
   reconnect, send again). Every call sent this way is a read, or an append whose retry is a
   duplicate the script recognises by its idempotency key, so a repeat is safe.
 * A call that ends any other way mid-exchange (cancelled, say) leaves replies unread: that
-  connection is disconnected, never reused as it is.
+  connection is never reused as it is.
+
+One thing differs on purpose. A connection whose replies stopped coming in time (a timeout,
+or the caller cancelled) after its commands were written is not closed: closing it would not
+take them back (they wait in the server's socket buffer and still run when a stalled server
+wakes, possibly after commands sent later on other connections), it would only lose sight of
+when they ran. It is read aside instead (`HeldConnections.draining`) until its replies have
+all come, so the caller can hold back what must run after them; the retry goes on another
+connection.
 
 Used only where it is exact: a standalone ``redis.asyncio.Redis`` on RESP2 without a single
 shared connection. Anything else (cluster, RESP3 push messages, a single-connection client)
@@ -43,6 +51,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # than a quarter of the pool, so other commands on the same client are not starved of it.
 _MAX_IDLE = 2
 _READ_SIZE = 65536
+# A connection read aside waits this many socket timeouts for its replies; then it is closed
+# (what it sent may still run later: see `HeldConnections.draining`).
+_DRAIN_TIMEOUTS = 4
 
 _HIREDIS_PARSER: Any = None  # redis-py's hiredis parser class, read from directly when in use
 NOT_ENOUGH_DATA: Any = None
@@ -170,6 +181,11 @@ class HeldConnections:
         self._held: set[Any] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Connection -> the task reading it aside: its exchange ended (timed out, cancelled)
+        # after its commands were written, with their replies still to come. Until it ends,
+        # those commands may not have run yet; when it ends they have (or, if it gave up
+        # after _DRAIN_TIMEOUTS socket timeouts, may still, later).
+        self.draining: dict[Any, asyncio.Task[None]] = {}
 
     async def exchange(
         self, payload: bytes, replies: int, answered: list[Any] | None = None
@@ -191,17 +207,35 @@ class HeldConnections:
                 raise
         else:
             conn = await self._check_out()
+        # The connection the next attempt uses; None when the last one was read aside (the
+        # next attempt takes another from the pool).
+        using: list[Any] = [conn]
+
+        async def attempt() -> list[Any]:
+            c = using[0]
+            if c is None:
+                c = using[0] = await self._check_out()
+            return await self._once(c, payload, replies, answered)
+
+        async def failed(error: Exception) -> None:
+            c = using[0]
+            if c is not None:
+                if c in self.draining:
+                    using[0] = None
+                else:
+                    await c.disconnect()
+
         try:
-            result: list[Any] = await conn.retry.call_with_retry(
-                lambda: self._once(conn, payload, replies, answered),
-                lambda error: conn.disconnect(),
-            )
+            result: list[Any] = await conn.retry.call_with_retry(attempt, failed)
         except BaseException:
-            # Replies may be left unread on it (a cancelled read, a retry given up): never
+            # Replies may be left unread on it (a retry given up, a cancelled connect): never
             # reuse it as it is. Disconnecting and returning it is done aside, so a cancelled
-            # caller is not held up.
-            self._drop(conn)
+            # caller is not held up. One read aside is given back by its reader.
+            c = using[0]
+            if c is not None and c not in self.draining:
+                self._drop(c)
             raise
+        conn = using[0]
         if self._closed or len(self._idle) >= self._keep:
             self._held.discard(conn)
             await self._pool.release(conn)
@@ -214,53 +248,61 @@ class HeldConnections:
         self._held.add(conn)
         return conn
 
-    @staticmethod
     async def _once(
-        conn: Any, payload: bytes, replies: int, answered: list[Any] | None
+        self, conn: Any, payload: bytes, replies: int, answered: list[Any] | None
     ) -> list[Any]:
         """One attempt of `exchange`; when it fails, ``answered`` keeps the replies it read if
         they are more than an earlier attempt's."""
         if not conn.is_connected:
             await conn.connect()
+        parser = conn._parser
+        # redis-py's hiredis reader keeps what it was fed when a read stops between two
+        # chunks, so a connection read that way can be read on later (`_read_aside`).
+        hiredis = (
+            _HIREDIS_PARSER is not None
+            and type(parser) is _HIREDIS_PARSER
+            and getattr(parser, "_reader", None) is not None
+            and getattr(parser, "_connected", True)
+        )
+        out: list[Any] = []
         writer = conn._writer
         writer.write(payload)
-        # A small command leaves the transport's buffer empty (written at once); only a large
-        # one waits for the socket, under the connection's timeout as redis-py's send does.
-        if writer.transport.get_write_buffer_size():
-            try:
-                async with asyncio.timeout(conn.socket_timeout):
-                    await writer.drain()
-            except TimeoutError:
-                raise RedisTimeoutError("Timeout writing to socket") from None
-            except OSError as exc:
-                raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
-        # One deadline for all the replies, not redis-py's timer per read.
-        out: list[Any] = []
         try:
             try:
-                async with asyncio.timeout(conn.socket_timeout):
-                    parser = conn._parser
-                    if (
-                        _HIREDIS_PARSER is not None
-                        and type(parser) is _HIREDIS_PARSER
-                        and getattr(parser, "_reader", None) is not None
-                        and getattr(parser, "_connected", True)
-                    ):
-                        return await _read_hiredis(parser, replies, out)
-                    for _ in range(replies):
-                        try:
-                            out.append(await conn.read_response(timeout=math.inf))  # no timer
-                        except ResponseError as exc:
-                            out.append(exc)
-                    return out
-            except TimeoutError:
+                # A small command leaves the transport's buffer empty (written at once); only
+                # a large one waits for the socket, under the connection's timeout as
+                # redis-py's send does (the rest is still written if that wait stops).
+                if writer.transport.get_write_buffer_size():
+                    try:
+                        async with asyncio.timeout(conn.socket_timeout):
+                            await writer.drain()
+                    except TimeoutError:
+                        raise RedisTimeoutError("Timeout writing to socket") from None
+                # One deadline for all the replies, not redis-py's timer per read.
+                try:
+                    async with asyncio.timeout(conn.socket_timeout):
+                        if hiredis:
+                            return await _read_hiredis(parser, replies, out)
+                        for _ in range(replies):
+                            try:
+                                out.append(await conn.read_response(timeout=math.inf))
+                            except ResponseError as exc:
+                                out.append(exc)
+                        return out
+                except TimeoutError:
+                    raise RedisTimeoutError("Timeout reading from redis") from None
+            except RedisConnectionError:  # closed, or a reply it cannot parse: spent
                 await conn.disconnect(nowait=True)
-                raise RedisTimeoutError("Timeout reading from redis") from None
-            except OSError as exc:
+                raise
+            except OSError as exc:  # the connection broke: the server let go of it
                 await conn.disconnect(nowait=True)
-                raise RedisConnectionError(f"Error while reading from redis: {exc}") from exc
+                raise RedisConnectionError(f"Error while talking to redis: {exc}") from exc
             except BaseException:
-                await conn.disconnect(nowait=True)  # a reply may be half read: spent
+                # Timed out or cancelled with replies to come: what was sent still runs.
+                if hiredis and conn.is_connected:
+                    self._read_aside(conn, replies - len(out))
+                else:
+                    await conn.disconnect(nowait=True)  # a reply may be half read: spent
                 raise
         except BaseException:
             # The first commands' replies were read: they ran and answered so. Kept for the
@@ -268,6 +310,31 @@ class HeldConnections:
             if answered is not None and len(out) > len(answered):
                 answered[:] = out
             raise
+
+    def _read_aside(self, conn: Any, replies: int) -> None:
+        """Read a connection's ``replies`` outstanding replies in a task of its own, then give
+        it back (see `draining`)."""
+        task = asyncio.get_running_loop().create_task(self._drain(conn, replies))
+        self.draining[conn] = task
+
+    async def _drain(self, conn: Any, replies: int) -> None:
+        timeout = conn.socket_timeout
+        try:
+            async with asyncio.timeout(None if timeout is None else timeout * _DRAIN_TIMEOUTS):
+                await _read_hiredis(conn._parser, replies, [])
+        except BaseException as exc:
+            self._held.discard(conn)
+            await self._release(conn, disconnect=True)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            del self.draining[conn]
+        if self._closed or len(self._idle) >= self._keep:
+            self._held.discard(conn)
+            await self._pool.release(conn)
+        else:
+            self._idle.append(conn)
 
     def _drop(self, conn: Any) -> None:
         self._held.discard(conn)
@@ -284,6 +351,11 @@ class HeldConnections:
     async def close(self) -> None:
         """Return every held connection to the pool."""
         self._closed = True
+        drains = list(self.draining.values())
+        for task in drains:
+            task.cancel()  # it disconnects and returns its connection
+        if drains:
+            await asyncio.gather(*drains, return_exceptions=True)
         held, self._held, self._idle = self._held, set(), []
         for conn in held:
             await self._release(conn, disconnect=False)

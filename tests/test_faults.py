@@ -581,13 +581,14 @@ async def test_client_pause_longer_than_the_socket_timeout(
     print("\n" + summary)
     assert probe[0][0] in {"StoreConnectionError", "StoreTimeoutError"}, summary
     assert probe[0][1] < bound + 0.5, summary
-    # WRITE: every writer meets the pause (its send, or the one its call queued behind, gives
-    # up inside the 2.5 s pause). ALL: calls that group commit queued behind the held send go
-    # out when it gives up (~3.9 s), and their reconnects outlast the 5 s pause: they succeed
-    # late instead of failing, so only the writers whose calls were in flight see an error.
-    # Seen on this session's code (2 of 4 writers, in 2 of 5 runs at 25a58b9); which change
-    # made it likely was not pinned down.
-    assert sum(stats.errors.values()) >= (FAULT_WRITERS if mode == "WRITE" else 1), summary
+    # Not every writer need see an error. WRITE: the 4 writers share 3 threads, and a call
+    # of a thread whose last call timed out waits until that one's connection, read aside,
+    # answers or is given up (4 socket timeouts; see GroupCommit._hold_back): sent then, it
+    # can outlast the pause and succeed (3 of 4 writers erred in 2 of 4 runs). ALL: calls
+    # that group commit queued behind the held send go out when it gives up (~3.9 s), and
+    # their reconnects outlast the 5 s pause: they succeed late instead of failing, so only
+    # the writers whose calls were in flight see an error.
+    assert sum(stats.errors.values()) >= 1, summary
     assert set(stats.errors) <= {"StoreConnectionError", "StoreTimeoutError"}, summary
     assert result.clean, summary + f"; {result.unverified[:3]} {result.view_differences[:3]}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -821,3 +822,234 @@ async def test_a_single_connection_batch_in_rounds_holds_back_only_the_threads_i
         assert await _texts(store, "b") == []
     finally:
         await store.close()
+
+
+# -- cancellation: a caller gets its own outcome, never another's cancellation -----------------
+
+
+async def test_cancelling_one_of_several_appenders_leaves_the_others_their_results(
+    store: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appenders queued in one batch; one of them is cancelled right as the batch goes out.
+    The others must get their own results (the batch is sent by its own task, not the
+    caller's), and the cancelled one's append may or may not land."""
+    outcomes: dict[int, object] = {}
+    scopes: list[anyio.CancelScope] = []
+    gc = committer(store)
+    flush = gc._flush
+
+    def flush_then_cancel_one() -> None:
+        flush()
+        scopes[0].cancel()
+
+    monkeypatch.setattr(gc, "_flush", flush_then_cancel_one)
+
+    async def one(i: int) -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            outcomes[i] = (await store.append(f"t{i}", [msg(str(i))])).last_seq
+        if scope.cancelled_caught:
+            outcomes[i] = "cancelled"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.append, "warm", [msg("busy")])  # the others queue behind it
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert outcomes.pop(0) == "cancelled"
+    assert outcomes == {i: 1 for i in range(1, 8)}
+    monkeypatch.undo()
+    assert len(await read_all(store, "t0")) in (0, 1)
+
+
+async def _outcomes_when_the_send_is_cancelled(
+    store: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch, *, started: bool
+) -> dict[str, object]:
+    """ "a1" goes alone, "a2" and "b" queue behind it; the task that sends their batch is
+    cancelled (as an application tearing its tasks down would), before it runs (``started``
+    False) or while it waits for the reply (the server paused). What each caller got."""
+    gc = committer(store)
+    flush, run = gc._flush, gc._run
+
+    def flush_then_cancel() -> None:
+        flush()
+        for task in list(gc._tasks):
+            if started:
+                asyncio.get_running_loop().call_later(0.1, task.cancel)
+            else:
+                task.cancel()
+
+    async def paused_run(calls: list[Any], **kwargs: Any) -> list[Any]:
+        await store.client.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+        return await run(calls, **kwargs)
+
+    monkeypatch.setattr(gc, "_flush", flush_then_cancel)
+    if started:
+        monkeypatch.setattr(gc, "_run", paused_run)
+    outcomes: dict[str, object] = {}
+
+    async def one(name: str, thread: str) -> None:
+        try:
+            outcomes[name] = await store.append(thread, [msg(name)], idempotency_key=name)
+        except BaseException as exc:  # a CancelledError here is what must not happen
+            outcomes[name] = exc
+
+    with anyio.fail_after(5):  # a batch cancelled before it ran left its callers waiting
+        await asyncio.gather(*(one(name, name[0]) for name in ("a1", "a2", "b")))
+    monkeypatch.undo()
+    return outcomes
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-it-ran", "mid-send"])
+async def test_callers_of_a_cancelled_send_get_a_typed_unknown_outcome(
+    store: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch, started: bool
+) -> None:
+    """Callers that were not cancelled themselves must not see a CancelledError (asyncio would
+    take it as their own cancellation, anyio would not know it): they get an OperationalError,
+    "may or may not have landed", and a retry with the same key settles it."""
+    if started and store._is_cluster:
+        pytest.skip("CLIENT PAUSE holds one node of the cluster")
+    outcomes = await _outcomes_when_the_send_is_cancelled(store, monkeypatch, started=started)
+    assert isinstance(outcomes.pop("a1"), es.AppendResult)
+    for name in ("a2", "b"):
+        error = outcomes[name]
+        assert isinstance(error, es.OperationalError), repr(error)
+        assert "outcome is unknown" in str(error)
+        retried = await store.append(name[0], [msg(name)], idempotency_key=name)
+        assert await _texts(store, name[0]) == (["a1", "a2"] if name == "a2" else ["b"])
+        assert retried.last_seq == (2 if name == "a2" else 1)
+    # Nothing of the cancelled batch is left holding its threads: the next calls go out.
+    with anyio.fail_after(5):
+        await asyncio.gather(store.append("a", [msg("a3")]), store.append("b", [msg("b2")]))
+
+
+# -- a call timed out: what it sent still runs, and must run before the thread's next calls ----
+
+# Holds the server's event loop for ARGV[1] microseconds (a slow script of another client, a
+# fork, a swapped page): every connection's bytes wait in the server's socket buffers.
+_STALL = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > tonumber(ARGV[1])
+return 1
+"""
+
+
+@pytest.mark.parametrize("how", ["timed-out", "cancelled", "timed-out-in-a-batch"])
+async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """An append times out (or its caller gives up on it) while the server is stalled; its
+    bytes are in the server's socket buffer and run once it wakes. The caller, told the outcome
+    is unknown, appends again to the thread (retrying until answered, as a caller should). The
+    first append must not land after that next one. Closing its connection did not take its
+    bytes back, and Redis served the next one's connection first (the large first append is
+    read in several passes): the thread's log read [B, A] where the caller made A, then B.
+    So B is not sent before the server has woken (and answered A, read aside)."""
+    import redis.asyncio as aioredis
+
+    from eventstore._connect import StoreSettings, open_store
+
+    opened = await open_store(
+        StoreSettings.from_url(
+            redis_url,
+            namespace="g" + uuid.uuid4().hex[:12],
+            socket_timeout=5.0 if how == "cancelled" else 0.2,
+            retries=0,
+        )
+    )
+    assert isinstance(opened, es.RedisEventStore)
+    store, other = opened, aioredis.from_url(redis_url)
+    big = [msg("A" + "x" * 100_000)]
+    try:
+        await store.append("t", [msg("first")])
+        # Connections left idle (held, and in the pool): the next appends do not wait for new
+        # ones, whose handshakes the stall would hold.
+        await asyncio.gather(*(store.append(f"w{i}", [msg("w")]) for i in range(20)))
+        await asyncio.gather(*(store.client.ping() for _ in range(4)))
+        assert store._held is not None
+        exchange, b_sent = store._held.exchange, list[float]()
+
+        async def recorded(payload: bytes, replies: int, answered: Any = None) -> list[Any]:
+            if b"B-mark" in payload:
+                b_sent.append(time.monotonic())
+            return await exchange(payload, replies, answered)
+
+        monkeypatch.setattr(store._held, "exchange", recorded)
+        stall = asyncio.ensure_future(other.eval(_STALL, 0, 800_000))
+        stall.add_done_callback(lambda _: b_sent.append(-time.monotonic()))
+        await anyio.sleep(0.05)
+        if how == "cancelled":
+            with anyio.move_on_after(0.2) as scope:
+                await store.append("t", big)
+            assert scope.cancelled_caught
+        elif how == "timed-out":
+            with pytest.raises(es.StoreTimeoutError):
+                await store.append("t", big)
+        else:
+            # Another thread's append goes alone; A queues behind it, and goes in a batch.
+            alone = asyncio.ensure_future(store.append("u", [msg("u")]))
+            await asyncio.sleep(0)
+            with pytest.raises(es.StoreTimeoutError):
+                await store.append("t", big)
+            with pytest.raises(es.StoreTimeoutError):
+                await alone
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    await store.append("t", [msg("B-mark")], idempotency_key="b")
+                    break
+                except es.OperationalError:
+                    continue  # outcome unknown: the same key again
+            await stall
+        assert [text[:1] for text in await _texts(store, "t")] == ["f", "A", "B"]
+        stall_end = -min(b_sent)
+        assert min(t for t in b_sent if t > 0) > stall_end - 0.1, "B went out in the stall"
+    finally:
+        await other.aclose()
+        await store.close()
+
+
+@pytest.mark.slow
+async def test_a_cluster_batch_with_a_node_down_keeps_the_other_nodes_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster batch spans nodes; one node dies just before it goes out (no client retries).
+    The calls the other nodes ran must get their results: one pipeline for the whole batch
+    raised for all as soon as the dead node failed, so appends that had landed were reported
+    "outcome unknown". Only the dead node's calls get the error. (A private cluster: the test
+    kills a node.)"""
+    from eventstore.servers import redis_cluster
+
+    with redis_cluster(primaries=3) as cluster:
+        store = await _store_with(cluster.url, retries=0)
+        try:
+            gc = committer(store)
+            threads = [f"t{i}" for i in range(12)]
+            node_of = {
+                t: store.client.get_node_from_key(store.keys.thread_keys(t)[0]).name
+                for t in threads
+            }
+            assert len(set(node_of.values())) >= 2
+            dead = node_of["t0"]
+            (victim,) = [n for n in cluster.nodes if f"127.0.0.1:{n.port}" == dead]
+            run = gc._run
+
+            async def node_dies_first(calls: list[Any], **kwargs: Any) -> list[Any]:
+                if victim.process is not None and victim.process.poll() is None:
+                    victim.process.kill()
+                    victim.process.wait()
+                return await run(calls, **kwargs)
+
+            monkeypatch.setattr(gc, "_run", node_dies_first)
+            # "warm" goes alone; the rest queue behind it and go in batches.
+            calls: list[tuple[str, str, es.ExpectedVersion]] = [("warm", "warm", es.ANY)]
+            outcomes = await _append_in_one_tick(store, calls + [(t, t, es.ANY) for t in threads])
+            assert gc.pipelines > 0
+            for t in threads:
+                if node_of[t] == dead:
+                    assert isinstance(outcomes[t], es.StoreConnectionError), (t, outcomes[t])
+                else:
+                    assert isinstance(outcomes[t], es.AppendResult), (t, outcomes[t])
+                    assert await _texts(store, t) == [t]
+        finally:
+            await store.close()
