@@ -98,6 +98,7 @@ from eventstore import (
     NewEvent,
     OperationalError,
     RecordedEvent,
+    ThreadInfo,
     ThreadReplacedError,
     ViewConflictError,
     ViewEntry,
@@ -161,6 +162,7 @@ CONFLICT_BACKOFF_MIN = 0.001
 CONFLICT_BACKOFF_MAX = 0.05
 READ_CHUNK = 1000  # fields per HashGet: the read script unpacks them onto the Lua stack
 COPY_CHUNK = 256
+LIST_PAGE = 256  # threads of the index per read when list() goes through every thread
 UNDO_TIMEOUT_S = 30.0  # how long an interrupted copy_thread may take to delete what it wrote
 CACHE_SIZE = 1024
 # A lineage's elements are kept in blocks: element i is entry i % BLOCK of field
@@ -1165,30 +1167,22 @@ class ThreadlogCheckpointSaver(
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
         store = await self._get_store()
-        targets: list[tuple[str, Any, str | None, str | None]]
+        targets: AsyncIterator[tuple[str, Any, str | None, str | None]]
         if config is None:
-            # Every LangGraph thread of the namespace: one thread after another.
-            threads = [
-                t.thread_id
-                for t in await store.threads()
-                if t.thread_id.startswith(self.thread_prefix)
-            ]
-            targets = [
-                (tid, _unescape(tid[len(self.thread_prefix) :]), None, None) for tid in threads
-            ]
+            targets = self._every_thread(store)
         else:
             conf = _configurable(config)
-            targets = [
+            targets = _one_target(
                 (
                     self.thread_id_of(conf["thread_id"]),
                     conf["thread_id"],
                     conf.get("checkpoint_ns"),
                     get_checkpoint_id(config),
                 )
-            ]
+            )
         before_id = get_checkpoint_id(before) if before else None
         remaining = limit
-        for tid, thread_id, ns, checkpoint_id in targets:
+        async for tid, thread_id, ns, checkpoint_id in targets:
             if remaining is not None and remaining <= 0:
                 return
             snap = await store.read_views(tid, [HashGetAll(RECORDS)])
@@ -1219,6 +1213,24 @@ class ThreadlogCheckpointSaver(
                 tuples, _ = await self._resolve(store, tid, thread_id, page, _Fetch(), warm=False)
                 for tup in tuples:
                     yield tup
+
+    async def _every_thread(
+        self, store: EventStore
+    ) -> AsyncIterator[tuple[str, Any, str | None, str | None]]:
+        """Every LangGraph thread of the namespace, most recent activity first, a page of the
+        thread index at a time: a ``list(None, limit=1)`` reads one page, not every thread of
+        a namespace that may hold millions (a thread written meanwhile moves to the front and
+        is not listed again, as `EventStore.threads` pages)."""
+        after: ThreadInfo | None = None
+        while True:
+            page = await store.threads(limit=LIST_PAGE, after=after)
+            for info in page:
+                tid = info.thread_id
+                if tid.startswith(self.thread_prefix):
+                    yield tid, _unescape(tid[len(self.thread_prefix) :]), None, None
+            if len(page) < LIST_PAGE:
+                return
+            after = page[-1]
 
     def _body(self, rec: Record) -> Checkpoint:
         return cast(Checkpoint, self.serde.loads_typed(rec.checkpoint))
@@ -2118,6 +2130,12 @@ class ThreadlogCheckpointSaver(
 
 _Chunk = tuple[list[NewEvent], list[ViewOp], ExpectedVersion, int | None]
 """A chunk of a copy: its events, view ops, expected version and the target's life (or None)."""
+
+
+async def _one_target(
+    target: tuple[str, Any, str | None, str | None],
+) -> AsyncIterator[tuple[str, Any, str | None, str | None]]:
+    yield target
 
 
 async def _undo_copy(

@@ -392,6 +392,36 @@ async def test_events_thread_ids_and_audit(store: es.EventStore) -> None:
         await saver.aget_tuple({"configurable": {}})
 
 
+async def test_list_of_every_thread_reads_the_thread_index_a_page_at_a_time(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``alist(None)`` listed every thread of the namespace before its first checkpoint: a
+    ``limit=1`` on a namespace of millions read them all. It now pages the thread index."""
+    monkeypatch.setattr(lg, "LIST_PAGE", 3)
+    saver = ThreadlogCheckpointSaver(store)
+    graph = todo_graph().compile(checkpointer=saver)
+    names = [f"t{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        await graph.ainvoke({"todo": [name], "n": i}, config(name))
+        await anyio.sleep(0.002)  # one activity time each: the index order is the write order
+    await store.append("not-langgraph", [es.StateUpdated(block="x", value=1)])
+    real_threads = store.threads
+    pages: list[int | None] = []
+
+    async def threads(**kwargs: Any) -> list[es.ThreadInfo]:
+        pages.append(kwargs.get("limit"))
+        return await real_threads(**kwargs)
+
+    monkeypatch.setattr(store, "threads", threads)
+    first = [t async for t in saver.alist(None, limit=1)]
+    assert [t.config["configurable"]["thread_id"] for t in first] == ["t7"]  # newest activity
+    assert pages == [3]  # one page of the index, not the namespace
+    pages.clear()
+    every = {t.config["configurable"]["thread_id"] async for t in saver.alist(None)}
+    assert every == set(names)  # the other thread of the namespace is skipped
+    assert pages == [3, 3, 3, 3]  # 9 threads: three full pages of 3, then an empty one
+
+
 # -- lists, size limits, stale caches ---------------------------------------------------------
 
 
