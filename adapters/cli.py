@@ -1123,6 +1123,19 @@ async def _version_or_none(store: es.EventStore, thread_id: str) -> int | None:
         return None
 
 
+async def _versions_or_none(store: es.EventStore, thread_ids: list[str]) -> list[int | None]:
+    """`_version_or_none` of each thread, asked 512 threads a round trip (a listing of every
+    thread of a large namespace made one round trip a thread)."""
+    out: list[int | None] = []
+    for i in range(0, len(thread_ids), 512):
+        chunk = thread_ids[i : i + 512]
+        try:
+            out += await store.versions(chunk)
+        except es.CorruptEventError:  # one damaged meta among them: each alone says which
+            out += [await _version_or_none(store, t) for t in chunk]
+    return out
+
+
 async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
     limit = args.limit or None
@@ -1132,7 +1145,8 @@ async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
     infos = await store.threads(limit=asked)
     more = limit is not None and len(infos) > limit
     infos = infos[:limit] if limit is not None else infos
-    rows = [(info, await _version_or_none(store, info.thread_id)) for info in infos]
+    versions = await _versions_or_none(store, [info.thread_id for info in infos])
+    rows = list(zip(infos, versions, strict=True))
     if args.json:
         ctx.json(
             {

@@ -706,6 +706,16 @@ def test_threads_lists_newest_activity_first(redis_url: str) -> None:
     with_store(redis_url, empty, lambda store: store.namespace_exists())  # opened by a writer
     listed_empty = cli("threads", url=redis_url, namespace=empty)
     assert listed_empty.code == 0 and "No threads in namespace" in listed_empty.out
+    # A damaged version among the threads asked together: that thread's is unknown, the
+    # others' are still shown (versions are asked 512 threads a round trip).
+    with_store(
+        redis_url,
+        namespace,
+        lambda store: store.client.hset(store.keys.meta("newer"), "v", "x"),  # type: ignore[attr-defined]
+    )
+    damaged = cli("threads", "--json", url=redis_url, namespace=namespace)
+    assert damaged.code == 0, damaged
+    assert [t["version"] for t in damaged.json()["threads"]] == [2, None, 1]
 
 
 def replay_rows(demo: Demo) -> list[dict[str, Any]]:
