@@ -268,6 +268,21 @@ def _other_life(
     )
 
 
+def _checkpoint(key: str, name: str, raw: bytes) -> str:
+    """A stored checkpoint (a feed id), or `CorruptKeyError` for what threadlog never writes
+    there: read on, a runner would take it for the caller's bad input, or fail to decode it."""
+    try:
+        text = raw.decode("ascii")
+        parse_stream_id(text)
+    except (UnicodeDecodeError, InvalidInputError):
+        raise CorruptKeyError(
+            key,
+            f"projection {name!r}'s checkpoint is {raw[:40]!r}, which is no feed id (a "
+            "checkpoint is the id of the last change the projection applied: put that back)",
+        ) from None
+    return text
+
+
 def _check_load_reply(
     thread_id: str, reply: Any, expected_version: int, expected_incarnation: int | None
 ) -> None:
@@ -1778,13 +1793,24 @@ class RedisEventStore(EventStore):
 
     async def checkpoint_of(self, partition: int, name: str) -> str:
         self._feed_key(partition)
-        raw = await _call(self.client.hget(self.keys.checkpoints(partition), name))
-        return raw.decode("ascii") if raw else "0-0"
+        key = self.keys.checkpoints(partition)
+        raw = await _call(self.client.hget(key, name))
+        return _checkpoint(key, name, raw) if raw else "0-0"
 
     async def checkpoints(self, partition: int) -> dict[str, str]:
         self._feed_key(partition)
-        raw = await _call(self.client.hgetall(self.keys.checkpoints(partition)))
-        return {k.decode("utf-8"): v.decode("ascii", "replace") for k, v in raw.items()}
+        key = self.keys.checkpoints(partition)
+        raw = await _call(self.client.hgetall(key))
+        out = {}
+        for field, value in raw.items():
+            try:
+                name = field.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorruptKeyError(
+                    key, f"it holds a field named {field!r}, which is no projection's name"
+                ) from None
+            out[name] = _checkpoint(key, name, value)
+        return out
 
     async def namespace_id(self) -> str:
         key = KeyLayout.config_key(self.namespace)

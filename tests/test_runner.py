@@ -114,6 +114,36 @@ async def test_a_runner_given_a_store_not_awaited_is_refused_at_once(redis_url: 
             pass
 
 
+@pytest.mark.parametrize("damage", [b"garbage", b"\xff\xfe"], ids=["no-id", "not-ascii"])
+async def test_a_damaged_checkpoint_is_named_as_damage(redis_url: str, damage: bytes) -> None:
+    """A checkpoint changed from outside threadlog was taken for the caller's bad input
+    (`InvalidInputError: not a stream id`) or raised a bare `UnicodeDecodeError`, from the
+    runner and from `feed_group_lag` alike. It is `CorruptKeyError`, naming the key and the
+    projection; the runner's other partitions go on."""
+    store = await es.connect(redis_url, namespace="r" + uuid.uuid4().hex[:12], partitions=2)
+    assert isinstance(store, es.RedisEventStore)
+    try:
+        threads = {es.partition_of(t, 2): t for t in (f"t{i}" for i in range(20))}
+        for thread in threads.values():
+            await settle(store, thread, "small", 1)
+        runner = ProjectionRunner(store, UsageProjection(), consumer="c")
+        assert await runner.run_once() == 2
+        key = store.keys.checkpoints(0)
+        await store.client.hset(key, "usage", damage)
+        for read in (store.checkpoint_of(0, "usage"), store.checkpoints(0), feed_group_lag(store)):
+            with pytest.raises(es.CorruptKeyError, match="'usage'") as info:
+                await read
+            assert info.value.key == key
+        await settle(store, threads[1], "small", 1)
+        with pytest.raises(es.CorruptKeyError):
+            await runner.run_once()
+        assert list(runner.failed) == [0]  # partition 1 was worked all the same
+        assert await store.checkpoint_of(1, "usage") != "0-0"
+        assert (await UsageProjection().report(store))[0].turns == 3
+    finally:
+        await store.close()
+
+
 async def test_a_thread_deleted_and_created_again_is_counted_in_each_life_once(
     store: es.EventStore,
 ) -> None:
