@@ -351,7 +351,7 @@ async def test_a_checkpoint_that_is_not_a_stream_id_stops_the_runner(
         checkpoint = await store.checkpoint_of(p, usage.name)
         await store.client.hset(store.keys.checkpoints(p), usage.name, damaged)
         await settle(store, "thread-0", "small", 1000)
-        with pytest.raises(es.InvalidInputError, match="not a stream id"):
+        with pytest.raises(es.CorruptKeyError, match="no feed id"):
             await runner.run_once()
         assert totals(await usage.report(store)) == expected
         # Nothing was passed over: with the checkpoint repaired, the change is counted.
