@@ -125,7 +125,8 @@ WRITES: dict[str, str] = {
 }
 """What each command writes besides reading: the ACL hint's words for a user who may only read."""
 _ACL_DENIED = "(ACL)"  # how translate_redis_error marks a command Redis's ACL refused
-_KEYS_DENIED = "no permissions to access one of the keys"  # Redis's words: outside ~pattern
+# A key outside the user's ~patterns, in the server's words: Redis 7.0's, Valkey 8's.
+_KEYS_DENIED = ("no permissions to access one of the keys", "no permissions to access a key")
 _SCAN_DENIED = "redis denied SCAN (ACL)"  # the store's words (`EventStore.stored_threads`)
 _NAMESPACE_MUST_EXIST = frozenset({*READ_ONLY_COMMANDS, *FEED_COMMANDS, "rebuild"} - {"tail"})
 EMBEDDED_DIR = Path(".threadlog")
@@ -2418,7 +2419,7 @@ async def _run(args: argparse.Namespace, where: Where) -> None:
                 f"{exc} (the server there does not answer as a Redis server does: check the "
                 "host and port of --url or $THREADLOG_URL)"
             ) from None
-        if _KEYS_DENIED not in str(exc):
+        if not any(words in str(exc).lower() for words in _KEYS_DENIED):
             raise
         # A tenant's user reaches one namespace's keys; the likeliest cause is a --namespace
         # left out (so 'default'), which Redis's own words do not say.

@@ -13,9 +13,10 @@ state the server acknowledged as a whole. See docs/guarantees.md (crash durabili
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 from pathlib import Path
+
+from ._binaries import tool_binary
 
 log = logging.getLogger("threadlog")
 
@@ -40,10 +41,11 @@ def repair_aof(
     manifests = sorted((directory / dirname).glob("*.manifest"))
     if not manifests:
         return None
-    tool = shutil.which("redis-check-aof")
+    tool = tool_binary("check-aof")
     if tool is None:
         raise AofRepairError(
-            "redis-check-aof is not on PATH (Debian: package redis-tools); it is needed to "
+            "redis-check-aof (or valkey-check-aof) is not on PATH (Debian: package "
+            "redis-tools, or valkey-tools); it is needed to "
             f"repair {directory / dirname} after an unclean shutdown"
         )
     # The tool asks before it truncates; "y" is the answer --fix exists for.

@@ -9,7 +9,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -34,6 +33,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._aof import AofRepairError, repair_aof
+from ._binaries import is_server_process_name, server_binary
 from ._codec import DEFAULT_MAX_EVENT_BYTES, check_secret
 from ._contract import EventStore
 from ._errors import (
@@ -659,11 +659,11 @@ def embedded_url(
     another process starting it (the directory's ``lock``). An unusable directory is a
     `StoreConnectionError` naming the path and the reason.
     """
-    binary = shutil.which("redis-server")
+    binary = server_binary()
     if binary is None:
         log.warning(
-            "threadlog: no redis-server found on PATH; using the in-memory backend "
-            "(nothing will persist). Install redis-server or set %s.",
+            "threadlog: no redis-server (nor valkey-server) found on PATH; using the in-memory "
+            "backend (nothing will persist). Install redis-server or set %s.",
             URL_ENV,
         )
         return "memory://"
@@ -960,7 +960,7 @@ def _serving_pid(directory: Path, sock: Path) -> int | None:
             there = os.stat(directory)
         except OSError:
             return None
-        if command.startswith("redis-server") and (here.st_dev, here.st_ino) == (
+        if is_server_process_name(command) and (here.st_dev, here.st_ino) == (
             there.st_dev,
             there.st_ino,
         ):

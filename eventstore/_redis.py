@@ -152,6 +152,9 @@ _APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared
 
 _WRONG_CREDENTIALS = ("WRONGPASS", "invalid username-password pair", "invalid password")
 _NO_CREDENTIALS = ("NOAUTH", "Authentication required", "HELLO must be called with the client")
+# Redis 7.0: "The user executing the script can't run this command ..." (or "can't access at
+# least one of the keys ..."); Valkey 8: "ACL failure in script: User u has no permissions ...".
+_SCRIPT_ACL_DENIALS = ("user executing the script can't", "ACL failure in script")
 
 
 def translate_redis_error(exc: BaseException) -> EventStoreError:
@@ -174,8 +177,10 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
         )
     if isinstance(exc, rex.ConnectionError | rex.ClusterDownError | ConnectionError):
         return StoreConnectionError(f"redis connection failed: {exc}")
-    # Redis 7.0 reports an ACL denial inside a script as a plain ERR, not as NOPERM.
-    if isinstance(exc, rex.NoPermissionError) or "user executing the script can't" in str(exc):
+    # An ACL denial inside a script is a plain ERR, not NOPERM, in each server's own words.
+    if isinstance(exc, rex.NoPermissionError) or any(
+        words in text for words in _SCRIPT_ACL_DENIALS
+    ):
         return OperationalError(f"redis denied the command (ACL): {exc}")
     if isinstance(exc, TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")

@@ -35,6 +35,8 @@ from urllib.parse import quote
 import redis
 
 from ._aof import repair_aof
+from ._binaries import server_binary, tool_binary
+from ._errors import StoreConnectionError
 
 
 class RedisServerError(RuntimeError):
@@ -289,11 +291,14 @@ class RedisServer:
         return f"rediss://127.0.0.1:{self.tls_port}?ssl_ca_certs={quote(str(self.tls.ca_cert))}"
 
     def args(self) -> list[str]:
-        binary = self.binary or shutil.which("redis-server")
+        try:
+            binary = self.binary or server_binary()
+        except StoreConnectionError as exc:
+            raise RedisServerError(str(exc)) from None
         if binary is None:
             raise RedisServerError(
-                "redis-server is not on PATH; run ./scripts/test (it installs it) "
-                "or set THREADLOG_TEST_REDIS_URL"
+                "neither redis-server nor valkey-server is on PATH; run ./scripts/test (it "
+                "installs redis-server) or set THREADLOG_TEST_REDIS_URL"
             )
         args = [
             binary,
@@ -430,9 +435,11 @@ def free_cluster_port() -> int:
 
 
 def _redis_cli() -> str:
-    binary = shutil.which("redis-cli")
+    binary = tool_binary("cli")
     if binary is None:
-        raise RedisServerError("redis-cli is not on PATH; it is needed to build a Redis Cluster")
+        raise RedisServerError(
+            "redis-cli (or valkey-cli) is not on PATH; it is needed to build a Redis Cluster"
+        )
     return binary
 
 

@@ -2,7 +2,9 @@
 and the anyio backend.
 
 Redis: ``THREADLOG_TEST_REDIS_URL`` if set; else testcontainers when a Docker engine answers;
-else a ``redis-server`` from PATH on a unix socket, stopped after the session.
+else a ``redis-server`` from PATH on a unix socket, stopped after the session
+(``THREADLOG_REDIS_SERVER`` names another server binary: ``scripts/test-valkey`` runs the
+suite on a ``valkey-server`` that way, its cluster and embedded servers included).
 
 Redis Cluster: ``THREADLOG_TEST_CLUSTER_URL`` (``redis+cluster://h:p,h:p``) if set; else a local
 cluster of three primaries started from ``redis-server`` and ``redis-cli`` on PATH, stopped

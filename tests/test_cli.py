@@ -632,6 +632,16 @@ def test_usage_errors_are_refused_before_an_embedded_server_is_started(
     assert not (tmp_path / ".threadlog").exists()
 
 
+def test_a_threadlog_redis_server_naming_nothing_is_one_line_and_starts_nothing(
+    tmp_path: Path,
+) -> None:
+    env = child_env(THREADLOG_URL=None, THREADLOG_REDIS_SERVER=str(tmp_path / "redis-srv"))
+    run = cli("threads", cwd=tmp_path, env=env)
+    line = assert_one_line_error(run)
+    assert f"THREADLOG_REDIS_SERVER='{tmp_path / 'redis-srv'}' is not an executable" in line
+    assert not (tmp_path / ".threadlog").exists()
+
+
 def test_stop_help_lists_no_store_options() -> None:
     run = cli("stop", "--help")
     assert run.code == 0, run

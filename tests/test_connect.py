@@ -48,11 +48,13 @@ from eventstore import (
     redact,
     stop_embedded,
 )
+from eventstore._binaries import SERVER_ENV, server_binary, tool_binary
 from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
 from eventstore.servers import EmbeddedReaper, free_port, redis_server
 from eventstore.testing import msg, read_all
 from projections import Projector
+from tests._busy import BUSY_SCRIPT
 
 PASSWORD = "s3cret"
 
@@ -925,15 +927,6 @@ def test_stale_pid_file_is_not_trusted(short_dir: Path) -> None:
         bystander.wait(timeout=10)
 
 
-# A script that keeps the server busy (nothing else runs meanwhile) for ``ARGV[1]`` ms.
-_BUSY_SCRIPT = """
-local function now() local t = redis.call('TIME') return t[1] * 1000 + t[2] / 1000 end
-local stop = now() + tonumber(ARGV[1])
-while now() < stop do end
-return 1
-"""
-
-
 def _admin(home: Path) -> redis.Redis:
     return redis.Redis(unix_socket_path=str(home / "redis.sock"), socket_timeout=10)
 
@@ -954,7 +947,7 @@ async def test_a_busy_embedded_server_is_used_and_never_replaced(
         admin = _admin(home)
         if reply == "BUSY":
             admin.config_set("busy-reply-threshold", 100)
-        busy = threading.Thread(target=admin.eval, args=(_BUSY_SCRIPT, 0, 2500))
+        busy = threading.Thread(target=admin.eval, args=(BUSY_SCRIPT, 0, 2500))
         busy.start()
         try:
             time.sleep(0.3)
@@ -1139,6 +1132,7 @@ async def test_without_redis_server_falls_back_to_memory_with_a_notice(
     empty = short_dir / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv(SERVER_ENV, raising=False)
     assert shutil.which("redis-server") is None
     home = short_dir / "emb"
     with caplog.at_level(logging.WARNING, logger="threadlog"):
@@ -1230,3 +1224,103 @@ async def test_a_password_missing_or_wrong_is_named_as_such() -> None:
             await es.connect(f"unix://:wrong@{path}", namespace=_ns())
         async with await es.connect(f"unix://:s3cret@{path}", namespace=_ns()) as store:
             assert await store.version("t") == 0
+
+
+def _named_bin(directory: Path, **names: str) -> Path:
+    """A directory holding ``name -> target`` symlinks (``_`` in a name read as ``-``)."""
+    directory.mkdir()
+    for name, target in names.items():
+        (directory / name.replace("_", "-")).symlink_to(target)
+    return directory
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_a_machine_with_valkey_only_gets_an_embedded_server_from_it(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Valkey installs ``valkey-server`` and ``valkey-check-aof``, no ``redis-*`` (Debian's
+    valkey-tools): the embedded default starts it (it fell back to memory), finds it again by
+    its process name (reuse, stop) and repairs its AOF with Valkey's tool after a hard kill."""
+    server, check_aof = server_binary(), tool_binary("check-aof")
+    assert server is not None and check_aof is not None
+    path = _named_bin(short_dir / "bin", valkey_server=server)
+    # Not a symlink: Redis's one binary is its check-aof tool only when called by that name.
+    (path / "valkey-check-aof").write_text(f'#!/bin/sh\nexec "{check_aof}" "$@"\n')
+    (path / "valkey-check-aof").chmod(0o755)
+    monkeypatch.setenv("PATH", str(path))
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+    assert shutil.which("redis-server") is None and shutil.which("redis-check-aof") is None
+    home, ns = short_dir / "emb", _ns()
+    with _stopped_afterwards(home):
+        await _appended(home, ns, ["one", "two"])
+        pid = _pid(home)
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "valkey-server"
+        await _appended(home, ns, ["three"])
+        assert _pid(home) == pid  # found again, not started twice
+
+        _kill_embedded(home)
+        incr = sorted((home / "appendonlydir").glob("*.incr.aof"))[-1]
+        data = incr.read_bytes()
+        os.truncate(incr, len(data) - 6)  # inside the last append's block
+        assert await _intact(home, ns) == ["one", "two"]
+        assert stop_embedded(home) is True
+        assert stop_embedded(home) is False
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_threadlog_redis_server_names_the_binary_whatever_it_is_called(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``THREADLOG_REDIS_SERVER`` picks the server over PATH's; a server started from it is
+    recognised by its own name (reused and stopped, never started a second time)."""
+    server = server_binary()
+    assert server is not None
+    path = _named_bin(short_dir / "bin", kv_7_server=server)
+    monkeypatch.setenv("PATH", str(short_dir / "nothing-here"))
+    monkeypatch.setenv(SERVER_ENV, str(path / "kv-7-server"))
+    home, ns = short_dir / "emb", _ns()
+    with _stopped_afterwards(home):
+        await _appended(home, ns, ["one"])
+        pid = _pid(home)
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "kv-7-server"
+        await _appended(home, ns, ["two"])
+        assert _pid(home) == pid
+        assert await _intact(home, ns) == ["one", "two"]
+        assert stop_embedded(home) is True
+        assert _gone(pid)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+@pytest.mark.parametrize("given", ["/nonexistent/redis-server", "no-such-server-program"])
+async def test_a_threadlog_redis_server_naming_nothing_is_refused_not_replaced(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    """A typo in ``THREADLOG_REDIS_SERVER`` must not quietly start another server (or fall
+    back to memory): `StoreConnectionError` naming the variable, and nothing is created."""
+    monkeypatch.setenv(SERVER_ENV, given)
+    home = short_dir / "emb"
+    with pytest.raises(StoreConnectionError, match=rf"{SERVER_ENV}={re.escape(repr(given))}"):
+        await connect(embedded_dir=home)
+    assert not home.exists()
+
+
+def test_a_servers_tools_are_taken_from_beside_it_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Valkey's ``valkey-cli`` next to a ``valkey-server`` wins over a ``redis-cli`` on PATH
+    (a cluster is built with its own server's tool); a server of neither name takes PATH's."""
+    tool = shutil.which("true")
+    assert tool is not None
+    on_path = _named_bin(tmp_path / "path", redis_cli=tool, valkey_check_aof=tool)
+    beside = _named_bin(tmp_path / "valkey", valkey_server=tool, valkey_cli=tool)
+    other = _named_bin(tmp_path / "other", kv_server=tool, valkey_cli=tool)
+    monkeypatch.setenv("PATH", str(on_path))
+    assert tool_binary("cli", str(beside / "valkey-server")) == str(beside / "valkey-cli")
+    assert tool_binary("check-aof", str(beside / "valkey-server")) == str(
+        on_path / "valkey-check-aof"
+    )
+    assert tool_binary("cli", str(other / "kv-server")) == str(on_path / "redis-cli")
+    assert tool_binary("check-rdb", str(beside / "valkey-server")) is None

@@ -14,6 +14,7 @@ import pytest
 
 import eventstore as es
 from eventstore.testing import msg, read_all
+from tests._busy import BUSY_SCRIPT
 
 pytestmark = pytest.mark.anyio
 
@@ -924,16 +925,9 @@ async def test_callers_of_a_cancelled_send_get_a_typed_unknown_outcome(
 
 # -- a call timed out: what it sent still runs, and must run before the thread's next calls ----
 
+
 # Holds the server's event loop for ARGV[1] microseconds (a slow script of another client, a
 # fork, a swapped page): every connection's bytes wait in the server's socket buffers.
-_STALL = """
-local t = redis.call('TIME')
-local start = t[1] * 1000000 + t[2]
-repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > tonumber(ARGV[1])
-return 1
-"""
-
-
 @pytest.mark.parametrize("how", ["timed-out", "cancelled", "timed-out-in-a-batch"])
 async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
     redis_url: str, monkeypatch: pytest.MonkeyPatch, how: str
@@ -975,7 +969,7 @@ async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
             return await exchange(payload, replies, answered)
 
         monkeypatch.setattr(store._held, "exchange", recorded)
-        stall = asyncio.ensure_future(other.eval(_STALL, 0, 800_000))
+        stall = asyncio.ensure_future(other.eval(BUSY_SCRIPT, 0, 800))
         stall.add_done_callback(lambda _: b_sent.append(-time.monotonic()))
         await anyio.sleep(0.05)
         if how == "cancelled":
