@@ -48,7 +48,7 @@ from eventstore import (
     redact,
     stop_embedded,
 )
-from eventstore._binaries import SERVER_ENV, server_binary, tool_binary
+from eventstore._binaries import SERVER_ENV, is_server_process_name, server_binary, tool_binary
 from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
 from eventstore.servers import EmbeddedReaper, free_port, redis_server
@@ -626,11 +626,11 @@ def _gone(pid: int) -> bool:
 
 
 def _servers_in(directory: Path) -> list[int]:
-    """The pids of the live redis-servers whose working directory is ``directory`` (their --dir)."""
+    """The pids of the live servers whose working directory is ``directory`` (their --dir)."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
-            ours = proc.joinpath("comm").read_text().strip() == "redis-server"
+            ours = is_server_process_name(proc.joinpath("comm").read_text().strip())
             if ours and proc.joinpath("cwd").samefile(directory) and not _gone(int(proc.name)):
                 found.append(int(proc.name))
     return found

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import eventstore as es
+from eventstore._binaries import is_server_process_name
 from eventstore._connect import _ping
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,18 +67,19 @@ time.sleep(600)
 
 
 def _ours(pid: int, directory: Path) -> bool:
-    """Whether ``pid`` is still a live redis-server of ``directory`` (not a zombie waiting for
-    its reaper, not a reused pid)."""
+    """Whether ``pid`` is still a live server of ``directory`` (not a zombie waiting for its
+    reaper, not a reused pid)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cwd = os.readlink(f"/proc/{pid}/cwd")
         args = Path(f"/proc/{pid}/cmdline").read_bytes()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
     # The embedded server changes into its --dir; test servers name theirs in --dir.
     return (
         stat.rsplit(")", 1)[-1].split()[0] != "Z"
-        and b"redis-server" in args
+        and is_server_process_name(comm)
         and (str(directory) in os.fsdecode(args) or cwd.startswith(str(directory)))
     )
 
