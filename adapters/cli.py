@@ -36,6 +36,7 @@ import msgspec
 
 import eventstore as es
 from eventstore._codec import decode_entry
+from eventstore._errors import UNREACHABLE
 from eventstore._feed import parse_stream_id
 from projections import (
     DEFAULT_WINDOW,
@@ -1467,7 +1468,6 @@ async def _read_partition(
     return page
 
 
-_OUTAGE_ERRORS = (es.StoreConnectionError, es.StoreTimeoutError)
 _OUTAGE_FIRST_BACKOFF = 0.2
 _OUTAGE_LAST_BACKOFF = 5.0
 
@@ -1535,7 +1535,7 @@ async def _await_namespace(
             opened = await es.connect(
                 ctx.where.url, namespace=store.namespace, create_namespace=False
             )
-        except _OUTAGE_ERRORS as exc:
+        except UNREACHABLE as exc:
             await outage.wait(exc)
             continue
         outage.over()
@@ -1583,7 +1583,7 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
         while True:
             try:
                 done = await step(pending, more, positions)
-            except _OUTAGE_ERRORS as exc:
+            except UNREACHABLE as exc:
                 # A restart or failover: wait for the server and go on where tail was (the
                 # positions and the changes pending move only once shown), as `tail -f` does.
                 await outage.wait(exc)
@@ -1635,7 +1635,7 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
             try:
                 if await _show_change(store, entry, emit, json=args.json, shown_to=shown_to):
                     return True
-            except _OUTAGE_ERRORS:
+            except UNREACHABLE:
                 # Shown up to a page boundary: the rest of the change is shown when the
                 # server answers again, nothing twice.
                 pending[p].appendleft(msgspec.structs.replace(entry, first_seq=shown_to[0]))

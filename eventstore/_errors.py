@@ -358,6 +358,12 @@ class StoreTimeoutError(OperationalError, TimeoutError):
     """Raised when the server does not answer within the configured timeout."""
 
 
+UNREACHABLE = (StoreConnectionError, StoreTimeoutError)
+"""The errors of a store that cannot be reached (its retries spent), as opposed to one that
+answers with an error: what a long-running reader (a projection runner, ``threadlog tail``)
+waits out instead of stopping."""
+
+
 class ConnectTimeoutError(StoreConnectionError, StoreTimeoutError):
     """Raised when opening a store gets no answer from its server within the connect timeout
     (``connect_timeout``): a port that accepts connections but never completes a TLS

@@ -38,8 +38,6 @@ from eventstore import (
     OperationalError,
     RawRange,
     RecordedEvent,
-    StoreConnectionError,
-    StoreTimeoutError,
     ThreadReplacedError,
     TurnSettled,
     validate_consumer,
@@ -48,6 +46,7 @@ from eventstore import (
 )
 from eventstore._codec import decode_rows
 from eventstore._contract import require_store
+from eventstore._errors import UNREACHABLE
 from eventstore._feed import format_stream_id, parse_stream_id, validate_increments
 from eventstore._ids import validate_count
 
@@ -63,15 +62,13 @@ FEED_PAGE = 1024
 TURN_BATCHES = 8
 """The batches `ProjectionRunner.run` applies in one partition before it turns to the next."""
 MIN_POLL_INTERVAL = 0.001
-# `run` waits out a store it cannot reach: backoffs from the first to the last, doubling.
+"""The shortest ``poll_interval`` a runner takes, in seconds: below it an idle runner reads its
+feeds in a loop as fast as the round trips allow, burning a core on both sides for nothing."""
+# `run` waits out a store it cannot reach (`UNREACHABLE`): backoffs from the first to the
+# last, doubling.
 OUTAGE_FIRST_BACKOFF = 0.1
 OUTAGE_LAST_BACKOFF = 5.0
 DEFAULT_MAX_OUTAGE = 300.0
-# The errors of a store that cannot be reached (its retries spent), as opposed to one that
-# answers with an error: only these are waited out.
-_OUTAGE = (StoreConnectionError, StoreTimeoutError)
-"""The shortest ``poll_interval`` a runner takes, in seconds: below it an idle runner reads its
-feeds in a loop as fast as the round trips allow, burning a core on both sides for nothing."""
 
 Increment = tuple[str, str, int]
 """``(hash name, field, amount)`` on one of the projection's partition-level hashes."""
@@ -473,7 +470,7 @@ class ProjectionRunner:
                         processed += await self._work(
                             partition, failed, stop=stop, turn=TURN_BATCHES
                         )
-            except _OUTAGE as exc:
+            except UNREACHABLE as exc:
                 done += processed
                 now = time.monotonic()
                 outage_since = now if outage_since is None else outage_since
@@ -574,7 +571,7 @@ class ProjectionRunner:
                     # again) since has other events at these seqs, counted by their own changes.
                     events = await self.store.read_change(entry)
                     incr += validate_increments(self.projection.increments(entry, events))
-                except _OUTAGE:
+                except UNREACHABLE:
                     raise  # the store's, not the change's: `run` waits it out, reads it again
                 except Exception as exc:
                     await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
