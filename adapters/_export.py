@@ -90,6 +90,7 @@ from eventstore import (
     validate_view_name,
 )
 from eventstore._codec import seq_of_entry_id
+from eventstore._errors import DECODE_ERRORS
 from eventstore._feed import parse_stream_id
 
 from ._files import temp_beside
@@ -819,7 +820,7 @@ def _read_source(directory: Path) -> _Source | None:
         raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         return msgspec.json.decode(data, type=_Source)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise ExportSourceError(
             f"{path} does not say whose export {directory} holds ({exc}); restore it, or "
             f"export to a new directory"

@@ -37,7 +37,7 @@ import msgspec
 import eventstore as es
 from eventstore._codec import decode_entry
 from eventstore._errors import UNREACHABLE
-from eventstore._feed import parse_stream_id
+from eventstore._feed import parse_stream_id, validate_group_to_drop
 from projections import (
     DEFAULT_WINDOW,
     AsOf,
@@ -1886,7 +1886,7 @@ async def cmd_trim_feed(ctx: Ctx, args: argparse.Namespace) -> None:
 
 async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
     store = ctx.store
-    name = es.validate_group(args.name)
+    name = validate_group_to_drop(args.name)
     dropped = await drop_feed_group(store, name)
     if not dropped:
         known = sorted(
@@ -1897,9 +1897,10 @@ async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
             f"no consumer group {name!r} in namespace {store.namespace!r} ({has}; an export's "
             "group is export-<its --name>)"
         )
+    # escape: a group another tool made may be named "[/]", which rich reads as markup.
     ctx.out.print(
-        f"Dropped consumer group {name!r} from {plural(len(dropped), 'partition')}; trimming "
-        "no longer waits for it"
+        escape(f"Dropped consumer group {name!r} from {plural(len(dropped), 'partition')}; ")
+        + "trimming no longer waits for it"
     )
 
 
@@ -2515,7 +2516,7 @@ def _preflight(args: argparse.Namespace) -> None:
             "uncompressed (see 'threadlog export --help')"
         )
     if args.command == "drop-group":
-        es.validate_group(args.name)
+        validate_group_to_drop(args.name)
     if args.command == "import-jsonl":
         es.validate_thread_id(args.session)
         if str(args.file) == "-":

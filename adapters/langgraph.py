@@ -107,6 +107,7 @@ from eventstore import (
     connect,
     validate_thread_id,
 )
+from eventstore._errors import DECODE_ERRORS
 from projections import CheckReport, Projection, Projector
 
 from ._framework_events import (
@@ -369,7 +370,7 @@ _ranges_dec = msgspec.msgpack.Decoder(list[tuple[int, int]])
 def _decode(decoder: msgspec.msgpack.Decoder[V], entry: ViewEntry, what: str) -> V:
     try:
         return decoder.decode(entry.value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except DECODE_ERRORS as exc:
         raise OperationalError(
             f"{what} (written at seq {entry.seq}) does not decode ({exc}); run rebuild"
         ) from None

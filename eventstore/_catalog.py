@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ._errors import InvalidInputError
+from ._errors import DECODE_ERRORS, InvalidInputError
 from ._events import Event, register_event
 
 # -- model messages ------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ren
             raise MessageFormatError(f"not encodable as UTF-8: {exc.reason}") from None
         try:
             obj = _json_decoder.decode(raw)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise MessageFormatError(_json_problem(raw, exc)) from None
         message = _message_from_json(obj)
         if (
@@ -212,7 +212,7 @@ def _source_says(source: str, canonical: bytes) -> bool:
         return False  # kept by an earlier version, which did not refuse multi-line text
     try:
         decoded = _message_from_json(_json_decoder.decode(source.encode("utf-8")))
-    except (UnicodeEncodeError, msgspec.DecodeError, MessageFormatError):
+    except (UnicodeError, msgspec.DecodeError, MessageFormatError):  # UnicodeError: either way
         return False
     # Compared as JSON text, not as structs: 1 == 1.0 == True and 0.0 == -0.0 in Python.
     return _json_encoder.encode(_message_to_json(decoded)) == canonical
@@ -223,7 +223,7 @@ def _source_says(source: str, canonical: bytes) -> bool:
 _ESCAPE = re.compile(rb"\\(u[0-9a-fA-F]{4}|.)", re.DOTALL)
 
 
-def _json_problem(raw: bytes, exc: msgspec.DecodeError) -> str:
+def _json_problem(raw: bytes, exc: Exception) -> str:
     """What is wrong with JSON text the decoder refused, in words that name the cause.
 
     The decoder's own message misleads for two causes that are not syntax: bytes that are

@@ -24,6 +24,7 @@ from ulid import ULID
 
 from ._contract import ExpectedVersion, StreamState
 from ._errors import (
+    DECODE_ERRORS,
     CorruptEventError,
     EventTooLargeError,
     EventValidationError,
@@ -347,7 +348,7 @@ def _encode(
         try:
             try:
                 check(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except DECODE_ERRORS:
                 registry.decode(data, version)
         except (EventValidationError, UnknownEventTypeError) as exc:
             raise EventValidationError(
@@ -481,7 +482,7 @@ def decode_entry(
         raise CorruptEventError(thread_id, seq, str(exc), unknown_type=unknown) from None
     try:
         meta = _meta_decoder.decode(meta_raw) if meta_raw else _NO_META
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except DECODE_ERRORS as exc:
         raise CorruptEventError(thread_id, seq, f"malformed meta: {exc}") from None
     return RecordedEvent(
         thread_id=thread_id,

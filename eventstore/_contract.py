@@ -616,10 +616,12 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     async def delete_feed_group(self, partition: int, group: str) -> bool:
         """Forget a consumer group of a partition's feed (its position and pending entries),
-        so trimming no longer waits for it. False when it was not registered there.
+        so trimming no longer waits for it. False when it was not registered there. Any
+        group can be dropped, whatever its name (`validate_group_to_drop`): one registered by
+        another tool too.
 
         Raises:
-            InvalidInputError: a bad group name or partition.
+            InvalidInputError: ``group`` not a non-empty str, or a bad partition.
         """
 
     @abc.abstractmethod

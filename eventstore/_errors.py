@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 
 class EventStoreError(Exception):
     """Raised when the event store cannot do what was asked; the root of every threadlog error."""
@@ -357,6 +359,11 @@ class StoreConnectionError(OperationalError, ConnectionError):
 class StoreTimeoutError(OperationalError, TimeoutError):
     """Raised when the server does not answer within the configured timeout."""
 
+
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError)
+"""What decoding damaged bytes with msgspec (JSON or msgpack) raises: msgspec.DecodeError, or,
+before msgspec 0.23, the codec's own UnicodeDecodeError for a string that is not UTF-8 (which
+a caller catching DecodeError alone lets through as a crash)."""
 
 UNREACHABLE = (StoreConnectionError, StoreTimeoutError)
 """The errors of a store that cannot be reached (its retries spent), as opposed to one that

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, overload
 
 import msgspec
 
-from ._errors import EventValidationError, InvalidInputError, UnknownEventTypeError
+from ._errors import DECODE_ERRORS, EventValidationError, InvalidInputError, UnknownEventTypeError
 from ._ids import new_ulid
 
 
@@ -189,7 +189,7 @@ class EventRegistry:
             if version > info.version:
                 raise _newer(info, version)
             return self._upcast(data, version)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise EventValidationError(str(exc)) from None
 
     def _info_of(self, raw: Any) -> _TypeInfo:

@@ -102,6 +102,16 @@ def validate_group(group: object) -> str:
     return validate_name(group, "group name")
 
 
+def validate_group_to_drop(group: object) -> str:
+    """Return ``group`` if it may name a consumer group to drop, else raise
+    `InvalidInputError`: any non-empty str. Looser than `validate_group` on purpose: a group
+    registered by another tool (``XGROUP CREATE``) may have a name threadlog never gives one,
+    and it holds trimming back all the same (`feed_group_lag` lists it)."""
+    if not isinstance(group, str) or not group:
+        raise InvalidInputError(f"group name {group!r} must be a non-empty str")
+    return group
+
+
 MAX_CONSUMER_CHARS = 256
 
 

@@ -67,6 +67,7 @@ from ._feed import (
     validate_consumer,
     validate_feed_count,
     validate_group,
+    validate_group_to_drop,
     validate_increments,
 )
 from ._ids import (
@@ -863,7 +864,7 @@ class MemoryEventStore(EventStore):
         )
 
     async def delete_feed_group(self, partition: int, group: str) -> bool:
-        validate_group(group)
+        validate_group_to_drop(group)
         feed = self._feed(partition)
         return feed is not None and feed.groups.pop(group, None) is not None
 

@@ -78,6 +78,7 @@ from ._feed import (
     validate_consumer,
     validate_feed_count,
     validate_group,
+    validate_group_to_drop,
     validate_increments,
     validate_stream_ids,
 )
@@ -162,6 +163,12 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
     if isinstance(exc, rex.TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")
     text = str(exc)
+    # Asked first: redis-py 6 raises AuthenticationError for a password missing too.
+    if any(words in text for words in _NO_CREDENTIALS):
+        return StoreConnectionError(
+            f"redis requires a password and none was given: {exc} (give it in the URL before "
+            "the host, as :password@host, or user:password@host for an ACL user)"
+        )
     # redis-py 8 raises a plain ConnectionError for refused credentials: known by their words.
     if isinstance(exc, rex.AuthenticationError | rex.AuthorizationError) or any(
         words in text for words in _WRONG_CREDENTIALS
@@ -169,11 +176,6 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
         return StoreConnectionError(
             f"redis refused the credentials: {exc} (check the user name and password the URL "
             "gives before the host, as user:password@host)"
-        )
-    if any(words in text for words in _NO_CREDENTIALS):
-        return StoreConnectionError(
-            f"redis requires a password and none was given: {exc} (give it in the URL before "
-            "the host, as :password@host, or user:password@host for an ACL user)"
         )
     if isinstance(exc, rex.ConnectionError | rex.ClusterDownError | ConnectionError):
         return StoreConnectionError(f"redis connection failed: {exc}")
@@ -1744,7 +1746,7 @@ class RedisEventStore(EventStore):
         )
 
     async def delete_feed_group(self, partition: int, group: str) -> bool:
-        validate_group(group)
+        validate_group_to_drop(group)
         key = self._feed_key(partition)
         if not await _call(self.client.exists(key)):
             return False

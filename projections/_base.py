@@ -34,6 +34,7 @@ from eventstore import (
     ViewResult,
 )
 from eventstore._codec import check_nesting
+from eventstore._errors import DECODE_ERRORS
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -123,7 +124,7 @@ def check_payload(payload: Event, index: int) -> None:
         msgspec.DecodeError,
         TypeError,
         OverflowError,
-        UnicodeEncodeError,
+        UnicodeError,  # encoding a lone surrogate; decoding, before msgspec 0.23, bad UTF-8
     ) as exc:
         raise EventValidationError(
             f"event #{index} ({payload.event_type}) fails validation: {exc}"
@@ -134,7 +135,7 @@ def decode_as(type_: type[Any], data: bytes, what: str) -> Any:
     """Decode a view value; damage raises `OperationalError` saying where (rebuild repairs it)."""
     try:
         return msgspec.msgpack.decode(data, type=type_)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except DECODE_ERRORS as exc:
         raise OperationalError(f"{what} holds an undecodable value ({exc}); run rebuild") from None
 
 
@@ -149,7 +150,7 @@ def decode_entries(
     decode = decoder.decode
     try:
         return [decode(e.value) for e in entries]
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except DECODE_ERRORS:
         for e in entries:
             decode_as(cast(Any, decoder.type), e.value, f"{view} view (seq {e.seq})")
         raise

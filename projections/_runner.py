@@ -47,7 +47,12 @@ from eventstore import (
 from eventstore._codec import decode_rows
 from eventstore._contract import require_store
 from eventstore._errors import UNREACHABLE
-from eventstore._feed import format_stream_id, parse_stream_id, validate_increments
+from eventstore._feed import (
+    format_stream_id,
+    parse_stream_id,
+    validate_group_to_drop,
+    validate_increments,
+)
 from eventstore._ids import validate_count
 
 log = logging.getLogger("threadlog.runner")
@@ -270,10 +275,11 @@ async def drop_feed_group(store: EventStore, name: str) -> list[int]:
     positions stay in its files, and its next run registers its group again).
 
     Raises:
-        InvalidInputError: ``store`` not an `EventStore`, ``name`` not a group name.
+        InvalidInputError: ``store`` not an `EventStore`, ``name`` not a non-empty str (a
+            name threadlog would not give a group is fine: another tool may have).
     """
     store = require_store(store, "drop_feed_group")
-    validate_group(name)
+    validate_group_to_drop(name)
     return [p for p in range(store.partitions) if await store.delete_feed_group(p, name)]
 
 

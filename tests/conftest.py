@@ -35,12 +35,31 @@ from eventstore.servers import (
 
 BACKENDS = ["memory", "redis", "cluster"]
 
+# scripts/test-lowest installs no framework (their releases need newer core dependencies than
+# the lowest it tests) and says so here; anywhere else a missing framework fails its tests.
+WITHOUT_FRAMEWORKS = os.environ.get("THREADLOG_TEST_WITHOUT_FRAMEWORKS") == "1"
+collect_ignore = ["test_openai_agents.py", "test_langgraph.py"] if WITHOUT_FRAMEWORKS else []
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "partitions(n): the partition count of the namespace the `store` fixture opens",
     )
+    config.addinivalue_line(
+        "markers", "frameworks: needs openai-agents or langgraph (scripts/test-lowest has none)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not WITHOUT_FRAMEWORKS:
+        return
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (dropped if item.get_closest_marker("frameworks") else kept).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 @pytest.fixture(scope="session")

@@ -1256,12 +1256,17 @@ async def test_principal_roles_are_names_not_text(store: es.EventStore) -> None:
         await threads.list_messages(
             "t", principal=Principal(id="m", tenant="other", roles=frozenset({"not-an-admin"}))
         )
-    with pytest.raises(es.InvalidInputError, match="ttl"):
-        from adapters.openai_agents import sweep_idle_sessions
 
+
+@pytest.mark.frameworks
+async def test_the_idle_sweep_refuses_a_ttl_that_is_none(store: es.EventStore) -> None:
+    from adapters.openai_agents import sweep_idle_sessions
+
+    with pytest.raises(es.InvalidInputError, match="ttl"):
         await sweep_idle_sessions(store, None)  # type: ignore[arg-type]
 
 
+@pytest.mark.frameworks
 async def test_a_policy_that_is_falsy_still_decides(store: es.EventStore) -> None:
     """An empty rule table is falsy: taken for "no policy" (``policy or AllowAll()``), it let
     every call through where it should deny them all."""
@@ -1287,6 +1292,7 @@ async def test_a_policy_that_is_falsy_still_decides(store: es.EventStore) -> Non
     assert await store.version("t") == 1
 
 
+@pytest.mark.frameworks
 async def test_stores_refuse_what_is_no_store_policy_or_schema(store: es.EventStore) -> None:
     """Misconfiguration is refused when the store is built, with a typed error, instead of an
     AttributeError on every later call."""
@@ -1308,6 +1314,7 @@ async def test_stores_refuse_what_is_no_store_policy_or_schema(store: es.EventSt
             build()
 
 
+@pytest.mark.frameworks
 def test_a_store_not_awaited_is_refused_saying_so() -> None:
     from adapters.openai_agents import ThreadlogSession
 

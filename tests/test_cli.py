@@ -612,7 +612,7 @@ def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_pat
         (["check"], "give a THREAD or --all"),
         (["rebuild", "t", "--all"], "give a THREAD or --all, not both"),
         (["export", "--format", "ndjson", "--compression", "zstd", "--out", "x"], "--compression"),
-        (["drop-group", "no spaces"], "group name 'no spaces'"),
+        (["drop-group", ""], "group name '' must be a non-empty str"),
         (["import-jsonl", "missing.jsonl", "s"], "cannot read missing.jsonl"),
         (["import-jsonl", "in.jsonl", ""], "thread id must not be empty"),
     ],
@@ -1212,6 +1212,7 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert report["ok"] is False and report["threads"]["intact"]["ok"] is True
 
 
+@pytest.mark.frameworks
 def test_threads_of_the_framework_adapters_verify_and_replay(redis_url: str) -> None:
     """The command decodes what the SDK session and the LangGraph saver append: their event
     types are known to every reader of `adapters`, frameworks installed or not."""
@@ -2555,6 +2556,18 @@ def test_feed_shows_a_group_another_tool_named_as_it_is_named(redis_url: str) ->
     assert run.code == 0, run
     assert "[/]" in run.out and "[red]x" in run.out and "evil\\x1b[2J" in run.out, run.out
     assert "\x1b" not in run.out, run.out
+    # Listed as holding trimming back, each can be dropped by its name, whatever it is (a
+    # name threadlog would not give a group was refused: the listing could not be acted on).
+    for name in ("[/]", "[red]x", "evil\x1b[2J", "a group"):
+        if name == "a group":
+            missing = cli("drop-group", name, url=redis_url, namespace=namespace)
+            assert "no consumer group 'a group'" in assert_one_line_error(missing)
+            continue
+        dropped = cli("drop-group", name, url=redis_url, namespace=namespace)
+        assert dropped.code == 0, dropped
+        assert f"Dropped consumer group {name!r} from 1 partition;" in dropped.out, dropped
+        assert "\x1b" not in dropped.out, dropped
+    assert cli("feed", "--json", url=redis_url, namespace=namespace).json()["groups"] == []
 
 
 def test_trim_feed_by_an_age_longer_than_the_epoch_removes_nothing(redis_url: str) -> None:
@@ -2609,6 +2622,7 @@ def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
     assert keys == []
 
 
+@pytest.mark.frameworks
 def test_check_and_rebuild_cover_the_langgraph_views(redis_url: str) -> None:
     from langgraph.checkpoint.base import empty_checkpoint
 
