@@ -67,7 +67,8 @@ class StoreSettings:
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster, whose
     only database is 0: a path other than ``/`` or ``/0`` is refused).
     Query parameters ``namespace`` and ``partitions`` override the defaults, and so do
-    ``socket_timeout`` and ``connect_timeout`` on Redis; ``db`` (standalone Redis) and
+    ``socket_timeout`` and ``connect_timeout`` on Redis; ``protocol`` (``2``, the default, or
+    ``3`` for RESP3), ``db`` (standalone Redis) and
     ``ssl_cert_reqs`` / ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` (``rediss``) go
     to redis-py. Any other parameter, or one the scheme would not use, is refused rather than
     ignored; so is a field out of range, whether it comes from the URL (`InvalidURLError`) or
@@ -156,6 +157,11 @@ class StoreSettings:
                 _check_setting(name, value)
             if "db" in last and int(last["db"]) < 0:
                 raise ValueError("db must be >= 0")
+            if "protocol" in last and last["protocol"] not in ("2", "3"):
+                raise ValueError(
+                    f"protocol must be 2 (RESP2, the default) or 3 (RESP3), not "
+                    f"{last['protocol']!r}"
+                )
             if "ssl_cert_reqs" in last and last["ssl_cert_reqs"] not in _CERT_REQS:
                 raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
             for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
@@ -175,6 +181,7 @@ _PARAMS = frozenset(
         "socket_timeout",
         "connect_timeout",
         "db",
+        "protocol",
         "ssl_cert_reqs",
         "ssl_ca_certs",
         "ssl_certfile",
@@ -186,6 +193,7 @@ _TLS_PARAMS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_k
 _PARAM_USE = {
     "socket_timeout": "it is a Redis connection setting",
     "connect_timeout": "it is a Redis connection setting",
+    "protocol": "it is a Redis connection setting",
     "db": "a database number is for standalone Redis; Redis Cluster has only database 0",
     **{k: "it is a TLS setting: it needs a rediss:// URL" for k in _TLS_PARAMS},
 }
@@ -208,7 +216,7 @@ def _scheme_params(scheme: str) -> frozenset[str]:
     """The query parameters a URL of ``scheme`` uses."""
     if scheme == "memory":
         return frozenset({"namespace", "partitions"})
-    params = {"namespace", "partitions", "socket_timeout", "connect_timeout"}
+    params = {"namespace", "partitions", "socket_timeout", "connect_timeout", "protocol"}
     if not scheme.endswith("+cluster"):
         params.add("db")
     if scheme.startswith("rediss"):
@@ -600,6 +608,11 @@ def _redis_client(settings: StoreSettings) -> Any:
     for key in ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         if key in query:
             extra[key] = query[key][-1]
+    if "protocol" in query:
+        # RESP3 replies come as redis-py parses them (maps for XREAD, ...), which the store
+        # reads either way; its own fast paths (held connections, packed view loads) speak
+        # RESP2 and stand aside.
+        common["protocol"] = int(query["protocol"][-1])
     if parts.scheme.endswith("+cluster"):
         return _ClusterClient(
             startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],

@@ -275,6 +275,18 @@ def _other_life(
     )
 
 
+def _read_rows(reply: Any) -> list[Any]:
+    """The entries of a one-stream ``XREAD``/``XREADGROUP`` reply as redis-py gives it: on
+    RESP2 ``[[key, entries]]``, on RESP3 (a client made with ``protocol=3``) a map ``{key:
+    [entries]}``; nothing (a block that timed out) either way."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        (value,) = reply.values()
+        return list(value[0]) if value else []
+    return list(reply[0][1])
+
+
 def _checkpoint(key: str, name: str, raw: bytes) -> str:
     """A stored checkpoint (a feed id), or `CorruptKeyError` for what threadlog never writes
     there: read on, a runner would take it for the caller's bad input, or fail to decode it."""
@@ -1637,8 +1649,7 @@ class RedisEventStore(EventStore):
             partition,
             group,
         )
-        rows = reply[0][1] if reply else []
-        return self._entries(partition, rows)
+        return self._entries(partition, _read_rows(reply))
 
     async def claim_feed(
         self,

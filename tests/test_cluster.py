@@ -72,6 +72,14 @@ class TestClusterEventStore(RedisHooks, EventStoreConformance):
         assert await _cached_on(store.client, APPEND.sha) == []
 
 
+class TestResp3ClusterEventStore(TestClusterEventStore):
+    """The same on RESP3 connections (``?protocol=3``)."""
+
+    @pytest.fixture(autouse=True)
+    def _cluster(self, cluster_url: str) -> None:
+        self.url = cluster_url + ("&" if "?" in cluster_url else "?") + "protocol=3"
+
+
 class TestClusterProjections(ProjectionConformance):
     @pytest.fixture(autouse=True)
     def _cluster(self, cluster_url: str) -> None:

@@ -76,6 +76,21 @@ class TestRedisEventStore(RedisHooks, EventStoreConformance):
         await store.client.script_flush()
 
 
+class TestResp3EventStore(TestRedisEventStore):
+    """The same on a RESP3 connection (``?protocol=3``): redis-py parses some replies into
+    other shapes there (``XREADGROUP`` into a map, which consumer group reads failed on)."""
+
+    @pytest.fixture(autouse=True)
+    def _redis(self, redis_url: str) -> None:
+        self.url = redis_url + ("&" if "?" in redis_url else "?") + "protocol=3"
+
+    async def make_store(self, namespace: str, **options: Any) -> EventStore:
+        store = await super().make_store(namespace, **options)
+        assert isinstance(store, RedisEventStore)
+        assert (await store.client.execute_command("HELLO"))[b"proto"] == 3
+        return store
+
+
 # -- Redis's own: damage in the keys a whole namespace shares -----------------------------------
 
 

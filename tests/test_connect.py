@@ -176,6 +176,11 @@ def test_settings_are_frozen() -> None:
         "rediss://h?ssl_cert_reqs=bogus",
         "rediss://h?ssl_cert_reqs=",
         "rediss://h?ssl_ca_certs=",
+        # RESP2 or RESP3, nothing else (redis-py would take a 4 and fail at connect).
+        "redis://h?protocol=4",
+        "redis://h?protocol=",
+        "redis+cluster://h1:7000?protocol=resp3",
+        "memory://?protocol=3",
     ],
 )
 def test_bad_urls_raise_invalid_url_error(url: str) -> None:
@@ -196,6 +201,9 @@ def test_bad_urls_raise_invalid_url_error(url: str) -> None:
         "redis+cluster://h1:7000,h2:7001/0",
         "rediss+cluster://h1:7000/0?ssl_cert_reqs=required",
         "memory://named?namespace=n&partitions=2",
+        "redis://h?protocol=3",
+        "unix:///tmp/r.sock?protocol=2",
+        "rediss+cluster://h1:7000?protocol=3&ssl_cert_reqs=none",
     ],
 )
 def test_parameters_a_scheme_uses_are_accepted(url: str) -> None:

@@ -63,6 +63,14 @@ class TestRedisProjections(ProjectionConformance):
         assert await store.client.delete(store.keys.view(thread_id, view)) == 1
 
 
+class TestResp3Projections(TestRedisProjections):
+    """The same on a RESP3 connection (``?protocol=3``)."""
+
+    @pytest.fixture(autouse=True)
+    def _redis(self, redis_url: str) -> None:
+        self.url = redis_url + ("&" if "?" in redis_url else "?") + "protocol=3"
+
+
 # -- property: views == fold(log) == rebuild, and time travel == the live reads back then ------
 
 StoreFactory = Callable[[str], Awaitable[EventStore]]
