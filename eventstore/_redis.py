@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import redis
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 from redis.asyncio.cluster import RedisCluster
@@ -529,11 +530,34 @@ class _KeyIndex:
         return pos
 
 
+def _check_client(client: object) -> None:
+    """`InvalidInputError` for a client the store cannot work through, before anything is
+    sent: a decoding client's appends landed and were then reported failed (its replies are
+    str), a synchronous one failed with TypeError at the first call, a URL with
+    AttributeError."""
+    if not isinstance(client, aioredis.Redis | RedisCluster):
+        hint = ""
+        if isinstance(client, redis.Redis | redis.RedisCluster):
+            hint = ": a synchronous client; give a redis.asyncio one"
+        elif isinstance(client, str):
+            hint = ": a URL; eventstore.connect(url) opens a store from one"
+        raise InvalidInputError(
+            "RedisEventStore needs a redis.asyncio client (Redis or RedisCluster), not "
+            f"{type(client).__name__}{hint}"
+        )
+    if client.get_encoder().decode_responses:
+        raise InvalidInputError(
+            "RedisEventStore needs a client made with decode_responses=False (redis-py's "
+            "default): it reads replies as bytes"
+        )
+
+
 class RedisEventStore(EventStore):
     """The event log on Redis Streams.
 
     Build it with `eventstore.connect` (which also pins the namespace's partition count), or
-    hand it a redis-py asyncio client (``decode_responses=False``) and ``await ensure_namespace()``.
+    hand it a redis-py asyncio client (``decode_responses=False``) and ``await ensure_namespace()``;
+    any other client (a decoding or synchronous one, a URL) is `InvalidInputError`.
     """
 
     def __init__(
@@ -550,6 +574,7 @@ class RedisEventStore(EventStore):
         load_chunk_values: int = LOAD_CHUNK_VALUES,
         load_chunk_bytes: int = LOAD_CHUNK_BYTES,
     ) -> None:
+        _check_client(client)
         self.keys = KeyLayout(namespace, partitions)
         self.namespace = self.keys.namespace
         self.partitions = partitions

@@ -1332,3 +1332,43 @@ def test_a_servers_tools_are_taken_from_beside_it_first(
     )
     assert tool_binary("cli", str(other / "kv-server")) == str(on_path / "redis-cli")
     assert tool_binary("check-rdb", str(beside / "valkey-server")) is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("client", ["decoding", "synchronous", "url", "cluster-decoding"])
+async def test_a_client_the_store_cannot_work_through_is_refused_when_it_is_made(
+    redis_url: str, cluster_url: str, client: str
+) -> None:
+    """A decoding client's append landed and was then reported failed ('unexpected append
+    reply', its replies being str); a synchronous client failed with TypeError at the first
+    call, a URL with AttributeError. Each is `InvalidInputError` before anything is sent."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
+
+    namespace = _ns()
+    given: Any = {
+        "decoding": lambda: aioredis.from_url(redis_url, decode_responses=True),
+        "synchronous": lambda: redis.Redis.from_url(redis_url),
+        "url": lambda: redis_url,
+        "cluster-decoding": lambda: RedisCluster.from_url(
+            cluster_url.replace("redis+cluster://", "redis://").split(",")[0],
+            decode_responses=True,
+        ),
+    }[client]()
+    said = {
+        "decoding": "decode_responses=False",
+        "synchronous": "a synchronous client",
+        "url": "eventstore.connect",
+        "cluster-decoding": "decode_responses=False",
+    }[client]
+    try:
+        with pytest.raises(InvalidInputError, match=said):
+            RedisEventStore(given, namespace=namespace)
+    finally:
+        if hasattr(given, "aclose"):
+            await given.aclose()
+        elif hasattr(given, "close"):
+            given.close()
+    async with await connect(redis_url) as store:
+        assert isinstance(store, RedisEventStore)
+        assert await store.client.keys(f"*{namespace}*") == []
