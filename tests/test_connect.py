@@ -1346,15 +1346,14 @@ async def test_a_client_the_store_cannot_work_through_is_refused_when_it_is_made
     from redis.asyncio.cluster import RedisCluster
 
     namespace = _ns()
-    given: Any = {
-        "decoding": lambda: aioredis.from_url(redis_url, decode_responses=True),
-        "synchronous": lambda: redis.Redis.from_url(redis_url),
-        "url": lambda: redis_url,
-        "cluster-decoding": lambda: RedisCluster.from_url(
-            cluster_url.replace("redis+cluster://", "redis://").split(",")[0],
-            decode_responses=True,
-        ),
-    }[client]()
+    given: Any = redis_url
+    if client == "decoding":
+        given = aioredis.from_url(redis_url, decode_responses=True)
+    elif client == "synchronous":
+        given = redis.Redis.from_url(redis_url)
+    elif client == "cluster-decoding":
+        first_node = cluster_url.replace("redis+cluster://", "redis://").split(",")[0]
+        given = RedisCluster.from_url(first_node, decode_responses=True)
     said = {
         "decoding": "decode_responses=False",
         "synchronous": "a synchronous client",
