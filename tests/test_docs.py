@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
+import subprocess
+import sys
 import tomllib
 import uuid
 from collections.abc import Iterator
@@ -224,3 +227,18 @@ def test_every_test_the_guarantees_cite_exists() -> None:
     defined = set(re.findall(r"def (test_\w+)\(", "".join(p.read_text() for p in sources)))
     assert len(cited) > 200  # the pattern still finds the citations
     assert sorted(cited - defined) == []
+
+
+def test_the_quickstart_example_runs(redis_url: str, tmp_path: Path) -> None:
+    """examples/quickstart.py runs against a real Redis, as a user would run it, and prints
+    the thread it wrote."""
+    env = {**os.environ, "THREADLOG_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    env.pop("THREADLOG_SECRET", None)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "on RedisEventStore" in run.stdout, run.stdout
+    assert "assistant: Storing changes as events." in run.stdout and "version 4" in run.stdout
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == ["quickstart.py"]
