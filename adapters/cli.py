@@ -103,6 +103,13 @@ exit codes:
 verify, check and rebuild --all as a Redis user that may not SCAN (a tenant's) cover the
 threads of the thread index, say once on stderr that a thread missing from it could not be
 looked for, and exit as for the threads they covered.
+
+environment:
+  THREADLOG_URL           the store, when --url is not given (unset: the embedded server)
+  THREADLOG_SECRET        the key the threads' hash chains are linked with (every command)
+  THREADLOG_REDIS_SERVER  the server binary the embedded server runs (default: redis-server,
+                          else valkey-server, from PATH)
+  THREADLOG_DEBUG         1: an internal error shows its traceback
 """
 URL_ENV = "THREADLOG_URL"
 # Export writes files, consumer groups and the data set's id, but no event: a namespace it is

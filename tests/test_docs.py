@@ -242,3 +242,19 @@ def test_the_quickstart_example_runs(redis_url: str, tmp_path: Path) -> None:
     assert "on RedisEventStore" in run.stdout, run.stdout
     assert "assistant: Storing changes as events." in run.stdout and "version 4" in run.stdout
     assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == ["quickstart.py"]
+
+
+def test_every_environment_variable_threadlog_reads_is_in_the_commands_help() -> None:
+    from adapters.cli import EXIT_CODES
+
+    sources = [*ROOT.glob("eventstore/*.py"), *ROOT.glob("projections/*.py")]
+    sources += [*ROOT.glob("adapters/*.py"), ROOT / "threadlog_cli.py"]
+    read = {
+        name
+        for path in sources
+        for name in re.findall(r'"(THREADLOG_[A-Z_]+)"', path.read_text())
+        if not name.startswith("THREADLOG_TEST_")
+    }
+    assert read >= {"THREADLOG_URL", "THREADLOG_SECRET", "THREADLOG_REDIS_SERVER"}, read
+    listed = set(re.findall(r"^  (THREADLOG_[A-Z_]+) ", EXIT_CODES, re.M))
+    assert listed == read, (listed, read)
