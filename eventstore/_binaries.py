@@ -17,8 +17,8 @@ from ._errors import StoreConnectionError
 
 SERVER_ENV = "THREADLOG_REDIS_SERVER"
 
-# The names a server's process goes by (its /proc comm, the name it was started as; the
-# kernel keeps 15 characters of it).
+# The two families of programs, in the order they are looked for: <flavour>-server,
+# <flavour>-cli, <flavour>-check-aof.
 _FLAVOURS = ("redis", "valkey")
 
 
