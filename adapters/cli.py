@@ -340,15 +340,23 @@ def build_parser() -> argparse.ArgumentParser:
         "a reader view of the state, the turn-record tree and the integrity verdict. "
         "Each run uses a new thread.",
     )
-    add(
+    stop_parser = add(
         "stop",
         f"stop the embedded redis-server of this directory (./{EMBEDDED_DIR}/)",
         cmd_stop,
         description=f"Stop the private redis-server that threadlog started under "
         f"./{EMBEDDED_DIR}/ (any command run here without --url or ${URL_ENV} starts it, and "
         "it keeps running between commands). Its data stays; the next command starts it "
-        "again.",
+        "again. A server that does not stop within 10 s (it cannot write its final "
+        "snapshot, or runs a long script) is reported, exit 2, and left running; --force "
+        "kills it then.",
         store_options=False,
+    )
+    stop_parser.add_argument(
+        "--force",
+        action="store_true",
+        help="kill the server if it has not stopped within 10 s (what it had not written to "
+        "its append-only file is lost; the next start checks the file)",
     )
     p = add(
         "threads", "list threads, most recent activity first", cmd_threads, parents=[json_parent]
@@ -647,7 +655,7 @@ def _stop_embedded(args: argparse.Namespace) -> int:
             f"directory (./{EMBEDDED_DIR}/)"
         )
     home = EMBEDDED_DIR.resolve()
-    if es.stop_embedded(EMBEDDED_DIR):
+    if es.stop_embedded(EMBEDDED_DIR, force=args.force):
         print(f"stopped the embedded redis-server in {home}/ (its data stays there)")
     else:
         print(f"no embedded redis-server is running in {home}/")

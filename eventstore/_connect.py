@@ -892,17 +892,21 @@ def _pidfile_pid(pidfile: Path) -> int | None:
         return None
 
 
-def _last_warning(logfile: Path) -> str:
-    """The last warning line of a redis-server log (``<pid>:<role> <time> # <text>``)."""
+def _last_warning(logfile: Path, *, lines: int = 1) -> str:
+    """The last warning line (or ``lines`` lines, joined by "; ") of a redis-server log
+    (``<pid>:<role> <time> # <text>``)."""
     try:
-        lines = logfile.read_text("utf-8", "replace").splitlines()
+        logged = logfile.read_text("utf-8", "replace").splitlines()
     except OSError:
         return "it left no log"
-    for line in reversed(lines):
+    warnings: list[str] = []
+    for line in reversed(logged):
         _, sep, text = line.partition(" # ")
         if sep and text.strip():
-            return text.strip()
-    return "its log gives no reason"
+            warnings.insert(0, text.strip())
+            if len(warnings) == lines:
+                break
+    return "; ".join(warnings) or "its log gives no reason"
 
 
 def _repair_after_crash(directory: Path, sock: Path) -> None:
@@ -927,7 +931,7 @@ def _repair_after_crash(directory: Path, sock: Path) -> None:
 
 
 def stop_embedded(
-    directory: str | os.PathLike[str] = EMBEDDED_DIR, *, timeout: float = 10.0
+    directory: str | os.PathLike[str] = EMBEDDED_DIR, *, timeout: float = 10.0, force: bool = False
 ) -> bool:
     """Stop the embedded server started under ``directory`` (default: ``.threadlog`` of the
     current directory, where `connect` starts it) and wait (bounded) until it is gone. Its
@@ -936,6 +940,16 @@ def stop_embedded(
     True if a server was running there and has stopped, busy or refusing commands as it may
     be; False if none was. The pid file alone is not trusted: after a crash or a reboot it may
     name an unrelated process, so it must name a redis-server serving the directory.
+
+    With ``force``, a server still running after ``timeout`` seconds is killed (SIGKILL): what
+    it had not written to its append-only file is lost, and the next start checks the file
+    (see `repair_aof`).
+
+    Raises:
+        OperationalError: without ``force``, the server is still running after ``timeout``
+            seconds: it refused to shut down (a final snapshot it could not write, with save
+            points configured), or is still running a script. The message gives the reason
+            its log gives.
     """
     directory = Path(directory).resolve()
     sock = _socket_path(directory)
@@ -946,6 +960,25 @@ def stop_embedded(
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
+    if _gone_within(pid, sock, timeout):
+        return True
+    if force:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if _gone_within(pid, sock, timeout):
+            return True
+    # Saying "none was running" here (as it did) left a server running that its user believed
+    # stopped, and its directory free to be removed under it.
+    raise OperationalError(
+        f"the embedded redis-server in {directory} (pid {pid}) is still running {timeout:g} s "
+        f"after it was asked to stop: {_last_warning(directory / 'redis.log', lines=3)} (a "
+        "script it is still running also holds it; see redis.log)"
+    )
+
+
+def _gone_within(pid: int, sock: Path, timeout: float) -> bool:
+    """Whether the server ``pid`` has exited (and nothing answers on ``sock``) within
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not _alive(pid) and _ping(sock, timeout=0.2) is None:

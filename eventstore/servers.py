@@ -708,13 +708,14 @@ def docker_engine_answers(timeout: float = 2.0) -> bool:
 def stop_embedded_under(roots: list[Path]) -> list[Path]:
     """Stop every embedded server (`eventstore.embedded_url`) in a directory under ``roots``;
     return their directories. Only a live redis-server serving the directory its pid file is
-    in is signalled (`eventstore.stop_embedded`), so a stale pid file harms nothing."""
+    in is signalled (`eventstore.stop_embedded`), so a stale pid file harms nothing; one that
+    does not stop when asked is killed (``force``): a test left it refusing to."""
     from ._connect import stop_embedded
 
     stopped = []
     for root in roots:
         for directory, _, files in os.walk(root):
-            if "redis.pid" in files and stop_embedded(directory):
+            if "redis.pid" in files and stop_embedded(directory, force=True):
                 stopped.append(Path(directory))
     return stopped
 

@@ -13,6 +13,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -36,6 +37,7 @@ from eventstore import (
     InvalidURLError,
     MemoryEventStore,
     MessageAppended,
+    OperationalError,
     RedisEventStore,
     StoreClosedError,
     StoreConnectionError,
@@ -1371,3 +1373,64 @@ async def test_a_client_the_store_cannot_work_through_is_refused_when_it_is_made
     async with await connect(redis_url) as store:
         assert isinstance(store, RedisEventStore)
         assert await store.client.keys(f"*{namespace}*") == []
+
+
+def _refusing_to_shut_down(home: Path) -> int:
+    """Start the embedded server under ``home`` with a write it must snapshot on shutdown and
+    a directory where the snapshot goes: it refuses SIGTERM ("can't exit"). Its pid."""
+    embedded_url(home)
+    with _admin(home) as admin:
+        admin.set("kept", "1")
+        (home / "dump.rdb").mkdir()
+        admin.config_set("save", "3600 1")
+        admin.set("unsaved", "1")  # a change since the last snapshot: shutdown must save
+    return _pid(home)
+
+
+@pytest.mark.usefixtures("no_url_env")
+def test_an_embedded_server_that_will_not_stop_is_said_to_be_running_and_can_be_killed(
+    short_dir: Path,
+) -> None:
+    """`stop_embedded` said "none was running" (False) of a server that refused to stop, which
+    `threadlog stop` printed as "no embedded redis-server is running": it ran on, believed
+    stopped. Now it is `OperationalError` with the server's reason, and ``force`` kills it."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        pid = _refusing_to_shut_down(home)
+        with pytest.raises(OperationalError, match=r"still running 1 s after.*can't exit"):
+            stop_embedded(home, timeout=1)
+        assert not _gone(pid) and _servers_in(home) == [pid]
+        assert stop_embedded(home, timeout=1, force=True) is True
+        assert _gone(pid)
+        assert stop_embedded(home) is False
+        (home / "dump.rdb").rmdir()
+        embedded_url(home)  # started again on its append-only file, checked
+        with _admin(home) as admin:
+            assert admin.get("kept") == b"1"
+
+
+@pytest.mark.usefixtures("no_url_env")
+def test_threadlog_stop_reports_a_server_that_will_not_stop_and_force_kills_it(
+    short_dir: Path,
+) -> None:
+    home = short_dir / ".threadlog"
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    command = [sys.executable, "-m", "adapters.cli", "stop"]
+    with _stopped_afterwards(home):
+        pid = _refusing_to_shut_down(home)
+        # Its 10 s wait, then the reason: exit 2 on one line, no traceback.
+        refused = subprocess.run(
+            command, cwd=short_dir, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2, refused
+        assert refused.stderr.startswith("threadlog: the embedded redis-server"), refused
+        assert "still running" in refused.stderr and "can't exit" in refused.stderr, refused
+        assert len(refused.stderr.splitlines()) == 1 and not refused.stdout, refused
+        assert not _gone(pid)
+        forced = subprocess.run(
+            [*command, "--force"], cwd=short_dir, env=env, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert forced.returncode == 0 and "stopped the embedded redis-server" in forced.stdout
+        assert _gone(pid)
