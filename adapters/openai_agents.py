@@ -78,6 +78,7 @@ from eventstore import (
     validate_thread_id,
 )
 from eventstore._contract import require_store
+from eventstore._errors import DECODE_ERRORS
 from eventstore._ids import validate_int
 from projections import Projection, Projector
 
@@ -524,8 +525,7 @@ class ThreadlogSession:
     def _decode(self, entry: ViewEntry) -> TResponseInputItem:
         try:
             return cast(TResponseInputItem, msgspec.msgpack.decode(entry.value))
-        # Before msgspec 0.23, bad UTF-8 and a map as a map's key came out as the builtins.
-        except (msgspec.DecodeError, UnicodeDecodeError, TypeError) as exc:
+        except DECODE_ERRORS as exc:
             raise OperationalError(
                 f"session {self.session_id!r}: item written at seq {entry.seq} does not decode "
                 f"({exc}); run rebuild"

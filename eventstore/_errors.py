@@ -360,10 +360,11 @@ class StoreTimeoutError(OperationalError, TimeoutError):
     """Raised when the server does not answer within the configured timeout."""
 
 
-DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError)
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError, TypeError)
 """What decoding damaged bytes with msgspec (JSON or msgpack) raises: msgspec.DecodeError, or,
-before msgspec 0.23, the codec's own UnicodeDecodeError for a string that is not UTF-8 (which
-a caller catching DecodeError alone lets through as a crash)."""
+before msgspec 0.23, Python's own errors, which a caller catching DecodeError alone lets
+through as a crash: the codec's UnicodeDecodeError for a string that is not UTF-8, and
+TypeError ("unhashable type") for a map used as a map's key. Catch it around decoding only."""
 
 UNREACHABLE = (StoreConnectionError, StoreTimeoutError)
 """The errors of a store that cannot be reached (its retries spent), as opposed to one that

@@ -175,13 +175,7 @@ class EventRegistry:
                 event = self._union_decoder().decode(data)
             except msgspec.ValidationError as exc:
                 # Not valid as the current schema: unknown, newer, damaged, or an older version.
-                try:
-                    raw = msgspec.msgpack.decode(data)
-                except TypeError as bad:
-                    # A map as a map's key: msgspec before 0.23 lets Python's "unhashable
-                    # type" through instead of a DecodeError.
-                    raise EventValidationError(f"{exc} ({bad})") from None
-                info = self._info_of(raw)
+                info = self._info_of(msgspec.msgpack.decode(data))
                 if version > info.version:
                     # Said before the schema's complaint, which a newer schema explains.
                     raise _newer(info, version) from None
