@@ -78,7 +78,7 @@ def is_server_process_name(comm: str) -> bool:
     """Whether a process named ``comm`` (``/proc/<pid>/comm``: the name it was started as, 15
     characters of it) is a Redis or Valkey server, or one started from
     ``$THREADLOG_REDIS_SERVER`` (whatever that file is called)."""
-    if comm.startswith(("redis-server", "valkey-server")):
+    if comm.startswith(tuple(f"{flavour}-server" for flavour in _FLAVOURS)):
         return True
     given = os.environ.get(SERVER_ENV)
     return given is not None and given != "" and comm == Path(given).name[:15]
