@@ -40,6 +40,7 @@ from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
 from projections.testing import ProjectionConformance
 from tests._redis_hooks import RedisHooks
+from tests.test_security import with_query
 
 
 async def _cached_on(client: RedisCluster, sha: str) -> list[str]:
@@ -77,7 +78,7 @@ class TestResp3ClusterEventStore(TestClusterEventStore):
 
     @pytest.fixture(autouse=True)
     def _cluster(self, cluster_url: str) -> None:
-        self.url = cluster_url + ("&" if "?" in cluster_url else "?") + "protocol=3"
+        self.url = with_query(cluster_url, protocol="3")
 
 
 class TestClusterProjections(ProjectionConformance):

@@ -20,6 +20,7 @@ from eventstore import (
 from eventstore._connect import StoreSettings
 from eventstore.testing import EventStoreConformance, msg
 from tests._redis_hooks import RedisHooks
+from tests.test_security import with_query
 
 
 class TestMemoryEventStore(EventStoreConformance):
@@ -82,7 +83,7 @@ class TestResp3EventStore(TestRedisEventStore):
 
     @pytest.fixture(autouse=True)
     def _redis(self, redis_url: str) -> None:
-        self.url = redis_url + ("&" if "?" in redis_url else "?") + "protocol=3"
+        self.url = with_query(redis_url, protocol="3")
 
     async def make_store(self, namespace: str, **options: Any) -> EventStore:
         store = await super().make_store(namespace, **options)

@@ -1376,14 +1376,13 @@ async def test_a_client_the_store_cannot_work_through_is_refused_when_it_is_made
 
 
 def _refusing_to_shut_down(home: Path) -> int:
-    """Start the embedded server under ``home`` with a write it must snapshot on shutdown and
-    a directory where the snapshot goes: it refuses SIGTERM ("can't exit"). Its pid."""
+    """Start the embedded server under ``home``, write to it, and leave it with save points
+    and a directory where its snapshot goes (`_refuse_commands`' MISCONF): it refuses SIGTERM
+    ("can't exit"), as its final snapshot fails. Its pid."""
     embedded_url(home)
     with _admin(home) as admin:
         admin.set("kept", "1")
-        (home / "dump.rdb").mkdir()
-        admin.config_set("save", "3600 1")
-        admin.set("unsaved", "1")  # a change since the last snapshot: shutdown must save
+    _refuse_commands(home, "MISCONF")
     return _pid(home)
 
 

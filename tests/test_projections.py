@@ -37,6 +37,7 @@ from projections.testing import (
     settled,
     snapshot,
 )
+from tests.test_security import with_query
 
 
 class TestMemoryProjections(ProjectionConformance):
@@ -68,7 +69,7 @@ class TestResp3Projections(TestRedisProjections):
 
     @pytest.fixture(autouse=True)
     def _redis(self, redis_url: str) -> None:
-        self.url = redis_url + ("&" if "?" in redis_url else "?") + "protocol=3"
+        self.url = with_query(redis_url, protocol="3")
 
 
 # -- property: views == fold(log) == rebuild, and time travel == the live reads back then ------
