@@ -505,7 +505,8 @@ async def _refuse_evicting_server(client: Any, url: str) -> None:
     """`UnsafeServerError` when the server (any primary of a cluster) may evict any key.
 
     Asked once, when a store opens (``INFO memory``): a policy changed later is not seen. A
-    user the server does not allow ``INFO`` (a tenant confined by ACL) opens unchecked.
+    user the server does not allow ``INFO`` (a tenant confined by ACL), or a server that has
+    renamed it away (``rename-command``, as hardened deployments do), opens unchecked.
     """
     try:
         if isinstance(client, RedisCluster):
@@ -516,6 +517,10 @@ async def _refuse_evicting_server(client: Any, url: str) -> None:
             infos = [await client.info("memory")]
     except redis.exceptions.NoPermissionError:
         return
+    except redis.exceptions.ResponseError as exc:
+        if str(exc).lower().startswith("unknown command"):
+            return
+        raise translate_redis_error(exc) from exc
     except (redis.exceptions.RedisError, OSError) as exc:
         raise translate_redis_error(exc) from exc
     for info in infos:

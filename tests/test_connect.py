@@ -354,6 +354,25 @@ async def test_a_server_that_evicts_only_keys_with_a_ttl_is_used(
 
 
 @pytest.mark.anyio
+async def test_a_server_that_renamed_info_away_opens_unchecked() -> None:
+    """Hardened deployments rename administrative commands (``rename-command INFO ""``); the
+    eviction check cannot ask, and a store opens anyway, as for a user denied ``INFO``."""
+    from eventstore.servers import redis_server
+
+    with redis_server(extra_args=["--rename-command", "INFO", ""]) as server:
+        url = f"unix://{server.unix_socket}"
+        probe = redis.asyncio.Redis(unix_socket_path=str(server.unix_socket))
+        try:
+            with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
+                await probe.info("memory")  # the server really has no INFO
+        finally:
+            await probe.aclose()
+        async with await connect(url, namespace=_ns()) as store:
+            await store.append("t", [msg("kept")])
+            assert await _texts(store, "t") == ["kept"]
+
+
+@pytest.mark.anyio
 async def test_a_cluster_with_one_evicting_primary_is_refused(cluster_url: str) -> None:
     ns = _ns()
     async with _eviction_policy(cluster_url, "allkeys-lfu", one_node=True):
