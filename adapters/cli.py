@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--url",
         default=argparse.SUPPRESS,
-        help=f"store URL: redis://, rediss://, unix:///path, redis+cluster://, memory:// "
+        help=f"store URL: redis://, rediss://, unix:///path, redis+cluster://, "
+        f"redis+sentinel://host:port/service, memory:// "
         f"(default: ${URL_ENV}, else a private redis-server under ./{EMBEDDED_DIR}/)",
     )
     common.add_argument(

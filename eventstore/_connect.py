@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -56,7 +57,15 @@ log = logging.getLogger("threadlog")
 URL_ENV = "THREADLOG_URL"
 SECRET_ENV = "THREADLOG_SECRET"
 EMBEDDED_DIR = Path(".threadlog")
-_SCHEMES = ("memory", "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_SCHEMES = (
+    "memory",
+    "redis",
+    "rediss",
+    "unix",
+    "redis+cluster",
+    "rediss+cluster",
+    "redis+sentinel",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +74,10 @@ class StoreSettings:
 
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster, whose
-    only database is 0: a path other than ``/`` or ``/0`` is refused).
+    only database is 0: a path other than ``/`` or ``/0`` is refused), and
+    ``redis+sentinel://host:port[,host:port...]/service`` (Redis Sentinel: the store writes to
+    the primary the sentinels name for ``service``, and follows a failover; credentials in the
+    URL are the primary's, the sentinels are asked without any).
     Query parameters ``namespace`` and ``partitions`` override the defaults, and so do
     ``socket_timeout`` and ``connect_timeout`` on Redis; ``protocol`` (``2``, the default, or
     ``3`` for RESP3), ``db`` (standalone Redis) and
@@ -194,7 +206,8 @@ _PARAM_USE = {
     "socket_timeout": "it is a Redis connection setting",
     "connect_timeout": "it is a Redis connection setting",
     "protocol": "it is a Redis connection setting",
-    "db": "a database number is for standalone Redis; Redis Cluster has only database 0",
+    "db": "a database number is for standalone Redis (or Sentinel); Redis Cluster has only "
+    "database 0",
     **{k: "it is a TLS setting: it needs a rediss:// URL" for k in _TLS_PARAMS},
 }
 _CERT_REQS = ("none", "optional", "required")  # what redis-py accepts for ssl_cert_reqs
@@ -272,6 +285,10 @@ def _check_location(parts: SplitResult) -> None:
         if parts.hostname or not parts.path.startswith("/"):
             raise InvalidURLError("a unix URL takes an absolute socket path: unix:///path/to.sock")
         return
+    if scheme.endswith("+sentinel"):
+        _cluster_nodes(parts, "sentinel")
+        sentinel_service(parts)
+        return
     if scheme.endswith("+cluster"):
         _cluster_nodes(parts)
         # redis-py's cluster client ignores the path: a /3 would silently write database 0.
@@ -293,21 +310,41 @@ def _check_location(parts: SplitResult) -> None:
         raise InvalidURLError(f"the path of a redis URL is a database number, not {db!r}")
 
 
-def _cluster_nodes(parts: SplitResult) -> list[tuple[str, int]]:
-    """The ``host:port`` startup nodes of a cluster URL (no port: 6379, no host: loopback)."""
+def _cluster_nodes(parts: SplitResult, what: str = "cluster node") -> list[tuple[str, int]]:
+    """The ``host:port`` nodes of a cluster or sentinel URL (no host: loopback; no port:
+    6379 for a cluster node, 26379 for a sentinel)."""
+    default_port = 26379 if what == "sentinel" else 6379
     nodes = []
     for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
-        host, sep, port = hostport.rpartition(":")
-        if not sep:
-            host, port = hostport, ""
+        if hostport.startswith("["):  # an IPv6 address: [::1] or [::1]:7000
+            host, bracket, port = hostport[1:].partition("]")
+            if not bracket or (port and not port.startswith(":")):
+                raise InvalidURLError(f"bad {what} {hostport!r}")
+            port = port[1:]
+        else:
+            host, sep, port = hostport.rpartition(":")
+            if not sep:
+                host, port = hostport, ""
         try:
-            number = int(port or 6379)
+            number = int(port or default_port)
         except ValueError:
-            raise InvalidURLError(f"bad cluster node {hostport!r}") from None
+            raise InvalidURLError(f"bad {what} {hostport!r}") from None
         if not 1 <= number <= 65535:
-            raise InvalidURLError(f"bad cluster node {hostport!r}: port out of range")
+            raise InvalidURLError(f"bad {what} {hostport!r}: port out of range")
         nodes.append((host or "127.0.0.1", number))
     return nodes
+
+
+def sentinel_service(parts: SplitResult) -> str:
+    """The service (master) name a sentinel URL's path names: ``/mymaster``."""
+    service = unquote(parts.path.strip("/"))
+    if not service or "/" in service or any(c.isspace() or not c.isprintable() for c in service):
+        raise InvalidURLError(
+            "a sentinel URL names the service its sentinels monitor as its path, one segment: "
+            f"redis+sentinel://host:26379/mymaster (not {parts.path!r}); the database goes "
+            "in ?db="
+        )
+    return service
 
 
 def redact(url: str) -> str:
@@ -618,6 +655,8 @@ def _redis_client(settings: StoreSettings) -> Any:
         # reads either way; its own fast paths (held connections, packed view loads) speak
         # RESP2 and stand aside.
         common["protocol"] = int(query["protocol"][-1])
+    if parts.scheme.endswith("+sentinel"):
+        return _sentinel_client(settings, parts, common, query)
     if parts.scheme.endswith("+cluster"):
         return _ClusterClient(
             startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],
@@ -649,6 +688,79 @@ def _redis_client(settings: StoreSettings) -> Any:
         return aioredis.Redis.from_pool(pool)
     except ValueError as exc:
         raise InvalidURLError(f"bad redis URL {redact(settings.url)!r}: {exc}") from None
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """redis-py's sentinel pool (each new connection asks the sentinels for the primary, and
+    one that finds the old primary demoted is dropped), waiting for a free connection when all
+    are busy, as the standalone store's pool does, instead of failing ("Too many connections")
+    under a burst of concurrent calls."""
+
+
+class _SentinelConnection(SentinelManagedConnection):
+    """redis-py's sentinel connection, asking the sentinels where the primary is whenever it
+    connects, also when redis-py reconnects it to retry a command.
+
+    redis-py (8.1) asks only in ``connect``; a retried command reconnects through
+    ``connect_check_health`` instead, to the address the connection had: after a failover,
+    every retry went back to the old primary (a replica now: ``READONLY`` again) and the
+    command failed (redis/redis-py#3874).
+    """
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class _SentinelPrimary(aioredis.Redis):
+    """A client of the primary a sentinel pool finds: closing it closes the pool and the
+    clients that ask the sentinels too (redis-py leaves those open)."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        pool = self.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            for sentinel in pool.sentinel_manager.sentinels:
+                await sentinel.aclose()
+
+
+def _sentinel_client(
+    settings: StoreSettings, parts: SplitResult, common: dict[str, Any], query: dict[str, Any]
+) -> Any:
+    """A client of the primary the URL's sentinels name for its service.
+
+    A failover shows up on a connection to the old primary as a ``READONLY`` reply (it is a
+    replica now) or as a broken connection: redis-py's sentinel connection turns the first into
+    a connection error too, and the client's retries (``retry_on_error``) reconnect through the
+    sentinels to the new primary. A write refused that way never ran (a replica writes nothing),
+    and an append that may have run is answered from the ledger when retried.
+    """
+    sentinels = _cluster_nodes(parts, "sentinel")
+    sentinel_kwargs = {
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.connect_timeout,
+        "decode_responses": False,
+    }
+    # redis-py's Sentinel has no annotations.
+    manager = cast(Any, Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
+    primary: dict[str, Any] = {
+        **common,
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+        "db": int(query["db"][-1]) if "db" in query else 0,
+        "max_connections": settings.max_connections,
+        "timeout": settings.socket_timeout,
+        "connection_class": _SentinelConnection,
+    }
+    return manager.master_for(
+        sentinel_service(parts),
+        redis_class=_SentinelPrimary,
+        connection_pool_class=_BlockingSentinelPool,
+        **primary,
+    )
 
 
 # -- the embedded server ---------------------------------------------------------------------

@@ -139,7 +139,7 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
-from ._wire import HeldConnections, can_hold, evalsha_prefix, pack_command
+from ._wire import HeldConnections, can_hold, evalsha_prefix, follows_failover, pack_command
 
 T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
@@ -602,6 +602,7 @@ class RedisEventStore(EventStore):
             type(client) is aioredis.Redis
             and client.connection is None
             and str(getattr(pool, "connection_kwargs", {}).get("protocol") or 2) == "2"
+            and not follows_failover(pool)
         )
         # A view load (rebuild) above either limit goes in chunks of at most this size.
         self.load_chunk_values = max(2, load_chunk_values)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -157,6 +158,13 @@ async def _read_hiredis(parser: Any, replies: int, out: list[Any]) -> list[Any]:
     return out
 
 
+def follows_failover(pool: Any) -> bool:
+    """Whether ``pool``'s connections do more than carry RESP: a sentinel pool's ask the
+    sentinels for the primary when they connect, and drop themselves when a reply says the
+    server is a replica now (a failover). Bytes written to them directly would skip that."""
+    return isinstance(pool, SentinelConnectionPool)
+
+
 def can_hold(client: Any) -> bool:
     """Whether `HeldConnections` can serve this client exactly as redis-py would."""
     # A single-connection client makes its connection on its first command: the flag says.
@@ -168,7 +176,11 @@ def can_hold(client: Any) -> bool:
         return False
     pool = client.connection_pool
     kwargs = getattr(pool, "connection_kwargs", {})
-    return str(kwargs.get("protocol") or 2) == "2" and hasattr(pool, "get_connection")
+    return (
+        str(kwargs.get("protocol") or 2) == "2"
+        and hasattr(pool, "get_connection")
+        and not follows_failover(pool)
+    )
 
 
 class HeldConnections:

@@ -672,6 +672,252 @@ def redis_cluster(*, primaries: int = 3, directory: Path | None = None) -> Itera
             cluster.stop()
 
 
+@dataclass
+class SentinelServer(RedisServer):
+    """A redis-server in sentinel mode (``--sentinel``), monitoring `SentinelGroup`'s primary.
+
+    Sentinel rewrites its configuration file as it learns (replicas, other sentinels, the
+    current primary after a failover), so it gets a file of its own in its directory.
+    """
+
+    monitor: tuple[str, int, int] = ("mymaster", 0, 1)  # service, primary's port, quorum
+    down_after_ms: int = 1000
+    failover_timeout_ms: int = 10000
+
+    def args(self) -> list[str]:
+        args = super().args()
+        service, port, quorum = self.monitor
+        conf = self.directory / "sentinel.conf"
+        conf.write_text(
+            f"sentinel monitor {service} 127.0.0.1 {port} {quorum}\n"
+            f"sentinel down-after-milliseconds {service} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {service} {self.failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {service} 1\n"
+        )
+        # Sentinel mode refuses the persistence options a data node gets.
+        data_only = {"--save", "--appendonly"}
+        kept: list[str] = []
+        skip = 0
+        for arg in args[1:]:
+            if skip:
+                skip -= 1
+            elif arg in data_only:
+                skip = 1
+            else:
+                kept.append(arg)
+        return [args[0], str(conf), "--sentinel", *kept]
+
+
+@dataclass
+class SentinelGroup:
+    """A primary, its replicas and the sentinels that watch them: every one a redis-server
+    child on a loopback port, for tests of Redis Sentinel deployments (failover included).
+
+    `start` waits (bounded) until every sentinel knows the primary and every replica is in
+    sync; `kill_primary` kills the primary and waits until the sentinels have promoted a
+    replica; `switchover` promotes one while the primary lives, which then becomes a replica.
+    `stop` stops every process by its pid.
+    """
+
+    directory: Path
+    replicas: int = 1
+    sentinels: int = 1
+    service: str = "mymaster"
+    data: list[RedisServer] = field(default_factory=list)  # the primary first, at start
+    watchers: list[SentinelServer] = field(default_factory=list)
+    dead: list[RedisServer] = field(default_factory=list)  # killed primaries (`kill_primary`)
+    _failing_over_from: int = 0  # the primary a failover in progress started from
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://127.0.0.1:s1[,...]/<service>`` over every sentinel."""
+        hosts = ",".join(f"127.0.0.1:{w.port}" for w in self.watchers)
+        return f"redis+sentinel://{hosts}/{self.service}"
+
+    def _ask(self, port: int, *args: Any) -> Any:
+        with redis.Redis(
+            host="127.0.0.1", port=port, socket_timeout=5.0, decode_responses=True
+        ) as c:
+            return c.execute_command(*args)
+
+    def primary_port(self) -> int:
+        """The port of the primary the first sentinel names now, as clients see it.
+
+        ``SENTINEL MASTER`` (what redis-py's clients ask) names the promoted replica only once
+        a failover has finished; ``GET-MASTER-ADDR-BY-NAME`` names it as soon as it is
+        promoted, while clients are still sent to the old primary.
+        """
+        state = self._master_state(self.watchers[0].port)
+        if "failover_in_progress" in str(state.get("flags", "")):
+            return self._failing_over_from
+        self._failing_over_from = int(state["port"])
+        return self._failing_over_from
+
+    def _master_state(self, sentinel_port: int) -> dict[str, str]:
+        """``SENTINEL MASTER <service>`` as a dict (unparsed by redis-py, whose parser of it
+        fails in some releases: 6.4's takes no ``return_responses``)."""
+        return _sentinel_fields(self._ask(sentinel_port, "SENTINEL", "MASTER", self.service))
+
+    def start(self, timeout: float = 30.0) -> SentinelGroup:
+        deadline = time.monotonic() + timeout
+        try:
+            # A replica's first sync waits 5 s by default for more replicas to share it.
+            fast_sync = ["--repl-diskless-sync-delay", "0"]
+            primary = RedisServer(
+                directory=self.directory / "data0", port=free_port(), extra_args=fast_sync
+            ).start()
+            self.data.append(primary)
+            for index in range(1, self.replicas + 1):
+                replica = RedisServer(
+                    directory=self.directory / f"data{index}",
+                    port=free_port(),
+                    extra_args=[*fast_sync, "--replicaof", "127.0.0.1", str(primary.port)],
+                )
+                self.data.append(replica.start())
+            for index in range(self.sentinels):
+                watcher = SentinelServer(
+                    directory=self.directory / f"sentinel{index}",
+                    port=free_port(),
+                    monitor=(self.service, primary.port, 1),
+                )
+                watcher.start()
+                self.watchers.append(watcher)
+            self.wait_ready(primary.port, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, primary: int, deadline: float, *, replicas_seen: bool = True) -> None:
+        """Wait until every sentinel names ``primary`` (and, with ``replicas_seen``, has found
+        every replica: a failover needs one), and every replica replicates from it with its
+        link up."""
+        problem = "not checked"
+        while time.monotonic() < deadline:
+            problem = self._not_ready(primary, replicas_seen)
+            if not problem:
+                return
+            time.sleep(0.05)
+        raise RedisServerError(f"the sentinel group did not become ready: {problem}")
+
+    def _not_ready(self, primary: int, replicas_seen: bool) -> str:
+        try:
+            for watcher in self.watchers:
+                state = self._master_state(watcher.port)
+                if int(state["port"]) != primary or "failover" in str(state.get("flags", "")):
+                    return f"sentinel {watcher.port}: {state.get('port')} {state.get('flags')}"
+                if not replicas_seen:
+                    continue
+                known = self._ask(watcher.port, "SENTINEL", "REPLICAS", self.service)
+                ok = [r for r in known if "s_down" not in _sentinel_fields(r).get("flags", "")]
+                if len(ok) < self.replicas:
+                    return f"sentinel {watcher.port} sees {len(ok)} of {self.replicas} replicas"
+            for node in self.data:
+                if node.port == primary:
+                    continue
+                fields = {
+                    k: str(v) for k, v in self._ask(node.port, "INFO", "replication").items()
+                }  # redis-py parses INFO into a dict
+                if fields.get("master_port") != str(primary):
+                    return f"{node.port} replicates from {fields.get('master_port')}"
+                if fields.get("master_link_status") != "up":
+                    return f"{node.port}: master_link_status:{fields.get('master_link_status')}"
+        except (redis.RedisError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def kill_primary(self, timeout: float = 30.0) -> int:
+        """SIGKILL the primary and wait until the sentinels have promoted a replica and it
+        serves as the primary: returns its port. (A primary that fails, as opposed to a
+        ``SENTINEL FAILOVER`` of a live one, which keeps taking writes until the sentinels
+        next poll it, up to 10 s, and then throws them away to follow the new primary.)"""
+        deadline = time.monotonic() + timeout
+        old = self.primary_port()
+        primary = next(node for node in self.data if node.port == old)
+        primary.kill()
+        self.data.remove(primary)
+        self.dead.append(primary)
+        while time.monotonic() < deadline:
+            new = self.primary_port()
+            if new != old and self._role(new) == "master":
+                self.wait_ready(new, deadline, replicas_seen=False)
+                return new
+            time.sleep(0.05)
+        raise RedisServerError(f"no failover within {timeout:.0f} s: the primary is still {old}")
+
+    def switchover(self, timeout: float = 30.0) -> int:
+        """Promote a replica of the live primary (``SENTINEL FAILOVER``) and wait until the old
+        primary follows it: returns the new primary's port.
+
+        The sentinels would point the old primary at the new one at their next poll of it (up
+        to 10 s); this does it at once, as they would, so that no write lands on it meanwhile.
+        """
+        deadline = time.monotonic() + timeout
+        old = self.primary_port()
+        while True:
+            try:
+                self._ask(self.watchers[0].port, "SENTINEL", "FAILOVER", self.service)
+                break
+            except redis.ResponseError as exc:
+                # A sentinel promotes only a replica it has polled lately (every 10 s at most).
+                if "NOGOODSLAVE" not in str(exc) or time.monotonic() > deadline:
+                    raise RedisServerError(f"SENTINEL FAILOVER: {exc}") from None
+                time.sleep(0.1)
+        while time.monotonic() < deadline:
+            new = self.primary_port()
+            if new != old and self._role(new) == "master":
+                self._ask(old, "REPLICAOF", "127.0.0.1", str(new))
+                self.wait_ready(new, deadline, replicas_seen=False)
+                return new
+            time.sleep(0.05)
+        raise RedisServerError(f"no switchover within {timeout:.0f} s: the primary is still {old}")
+
+    def _role(self, port: int) -> str:
+        try:
+            return str(self._ask(port, "ROLE")[0])
+        except (redis.RedisError, OSError):
+            return "unreachable"
+
+    def wait_synced(self, timeout: float = 10.0) -> None:
+        """Wait until every replica has everything the primary has written (its offset)."""
+        deadline = time.monotonic() + timeout
+        primary = self.primary_port()
+        while time.monotonic() < deadline:
+            want = int(self._ask(primary, "INFO", "replication")["master_repl_offset"])
+            have = [
+                int(self._ask(node.port, "INFO", "replication").get("slave_repl_offset", -1))
+                for node in self.data
+                if node.port != primary
+            ]
+            if all(h >= want for h in have):
+                return
+            time.sleep(0.02)
+        raise RedisServerError(f"the replicas did not catch up within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """Stop every process this object started, by its pid."""
+        for server in [*self.watchers, *self.data, *self.dead]:
+            server.stop()
+
+
+def _sentinel_fields(row: Any) -> dict[str, str]:
+    """A ``SENTINEL REPLICAS`` row (a flat name, value list, or a dict on RESP3) as a dict."""
+    if isinstance(row, dict):
+        return {str(k): str(v) for k, v in row.items()}
+    return {str(row[i]): str(row[i + 1]) for i in range(0, len(row) - 1, 2)}
+
+
+@contextlib.contextmanager
+def sentinel_group(*, replicas: int = 1, sentinels: int = 1) -> Iterator[SentinelGroup]:
+    """Start a private primary, replicas and sentinels for the duration of the block."""
+    with tempfile.TemporaryDirectory(prefix="tls-", dir="/tmp") as directory:
+        group = SentinelGroup(Path(directory), replicas=replicas, sentinels=sentinels).start()
+        try:
+            yield group
+        finally:
+            group.stop()
+
+
 def docker_engine_answers(timeout: float = 2.0) -> bool:
     """True when a Docker engine (not just the client) answers ``GET /_ping``.
 

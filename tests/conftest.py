@@ -31,6 +31,7 @@ from eventstore.servers import (
     docker_engine_answers,
     redis_cluster,
     redis_server,
+    sentinel_group,
 )
 
 BACKENDS = ["memory", "redis", "cluster"]
@@ -113,6 +114,20 @@ def cluster_url() -> Iterator[str]:
             yield cluster.url
     except RedisServerError as exc:
         pytest.fail(f"no Redis Cluster available for the tests: {exc}")
+
+
+@pytest.fixture(scope="session")
+def sentinel_url() -> Iterator[str]:
+    """A ``redis+sentinel://`` URL of a real primary, replica and sentinel for this session."""
+    given = os.environ.get("THREADLOG_TEST_SENTINEL_URL")
+    if given:
+        yield given
+        return
+    try:
+        with sentinel_group() as group:
+            yield group.url
+    except RedisServerError as exc:
+        pytest.fail(f"no Redis Sentinel group available for the tests: {exc}")
 
 
 @pytest.fixture

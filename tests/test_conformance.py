@@ -92,6 +92,22 @@ class TestResp3EventStore(TestRedisEventStore):
         return store
 
 
+class TestSentinelEventStore(TestRedisEventStore):
+    """The same through Redis Sentinel (``redis+sentinel://``): redis-py's sentinel pool
+    finds the primary, and the store's own fast paths (held connections, packed view loads),
+    which would write past its failover handling, stand aside."""
+
+    @pytest.fixture(autouse=True)
+    def _redis(self, sentinel_url: str) -> None:
+        self.url = sentinel_url
+
+    async def make_store(self, namespace: str, **options: Any) -> EventStore:
+        store = await super().make_store(namespace, **options)
+        assert isinstance(store, RedisEventStore)
+        assert store._held is None and not store._packs_chunks
+        return store
+
+
 # -- Redis's own: damage in the keys a whole namespace shares -----------------------------------
 
 

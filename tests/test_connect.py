@@ -161,6 +161,7 @@ def test_settings_are_frozen() -> None:
         "unix://relative/redis.sock",
         "redis+cluster://h1:7000,h2:x",
         "redis+cluster://h1:7000,h2:70000",
+        "redis+cluster://[::1]:7000,[::2",
         "rediss+cluster://h1:-1",
         # A parameter the scheme would not use is refused, not ignored.
         "memory://?db=1",
@@ -188,6 +189,18 @@ def test_settings_are_frozen() -> None:
 def test_bad_urls_raise_invalid_url_error(url: str) -> None:
     with pytest.raises(InvalidURLError):
         StoreSettings.from_url(url)
+
+
+def test_cluster_nodes_may_be_ipv6_addresses_in_brackets() -> None:
+    """The brackets were kept in the host (``[::1]``), which no resolver takes."""
+    from urllib.parse import urlsplit
+
+    from eventstore._connect import _cluster_nodes
+
+    parts = urlsplit("redis+cluster://[::1]:7000,[fe80::2],h3:7002")
+    assert _cluster_nodes(parts) == [("::1", 7000), ("fe80::2", 6379), ("h3", 7002)]
+    with pytest.raises(InvalidURLError, match="bad cluster node"):
+        StoreSettings.from_url("redis+cluster://h1:7000,[::1]x")
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,14 @@ class TestResp3Projections(TestRedisProjections):
         self.url = with_query(redis_url, protocol="3")
 
 
+class TestSentinelProjections(TestRedisProjections):
+    """The same through Redis Sentinel (``redis+sentinel://``)."""
+
+    @pytest.fixture(autouse=True)
+    def _redis(self, sentinel_url: str) -> None:
+        self.url = sentinel_url
+
+
 # -- property: views == fold(log) == rebuild, and time travel == the live reads back then ------
 
 StoreFactory = Callable[[str], Awaitable[EventStore]]
