@@ -27,7 +27,7 @@ from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import PRIMARY
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
@@ -77,7 +77,8 @@ class StoreSettings:
     only database is 0: a path other than ``/`` or ``/0`` is refused), and
     ``redis+sentinel://host:port[,host:port...]/service`` (Redis Sentinel: the store writes to
     the primary the sentinels name for ``service``, and follows a failover; credentials in the
-    URL are the primary's, the sentinels are asked without any).
+    URL are the primary's, and the sentinels' too with ``sentinel_auth=same``; by default the
+    sentinels are asked without any).
     Query parameters ``namespace`` and ``partitions`` override the defaults, and so do
     ``socket_timeout`` and ``connect_timeout`` on Redis; ``protocol`` (``2``, the default, or
     ``3`` for RESP3), ``db`` (standalone Redis) and
@@ -174,6 +175,12 @@ class StoreSettings:
                     f"protocol must be 2 (RESP2, the default) or 3 (RESP3), not "
                     f"{last['protocol']!r}"
                 )
+            if "sentinel_auth" in last and last["sentinel_auth"] not in _SENTINEL_AUTH:
+                raise ValueError(
+                    "sentinel_auth must be none (the sentinels ask for no password, the "
+                    "default) or same (they take the URL's user and password, as the primary "
+                    f"does), not {last['sentinel_auth']!r}"
+                )
             if "ssl_cert_reqs" in last and last["ssl_cert_reqs"] not in _CERT_REQS:
                 raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
             for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
@@ -198,6 +205,7 @@ _PARAMS = frozenset(
         "ssl_ca_certs",
         "ssl_certfile",
         "ssl_keyfile",
+        "sentinel_auth",
     }
 )
 _TLS_PARAMS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
@@ -209,7 +217,9 @@ _PARAM_USE = {
     "db": "a database number is for standalone Redis (or Sentinel); Redis Cluster has only "
     "database 0",
     **{k: "it is a TLS setting: it needs a rediss:// URL" for k in _TLS_PARAMS},
+    "sentinel_auth": "it says how to log in to the sentinels of a redis+sentinel:// URL",
 }
+_SENTINEL_AUTH = ("none", "same")
 _CERT_REQS = ("none", "optional", "required")  # what redis-py accepts for ssl_cert_reqs
 # The settings checked whenever a `StoreSettings` is made, from a URL or given directly.
 _CHECKED = (
@@ -234,6 +244,8 @@ def _scheme_params(scheme: str) -> frozenset[str]:
         params.add("db")
     if scheme.startswith("rediss"):
         params |= _TLS_PARAMS
+    if scheme.endswith("+sentinel"):
+        params.add("sentinel_auth")
     return frozenset(params)
 
 
@@ -490,8 +502,9 @@ async def open_store(
         await store.close()
         raise  # already names the URL and the timeout
     except OperationalError as exc:
-        await store.close()
         hint = _tls_hint(settings) if isinstance(exc, StoreTimeoutError) else ""
+        hint += await _sentinel_hint(client)
+        await store.close()
         raise StoreConnectionError(
             f"cannot use redis at {redact(settings.url)}: "
             f"{_strip_url(str(exc), settings.url)}{hint}"
@@ -517,8 +530,47 @@ async def _first_contact(client: Any, settings: StoreSettings) -> None:
         if not bound.expired():
             raise  # one attempt's own timeout (a StoreTimeoutError): reported as before
         raise ConnectTimeoutError(
-            redact(settings.url), settings.connect_timeout, _tls_hint(settings)
+            redact(settings.url),
+            settings.connect_timeout,
+            _tls_hint(settings) + await _sentinel_hint(client),
         ) from None
+
+
+async def _sentinel_hint(client: Any, bound: float = 1.0) -> str:
+    """Why the sentinels of a sentinel client named no primary, asked of each in turn (within
+    ``bound`` seconds): redis-py keeps its reasons to itself and says only "No master found",
+    or, retrying that until the connect timeout, nothing at all. Empty when one names a
+    primary (the trouble is elsewhere) or the client has no sentinels."""
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool):
+        return ""
+    problems: list[str] = []
+    service = pool.service_name
+    try:
+        async with asyncio.timeout(bound):
+            for sentinel in pool.sentinel_manager.sentinels:
+                kwargs = sentinel.connection_pool.connection_kwargs
+                where = f"{kwargs.get('host')}:{kwargs.get('port')}"
+                try:
+                    named = await sentinel.execute_command(
+                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service
+                    )
+                except redis.exceptions.AuthenticationError as exc:
+                    login = (
+                        "add ?sentinel_auth=same to log in with the URL's user and password"
+                        if kwargs.get("password") is None
+                        else "the URL's user and password are not theirs"
+                    )
+                    problems.append(f"sentinel {where} refuses the login ({exc}): {login}")
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    problems.append(f"sentinel {where}: {exc}")
+                else:
+                    if named:
+                        return ""
+                    problems.append(f"sentinel {where} monitors no service {service!r}")
+    except TimeoutError:
+        problems.append(f"no more answers within {bound:g} s")
+    return " (" + "; ".join(problems) + ")" if problems else ""
 
 
 def _tls_hint(settings: StoreSettings) -> str:
@@ -739,17 +791,27 @@ def _sentinel_client(
     and an append that may have run is answered from the ledger when retried.
     """
     sentinels = _cluster_nodes(parts, "sentinel")
-    sentinel_kwargs = {
+    credentials = {
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+    }
+    sentinel_kwargs: dict[str, Any] = {
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.connect_timeout,
         "decode_responses": False,
+        # Each sentinel is asked once: the next one in the list is the retry (and the
+        # primary's connection retries the whole lookup). redis-py's default retries with
+        # backoff spent ~4 s on a sentinel that refuses connections, on every lookup it came
+        # first in, before asking the next.
+        "retry": Retry(NoBackoff(), 0),
     }
+    if query.get("sentinel_auth", ["none"])[-1] == "same":
+        sentinel_kwargs.update(credentials)
     # redis-py's Sentinel has no annotations.
     manager = cast(Any, Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
     primary: dict[str, Any] = {
         **common,
-        "username": unquote(parts.username) if parts.username else None,
-        "password": unquote(parts.password) if parts.password else None,
+        **credentials,
         "db": int(query["db"][-1]) if "db" in query else 0,
         "max_connections": settings.max_connections,
         "timeout": settings.socket_timeout,

@@ -18,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import MasterNotFoundError
 
 from ._codec import (
     DEFAULT_MAX_EVENT_BYTES,
@@ -163,6 +164,11 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
     """The one place where redis-py errors become threadlog errors."""
     if isinstance(exc, rex.TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")
+    if isinstance(exc, MasterNotFoundError):
+        # redis-py (8.1) appends the repr of the last sentinel client it asked, every
+        # connection setting of it, to "No master found for 'service'".
+        said = str(exc).split(" : ", 1)[0]
+        return StoreConnectionError(f"redis connection failed: {said} (no sentinel named one)")
     text = str(exc)
     # Asked first: redis-py 6 raises AuthenticationError for a password missing too.
     if any(words in text for words in _NO_CREDENTIALS):

@@ -353,7 +353,8 @@ class RedisServer:
             try:
                 s.connect(address)
                 s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                # A server with a password answers NOAUTH: up all the same.
+                return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
             except OSError:
                 return False
 
@@ -682,6 +683,7 @@ class SentinelServer(RedisServer):
 
     monitor: tuple[str, int, int] = ("mymaster", 0, 1)  # service, primary's port, quorum
     down_after_ms: int = 1000
+    password: str | None = None  # the data nodes' and its own (``requirepass``)
     failover_timeout_ms: int = 10000
 
     def args(self) -> list[str]:
@@ -693,6 +695,11 @@ class SentinelServer(RedisServer):
             f"sentinel down-after-milliseconds {service} {self.down_after_ms}\n"
             f"sentinel failover-timeout {service} {self.failover_timeout_ms}\n"
             f"sentinel parallel-syncs {service} 1\n"
+            + (
+                f"sentinel auth-pass {service} {self.password}\nrequirepass {self.password}\n"
+                if self.password
+                else ""
+            )
         )
         # Sentinel mode refuses the persistence options a data node gets.
         data_only = {"--save", "--appendonly"}
@@ -723,6 +730,7 @@ class SentinelGroup:
     replicas: int = 1
     sentinels: int = 1
     service: str = "mymaster"
+    password: str | None = None  # every node's and sentinel's (``requirepass``), when set
     data: list[RedisServer] = field(default_factory=list)  # the primary first, at start
     watchers: list[SentinelServer] = field(default_factory=list)
     dead: list[RedisServer] = field(default_factory=list)  # killed primaries (`kill_primary`)
@@ -736,7 +744,11 @@ class SentinelGroup:
 
     def _ask(self, port: int, *args: Any) -> Any:
         with redis.Redis(
-            host="127.0.0.1", port=port, socket_timeout=5.0, decode_responses=True
+            host="127.0.0.1",
+            port=port,
+            password=self.password,
+            socket_timeout=5.0,
+            decode_responses=True,
         ) as c:
             return c.execute_command(*args)
 
@@ -763,6 +775,8 @@ class SentinelGroup:
         try:
             # A replica's first sync waits 5 s by default for more replicas to share it.
             fast_sync = ["--repl-diskless-sync-delay", "0"]
+            if self.password:
+                fast_sync += ["--requirepass", self.password, "--masterauth", self.password]
             primary = RedisServer(
                 directory=self.directory / "data0", port=free_port(), extra_args=fast_sync
             ).start()
@@ -779,6 +793,7 @@ class SentinelGroup:
                     directory=self.directory / f"sentinel{index}",
                     port=free_port(),
                     monitor=(self.service, primary.port, 1),
+                    password=self.password,
                 )
                 watcher.start()
                 self.watchers.append(watcher)
@@ -908,10 +923,14 @@ def _sentinel_fields(row: Any) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def sentinel_group(*, replicas: int = 1, sentinels: int = 1) -> Iterator[SentinelGroup]:
+def sentinel_group(
+    *, replicas: int = 1, sentinels: int = 1, password: str | None = None
+) -> Iterator[SentinelGroup]:
     """Start a private primary, replicas and sentinels for the duration of the block."""
     with tempfile.TemporaryDirectory(prefix="tls-", dir="/tmp") as directory:
-        group = SentinelGroup(Path(directory), replicas=replicas, sentinels=sentinels).start()
+        group = SentinelGroup(
+            Path(directory), replicas=replicas, sentinels=sentinels, password=password
+        ).start()
         try:
             yield group
         finally:

@@ -8,6 +8,7 @@ Sentinel's own: the URL, and a primary that dies under a store that keeps writin
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -22,7 +23,7 @@ from eventstore import (
     connect,
 )
 from eventstore._connect import StoreSettings, _redis_client
-from eventstore.servers import RedisServerError, SentinelGroup, sentinel_group
+from eventstore.servers import RedisServerError, SentinelGroup, free_port, sentinel_group
 from eventstore.testing import msg, read_all
 from tests.test_cli import cli
 
@@ -37,7 +38,7 @@ def _ns() -> str:
 
 
 @pytest.mark.parametrize(
-    ("url", "sentinels", "service", "db", "password"),
+    ("url", "sentinels", "service", "db", "password", "sentinels_password"),
     [
         (
             "redis+sentinel://10.0.0.1:26379,10.0.0.2:26380/mymaster",
@@ -45,19 +46,41 @@ def _ns() -> str:
             "mymaster",
             0,
             None,
+            None,
         ),
-        ("redis+sentinel://10.0.0.1/my-service?db=3", [("10.0.0.1", 26379)], "my-service", 3, None),
+        (
+            "redis+sentinel://10.0.0.1/my-service?db=3",
+            [("10.0.0.1", 26379)],
+            "my-service",
+            3,
+            None,
+            None,
+        ),
         (
             "redis+sentinel://user:hunter2@[::1]:26379/mymaster?namespace=app&protocol=3",
             [("::1", 26379)],
             "mymaster",
             0,
             "hunter2",
+            None,
+        ),
+        (
+            "redis+sentinel://user:hunter2@h:26379/mymaster?sentinel_auth=same",
+            [("h", 26379)],
+            "mymaster",
+            0,
+            "hunter2",
+            "hunter2",
         ),
     ],
 )
 async def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primarys_settings(
-    url: str, sentinels: list[tuple[str, int]], service: str, db: int, password: str | None
+    url: str,
+    sentinels: list[tuple[str, int]],
+    service: str,
+    db: int,
+    password: str | None,
+    sentinels_password: str | None,
 ) -> None:
     settings = StoreSettings.from_url(url)
     assert "hunter2" not in repr(settings)
@@ -74,12 +97,11 @@ async def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primarys_s
         ]
         assert asked == sentinels
         assert pool.connection_kwargs["db"] == db
-        assert pool.connection_kwargs["password"] == password  # the primary's, not the sentinels'
-        assert all(
-            "password" not in s.connection_pool.connection_kwargs
-            or s.connection_pool.connection_kwargs["password"] is None
+        assert pool.connection_kwargs["password"] == password
+        assert [
+            s.connection_pool.connection_kwargs.get("password")
             for s in pool.sentinel_manager.sentinels
-        )
+        ] == [sentinels_password] * len(sentinels)
     finally:
         await client.aclose()
 
@@ -96,6 +118,8 @@ async def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primarys_s
         ("redis+sentinel://[::1]x/mymaster", "bad sentinel"),
         ("redis+sentinel://10.0.0.1/mymaster?ssl_ca_certs=/ca.pem", "needs a rediss:// URL"),
         ("redis+sentinel://10.0.0.1/mymaster?db=-1", "db must be >= 0"),
+        ("redis+sentinel://10.0.0.1/mymaster?sentinel_auth=yes", "sentinel_auth must be none"),
+        ("redis://10.0.0.1?sentinel_auth=same", "how to log in to the sentinels"),
         ("rediss+sentinel://10.0.0.1/mymaster", "unsupported URL scheme"),
     ],
 )
@@ -106,8 +130,18 @@ def test_a_bad_sentinel_url_is_refused_saying_why(url: str, says: str) -> None:
 
 async def test_an_unknown_service_is_a_connection_error_naming_it(sentinel_url: str) -> None:
     url = sentinel_url.rsplit("/", 1)[0] + "/no-such-service"
-    with pytest.raises(StoreConnectionError, match="No master found for 'no-such-service'"):
+    with pytest.raises(StoreConnectionError, match="No master found for 'no-such-service'") as e:
         await connect(url, namespace=_ns())
+    assert "monitors no service 'no-such-service'" in str(e.value)  # asked of the sentinel
+    assert "<redis" not in str(e.value)  # redis-py's repr of its client is left out
+
+
+async def test_no_sentinel_answering_is_a_connection_error_saying_so() -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(StoreConnectionError, match=f"sentinel 127.0.0.1:{port}: .*111"):
+        await connect(f"redis+sentinel://127.0.0.1:{port}/mymaster", namespace=_ns())
+    assert time.monotonic() - started < 5.0  # not the connect timeout: it is refused at once
 
 
 async def test_the_store_writes_to_the_primary_the_sentinels_name(sentinel_url: str) -> None:
@@ -129,6 +163,27 @@ def test_the_command_line_takes_a_sentinel_url(sentinel_url: str) -> None:
     assert listed.lines(), "the demo's threads are listed"
     checked = cli("verify", "--all", url=sentinel_url, namespace=ns)
     assert checked.code == 0, checked.out + checked.err
+
+
+def test_sentinels_with_a_password_are_reached_with_sentinel_auth_same() -> None:
+    """Sentinels that require a password (``requirepass`` in sentinel.conf, often the data
+    nodes' own): without ``sentinel_auth=same`` they refuse to name the primary."""
+    password = "pw-" + uuid.uuid4().hex[:8]
+    with sentinel_group(password=password) as group:
+        hosts = group.url.removeprefix("redis+sentinel://")
+        authed = f"redis+sentinel://default:{password}@{hosts}"
+
+        async def main() -> None:
+            ns = _ns()
+            async with await connect(authed + "?sentinel_auth=same", namespace=ns) as store:
+                await store.append("t", [msg("in")])
+                assert [e.payload.message.content for e in await read_all(store, "t")] == ["in"]
+            with pytest.raises(StoreConnectionError, match="refuses the login") as refused:
+                await connect(authed, namespace=ns, connect_timeout=2.0)
+            assert "add ?sentinel_auth=same" in str(refused.value)
+            assert password not in str(refused.value)
+
+        asyncio.run(main())
 
 
 # -- failover ---------------------------------------------------------------------------------
