@@ -1820,6 +1820,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
                         "unread": g.unread,
                         "registered": g.registered,
                         "feed_reset": g.feed_reset,
+                        "damaged": g.damaged,
                     }
                     for members in groups.values()
                     for g in members
@@ -1858,6 +1859,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
         unread = [g.oldest_unread for g in members if g.oldest_unread is not None]
         damaged = [g.partition for g in members if g.lost_changes]
         reset = [g.partition for g in members if g.feed_reset]
+        broken = [g for g in members if g.damaged is not None]
         note = Text()
         if damaged:
             where = ", ".join(str(p) for p in damaged)
@@ -1868,6 +1870,13 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
             note.append(
                 f"{'; ' if damaged else ''}feed reset under it (partition {where}): run the "
                 "projection under a new name with backfill",
+                "red",
+            )
+        for g in broken:
+            # Its reader stops on that partition until the checkpoint is put right.
+            note.append(
+                f"{'; ' if len(note) else ''}damaged checkpoint (partition {g.partition}): "
+                f"{printable(g.damaged or '')}",
                 "red",
             )
         reader = f"export --name {name[7:]}" if name.startswith("export-") else "projection runner"

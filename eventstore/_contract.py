@@ -11,7 +11,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Self
 
-from ._errors import InvalidInputError, ThreadReplacedError
+from ._errors import CorruptKeyError, InvalidInputError, ThreadReplacedError
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_feed_count
 from ._gc import paused_collector
@@ -660,13 +660,20 @@ class EventStore(abc.ABC):
         """The stored checkpoint of async projection ``name`` in a partition ("0-0": none)."""
 
     @abc.abstractmethod
-    async def checkpoints(self, partition: int) -> dict[str, str]:
+    async def checkpoints(
+        self, partition: int, *, damaged: dict[str, CorruptKeyError] | None = None
+    ) -> dict[str, str]:
         """Every async projection's stored checkpoint in a partition, by name (a projection
         with none is absent). A checkpoint outlives its projection's consumer group (a feed
         deleted takes the groups with it): this is how a reader that lost its group is found.
 
+        A checkpoint changed from outside threadlog into something that is no feed id raises
+        `CorruptKeyError`, or, given ``damaged``, is left out and put there by name instead
+        (a listing of every reader can go on past one damaged entry; a reader must stop).
+
         Raises:
             InvalidInputError: a bad partition.
+            CorruptKeyError: a damaged checkpoint, when no ``damaged`` was given.
         """
 
     @abc.abstractmethod

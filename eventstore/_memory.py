@@ -43,6 +43,7 @@ from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInf
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
+    CorruptKeyError,
     FeedGroupNotFoundError,
     IdempotencyKeyReusedError,
     IncarnationConflictError,
@@ -913,7 +914,10 @@ class MemoryEventStore(EventStore):
         found = self._ns.checkpoints.get((partition, name))
         return format_stream_id(found) if found else "0-0"
 
-    async def checkpoints(self, partition: int) -> dict[str, str]:
+    async def checkpoints(
+        self, partition: int, *, damaged: dict[str, CorruptKeyError] | None = None
+    ) -> dict[str, str]:
+        # Stored parsed: nothing here can be damaged (``damaged`` stays as given).
         self._feed(partition)
         return {
             name: format_stream_id(at)

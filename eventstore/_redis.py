@@ -1847,19 +1847,25 @@ class RedisEventStore(EventStore):
         raw = await _call(self.client.hget(key, name))
         return _checkpoint(key, name, raw) if raw else "0-0"
 
-    async def checkpoints(self, partition: int) -> dict[str, str]:
+    async def checkpoints(
+        self, partition: int, *, damaged: dict[str, CorruptKeyError] | None = None
+    ) -> dict[str, str]:
         self._feed_key(partition)
         key = self.keys.checkpoints(partition)
         raw = await _call(self.client.hgetall(key))
         out = {}
         for field, value in raw.items():
+            name = field.decode("utf-8", "backslashreplace")
             try:
-                name = field.decode("utf-8")
-            except UnicodeDecodeError:
-                raise CorruptKeyError(
-                    key, f"it holds a field named {field!r}, which is no projection's name"
-                ) from None
-            out[name] = _checkpoint(key, name, value)
+                if name.encode("utf-8") != field:
+                    raise CorruptKeyError(
+                        key, f"it holds a field named {field!r}, which is no projection's name"
+                    )
+                out[name] = _checkpoint(key, name, value)
+            except CorruptKeyError as exc:
+                if damaged is None:
+                    raise
+                damaged[name] = exc
         return out
 
     async def namespace_id(self) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -91,7 +91,8 @@ async def _drain(batches: AsyncIterator[Any]) -> None:
         pass
 
 
-def _texts(events: list[RecordedEvent]) -> list[str]:
+def message_texts(events: Sequence[RecordedEvent]) -> list[str]:
+    """The text of each event, every one a `MessageAppended` (asserted)."""
     out = []
     for e in events:
         assert isinstance(e.payload, MessageAppended)
@@ -182,7 +183,7 @@ class EventStoreConformance:
             await store.append("t", [msg(str(i)), msg(str(i + 1)), msg(str(i + 2))])
         events = await read_all(store, "t")
         assert [e.seq for e in events] == list(range(1, 31))
-        assert _texts(events) == [str(i) for i in range(30)]
+        assert message_texts(events) == [str(i) for i in range(30)]
         assert all(e.thread_id == "t" for e in events)
 
     async def test_envelope_fields_round_trip(self, store: EventStore) -> None:
@@ -212,8 +213,8 @@ class EventStoreConformance:
     async def test_threads_are_independent(self, store: EventStore) -> None:
         await store.append("a", [msg("a1"), msg("a2")])
         await store.append("b", [msg("b1")])
-        assert _texts(await read_all(store, "a")) == ["a1", "a2"]
-        assert _texts(await read_all(store, "b")) == ["b1"]
+        assert message_texts(await read_all(store, "a")) == ["a1", "a2"]
+        assert message_texts(await read_all(store, "b")) == ["b1"]
         assert await store.version("missing") == 0
         assert await read_all(store, "missing") == []
 
@@ -322,11 +323,11 @@ class EventStoreConformance:
         assert await store.seq_at("t", t_mid) == 3
         assert await store.seq_at("t", events[3].time_ms + 10_000) == 4
         between = [e async for e in store.read_between("t", t_mid, t_mid)]
-        assert _texts(between) == ["middle-1", "middle-2"]
+        assert message_texts(between) == ["middle-1", "middle-2"]
         since = [e async for e in store.read_between("t", since=events[1].time)]
-        assert _texts(since) == ["middle-1", "middle-2", "late"]
+        assert message_texts(since) == ["middle-1", "middle-2", "late"]
         until_back = [e async for e in store.read_between("t", until=t_mid, backwards=True)]
-        assert _texts(until_back) == ["middle-2", "middle-1", "early"]
+        assert message_texts(until_back) == ["middle-2", "middle-1", "early"]
         assert await store.seq_at("missing", 10**15) == 0
 
     async def test_read_by_time_never_mixes_two_lives_of_a_thread(self, store: EventStore) -> None:
@@ -363,12 +364,12 @@ class EventStoreConformance:
         store.seq_at = answer_then_recreate  # type: ignore[method-assign]
         # Every event of the new life came after the old one's last: all since, none until.
         since = [e async for e in store.read_between("t", since=old[2].time)]
-        assert _texts(since) == [f"new{n}" for n in range(5)]
+        assert message_texts(since) == [f"new{n}" for n in range(5)]
         old = await start_over()
         assert [e async for e in store.read_between("t", until=old[2].time)] == []
         old = await start_over()
         both = [e async for e in store.read_between("t", old[1].time, old[2].time_ms + 60_000)]
-        assert _texts(both) == [f"new{n}" for n in range(5)]
+        assert message_texts(both) == [f"new{n}" for n in range(5)]
 
     # -- expected versions ---------------------------------------------------------------------
 
@@ -446,7 +447,7 @@ class EventStoreConformance:
             )
         assert (info.value.view, info.value.field) == ("s", "f")
         assert (info.value.expected, info.value.actual) == (0, 1)
-        assert _texts(await read_all(store, "t")) == ["a"]
+        assert message_texts(await read_all(store, "t")) == ["a"]
         assert await store.read_views("t", [ListRange("messages"), HashGetAll("s")]) == before
         assert await store.threads() == threads_before
         # The refused requests did not burn their idempotency keys.
@@ -555,7 +556,7 @@ class EventStoreConformance:
         total = writers * per_writer
         events = await read_all(store, "t")
         assert [e.seq for e in events] == list(range(1, total + 1))
-        texts = _texts(events)
+        texts = message_texts(events)
         assert len(set(texts)) == total
         for w in range(writers):
             mine = [int(t.split(":")[1]) for t in texts if t.split(":")[0] == str(w)]
@@ -1017,7 +1018,7 @@ class EventStoreConformance:
             with pytest.raises(CorruptEventError, match="meta hash") as info:
                 await store.append("t", [msg("c")], expected_version=expected)
             assert (info.value.thread_id, info.value.seq) == ("t", None)
-        assert _texts(await read_all(store, "t")) == ["a", "b"]
+        assert message_texts(await read_all(store, "t")) == ["a", "b"]
         assert (await store.append("fresh", [msg("x")])).first_seq == 1  # new threads: as ever
 
     async def test_seq_at_reports_a_log_without_its_meta_hash(self, store: EventStore) -> None:
@@ -1074,7 +1075,7 @@ class EventStoreConformance:
             "t", [msg("c"), msg("d")], expected_incarnation=life, view_ops=[ListPush("l", (b"c",))]
         )
         assert (several.last_seq, several.incarnation) == (4, life)
-        assert _texts(await read_all(store, "t")) == ["a", "b", "c", "d"]
+        assert message_texts(await read_all(store, "t")) == ["a", "b", "c", "d"]
 
     async def test_an_append_to_a_life_that_is_gone_writes_nothing(self, store: EventStore) -> None:
         """The ABA of a recreated thread: versions and view field versions restart at 1, so an
@@ -1107,7 +1108,7 @@ class EventStoreConformance:
             )
         assert (replaced.value.actual_incarnation, replaced.value.actual) == (new, 1)
         assert replaced.value.expected == 1
-        assert _texts(await read_all(store, "t")) == ["new"]
+        assert message_texts(await read_all(store, "t")) == ["new"]
         snap = await store.read_views("t", [HashGetAll("s")])
         assert snap.results[0] == {"f": ViewEntry(1, b"new", 1)}
         assert await store.read_feed(p) == feed_before
@@ -1161,7 +1162,7 @@ class EventStoreConformance:
         assert await store.delete_thread("never") == 0
         again = await store.append("t", [msg("new life")], expected_version=NO_THREAD)
         assert (again.first_seq, again.duplicate) == (1, False)
-        assert _texts(await read_all(store, "other")) == ["x"]
+        assert message_texts(await read_all(store, "other")) == ["x"]
 
     async def test_delete_thread_at_an_expected_version(self, store: EventStore) -> None:
         """A deletion decided on a version (a session found idle) keeps a thread written
@@ -1174,7 +1175,7 @@ class EventStoreConformance:
         with pytest.raises(ConcurrencyError) as caught:
             await store.delete_thread("t", views=["l"], expected_version=1)
         assert (caught.value.expected, caught.value.actual) == (1, 2)
-        assert _texts(await read_all(store, "t")) == ["a", "b"]
+        assert message_texts(await read_all(store, "t")) == ["a", "b"]
         assert (await store.read_views("t", [ListRange("l")])).results != [[]]
         assert await store.read_feed(p) == feed_before
         assert [t.thread_id for t in await store.threads()] == ["t"]
@@ -1206,7 +1207,7 @@ class EventStoreConformance:
                     "t", views=["l"], expected_version=version, expected_incarnation=old
                 )
             assert caught.value.actual_incarnation == new and caught.value.actual == 1
-        assert _texts(await read_all(store, "t")) == ["b"]
+        assert message_texts(await read_all(store, "t")) == ["b"]
         assert (await store.read_views("t", [ListRange("l")])).results != [[]]
         assert await store.read_feed(p) == feed_before
         for bad in (0, -1, "2", True, 1.0):
@@ -1666,7 +1667,7 @@ class EventStoreConformance:
         for t in ids:
             await store.append(t, [msg(t)], view_ops=[ListPush("l", (t.encode(),))])
         for t in ids:
-            assert _texts(await read_all(store, t)) == [t]
+            assert message_texts(await read_all(store, t)) == [t]
             snap = await store.read_views(t, [ListRange("l")])
             assert [e.value for e in snap.results[0]] == [t.encode()]  # type: ignore[union-attr]
 
@@ -1773,7 +1774,7 @@ class EventStoreConformance:
                 await store.fold_payloads("t", lambda rows: None, start=seq, stop=seq)
             assert (info.value.thread_id, info.value.seq) == ("t", seq)
         # Reading stops at the damage, never skips it silently; the good prefix is readable.
-        assert _texts(await read_all(store, "t", stop=2)) == ["a", "b"]
+        assert message_texts(await read_all(store, "t", stop=2)) == ["a", "b"]
 
     # -- schema evolution ----------------------------------------------------------------------
 

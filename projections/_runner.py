@@ -28,6 +28,7 @@ import msgspec
 
 from eventstore import (
     ConflictError,
+    CorruptKeyError,
     EventStore,
     FeedEntry,
     FeedGroupNotFoundError,
@@ -132,6 +133,11 @@ class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
     lost_changes: bool
     """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
     read are gone from the feed."""
+    damaged: str | None = None
+    """What is wrong with the checkpoint stored under this name, changed from outside
+    threadlog into something that is no feed id (None: nothing). ``position`` is then the
+    group's last delivered entry (for a group no longer registered, 0-0); the projection's
+    runner stops on this partition until the checkpoint is put right."""
     registered: bool = True
     """Whether the group is registered on the partition's feed. False for an async projection
     whose checkpoint is there without a group because the feed was deleted or replaced,
@@ -159,6 +165,8 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
     there but no group any more (the groups went with the feed): it is listed too, with
     ``registered`` False and ``feed_reset`` True, as its runner stops there. A projection
     whose group was dropped on purpose (`drop_feed_group`, with its feed intact) is not.
+    A checkpoint changed from outside threadlog into something that is no feed id does not
+    stop the listing: its row says so (``damaged``), its group or not.
 
     Raises:
         InvalidInputError: ``store`` not an `EventStore`.
@@ -166,7 +174,8 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
     store = require_store(store, "feed_group_lag")
     rows: list[GroupLag] = []
     for partition in range(store.partitions):
-        checkpoints = await store.checkpoints(partition)
+        broken: dict[str, CorruptKeyError] = {}
+        checkpoints = await store.checkpoints(partition, damaged=broken)
         groups = await store.feed_groups(partition)
         names = {g.name for g in groups}
         # A group that may be a projection's is judged by its checkpoint, when it has one.
@@ -176,6 +185,7 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
             if _projection_name(g.name) and checkpoints.get(g.name, "0-0") != "0-0"
         }
         lost_groups = {n: c for n, c in checkpoints.items() if n not in names and c != "0-0"}
+        damage = {name: exc.detail for name, exc in broken.items()}
         missing = [
             (name, checkpoint)
             for name, checkpoint in (positions | lost_groups).items()
@@ -199,29 +209,44 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
                     pending=group.pending,
                     oldest_pending=group.oldest_pending,
                     lost_changes=trimmed_to > parse_stream_id(position),
+                    damaged=damage.get(group.name),
                     feed_reset=group.name in reset,
                 )
             )
+        for name, detail in damage.items():
+            if name not in names:  # else listed above, with its group
+                rows.append(await _groupless(store, info, name, "0-0", damaged=detail))
         for name, checkpoint in lost_groups.items():
-            if name not in reset:
-                continue  # its group was dropped from an intact feed: retired, or soon back
-            unread, oldest = await _unread(store, info, checkpoint)
-            rows.append(
-                GroupLag(
-                    name=name,
-                    partition=partition,
-                    position=checkpoint,
-                    unread=unread,
-                    oldest_unread=oldest,
-                    last_delivered="0-0",
-                    pending=0,
-                    oldest_pending=None,
-                    lost_changes=False,
-                    registered=False,
-                    feed_reset=True,
-                )
-            )
+            if name in reset:  # else its group was dropped from an intact feed: retired
+                rows.append(await _groupless(store, info, name, checkpoint, feed_reset=True))
     return sorted(rows, key=lambda r: (r.name, r.partition))
+
+
+async def _groupless(
+    store: EventStore,
+    info: FeedInfo,
+    name: str,
+    position: str,
+    *,
+    damaged: str | None = None,
+    feed_reset: bool = False,
+) -> GroupLag:
+    """The row of a projection with a checkpoint on ``info``'s partition and no group there."""
+    unread, oldest = await _unread(store, info, position)
+    return GroupLag(
+        name=name,
+        partition=info.partition,
+        position=position,
+        unread=unread,
+        oldest_unread=oldest,
+        last_delivered="0-0",
+        pending=0,
+        oldest_pending=None,
+        lost_changes=False,
+        damaged=damaged,
+        registered=False,
+        feed_reset=feed_reset,
+    )
 
 
 async def _holds(store: EventStore, partition: int, position: str) -> bool:

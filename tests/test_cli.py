@@ -2538,6 +2538,35 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
     assert "--max-age" in cli("trim-feed", "--help").out
 
 
+def test_feed_lists_every_group_past_a_damaged_checkpoint(redis_url: str) -> None:
+    """A checkpoint changed from outside threadlog into something that is no feed id stopped
+    the whole listing with `CorruptKeyError`; each row now says what is wrong where, and
+    the other groups are listed as before."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> int:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append("t", [msg("a")])
+        p = es.partition_of("t", store.partitions)
+        await store.create_feed_group(p, "reader")
+        await store.create_feed_group(p, "usage")
+        checkpoints = store.keys.checkpoints(p)
+        await store.client.hset(checkpoints, mapping={"usage": b"garbage", "gone": b"\xff"})
+        return p
+
+    p = with_store(redis_url, namespace, setup)
+    shown = cli("feed", "--json", url=redis_url, namespace=namespace)
+    assert shown.code == 0, shown
+    rows = {g["name"]: g for g in shown.json()["groups"]}
+    assert set(rows) == {"reader", "usage", "gone"}
+    assert rows["reader"]["damaged"] is None and rows["reader"]["unread"] == 1
+    assert "no feed id" in rows["usage"]["damaged"] and rows["usage"]["registered"]
+    assert rows["gone"]["damaged"] is not None and not rows["gone"]["registered"]
+    table = cli("feed", url=redis_url, namespace=namespace)
+    assert table.code == 0, table
+    assert f"damaged checkpoint (partition {p})" in table.out, table.out
+
+
 def test_feed_shows_a_group_another_tool_named_as_it_is_named(redis_url: str) -> None:
     """Consumer groups on the feed made outside threadlog (an admin's XGROUP CREATE) may be
     named anything: '[/]' stopped 'threadlog feed' with an internal error (rich markup), and an

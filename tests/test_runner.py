@@ -130,10 +130,18 @@ async def test_a_damaged_checkpoint_is_named_as_damage(redis_url: str, damage: b
         assert await runner.run_once() == 2
         key = store.keys.checkpoints(0)
         await store.client.hset(key, "usage", damage)
-        for read in (store.checkpoint_of(0, "usage"), store.checkpoints(0), feed_group_lag(store)):
+        for read in (store.checkpoint_of(0, "usage"), store.checkpoints(0)):
             with pytest.raises(es.CorruptKeyError, match="'usage'") as info:
                 await read
             assert info.value.key == key
+        # Asked to, the listing goes on past it, and says what is wrong where.
+        damaged: dict[str, es.CorruptKeyError] = {}
+        assert await store.checkpoints(0, damaged=damaged) == {}
+        assert list(damaged) == ["usage"] and damaged["usage"].key == key
+        rows = {r.partition: r for r in await feed_group_lag(store) if r.name == "usage"}
+        assert rows[0].damaged is not None and "no feed id" in rows[0].damaged
+        assert rows[0].position == rows[0].last_delivered  # the group's own, for want of it
+        assert rows[1].damaged is None and rows[1].registered
         await settle(store, threads[1], "small", 1)
         with pytest.raises(es.CorruptKeyError):
             await runner.run_once()
