@@ -39,7 +39,11 @@ BACKENDS = ["memory", "redis", "cluster"]
 # scripts/test-lowest installs no framework (their releases need newer core dependencies than
 # the lowest it tests) and says so here; anywhere else a missing framework fails its tests.
 WITHOUT_FRAMEWORKS = os.environ.get("THREADLOG_TEST_WITHOUT_FRAMEWORKS") == "1"
-collect_ignore = ["test_openai_agents.py", "test_langgraph.py"] if WITHOUT_FRAMEWORKS else []
+collect_ignore = (
+    ["test_openai_agents.py", "test_langgraph.py", "test_framework_floors.py"]
+    if WITHOUT_FRAMEWORKS
+    else []
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

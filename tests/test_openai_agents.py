@@ -41,7 +41,6 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseOutputMessage,
-    ResponseOutputText,
 )
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 
@@ -59,6 +58,7 @@ from adapters.openai_agents import (
     sweep_idle_sessions,
 )
 from projections import Projector
+from tests._sdk_items import call, say
 
 pytestmark = pytest.mark.anyio
 
@@ -88,27 +88,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[es.EventStore]:
 
 class TransientModelError(Exception):
     """Raised by the scripted model where the script says the provider failed."""
-
-
-def say(text: str, n: int) -> ResponseOutputMessage:
-    return ResponseOutputMessage(
-        id=f"msg_{n}",
-        type="message",
-        role="assistant",
-        status="completed",
-        content=[ResponseOutputText(type="output_text", text=text, annotations=[])],
-    )
-
-
-def call(tool: str, args: dict[str, Any], n: int) -> ResponseFunctionToolCall:
-    return ResponseFunctionToolCall(
-        id=f"fc_{n}",
-        call_id=f"call_{n}",
-        type="function_call",
-        name=tool,
-        arguments=json.dumps(args),
-        status="completed",
-    )
 
 
 Step = list[ResponseOutputMessage | ResponseFunctionToolCall] | Exception
@@ -615,9 +594,9 @@ async def test_an_access_policy_confines_a_session(store: es.EventStore) -> None
         ]
         if session is not reader:
             calls.append(session.get_items())
-        for call in calls:
+        for denied in calls:
             with pytest.raises(AccessDenied):
-                await call
+                await denied
     assert await store.version(owner.thread_id) == 1
     assert contents(await owner.get_items()) == ["a", "b"]
     assert await owner.pop_item() == user("b")
