@@ -26,7 +26,12 @@ import redis.asyncio as aioredis
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import PRIMARY
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -65,6 +70,7 @@ _SCHEMES = (
     "redis+cluster",
     "rediss+cluster",
     "redis+sentinel",
+    "rediss+sentinel",
 )
 
 
@@ -75,7 +81,8 @@ class StoreSettings:
     ``url`` schemes: ``memory://[name]``, ``redis://``, ``rediss://`` (TLS), ``unix:///path``,
     ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://`` (Redis Cluster, whose
     only database is 0: a path other than ``/`` or ``/0`` is refused), and
-    ``redis+sentinel://host:port[,host:port...]/service`` (Redis Sentinel: the store writes to
+    ``redis+sentinel://host:port[,host:port...]/service`` and ``rediss+sentinel://`` (Redis
+    Sentinel, the second with TLS to sentinels and data nodes alike: the store writes to
     the primary the sentinels name for ``service``, and follows a failover; credentials in the
     URL are the primary's, and the sentinels' too with ``sentinel_auth=same``; by default the
     sentinels are asked without any).
@@ -708,7 +715,7 @@ def _redis_client(settings: StoreSettings) -> Any:
         # RESP2 and stand aside.
         common["protocol"] = int(query["protocol"][-1])
     if parts.scheme.endswith("+sentinel"):
-        return _sentinel_client(settings, parts, common, query)
+        return _sentinel_client(settings, parts, common, query, extra)
     if parts.scheme.endswith("+cluster"):
         return _ClusterClient(
             startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],
@@ -767,6 +774,10 @@ class _SentinelConnection(SentinelManagedConnection):
         await super().connect_check_health(check_health, retry_socket_connect)
 
 
+class _SentinelTlsConnection(_SentinelConnection, SentinelManagedSSLConnection):
+    """`_SentinelConnection` over TLS."""
+
+
 class _SentinelPrimary(aioredis.Redis):
     """A client of the primary a sentinel pool finds: closing it closes the pool and the
     clients that ask the sentinels too (redis-py leaves those open)."""
@@ -780,7 +791,11 @@ class _SentinelPrimary(aioredis.Redis):
 
 
 def _sentinel_client(
-    settings: StoreSettings, parts: SplitResult, common: dict[str, Any], query: dict[str, Any]
+    settings: StoreSettings,
+    parts: SplitResult,
+    common: dict[str, Any],
+    query: dict[str, Any],
+    tls: dict[str, Any],
 ) -> Any:
     """A client of the primary the URL's sentinels name for its service.
 
@@ -807,6 +822,9 @@ def _sentinel_client(
     }
     if query.get("sentinel_auth", ["none"])[-1] == "same":
         sentinel_kwargs.update(credentials)
+    secure = parts.scheme.startswith("rediss")
+    if secure:  # sentinels and data nodes alike, with the same TLS settings
+        sentinel_kwargs.update(ssl=True, **tls)
     # redis-py's Sentinel has no annotations.
     manager = cast(Any, Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
     primary: dict[str, Any] = {
@@ -815,7 +833,8 @@ def _sentinel_client(
         "db": int(query["db"][-1]) if "db" in query else 0,
         "max_connections": settings.max_connections,
         "timeout": settings.socket_timeout,
-        "connection_class": _SentinelConnection,
+        "connection_class": _SentinelTlsConnection if secure else _SentinelConnection,
+        **(tls if secure else {}),
     }
     return manager.master_for(
         sentinel_service(parts),

@@ -731,6 +731,10 @@ class SentinelGroup:
     sentinels: int = 1
     service: str = "mymaster"
     password: str | None = None  # every node's and sentinel's (``requirepass``), when set
+    # With TLS files: every node and sentinel also serves TLS on a port of its own (its
+    # `RedisServer.tls_port`), replicates and monitors over TLS, and announces that port: the
+    # ports the sentinels name, and these methods take and return, are then the TLS ones.
+    tls: TlsFiles | None = None
     data: list[RedisServer] = field(default_factory=list)  # the primary first, at start
     watchers: list[SentinelServer] = field(default_factory=list)
     dead: list[RedisServer] = field(default_factory=list)  # killed primaries (`kill_primary`)
@@ -738,14 +742,31 @@ class SentinelGroup:
 
     @property
     def url(self) -> str:
-        """``redis+sentinel://127.0.0.1:s1[,...]/<service>`` over every sentinel."""
-        hosts = ",".join(f"127.0.0.1:{w.port}" for w in self.watchers)
-        return f"redis+sentinel://{hosts}/{self.service}"
+        """``redis+sentinel://127.0.0.1:s1[,...]/<service>`` over every sentinel (with TLS:
+        ``rediss+sentinel://`` over their TLS ports, trusting the test CA)."""
+        if self.tls is None:
+            hosts = ",".join(f"127.0.0.1:{w.port}" for w in self.watchers)
+            return f"redis+sentinel://{hosts}/{self.service}"
+        hosts = ",".join(f"127.0.0.1:{w.tls_port}" for w in self.watchers)
+        ca = quote(str(self.tls.ca_cert))
+        return f"rediss+sentinel://{hosts}/{self.service}?ssl_ca_certs={ca}"
+
+    def _announced(self, server: RedisServer) -> int:
+        return server.tls_port if self.tls is not None else server.port
 
     def _ask(self, port: int, *args: Any) -> Any:
+        """A command to the node or sentinel announced at ``port``, over its plain port."""
+        plain = next(
+            (
+                n.port
+                for n in [*self.data, *self.dead, *self.watchers]
+                if self._announced(n) == port
+            ),
+            port,
+        )
         with redis.Redis(
             host="127.0.0.1",
-            port=port,
+            port=plain,
             password=self.password,
             socket_timeout=5.0,
             decode_responses=True,
@@ -774,30 +795,46 @@ class SentinelGroup:
         deadline = time.monotonic() + timeout
         try:
             # A replica's first sync waits 5 s by default for more replicas to share it.
-            fast_sync = ["--repl-diskless-sync-delay", "0"]
+            common = ["--repl-diskless-sync-delay", "0"]
             if self.password:
-                fast_sync += ["--requirepass", self.password, "--masterauth", self.password]
+                common += ["--requirepass", self.password, "--masterauth", self.password]
+            if self.tls is not None:
+                common += ["--tls-replication", "yes"]  # and sentinels monitor over TLS
+
+            def tls_port() -> int:
+                return free_port() if self.tls is not None else 0
+
             primary = RedisServer(
-                directory=self.directory / "data0", port=free_port(), extra_args=fast_sync
+                directory=self.directory / "data0",
+                port=free_port(),
+                extra_args=common,
+                tls=self.tls,
+                tls_port=tls_port(),
             ).start()
             self.data.append(primary)
             for index in range(1, self.replicas + 1):
+                follow = ["--replicaof", "127.0.0.1", str(self._announced(primary))]
                 replica = RedisServer(
                     directory=self.directory / f"data{index}",
                     port=free_port(),
-                    extra_args=[*fast_sync, "--replicaof", "127.0.0.1", str(primary.port)],
+                    extra_args=[*common, *follow],
+                    tls=self.tls,
+                    tls_port=tls_port(),
                 )
                 self.data.append(replica.start())
             for index in range(self.sentinels):
                 watcher = SentinelServer(
                     directory=self.directory / f"sentinel{index}",
                     port=free_port(),
-                    monitor=(self.service, primary.port, 1),
+                    monitor=(self.service, self._announced(primary), 1),
                     password=self.password,
+                    extra_args=["--tls-replication", "yes"] if self.tls is not None else [],
+                    tls=self.tls,
+                    tls_port=tls_port(),
                 )
                 watcher.start()
                 self.watchers.append(watcher)
-            self.wait_ready(primary.port, deadline)
+            self.wait_ready(self._announced(primary), deadline)
         except BaseException:
             self.stop()
             raise
@@ -828,15 +865,16 @@ class SentinelGroup:
                 if len(ok) < self.replicas:
                     return f"sentinel {watcher.port} sees {len(ok)} of {self.replicas} replicas"
             for node in self.data:
-                if node.port == primary:
+                port = self._announced(node)
+                if port == primary:
                     continue
                 fields = {
-                    k: str(v) for k, v in self._ask(node.port, "INFO", "replication").items()
+                    k: str(v) for k, v in self._ask(port, "INFO", "replication").items()
                 }  # redis-py parses INFO into a dict
                 if fields.get("master_port") != str(primary):
-                    return f"{node.port} replicates from {fields.get('master_port')}"
+                    return f"{port} replicates from {fields.get('master_port')}"
                 if fields.get("master_link_status") != "up":
-                    return f"{node.port}: master_link_status:{fields.get('master_link_status')}"
+                    return f"{port}: master_link_status:{fields.get('master_link_status')}"
         except (redis.RedisError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return ""
@@ -848,7 +886,7 @@ class SentinelGroup:
         next poll it, up to 10 s, and then throws them away to follow the new primary.)"""
         deadline = time.monotonic() + timeout
         old = self.primary_port()
-        primary = next(node for node in self.data if node.port == old)
+        primary = next(node for node in self.data if self._announced(node) == old)
         primary.kill()
         self.data.remove(primary)
         self.dead.append(primary)
@@ -900,9 +938,9 @@ class SentinelGroup:
         while time.monotonic() < deadline:
             want = int(self._ask(primary, "INFO", "replication")["master_repl_offset"])
             have = [
-                int(self._ask(node.port, "INFO", "replication").get("slave_repl_offset", -1))
-                for node in self.data
-                if node.port != primary
+                int(self._ask(port, "INFO", "replication").get("slave_repl_offset", -1))
+                for port in map(self._announced, self.data)
+                if port != primary
             ]
             if all(h >= want for h in have):
                 return
@@ -924,12 +962,16 @@ def _sentinel_fields(row: Any) -> dict[str, str]:
 
 @contextlib.contextmanager
 def sentinel_group(
-    *, replicas: int = 1, sentinels: int = 1, password: str | None = None
+    *,
+    replicas: int = 1,
+    sentinels: int = 1,
+    password: str | None = None,
+    tls: TlsFiles | None = None,
 ) -> Iterator[SentinelGroup]:
     """Start a private primary, replicas and sentinels for the duration of the block."""
     with tempfile.TemporaryDirectory(prefix="tls-", dir="/tmp") as directory:
         group = SentinelGroup(
-            Path(directory), replicas=replicas, sentinels=sentinels, password=password
+            Path(directory), replicas=replicas, sentinels=sentinels, password=password, tls=tls
         ).start()
         try:
             yield group

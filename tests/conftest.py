@@ -28,7 +28,9 @@ import eventstore as es
 from eventstore.servers import (
     EmbeddedReaper,
     RedisServerError,
+    TlsFiles,
     docker_engine_answers,
+    make_tls_files,
     redis_cluster,
     redis_server,
     sentinel_group,
@@ -132,6 +134,15 @@ def sentinel_url() -> Iterator[str]:
             yield group.url
     except RedisServerError as exc:
         pytest.fail(f"no Redis Sentinel group available for the tests: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A throwaway CA and the server and client certificates it signed (openssl CLI)."""
+    try:
+        return make_tls_files(tmp_path_factory.mktemp("tls"))
+    except RedisServerError as exc:
+        pytest.fail(f"cannot make test certificates: {exc}")
 
 
 @pytest.fixture

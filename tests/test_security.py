@@ -35,7 +35,7 @@ from eventstore import (
     open_store,
 )
 from eventstore._connect import StoreSettings, redact
-from eventstore.servers import RedisServer, RedisServerError, TlsFiles, make_tls_files, redis_server
+from eventstore.servers import RedisServer, RedisServerError, TlsFiles, redis_server
 from eventstore.testing import EventStoreConformance, msg, read_all
 from projections import Projector
 from tests._redis_hooks import RedisHooks
@@ -538,14 +538,6 @@ async def test_failed_connects_name_no_password(
 
 
 # -- TLS ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    try:
-        return make_tls_files(tmp_path_factory.mktemp("tls"))
-    except RedisServerError as exc:
-        pytest.skip(f"cannot make test certificates: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,13 @@ from eventstore import (
     connect,
 )
 from eventstore._connect import StoreSettings, _redis_client
-from eventstore.servers import RedisServerError, SentinelGroup, free_port, sentinel_group
+from eventstore.servers import (
+    RedisServerError,
+    SentinelGroup,
+    TlsFiles,
+    free_port,
+    sentinel_group,
+)
 from eventstore.testing import message_texts, msg, read_all
 from tests.test_cli import cli
 
@@ -127,7 +133,8 @@ async def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primarys_s
         ("redis+sentinel://10.0.0.1/mymaster?db=-1", "db must be >= 0"),
         ("redis+sentinel://10.0.0.1/mymaster?sentinel_auth=yes", "sentinel_auth must be none"),
         ("redis://10.0.0.1?sentinel_auth=same", "how to log in to the sentinels"),
-        ("rediss+sentinel://10.0.0.1/mymaster", "unsupported URL scheme"),
+        ("rediss+sentinel://10.0.0.1/mymaster?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
+        ("redis+sentinels://10.0.0.1/mymaster", "unsupported URL scheme"),
     ],
 )
 def test_a_bad_sentinel_url_is_refused_saying_why(url: str, says: str) -> None:
@@ -190,6 +197,29 @@ def test_sentinels_with_a_password_are_reached_with_sentinel_auth_same() -> None
             assert password not in str(refused.value)
 
         asyncio.run(main())
+
+
+async def test_rediss_sentinel_speaks_tls_to_sentinels_and_primary(tls_files: TlsFiles) -> None:
+    """Every node and sentinel serves TLS only on the ports the URL and the sentinels name;
+    the store gets there, follows a failover there, and a plain URL to the same ports fails."""
+    with sentinel_group(tls=tls_files) as group:
+        assert group.url.startswith("rediss+sentinel://")
+        ns = _ns()
+        async with await connect(group.url, namespace=ns) as store:
+            assert isinstance(store, RedisEventStore)
+            await store.append("t", [msg("before")])
+            pool = store.client.connection_pool
+            assert all(
+                s.connection_pool.connection_kwargs.get("ssl_ca_certs") == str(tls_files.ca_cert)
+                for s in pool.sentinel_manager.sentinels
+            )
+            await asyncio.to_thread(group.wait_synced)
+            await asyncio.to_thread(group.kill_primary)
+            await store.append("t", [msg("after")])
+            assert message_texts(await read_all(store, "t")) == ["before", "after"]
+        plain = group.url.split("?", 1)[0].replace("rediss+", "redis+", 1)
+        with pytest.raises(StoreConnectionError):
+            await connect(plain, namespace=ns, connect_timeout=2.0)
 
 
 # -- failover ---------------------------------------------------------------------------------
