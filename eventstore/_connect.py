@@ -305,11 +305,11 @@ def _check_location(parts: SplitResult) -> None:
             raise InvalidURLError("a unix URL takes an absolute socket path: unix:///path/to.sock")
         return
     if scheme.endswith("+sentinel"):
-        _cluster_nodes(parts, "sentinel")
-        sentinel_service(parts)
+        _host_ports(parts, "sentinel")
+        _sentinel_service(parts)
         return
     if scheme.endswith("+cluster"):
-        _cluster_nodes(parts)
+        _host_ports(parts)
         # redis-py's cluster client ignores the path: a /3 would silently write database 0.
         db = parts.path.strip("/")
         if db not in ("", "0"):
@@ -329,7 +329,7 @@ def _check_location(parts: SplitResult) -> None:
         raise InvalidURLError(f"the path of a redis URL is a database number, not {db!r}")
 
 
-def _cluster_nodes(parts: SplitResult, what: str = "cluster node") -> list[tuple[str, int]]:
+def _host_ports(parts: SplitResult, what: str = "cluster node") -> list[tuple[str, int]]:
     """The ``host:port`` nodes of a cluster or sentinel URL (no host: loopback; no port:
     6379 for a cluster node, 26379 for a sentinel)."""
     default_port = 26379 if what == "sentinel" else 6379
@@ -354,7 +354,7 @@ def _cluster_nodes(parts: SplitResult, what: str = "cluster node") -> list[tuple
     return nodes
 
 
-def sentinel_service(parts: SplitResult) -> str:
+def _sentinel_service(parts: SplitResult) -> str:
     """The service (master) name a sentinel URL's path names: ``/mymaster``."""
     service = unquote(parts.path.strip("/"))
     if not service or "/" in service or any(c.isspace() or not c.isprintable() for c in service):
@@ -718,7 +718,7 @@ def _redis_client(settings: StoreSettings) -> Any:
         return _sentinel_client(settings, parts, common, query, extra)
     if parts.scheme.endswith("+cluster"):
         return _ClusterClient(
-            startup_nodes=[ClusterNode(host, port) for host, port in _cluster_nodes(parts)],
+            startup_nodes=[ClusterNode(host, port) for host, port in _host_ports(parts)],
             username=unquote(parts.username) if parts.username else None,
             password=unquote(parts.password) if parts.password else None,
             ssl=parts.scheme.startswith("rediss"),
@@ -766,10 +766,19 @@ class _SentinelConnection(SentinelManagedConnection):
     command failed (redis/redis-py#3874).
     """
 
+    _addressed = False  # within connect_to: the sentinels were just asked
+
+    async def connect_to(self, address: tuple[str, int]) -> None:
+        self._addressed = True
+        try:
+            await super().connect_to(address)  # type: ignore[no-untyped-call]  # redis-py: untyped
+        finally:
+            self._addressed = False
+
     async def connect_check_health(
         self, check_health: bool = True, retry_socket_connect: bool = True
     ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
+        if not (self._addressed or self.is_connected) and self.connection_pool.is_master:
             self.host, self.port = await self.connection_pool.get_master_address()
         await super().connect_check_health(check_health, retry_socket_connect)
 
@@ -805,7 +814,7 @@ def _sentinel_client(
     sentinels to the new primary. A write refused that way never ran (a replica writes nothing),
     and an append that may have run is answered from the ledger when retried.
     """
-    sentinels = _cluster_nodes(parts, "sentinel")
+    sentinels = _host_ports(parts, "sentinel")
     credentials = {
         "username": unquote(parts.username) if parts.username else None,
         "password": unquote(parts.password) if parts.password else None,
@@ -837,7 +846,7 @@ def _sentinel_client(
         **(tls if secure else {}),
     }
     return manager.master_for(
-        sentinel_service(parts),
+        _sentinel_service(parts),
         redis_class=_SentinelPrimary,
         connection_pool_class=_BlockingSentinelPool,
         **primary,

@@ -191,14 +191,14 @@ def test_bad_urls_raise_invalid_url_error(url: str) -> None:
         StoreSettings.from_url(url)
 
 
-def test_cluster_nodes_may_be_ipv6_addresses_in_brackets() -> None:
+def test_host_ports_may_be_ipv6_addresses_in_brackets() -> None:
     """The brackets were kept in the host (``[::1]``), which no resolver takes."""
     from urllib.parse import urlsplit
 
-    from eventstore._connect import _cluster_nodes
+    from eventstore._connect import _host_ports
 
     parts = urlsplit("redis+cluster://[::1]:7000,[fe80::2],h3:7002")
-    assert _cluster_nodes(parts) == [("::1", 7000), ("fe80::2", 6379), ("h3", 7002)]
+    assert _host_ports(parts) == [("::1", 7000), ("fe80::2", 6379), ("h3", 7002)]
     with pytest.raises(InvalidURLError, match="bad cluster node"):
         StoreSettings.from_url("redis+cluster://h1:7000,[::1]x")
 
