@@ -711,8 +711,8 @@ def _redis_client(settings: StoreSettings) -> Any:
             extra[key] = query[key][-1]
     if "protocol" in query:
         # RESP3 replies come as redis-py parses them (maps for XREAD, ...), which the store
-        # reads either way; its own fast paths (held connections, packed view loads) speak
-        # RESP2 and stand aside.
+        # reads either way; its own fast paths (held connections, packed view loads) read
+        # the replies of their own commands, the same objects on both (`_wire`).
         common["protocol"] = int(query["protocol"][-1])
     if parts.scheme.endswith("+sentinel"):
         return _sentinel_client(settings, parts, common, query, extra)

@@ -140,7 +140,14 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
-from ._wire import HeldConnections, can_hold, evalsha_prefix, follows_failover, pack_command
+from ._wire import (
+    HeldConnections,
+    can_hold,
+    evalsha_prefix,
+    follows_failover,
+    pack_command,
+    speaks_plain_resp,
+)
 
 T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
@@ -600,14 +607,15 @@ class RedisEventStore(EventStore):
         # The event loop the store's connections belong to: the first one it was used in.
         self._loop: asyncio.AbstractEventLoop | None = None
         # Chunks of a view load are packed here and sent on a pool connection where that is
-        # exactly what redis-py would send: a standalone client on RESP2 with a pool. Packing
+        # exactly what redis-py would send: a standalone client (RESP2, or RESP3 with push
+        # messages told apart) with a pool. Packing
         # each value through redis-py's generic per-argument encoder costs more than the rest
         # of a chunk's client time; the cluster client keeps its pipeline.
         pool = getattr(client, "connection_pool", None)
         self._packs_chunks = (
             type(client) is aioredis.Redis
             and client.connection is None
-            and str(getattr(pool, "connection_kwargs", {}).get("protocol") or 2) == "2"
+            and speaks_plain_resp(getattr(pool, "connection_kwargs", {}))
             and not follows_failover(pool)
         )
         # A view load (rebuild) above either limit goes in chunks of at most this size.

@@ -58,11 +58,16 @@ _DRAIN_TIMEOUTS = 4
 
 _HIREDIS_PARSER: Any = None  # redis-py's hiredis parser class, read from directly when in use
 NOT_ENOUGH_DATA: Any = None
+_HIREDIS_PUSH: Any = None  # hiredis's type of a RESP3 push message (hiredis 3.2 and later)
 try:
     from redis._parsers import hiredis as _redis_hiredis
 
     _HIREDIS_PARSER = _redis_hiredis._AsyncHiredisParser
     NOT_ENOUGH_DATA = _redis_hiredis.NOT_ENOUGH_DATA
+    import hiredis as _hiredis
+
+    if hasattr(_HIREDIS_PARSER, "handle_push_response"):
+        _HIREDIS_PUSH = getattr(_hiredis, "PushNotification", None)
 except (ImportError, AttributeError):  # another redis-py layout: its read_response is used
     pass
 
@@ -141,9 +146,11 @@ async def _read_hiredis(parser: Any, replies: int, out: list[Any]) -> list[Any]:
 
     The same reader and stream redis-py's ``read_response`` uses, so nothing is left behind in
     a buffer it does not see; error replies come back as its ``ResponseError`` subclasses
-    (NOSCRIPT as ``NoScriptError``), in their place. RESP2 only: no push messages to skip.
+    (NOSCRIPT as ``NoScriptError``), in their place. On RESP3 a push message (out of band:
+    no command's reply) goes to redis-py's handler, as its own read does, and is not counted.
     """
     reader, stream = parser._reader, parser._stream
+    push = _HIREDIS_PUSH
     while len(out) < replies:
         reply = reader.gets()
         if reply is NOT_ENOUGH_DATA:
@@ -154,6 +161,9 @@ async def _read_hiredis(parser: Any, replies: int, out: list[Any]) -> list[Any]:
             continue
         if isinstance(reply, RedisConnectionError):
             raise reply
+        if push is not None and isinstance(reply, push):
+            await parser.handle_push_response(reply)
+            continue
         out.append(reply)
     return out
 
@@ -177,10 +187,19 @@ def can_hold(client: Any) -> bool:
     pool = client.connection_pool
     kwargs = getattr(pool, "connection_kwargs", {})
     return (
-        str(kwargs.get("protocol") or 2) == "2"
-        and hasattr(pool, "get_connection")
-        and not follows_failover(pool)
+        speaks_plain_resp(kwargs) and hasattr(pool, "get_connection") and not follows_failover(pool)
     )
+
+
+def speaks_plain_resp(connection_kwargs: Any) -> bool:
+    """Whether replies on such connections come as the store reads them on its own: RESP2, or
+    RESP3 where redis-py's reader tells push messages apart (hiredis 3.2 and later; the
+    replies of the commands the store sends itself, arrays, strings, integers and nils, are
+    the same objects on both protocols)."""
+    protocol = str(connection_kwargs.get("protocol") or 2)
+    if protocol == "2":
+        return True
+    return protocol == "3" and _HIREDIS_PUSH is not None
 
 
 class HeldConnections:

@@ -79,7 +79,8 @@ class TestRedisEventStore(RedisHooks, EventStoreConformance):
 
 class TestResp3EventStore(TestRedisEventStore):
     """The same on a RESP3 connection (``?protocol=3``): redis-py parses some replies into
-    other shapes there (``XREADGROUP`` into a map, which consumer group reads failed on)."""
+    other shapes there (``XREADGROUP`` into a map, which consumer group reads failed on), and
+    the store's fast paths read RESP3 replies on their own connections."""
 
     @pytest.fixture(autouse=True)
     def _redis(self, redis_url: str) -> None:
@@ -89,6 +90,7 @@ class TestResp3EventStore(TestRedisEventStore):
         store = await super().make_store(namespace, **options)
         assert isinstance(store, RedisEventStore)
         assert (await store.client.execute_command("HELLO"))[b"proto"] == 3
+        assert store._held is not None and store._packs_chunks  # the fast paths too
         return store
 
 

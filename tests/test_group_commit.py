@@ -449,6 +449,32 @@ async def test_appends_cancelled_while_a_dead_held_connection_is_replaced_leak_n
         await store.close()
 
 
+async def test_held_connections_on_resp3_skip_push_messages(redis_url: str) -> None:
+    """On RESP3 the held connections carry the hot calls too. A push message arrives out of
+    band, in among the replies (here a client-tracking invalidation, which a write to a key
+    the connection read sends to it before that write's reply). Counted as a reply, it would
+    answer a call with another's reply, and leave the last one unread for the next call."""
+    from eventstore._wire import pack_command
+    from tests.test_security import with_query
+
+    ns = "g" + uuid.uuid4().hex[:12]
+    async with await es.connect(with_query(redis_url, protocol="3"), namespace=ns) as store:
+        assert isinstance(store, es.RedisEventStore) and store._held is not None
+        key = f"tl:{{{ns}:x}}:tracked".encode()
+        commands = [
+            (b"CLIENT", b"TRACKING", b"ON"),
+            (b"GET", key),  # tracked from here on
+            (b"SET", key, b"v"),  # invalidates it: a push to this very connection
+            (b"PING",),
+        ]
+        payload = b"".join(pack_command(c) for c in commands)
+        replies = await store._held.exchange(payload, len(commands))
+        assert replies == [b"OK", None, b"OK", b"PONG"]
+        # The connection is clean for the next call: nothing left unread on it.
+        assert await store.version("t") == 0
+        await store.client.delete(key)
+
+
 async def test_a_single_connection_client_keeps_redis_pys_path(redis_url: str) -> None:
     """A single-connection client talks on its one connection (made on its first command): the
     store's appends must not check further connections out of its pool (here a pool of two, the
