@@ -305,7 +305,7 @@ def _check_location(parts: SplitResult) -> None:
             raise InvalidURLError("a unix URL takes an absolute socket path: unix:///path/to.sock")
         return
     if scheme.endswith("+sentinel"):
-        _host_ports(parts, "sentinel")
+        _host_ports(parts, "sentinel", SENTINEL_PORT)
         _sentinel_service(parts)
         return
     if scheme.endswith("+cluster"):
@@ -329,10 +329,14 @@ def _check_location(parts: SplitResult) -> None:
         raise InvalidURLError(f"the path of a redis URL is a database number, not {db!r}")
 
 
-def _host_ports(parts: SplitResult, what: str = "cluster node") -> list[tuple[str, int]]:
+SENTINEL_PORT = 26379  # Redis Sentinel's default port
+
+
+def _host_ports(
+    parts: SplitResult, what: str = "cluster node", default_port: int = 6379
+) -> list[tuple[str, int]]:
     """The ``host:port`` nodes of a cluster or sentinel URL (no host: loopback; no port:
-    6379 for a cluster node, 26379 for a sentinel)."""
-    default_port = 26379 if what == "sentinel" else 6379
+    ``default_port``); ``what`` names one in errors."""
     nodes = []
     for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
         if hostport.startswith("["):  # an IPv6 address: [::1] or [::1]:7000
@@ -814,7 +818,7 @@ def _sentinel_client(
     sentinels to the new primary. A write refused that way never ran (a replica writes nothing),
     and an append that may have run is answered from the ledger when retried.
     """
-    sentinels = _host_ports(parts, "sentinel")
+    sentinels = _host_ports(parts, "sentinel", SENTINEL_PORT)
     credentials = {
         "username": unquote(parts.username) if parts.username else None,
         "password": unquote(parts.password) if parts.password else None,

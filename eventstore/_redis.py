@@ -140,14 +140,7 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
-from ._wire import (
-    HeldConnections,
-    can_hold,
-    evalsha_prefix,
-    follows_failover,
-    pack_command,
-    speaks_plain_resp,
-)
+from ._wire import HeldConnections, can_hold, evalsha_prefix, pack_command, packs_like_redis_py
 
 T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
@@ -611,13 +604,7 @@ class RedisEventStore(EventStore):
         # messages told apart) with a pool. Packing
         # each value through redis-py's generic per-argument encoder costs more than the rest
         # of a chunk's client time; the cluster client keeps its pipeline.
-        pool = getattr(client, "connection_pool", None)
-        self._packs_chunks = (
-            type(client) is aioredis.Redis
-            and client.connection is None
-            and speaks_plain_resp(getattr(pool, "connection_kwargs", {}))
-            and not follows_failover(pool)
-        )
+        self._packs_chunks = packs_like_redis_py(client)
         # A view load (rebuild) above either limit goes in chunks of at most this size.
         self.load_chunk_values = max(2, load_chunk_values)
         self.load_chunk_bytes = max(1, load_chunk_bytes)

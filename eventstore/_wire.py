@@ -175,19 +175,23 @@ def follows_failover(pool: Any) -> bool:
     return isinstance(pool, SentinelConnectionPool)
 
 
+def packs_like_redis_py(client: Any) -> bool:
+    """Whether commands the store packs itself and sends on this client's pool connections
+    are exactly what redis-py would send there, and their replies read as it would: a plain
+    standalone client (no shared connection) whose connections only carry RESP."""
+    if type(client) is not aioredis.Redis or client.connection is not None:
+        return False
+    pool = client.connection_pool
+    return speaks_plain_resp(getattr(pool, "connection_kwargs", {})) and not follows_failover(pool)
+
+
 def can_hold(client: Any) -> bool:
     """Whether `HeldConnections` can serve this client exactly as redis-py would."""
     # A single-connection client makes its connection on its first command: the flag says.
-    if (
-        type(client) is not aioredis.Redis
-        or client.connection is not None
-        or getattr(client, "single_connection_client", False)
-    ):
-        return False
-    pool = client.connection_pool
-    kwargs = getattr(pool, "connection_kwargs", {})
     return (
-        speaks_plain_resp(kwargs) and hasattr(pool, "get_connection") and not follows_failover(pool)
+        packs_like_redis_py(client)
+        and not getattr(client, "single_connection_client", False)
+        and hasattr(client.connection_pool, "get_connection")
     )
 
 

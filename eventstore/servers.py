@@ -701,18 +701,9 @@ class SentinelServer(RedisServer):
                 else ""
             )
         )
-        # Sentinel mode refuses the persistence options a data node gets.
-        data_only = {"--save", "--appendonly"}
-        kept: list[str] = []
-        skip = 0
-        for arg in args[1:]:
-            if skip:
-                skip -= 1
-            elif arg in data_only:
-                skip = 1
-            else:
-                kept.append(arg)
-        return [args[0], str(conf), "--sentinel", *kept]
+        # The configuration file comes first, then the options a data node gets too (sentinel
+        # mode takes them: redis-server 7.0 and valkey-server 8.0).
+        return [args[0], str(conf), "--sentinel", *args[1:]]
 
 
 @dataclass
@@ -738,7 +729,6 @@ class SentinelGroup:
     data: list[RedisServer] = field(default_factory=list)  # the primary first, at start
     watchers: list[SentinelServer] = field(default_factory=list)
     dead: list[RedisServer] = field(default_factory=list)  # killed primaries (`kill_primary`)
-    _failing_over_from: int = 0  # the primary a failover in progress started from
 
     @property
     def url(self) -> str:
@@ -777,14 +767,11 @@ class SentinelGroup:
         """The port of the primary the first sentinel names now, as clients see it.
 
         ``SENTINEL MASTER`` (what redis-py's clients ask) names the promoted replica only once
-        a failover has finished; ``GET-MASTER-ADDR-BY-NAME`` names it as soon as it is
+        a failover has finished (the old primary until then, its flags saying
+        ``failover_in_progress``); ``GET-MASTER-ADDR-BY-NAME`` names it as soon as it is
         promoted, while clients are still sent to the old primary.
         """
-        state = self._master_state(self.watchers[0].port)
-        if "failover_in_progress" in str(state.get("flags", "")):
-            return self._failing_over_from
-        self._failing_over_from = int(state["port"])
-        return self._failing_over_from
+        return int(self._master_state(self.watchers[0].port)["port"])
 
     def _master_state(self, sentinel_port: int) -> dict[str, str]:
         """``SENTINEL MASTER <service>`` as a dict (unparsed by redis-py, whose parser of it

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 
@@ -86,6 +88,16 @@ def embedded_reaper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedd
         reaper.close()
 
 
+def _started(what: str, start: Callable[[], AbstractContextManager[Any]]) -> Iterator[str]:
+    """The ``url`` of what ``start()`` starts, for the session (stopped after it); a failure
+    to start fails the tests that need it."""
+    try:
+        with start() as server:
+            yield server.url
+    except RedisServerError as exc:
+        pytest.fail(f"no {what} available for the tests: {exc}")
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A URL of a real Redis server for this test session."""
@@ -101,11 +113,7 @@ def redis_url() -> Iterator[str]:
             port = container.get_exposed_port(6379)
             yield f"redis://{host}:{port}"
         return
-    try:
-        with redis_server() as server:
-            yield server.url
-    except RedisServerError as exc:
-        pytest.fail(f"no Redis available for the tests: {exc}")
+    yield from _started("Redis", redis_server)
 
 
 @pytest.fixture(scope="session")
@@ -115,11 +123,7 @@ def cluster_url() -> Iterator[str]:
     if given:
         yield given
         return
-    try:
-        with redis_cluster(primaries=3) as cluster:
-            yield cluster.url
-    except RedisServerError as exc:
-        pytest.fail(f"no Redis Cluster available for the tests: {exc}")
+    yield from _started("Redis Cluster", lambda: redis_cluster(primaries=3))
 
 
 @pytest.fixture(scope="session")
@@ -129,11 +133,7 @@ def sentinel_url() -> Iterator[str]:
     if given:
         yield given
         return
-    try:
-        with sentinel_group() as group:
-            yield group.url
-    except RedisServerError as exc:
-        pytest.fail(f"no Redis Sentinel group available for the tests: {exc}")
+    yield from _started("Redis Sentinel group", sentinel_group)
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,6 @@ from eventstore import (
     InvalidInputError,
     InvalidURLError,
     MemoryEventStore,
-    MessageAppended,
     OperationalError,
     RedisEventStore,
     StoreClosedError,
@@ -54,7 +53,7 @@ from eventstore._binaries import SERVER_ENV, is_server_process_name, server_bina
 from eventstore._codec import namespace_chain_key
 from eventstore._connect import SECRET_ENV, URL_ENV, embedded_url
 from eventstore.servers import EmbeddedReaper, free_port, redis_server
-from eventstore.testing import msg, read_all
+from eventstore.testing import message_texts, msg, read_all
 from projections import Projector
 from tests._busy import BUSY_SCRIPT
 
@@ -70,11 +69,7 @@ def _with_query(url: str, query: str) -> str:
 
 
 async def _texts(store: EventStore, thread: str) -> list[str]:
-    out = []
-    for e in await read_all(store, thread):
-        assert isinstance(e.payload, MessageAppended)
-        out.append(e.payload.message.text)
-    return out
+    return message_texts(await read_all(store, thread))
 
 
 # -- StoreSettings.from_url ------------------------------------------------------------------

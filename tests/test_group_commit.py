@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 import eventstore as es
-from eventstore.testing import msg, read_all
+from eventstore.testing import message_texts, msg, read_all
 from tests._busy import BUSY_SCRIPT
 
 pytestmark = pytest.mark.anyio
@@ -628,7 +628,7 @@ async def _append_in_one_tick(
 
 
 async def _texts(store: es.EventStore, thread: str) -> list[str]:
-    return [e.payload.message.text for e in await read_all(store, thread)]  # type: ignore[attr-defined]
+    return message_texts(await read_all(store, thread))
 
 
 @pytest.mark.parametrize("versions", [False, True], ids=["any-version", "exact-versions"])
