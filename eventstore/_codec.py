@@ -41,7 +41,7 @@ from ._events import (
     RecordedEvent,
     as_new_event,
 )
-from ._ids import mint_ulid, validate_thread_id
+from ._ids import mint_ulid, ulid_bytes, validate_thread_id
 from ._ids import ulid_text as _ulid_str
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
@@ -217,6 +217,9 @@ _CROCKFORD_TO_INT_DIGITS = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnop
 
 
 def _parse_ulid(value: str, what: str) -> bytes:
+    known = ulid_bytes(value)
+    if known is not None:
+        return known
     if isinstance(value, str) and _CANONICAL_ULID.fullmatch(value) is not None:
         # Crockford digits map one-to-one onto int()'s base-32 digits; [0-7] first: no overflow.
         return int(value.translate(_CROCKFORD_TO_INT_DIGITS), 32).to_bytes(16, "big")

@@ -795,6 +795,9 @@ class _SentinelPrimary(aioredis.Redis):
     """A client of the primary a sentinel pool finds: closing it closes the pool and the
     clients that ask the sentinels too (redis-py leaves those open)."""
 
+    # Commands go out as a plain client's do (`_wire.packs_like_redis_py`): only closing differs.
+    sends_as_redis_py = True
+
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
         pool = self.connection_pool
@@ -813,9 +816,10 @@ def _sentinel_client(
     """A client of the primary the URL's sentinels name for its service.
 
     A failover shows up on a connection to the old primary as a ``READONLY`` reply (it is a
-    replica now) or as a broken connection: redis-py's sentinel connection turns the first into
-    a connection error too, and the client's retries (``retry_on_error``) reconnect through the
-    sentinels to the new primary. A write refused that way never ran (a replica writes nothing),
+    replica now) or as a broken connection: redis-py's sentinel connection (and the store's
+    held connections, `_wire._raise_if_demoted`) turns the first into a connection error too,
+    and the client's retries (``retry_on_error``) reconnect through the sentinels to the new
+    primary. A write refused that way never ran (a replica writes nothing),
     and an append that may have run is answered from the ledger when retried.
     """
     sentinels = _host_ports(parts, "sentinel", SENTINEL_PORT)

@@ -22,7 +22,23 @@ _THREAD_FORBIDDEN_RE = re.compile(r"[\x00-\x1f\x7f{}]")
 
 def new_ulid() -> str:
     """A new ULID as its 26-character Crockford base32 string (`mint_ulid`'s, as text)."""
-    return ulid_text(mint_ulid())
+    global last_new_ulid
+    raw = mint_ulid()
+    text = ulid_text(raw)
+    # One assignment (a thread switch cannot split the pair): `ulid_bytes` reads it.
+    last_new_ulid = (text, raw)
+    return text
+
+
+last_new_ulid: tuple[str, bytes] = ("", b"")
+"""The text and bytes of the last id `new_ulid` returned: a `NewEvent` gets its default id
+from it, and the append that takes the event turns that text back into bytes right away."""
+
+
+def ulid_bytes(text: str) -> bytes | None:
+    """The bytes of ``text`` if it is the very string `new_ulid` returned last (no parse)."""
+    last = last_new_ulid
+    return last[1] if text is last[0] else None
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

@@ -140,7 +140,14 @@ from ._views import (
     stamp_hash_value,
     stamp_list_value,
 )
-from ._wire import HeldConnections, can_hold, evalsha_prefix, pack_command, packs_like_redis_py
+from ._wire import (
+    HeldConnections,
+    can_hold,
+    evalsha_prefix,
+    pack_command,
+    pack_script_call,
+    packs_like_redis_py,
+)
 
 T = TypeVar("T")
 _MULTI = pack_command(("MULTI",))
@@ -151,6 +158,7 @@ READ_BATCH = 512
 LOAD_CHUNK_VALUES = 8192
 LOAD_CHUNK_BYTES = 4 * 1024 * 1024
 _APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared when full
+_VIEW_KEYS_MEMO = 16  # view keys kept per thread in that memo (a projector has a few views)
 
 
 _WRONG_CREDENTIALS = ("WRONGPASS", "invalid username-password pair", "invalid password")
@@ -521,14 +529,21 @@ def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
         raise ConcurrencyError(thread_id, expected_version, actual)
 
 
+_ThreadMemo = tuple[KeyLayout, bytes, tuple[bytes, ...], bytes, dict[str, bytes]]
+"""What `RedisEventStore._memo_thread` keeps per thread: the key layout it was made for, the
+thread id and its log, meta, feed and index keys encoded, the RESP head of an append without
+view ops (empty off the direct path), and its view keys encoded, by view (filled as used)."""
+
+
 class _KeyIndex:
-    """Numbers the view keys an op list touches, for the script's KEYS array."""
+    """Numbers the view keys an op list touches, for the script's KEYS array (keys of one
+    kind, all str or all encoded, as the base keys are)."""
 
     def __init__(self, base: list[Any]) -> None:
         self.keys = list(base)
-        self._pos: dict[str, int] = {}
+        self._pos: dict[str | bytes, int] = {}
 
-    def __call__(self, key: str) -> int:
+    def __call__(self, key: str | bytes) -> int:
         pos = self._pos.get(key)
         if pos is None:
             self.keys.append(key)
@@ -615,7 +630,8 @@ class RedisEventStore(EventStore):
         # commit off), but queues one whose thread is in flight behind it.
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch, held=self._held)
         # thread id -> what its appends send (`_memo_thread`)
-        self._append_keys: dict[str, tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]] = {}
+        self._append_keys: dict[str, _ThreadMemo] = {}
+        self._evalsha = self._group_commit.script.sha.encode("ascii")
 
     def _check_usable(self) -> None:
         """`StoreClosedError` when the store is closed, or when its event loop is.
@@ -698,7 +714,7 @@ class RedisEventStore(EventStore):
         memo = self._append_keys.get(thread_id) if isinstance(thread_id, str) else None
         if memo is None or memo[0] is not self.keys:
             memo = self._memo_thread(thread_id)
-        _, thread, thread_keys, head = memo
+        _, thread, thread_keys, head, view_keys = memo
         encoded, rdigest = encode_append(
             thread_id,
             events,
@@ -733,6 +749,7 @@ class RedisEventStore(EventStore):
         # without view ops is packed here whole: the thread's part of the command is memoized
         # as RESP, and the rest is joined (one event) or formatted (several) after it.
         call: Any
+        keys: Any = thread_keys  # with the view keys, when there are ops
         if head and not ops:
             if len(encoded) == 1:
                 e = encoded[0]
@@ -758,7 +775,7 @@ class RedisEventStore(EventStore):
             else:
                 call = _pack_append(head, exp, ikey, rdigest, life, encoded)
         else:
-            keys: list[Any] = list(thread_keys)
+            keys = list(thread_keys)
             args: list[Any] = [
                 thread, self._fingerprint, exp, ikey, rdigest, b"%d" % len(encoded),
                 b"%d" % len(ops), life,
@@ -768,9 +785,11 @@ class RedisEventStore(EventStore):
             if ops:
                 index = _KeyIndex(keys)
                 for op in ops:
-                    args += self._op_args(thread_id, op, index)
+                    args += self._op_args(thread_id, op, index, view_keys)
                 keys = index.keys
-            call = (keys, args)
+            # On the direct path packed now, as an append without ops is: at send time a
+            # batch holding an unpacked call is joined only after a failed attempt.
+            call = pack_script_call(b"EVALSHA", self._evalsha, keys, args) if head else (keys, args)
         self._check_usable()
         try:
             reply = await self._group_commit.submit(thread_keys[0], call)
@@ -804,14 +823,14 @@ class RedisEventStore(EventStore):
         if status == b"lost":
             raise log_without_meta(thread_id, "; nothing was appended")
         if status == b"view":
-            key = call[0][int(reply[1]) - 1]
+            key = keys[int(reply[1]) - 1].decode("utf-8")
             view = key.split(":view:", 1)[1].split(":", 1)[0]
             raise ViewConflictError(
                 thread_id, view, reply[2].decode("utf-8"), int(reply[3]), int(reply[4])
             )
         raise OperationalError(f"unexpected append reply {reply!r}")
 
-    def _memo_thread(self, thread_id: str) -> tuple[KeyLayout, bytes, tuple[bytes, ...], bytes]:
+    def _memo_thread(self, thread_id: str) -> _ThreadMemo:
         """Validate the thread id and memoize, per thread (bounded) and per layout (which
         `ensure_namespace` may swap), what its appends send: the thread id and its log, meta,
         feed and index keys, encoded as the client encodes, and on the direct path (else empty)
@@ -830,24 +849,33 @@ class RedisEventStore(EventStore):
             )
         if len(self._append_keys) >= _APPEND_KEYS_MEMO:
             self._append_keys.clear()
-        memo = self._append_keys[thread_id] = (self.keys, thread, keys, head)
+        memo = self._append_keys[thread_id] = (self.keys, thread, keys, head, {})
         return memo
 
-    def _op_args(self, thread_id: str, op: ViewOp, index: _KeyIndex) -> list[Any]:
-        k = index(self.keys.view(thread_id, op.view))
+    def _op_args(
+        self, thread_id: str, op: ViewOp, index: _KeyIndex, view_keys: dict[str, bytes]
+    ) -> list[Any]:
+        """The script's arguments for ``op`` (`append.lua`), as bytes where the op's own are
+        not: its view key, encoded once per thread and view (``view_keys``), goes to KEYS."""
+        key = view_keys.get(op.view)
+        if key is None:
+            key = self.keys.view(thread_id, op.view).encode("utf-8")
+            if len(view_keys) < _VIEW_KEYS_MEMO:
+                view_keys[op.view] = key
+        k = b"%d" % index(key)
         if isinstance(op, ListPush | ListReset):
-            code = "lp" if isinstance(op, ListPush) else "lr"
-            return [code, k, op.event, len(op.values), *op.values]
+            code = b"lp" if isinstance(op, ListPush) else b"lr"
+            return [code, k, b"%d" % op.event, b"%d" % len(op.values), *op.values]
         if isinstance(op, ListPop):
-            return ["lo", k, op.count]
+            return [b"lo", k, b"%d" % op.count]
         if isinstance(op, HashSet):
-            exp = "" if op.expected_version is None else op.expected_version
-            return ["hs", k, op.field, op.value, op.event, exp]
+            exp = b"" if op.expected_version is None else b"%d" % op.expected_version
+            return [b"hs", k, op.field.encode("utf-8"), op.value, b"%d" % op.event, exp]
         if isinstance(op, HashDelete):
-            exp = "" if op.expected_version is None else op.expected_version
-            return ["hd", k, op.field, exp]
+            exp = b"" if op.expected_version is None else b"%d" % op.expected_version
+            return [b"hd", k, op.field.encode("utf-8"), exp]
         if isinstance(op, ViewClear):
-            return ["vc", k]
+            return [b"vc", k]
         raise InvalidInputError(f"{type(op).__name__} is not valid inside an append")
 
     # -- reads ----------------------------------------------------------------------------------

@@ -29,9 +29,13 @@ when they ran. It is read aside instead (`HeldConnections.draining`) until its r
 all come, so the caller can hold back what must run after them; the retry goes on another
 connection.
 
-Used only where it is exact: a standalone ``redis.asyncio.Redis`` on RESP2 without a single
-shared connection. Anything else (cluster, RESP3 push messages, a single-connection client)
-keeps redis-py's path. Calls sent this way do not appear in redis-py's own command metrics.
+Used only where it is exact: a standalone or sentinel-managed ``redis.asyncio.Redis`` on RESP2,
+or on RESP3 where hiredis tells push messages apart, without a single shared connection.
+Anything else (cluster, a single-connection client) keeps redis-py's path. On a sentinel pool
+these connections follow a failover as redis-py's do: a ``READONLY`` reply (the primary was
+demoted) drops the connection and the retry reconnects through the sentinels, and a held
+connection still on an old primary the pool has moved away from reconnects before it is used.
+Calls sent this way do not appear in redis-py's own command metrics.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # Connections kept between calls: group commit has one send in flight, rarely more. Never more
@@ -140,6 +144,30 @@ async def _make_ready(conn: Any) -> None:
         await conn.disconnect()
 
 
+def _left_behind(conn: Any, pool: Any) -> bool:
+    """Whether a connected sentinel-managed connection is to another server than the
+    primary its pool last heard of from the sentinels."""
+    primary = pool.master_address
+    return conn.is_connected and primary is not None and (conn.host, conn.port) != primary
+
+
+def _raise_if_demoted(replies: list[Any]) -> None:
+    """Raise a connection error if a reply (or a reply in a transaction's) is ``READONLY``:
+    the primary this connection reached is a replica now. The replies before it are kept in
+    ``replies``, which the caller reports as answered; the command refused, and those after
+    it, ran nowhere (a replica writes nothing), so a retry on the new primary is safe.
+
+    This is what redis-py's sentinel connection does in ``read_response``, which these reads
+    skip: the retry's reconnect asks the sentinels for the primary again.
+    """
+    for i, reply in enumerate(replies):
+        if isinstance(reply, ReadOnlyError) or (
+            type(reply) is list and any(isinstance(r, ReadOnlyError) for r in reply)
+        ):
+            del replies[i:]
+            raise RedisConnectionError("the primary is a replica now (READONLY): a failover")
+
+
 async def _read_hiredis(parser: Any, replies: int, out: list[Any]) -> list[Any]:
     """``replies`` replies off redis-py's hiredis parser, without its per-read wrapper, into
     ``out`` (which keeps the ones read when a later one fails).
@@ -169,20 +197,26 @@ async def _read_hiredis(parser: Any, replies: int, out: list[Any]) -> list[Any]:
 
 
 def follows_failover(pool: Any) -> bool:
-    """Whether ``pool``'s connections do more than carry RESP: a sentinel pool's ask the
+    """Whether ``pool``'s connections follow a primary that moves: a sentinel pool's ask the
     sentinels for the primary when they connect, and drop themselves when a reply says the
-    server is a replica now (a failover). Bytes written to them directly would skip that."""
-    return isinstance(pool, SentinelConnectionPool)
+    server is a replica now (a failover). `HeldConnections` does the second itself, as its
+    reads skip redis-py's ``read_response`` (`_demoted`)."""
+    return isinstance(pool, SentinelConnectionPool) and bool(getattr(pool, "is_master", False))
 
 
 def packs_like_redis_py(client: Any) -> bool:
     """Whether commands the store packs itself and sends on this client's pool connections
     are exactly what redis-py would send there, and their replies read as it would: a plain
-    standalone client (no shared connection) whose connections only carry RESP."""
-    if type(client) is not aioredis.Redis or client.connection is not None:
+    standalone or sentinel-managed client (no shared connection) whose connections speak
+    plain RESP."""
+    kind = type(client)
+    # A subclass may send commands its own way; one of threadlog's says it does not (only
+    # that class: a subclass of it is checked again).
+    if not (kind is aioredis.Redis or kind.__dict__.get("sends_as_redis_py", False)):
         return False
-    pool = client.connection_pool
-    return speaks_plain_resp(getattr(pool, "connection_kwargs", {})) and not follows_failover(pool)
+    if client.connection is not None:
+        return False
+    return speaks_plain_resp(getattr(client.connection_pool, "connection_kwargs", {}))
 
 
 def can_hold(client: Any) -> bool:
@@ -214,6 +248,8 @@ class HeldConnections:
         self._idle: list[Any] = []
         self._keep = min(_MAX_IDLE, int(getattr(self._pool, "max_connections", 0)) // 4)
         self._held: set[Any] = set()
+        # A sentinel pool's primary moves: a connection to the old one is left (`_once`).
+        self._failover = follows_failover(self._pool)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         # Connection -> the task reading it aside: its exchange ended (timed out, cancelled)
@@ -237,6 +273,11 @@ class HeldConnections:
             conn = self._idle.pop()
             try:
                 await _make_ready(conn)  # may wait: disconnecting one the server closed
+                if self._failover and _left_behind(conn, self._pool):
+                    # Another connection found the primary moved (a failover): this one, kept
+                    # here, still talks to the old one, a replica now or soon, whose reads
+                    # may miss what was written to the new one. It reconnects (`_once`).
+                    await conn.disconnect()
             except BaseException:
                 self._drop(conn)  # out of the idle list: given back here, or never
                 raise
@@ -317,7 +358,10 @@ class HeldConnections:
                 try:
                     async with asyncio.timeout(conn.socket_timeout):
                         if hiredis:
-                            return await _read_hiredis(parser, replies, out)
+                            await _read_hiredis(parser, replies, out)
+                            if self._failover:
+                                _raise_if_demoted(out)
+                            return out
                         for _ in range(replies):
                             try:
                                 out.append(await conn.read_response(timeout=math.inf))

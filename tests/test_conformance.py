@@ -96,8 +96,8 @@ class TestResp3EventStore(TestRedisEventStore):
 
 class TestSentinelEventStore(TestRedisEventStore):
     """The same through Redis Sentinel (``redis+sentinel://``): redis-py's sentinel pool
-    finds the primary, and the store's own fast paths (held connections, packed view loads),
-    which would write past its failover handling, stand aside."""
+    finds the primary, and the store's own fast paths (held connections, packed view loads)
+    run on its connections, leaving a demoted primary as redis-py's reads would."""
 
     @pytest.fixture(autouse=True)
     def _redis(self, sentinel_url: str) -> None:
@@ -106,7 +106,7 @@ class TestSentinelEventStore(TestRedisEventStore):
     async def make_store(self, namespace: str, **options: Any) -> EventStore:
         store = await super().make_store(namespace, **options)
         assert isinstance(store, RedisEventStore)
-        assert store._held is None and not store._packs_chunks
+        assert store._held is not None and store._packs_chunks
         return store
 
 

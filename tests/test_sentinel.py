@@ -24,6 +24,7 @@ from eventstore import (
     connect,
 )
 from eventstore._connect import StoreSettings, _redis_client
+from eventstore._wire import pack_command
 from eventstore.servers import (
     RedisServerError,
     SentinelGroup,
@@ -317,3 +318,45 @@ async def test_an_append_retried_across_a_failover_writes_once(group: SentinelGr
         again = await store.append("t", [msg("once")], idempotency_key="k-1")
         assert again.last_seq == first.last_seq
         assert message_texts(await read_all(store, "t")) == ["once"]
+
+
+async def test_a_held_connection_left_on_the_old_primary_is_not_read_from(
+    group: SentinelGroup,
+) -> None:
+    """The store's held connections (its fast path for appends and view reads) are its own:
+    redis-py does not drop them when it learns of a new primary. One that a switchover left on
+    the old primary (a replica now: its reads may miss what was written to the new one) must
+    reconnect before it is used again, once the store has found the new primary."""
+    ns = _ns()
+    async with await connect(group.url, namespace=ns) as store:
+        assert isinstance(store, RedisEventStore)
+        held = store._held
+        assert held is not None  # the fast path runs on sentinel connections
+        role = pack_command([b"ROLE"])
+
+        async def roles() -> list[bytes]:
+            # Two at once: each takes its own connection, so both held ones are used.
+            replies = await asyncio.gather(held.exchange(role, 1), held.exchange(role, 1))
+            return [reply[0][0] for reply in replies]
+
+        assert await roles() == [b"master", b"master"]
+        await store.append("t", [msg("before")])
+        await asyncio.to_thread(group.wait_synced)
+        await asyncio.to_thread(group.switchover)
+        # A transaction whose script writes: on the old primary, its READONLY comes inside
+        # EXEC's reply. The exchange leaves that connection for the new primary and runs it
+        # there; the other held connection is still on the old primary.
+        key = f"tl:{{{ns}:}}probe".encode()
+        script = b"return redis.call('SET', KEYS[1], 'x')"
+        multi = b"".join(
+            (
+                pack_command([b"MULTI"]),
+                pack_command([b"EVAL", script, b"1", key]),
+                pack_command([b"EXEC"]),
+            )
+        )
+        assert (await held.exchange(multi, 3))[2] == [b"OK"]
+        assert await store.client.get(key) == b"x"
+        await store.append("t", [msg("after")])
+        assert await roles() == [b"master", b"master"]
+        assert message_texts(await read_all(store, "t")) == ["before", "after"]
