@@ -141,6 +141,7 @@ from ._views import (
     stamp_list_value,
 )
 from ._wire import (
+    BULK_HEADERS,
     HeldConnections,
     can_hold,
     evalsha_prefix,
@@ -410,7 +411,6 @@ def _reply_life(raw: Any) -> int | None:
 # RESP bulk string headers "$<n>\r\n" of short arguments, looked up rather than formatted: an
 # append of one event without view ops is packed as one join of its pieces (a %-format of the
 # same command parses its format string on every call and costs half as much again).
-_BULK = [b"$%d\r\n" % n for n in range(1024)]
 _CRLF = b"\r\n"
 _APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
 # A one-event append's arguments between its request digest and its event id: "1" event,
@@ -754,7 +754,7 @@ class RedisEventStore(EventStore):
             if len(encoded) == 1:
                 e = encoded[0]
                 v, data, meta = b"%d" % e.version, e.data, e.meta
-                b = _BULK
+                b = BULK_HEADERS
                 n_ikey, n_data, n_meta = len(ikey), len(data), len(meta)
                 # The thread's head (to its chain key fingerprint), expected version,
                 # idempotency key, request digest, "1" event, "0" ops, expected incarnation,

@@ -88,21 +88,24 @@ def _bulk(arg: Any) -> bytes:
     raise TypeError(f"cannot send {type(arg).__name__} to redis")
 
 
-_FORMATS: dict[int, bytes] = {}  # argument count -> the RESP format of a command that long
+BULK_HEADERS = [b"$%d\r\n" % n for n in range(1024)]
+"""The RESP header of a bulk string, by its length (below 1024)."""
 
 
 def pack_command(parts: Sequence[Any]) -> bytes:
     """One command in RESP (bytes, str and int arguments)."""
-    n = len(parts)
-    fmt = _FORMATS.get(n)
-    if fmt is None:
-        fmt = _FORMATS[n] = b"*%d\r\n" % n + b"$%d\r\n%b\r\n" * n
-    # One %-format for the whole command: a format call per argument costs twice as much.
-    values: list[Any] = []
+    # One join of each argument's header (looked up, not formatted), bytes and CRLF: a
+    # third cheaper than one %-format of the whole command for an append's ~25 arguments.
+    out = [b"*%d\r\n" % len(parts)]
+    add = out.append
+    headers = BULK_HEADERS
     for part in parts:
         b = part if type(part) is bytes else _bulk(part)
-        values += (len(b), b)
-    return fmt % tuple(values)
+        n = len(b)
+        add(headers[n] if n < 1024 else b"$%d\r\n" % n)
+        add(b)
+        add(b"\r\n")
+    return b"".join(out)
 
 
 def pack_script_call(
