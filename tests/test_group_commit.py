@@ -956,8 +956,9 @@ async def test_callers_of_a_cancelled_send_get_a_typed_unknown_outcome(
 # Holds the server's event loop for ARGV[1] microseconds (a slow script of another client, a
 # fork, a swapped page): every connection's bytes wait in the server's socket buffers.
 @pytest.mark.parametrize("how", ["timed-out", "cancelled", "timed-out-in-a-batch"])
+@pytest.mark.parametrize("where", ["redis", "sentinel"])
 async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch, how: str
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, how: str, where: str
 ) -> None:
     """An append times out (or its caller gives up on it) while the server is stalled; its
     bytes are in the server's socket buffer and run once it wakes. The caller, told the outcome
@@ -965,21 +966,28 @@ async def test_an_append_of_unknown_outcome_runs_before_the_threads_next_one(
     first append must not land after that next one. Closing its connection did not take its
     bytes back, and Redis served the next one's connection first (the large first append is
     read in several passes): the thread's log read [B, A] where the caller made A, then B.
-    So B is not sent before the server has woken (and answered A, read aside)."""
+    So B is not sent before the server has woken (and answered A, read aside). The same
+    through Sentinel, whose stores take the same path to the primary."""
     import redis.asyncio as aioredis
 
     from eventstore._connect import StoreSettings, open_store
 
+    url: str = request.getfixturevalue(f"{where}_url")
     opened = await open_store(
         StoreSettings.from_url(
-            redis_url,
+            url,
             namespace="g" + uuid.uuid4().hex[:12],
             socket_timeout=5.0 if how == "cancelled" else 0.2,
             retries=0,
         )
     )
     assert isinstance(opened, es.RedisEventStore)
-    store, other = opened, aioredis.from_url(redis_url)
+    store = opened
+    if where == "redis":
+        other = aioredis.from_url(url)
+    else:  # the primary the sentinels name (their URL names no server to dial)
+        host, port = await store.client.connection_pool.get_master_address()
+        other = aioredis.Redis(host=host, port=port)
     big = [msg("A" + "x" * 100_000)]
     try:
         await store.append("t", [msg("first")])
