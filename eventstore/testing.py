@@ -665,6 +665,20 @@ class EventStoreConformance:
         with pytest.raises(InvalidThreadIdError):
             await store.read_list("{bad}", "l")
 
+    async def test_a_push_replaces_a_view_of_the_other_kind(self, store: EventStore) -> None:
+        # Each push comes in an append of its own, which knows nothing of the key yet (Redis
+        # tries the push as it is and replaces what refuses it), and with no values at all.
+        await store.append("t", [msg("a")], view_ops=[HashSet("v", "f", b"1")])
+        await store.append("t", [msg("b")], view_ops=[ListPush("v", (b"x", b"y"))])
+        snap = await store.read_views("t", [ListRange("v"), HashGetAll("v")])
+        assert snap.results == [[ViewEntry(2, b"x"), ViewEntry(2, b"y")], {}]
+        await store.append("t", [msg("c")], view_ops=[ListPush("v", (b"z",))])
+        assert [e.value for e in await store.read_list("t", "v")] == [b"x", b"y", b"z"]
+        await store.append("t", [msg("d")], view_ops=[HashSet("w", "f", b"1")])
+        await store.append("t", [msg("e")], view_ops=[ListPush("w", ())])
+        snap = await store.read_views("t", [ListRange("w"), HashGetAll("w")])
+        assert snap.results == [[], {}]
+
     async def test_reading_thousands_of_hash_fields(self, store: EventStore) -> None:
         fields = [f"f{i}" for i in range(9000)]
         ops: list[ViewOp] = [HashSet("h", f, b"v") for f in fields[::2]]
