@@ -189,31 +189,18 @@ end
 for _, op in ipairs(ops) do
   local code = op.code
   if code == 'lp' or code == 'lr' then
-    -- A push to a key of a kind not known yet is tried as it is, without asking TYPE first
-    -- (one call less on every message append): a key of another kind refuses it untouched
-    -- (WRONGTYPE), and is then replaced.
-    local try = code == 'lp' and op.n > 0 and kinds[op.key] == nil
-    if not try and (code == 'lr' or not is_a(op.key, 'list')) then redis.call('DEL', op.key) end
+    if code == 'lr' or not is_a(op.key, 'list') then redis.call('DEL', op.key) end
     kinds[op.key] = 'list'
     local stamp = (version + 1 + op.event) .. ':'
     local batch = {}
     for i = 0, op.n - 1 do
       batch[#batch + 1] = stamp .. ARGV[op.first + i]
-      if #batch == 1000 or i == op.n - 1 then
-        if try then
-          try = false
-          local pushed = redis.pcall('RPUSH', op.key, unpack(batch))
-          if type(pushed) == 'table' and pushed.err then
-            if string.sub(pushed.err, 1, 9) ~= 'WRONGTYPE' then return pushed end
-            redis.call('DEL', op.key)
-            redis.call('RPUSH', op.key, unpack(batch))
-          end
-        else
-          redis.call('RPUSH', op.key, unpack(batch))
-        end
+      if #batch == 1000 then
+        redis.call('RPUSH', op.key, unpack(batch))
         batch = {}
       end
     end
+    if #batch > 0 then redis.call('RPUSH', op.key, unpack(batch)) end
   elseif code == 'lo' then
     if is_a(op.key, 'list') then
       redis.call('RPOP', op.key, op.count)
