@@ -56,10 +56,12 @@ class Projection(abc.ABC, Generic[S]):
     name: ClassVar[str]
     views: ClassVar[tuple[str, ...]]
     handles: ClassVar[tuple[type[Event], ...] | None] = None
-    """The payload types ``apply`` reacts to; folds skip the projection for any other event
-    (None: every event reaches ``apply``). A subclass that overrides ``apply`` without
-    restating ``handles`` gets every event. A declaration that misses a type ``apply`` acts on
-    shows up as views that differ from the fold, which the projection tests catch."""
+    """The payload types ``apply`` reacts to; folds skip the projection for any other event,
+    and an append asks its ``ops`` only when one of its events is of such a type (``validate``
+    sees every event). None: every event reaches ``apply`` and ``ops``. A subclass that
+    overrides ``apply`` without restating ``handles`` gets every event. A declaration that
+    misses a type ``apply`` acts on shows up as views that differ from the fold, which the
+    projection tests catch."""
 
     @abc.abstractmethod
     def initial(self) -> S:

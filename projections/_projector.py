@@ -8,6 +8,7 @@ instead of from the materialized views.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any
@@ -172,6 +173,8 @@ class Projector:
         self._route: dict[type[Event], list[tuple[Projection[Any], str]]] = {}
         self._folds_payloads = all(_payload_apply(p) is not None for p in self.projections)
         self._fast_route: dict[type[Event], list[tuple[Any, str]]] = {}
+        # payload type -> whether each projection's ``ops`` is asked about it (`view_ops`).
+        self._ops_route: dict[type[Event], tuple[bool, ...]] = {}
 
     def _get(self, kind: type[Any]) -> Any:
         for p in self.projections:
@@ -207,11 +210,24 @@ class Projector:
         """
         for index, new in enumerate(events):
             check_payload(new.payload, index)
+        # A projection's ops are asked for only when an event is of a type it folds (its
+        # `handles`): for any other its views stay as they are, or they would differ from a
+        # rebuild's. Its ``validate`` still sees every event.
+        route = self._ops_route
+        asked: tuple[bool, ...] | None = None
+        for new in events:
+            kind = type(new.payload)
+            wants = route.get(kind)
+            if wants is None:
+                targets = {id(p) for p, _ in self._targets(kind)}
+                wants = route[kind] = tuple(id(p) in targets for p in self.projections)
+            asked = wants if asked is None else tuple(map(operator.or_, asked, wants))
         ops: list[ViewOp] = []
-        for p in self.projections:
+        for p, ask in zip(self.projections, asked or (), strict=False):
             for new in events:
                 p.validate(new.payload)
-            ops += p.ops(events)
+            if ask:
+                ops += p.ops(events)
         return ops
 
     async def append(

@@ -393,6 +393,43 @@ async def test_a_subclass_overriding_apply_gets_every_event_in_a_fold() -> None:
     assert projector._targets(es.StateUpdated) == [(projector.state_projection, "state")]
 
 
+class AskedState(StateProjection):
+    """Records the events of each append its ``ops`` is asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[list[str]] = []
+
+    def ops(self, events: Sequence[es.NewEvent]) -> list[es.ViewOp]:
+        self.asked.append([type(e.payload).__name__ for e in events])
+        return super().ops(events)
+
+
+class AskedStateWithNotes(AskedState, StateWithNotes):
+    """The same, with an ``apply`` that reacts to more than the declared ``handles``."""
+
+
+@pytest.mark.parametrize("fold_all", [False, True])
+async def test_an_append_asks_the_ops_of_the_projections_that_fold_its_events(
+    fold_all: bool,
+) -> None:
+    store = es.MemoryEventStore(namespace="n" + uuid.uuid4().hex[:12])
+    state = AskedStateWithNotes() if fold_all else AskedState()
+    projector = Projector(store, state=state)
+    await projector.append("t", [MessageAppended(message=message("hello"))])
+    await projector.append("t", [es.StateUpdated(block="plan", value=1)])
+    await projector.append(
+        "t", [MessageAppended(message=message("again")), es.StateUpdated(block="plan", value=2)]
+    )
+    both = ["MessageAppended", "StateUpdated"]
+    if fold_all:  # an apply below the declared handles: every event is its business
+        assert state.asked == [["MessageAppended"], ["StateUpdated"], both]
+    else:
+        assert state.asked == [["StateUpdated"], both]
+        assert (await projector.check("t")).ok
+    assert (await projector.state("t"))["plan"].value == 2
+
+
 # -- the bulk read path decodes exactly as decode_entry does -------------------------------------
 
 
