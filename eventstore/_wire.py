@@ -203,7 +203,7 @@ def follows_failover(pool: Any) -> bool:
     """Whether ``pool``'s connections follow a primary that moves: a sentinel pool's ask the
     sentinels for the primary when they connect, and drop themselves when a reply says the
     server is a replica now (a failover). `HeldConnections` does the second itself, as its
-    reads skip redis-py's ``read_response`` (`_demoted`)."""
+    reads skip redis-py's ``read_response`` (`_raise_if_demoted`)."""
     return isinstance(pool, SentinelConnectionPool) and bool(getattr(pool, "is_master", False))
 
 
