@@ -127,6 +127,22 @@ def _is_int(value: object) -> bool:
     return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
+def check_field_name(field: object, what: str) -> None:
+    """Refuse a hash field name that is no str, or that has no UTF-8 form (a lone surrogate):
+    Redis stores the UTF-8, so such a name failed there with ``UnicodeEncodeError`` while the
+    memory backend took it."""
+    if not isinstance(field, str):
+        raise InvalidInputError(f"{what} must be a str, not {field!r:.80}")
+    if not field.isascii():
+        try:
+            field.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(
+                f"{what} {field!r:.80} is not valid text (a lone surrogate): Redis stores "
+                "field names as UTF-8"
+            ) from None
+
+
 def _check_arguments(op: ViewOp) -> None:
     """The op's fields are of the types it declares (a Struct does not check them when built):
     what Redis cannot be sent is refused here, as this op's own error, not at send time, where
@@ -139,9 +155,7 @@ def _check_arguments(op: ViewOp) -> None:
         isinstance(v, bytes | bytearray | memoryview) for v in values
     ):
         raise InvalidInputError(f"{type(op).__name__}.values must be bytes values")
-    field = getattr(op, "field", "")
-    if not isinstance(field, str):
-        raise InvalidInputError(f"{type(op).__name__}.field must be a str, not {field!r}")
+    check_field_name(getattr(op, "field", ""), f"{type(op).__name__}.field")
     value = getattr(op, "value", b"")
     if not isinstance(value, bytes | bytearray | memoryview):
         raise InvalidInputError(f"{type(op).__name__}.value must be bytes, not {value!r}")
@@ -256,8 +270,7 @@ def check_reads(reads: object) -> list[ViewRead]:
             if not isinstance(r.fields, tuple | list):
                 raise InvalidInputError(f"HashGet.fields must be a tuple of str, not {r.fields!r}")
             for f in r.fields:
-                if not isinstance(f, str):
-                    raise InvalidInputError(f"a hash field name must be a str, not {f!r:.80}")
+                check_field_name(f, "a hash field name")
     return list(reads)
 
 

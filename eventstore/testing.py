@@ -778,6 +778,18 @@ class EventStoreConformance:
             await store.append("t", [msg("a")], view_ops=[ListPush("bad:name", (b"x",))])
         assert await store.version("t") == 0
 
+    async def test_hash_field_names_are_text_on_every_backend(self, store: EventStore) -> None:
+        # A lone surrogate has no UTF-8 form: Redis cannot store it, so no backend takes it.
+        for op in (HashSet("h", "\ud800", b"x"), HashDelete("h", "a\udfff")):
+            with pytest.raises(InvalidInputError, match="lone surrogate"):
+                await store.append("t", [msg("a")], view_ops=[op])
+        assert await store.version("t") == 0
+        await store.append("t", [msg("a")], view_ops=[HashSet("h", "naïve ✓", b"x")])
+        with pytest.raises(InvalidInputError, match="lone surrogate"):
+            await store.read_views("t", [HashGet("h", ("\ud800",))])
+        snap = await store.read_views("t", [HashGet("h", ("naïve ✓",))])
+        assert snap.results == [{"naïve ✓": ViewEntry(1, b"x", 1)}]
+
     # -- listing -------------------------------------------------------------------------------
 
     async def test_threads_listed_by_recent_activity(self, store: EventStore) -> None:

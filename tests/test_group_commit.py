@@ -395,8 +395,17 @@ async def test_max_batch_1_keeps_each_threads_calls_in_order(
         es.ListPush("v", (b"x",), event=0.5),  # type: ignore[arg-type]
         es.HashDelete("v", "f", expected_version=1.5),  # type: ignore[arg-type]
         es.ListPop("v", count=True),
+        es.HashSet("v", "\ud800", b"x"),
     ],
-    ids=["float-value", "none-field", "none-in-values", "float-event", "float-version", "bool"],
+    ids=[
+        "float-value",
+        "none-field",
+        "none-in-values",
+        "float-event",
+        "float-version",
+        "bool",
+        "surrogate-field",
+    ],
 )
 async def test_a_view_op_redis_cannot_take_fails_only_its_own_append(
     store: es.RedisEventStore, bad: es.ViewOp
