@@ -84,7 +84,7 @@ class Rows:
         self.name, self.rounds, self.sdk, self.get, self.warmup = name, rounds, sdk, get, warmup
 
 
-QUICK = Rows("quick", rounds=6, sdk=200, get=60, warmup=60)
+QUICK = Rows("quick", rounds=4, sdk=200, get=60, warmup=60)
 FULL = Rows("default", rounds=20, sdk=500, get=200, warmup=200)
 
 TL_ADD = "threadlog ThreadlogSession.add_items"

@@ -112,7 +112,7 @@ class Rows:
         self.window, self.warmup, self.many = window, warmup, many
 
 
-QUICK = Rows("quick", rounds=5, append=200, load=8, window=200, warmup=100, many=8)
+QUICK = Rows("quick", rounds=3, append=200, load=8, window=200, warmup=100, many=8)
 FULL = Rows("default", rounds=15, append=500, load=20, window=500, warmup=300, many=20)
 
 TL_APPEND = "threadlog SessionStore.append"
