@@ -408,9 +408,10 @@ def _reply_life(raw: Any) -> int | None:
         return None
 
 
-# RESP bulk string headers "$<n>\r\n" of short arguments, looked up rather than formatted: an
-# append of one event without view ops is packed as one join of its pieces (a %-format of the
-# same command parses its format string on every call and costs half as much again).
+# An append of one event without view ops is packed as one join of its pieces, the RESP
+# headers of short arguments looked up in `_wire.BULK_HEADERS` rather than formatted (a
+# %-format of the same command parses its format string on every call and costs half as much
+# again).
 _CRLF = b"\r\n"
 _APPEND_EVENT = b"$%d\r\n%b\r\n" * 5
 # A one-event append's arguments between its request digest and its event id: "1" event,

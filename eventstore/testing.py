@@ -666,8 +666,8 @@ class EventStoreConformance:
             await store.read_list("{bad}", "l")
 
     async def test_a_push_replaces_a_view_of_the_other_kind(self, store: EventStore) -> None:
-        # Each push comes in an append of its own, which knows nothing of the key yet (Redis
-        # tries the push as it is and replaces what refuses it), and with no values at all.
+        # Each push comes in an append of its own, which must find out what the key holds
+        # (Redis: the script asks its type once), and one push has no values at all.
         await store.append("t", [msg("a")], view_ops=[HashSet("v", "f", b"1")])
         await store.append("t", [msg("b")], view_ops=[ListPush("v", (b"x", b"y"))])
         snap = await store.read_views("t", [ListRange("v"), HashGetAll("v")])
