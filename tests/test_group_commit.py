@@ -962,6 +962,59 @@ async def test_callers_of_a_cancelled_send_get_a_typed_unknown_outcome(
 # -- a call timed out: what it sent still runs, and must run before the thread's next calls ----
 
 
+async def test_reads_stalled_together_each_time_out_at_their_own_deadline(
+    redis_url: str,
+) -> None:
+    """Held-connection reads share one deadline timer (`_wire.Deadlines`): reads started
+    0.15 s apart while the server is stalled each give up one socket timeout after their own
+    start, neither at the first one's deadline nor late; a read cancelled from outside is
+    cancelled, not timed out; and the store answers again once the stall ends."""
+    import redis.asyncio as aioredis
+
+    from eventstore._connect import StoreSettings, open_store
+
+    timeout = 0.3
+    opened = await open_store(
+        StoreSettings.from_url(
+            redis_url, namespace="g" + uuid.uuid4().hex[:12], socket_timeout=timeout, retries=0
+        )
+    )
+    assert isinstance(opened, es.RedisEventStore)
+    store = opened
+    other = aioredis.from_url(redis_url)
+    try:
+        await store.append("t", [msg("first")])
+        # Idle connections in the pool: the stalled reads do not wait on new handshakes.
+        await asyncio.gather(*(store.version(f"w{i}") for i in range(8)))
+        stall = asyncio.ensure_future(other.eval(BUSY_SCRIPT, 0, 1500))
+        await anyio.sleep(0.05)
+
+        async def timed(delay: float) -> tuple[str, float]:
+            await anyio.sleep(delay)
+            t0 = time.monotonic()
+            try:
+                await store.version("t")
+            except es.StoreTimeoutError:
+                return "timeout", time.monotonic() - t0
+            return "answered", time.monotonic() - t0
+
+        async def cancelled() -> str:
+            with anyio.move_on_after(0.1) as scope:
+                await store.version("t")
+            return "cancelled" if scope.cancelled_caught else "answered"
+
+        first, second, outside = await asyncio.gather(timed(0), timed(0.15), cancelled())
+        for outcome, elapsed in (first, second):
+            assert outcome == "timeout", (first, second)
+            assert timeout - 0.02 <= elapsed < timeout + 0.25, (first, second)
+        assert outside == "cancelled"
+        await stall
+        assert await store.version("t") == 1
+    finally:
+        await other.aclose()
+        await store.close()
+
+
 # Holds the server's event loop for ARGV[1] microseconds (a slow script of another client, a
 # fork, a swapped page): every connection's bytes wait in the server's socket buffers.
 @pytest.mark.parametrize("how", ["timed-out", "cancelled", "timed-out-in-a-batch"])
