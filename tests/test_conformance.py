@@ -18,7 +18,8 @@ from eventstore import (
     open_store,
 )
 from eventstore._connect import StoreSettings
-from eventstore.testing import EventStoreConformance, msg
+from adapters import Auditor
+from eventstore.testing import EventStoreConformance, message_texts, msg, read_all
 from tests._redis_hooks import RedisHooks
 from tests.test_security import with_query
 
@@ -164,3 +165,35 @@ async def test_a_damaged_thread_index_is_a_typed_error_naming_the_key(any_redis_
                 assert info.value.key == index, (member, score)
             await store.client.zrem(index, member)
         assert await store.threads() == listed
+
+
+@pytest.mark.anyio
+async def test_a_thread_past_128_events_keeps_its_ledger_in_a_hashtable(any_redis_url: str) -> None:
+    """The meta hash (with the ledger) stays a listpack up to 128 events, then becomes a
+    hashtable, which a lookup of a missing key does not scan (append.lua); retries of appends
+    from before and after are still answered from the ledger, and nothing else reads field
+    ``x``."""
+    ns = "enc" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns) as store:
+        assert isinstance(store, RedisEventStore)
+        meta = store.keys.meta("t")
+        first = await store.append("t", [msg("0")], idempotency_key="first")
+        for i in range(1, 127):
+            await store.append("t", [msg(str(i))])
+        assert await store.client.object("encoding", meta) == b"listpack"
+        # One append of three events crosses 128 (127 -> 130).
+        crossing = await store.append("t", [msg("a"), msg("b"), msg("c")], idempotency_key="x")
+        assert (crossing.first_seq, crossing.last_seq) == (128, 130)
+        assert await store.client.object("encoding", meta) == b"hashtable"
+        again = await store.append("t", [msg("0")], idempotency_key="first")
+        assert again.duplicate and (again.first_seq, again.last_seq) == (1, 1) == (
+            first.first_seq,
+            first.last_seq,
+        )
+        again = await store.append("t", [msg("a"), msg("b"), msg("c")], idempotency_key="x")
+        assert again.duplicate and (again.first_seq, again.last_seq) == (128, 130)
+        assert await store.version("t") == 130
+        texts = message_texts(await read_all(store, "t"))
+        assert texts[:2] == ["0", "1"] and texts[-3:] == ["a", "b", "c"] and len(texts) == 130
+        report = await Auditor(store).verify("t")
+        assert report.ok, report

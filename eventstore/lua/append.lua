@@ -30,6 +30,7 @@ ledger, one field per append: the idempotency key ("k:<caller's key>", or "e" + 
 id's 16 bytes: never one letter) -> "<first>[ <last>]" (last only when it differs) followed by
 the first 6 bytes of the request digest. One hash for both: each append reads and writes it
 once, and every call a script makes costs about a microsecond on top of the command.
+Field "x" only makes the hash a hashtable (below).
 ]]
 
 local log, meta, feed, index = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -38,6 +39,7 @@ local ikey, rdigest = ARGV[4], ARGV[5]
 local n_events, n_ops = tonumber(ARGV[6]), tonumber(ARGV[7])
 local life = ARGV[8]
 local FIRST_EVENT = 9
+local LEDGER_AS_HASHTABLE = 'a value over 64 bytes: this hash is a hashtable, its ledger never scanned'
 
 -- 1. idempotency: a known key returns the original result and writes nothing
 local state = redis.call('HMGET', meta, 'v', 'h', 's', ikey, 'n', 'f')
@@ -120,24 +122,25 @@ local function change(key, field)
 end
 for o = 1, n_ops do
   local code, k = ARGV[pos], tonumber(ARGV[pos + 1])
-  local op = {code = code, key = KEYS[k], k = k}
+  -- Each op's table is built whole by one constructor (sized once, never grown).
+  local op
   if code == 'lp' or code == 'lr' then
-    op.event = tonumber(ARGV[pos + 2])
     local n = tonumber(ARGV[pos + 3])
-    op.first = pos + 4
-    op.n = n
+    op = {code = code, key = KEYS[k], k = k, event = tonumber(ARGV[pos + 2]), first = pos + 4,
+      n = n}
     pos = pos + 4 + n
   elseif code == 'lo' then
-    op.count = tonumber(ARGV[pos + 2])
+    op = {code = code, key = KEYS[k], k = k, count = tonumber(ARGV[pos + 2])}
     pos = pos + 3
   elseif code == 'hs' then
-    op.field, op.value, op.event, op.expected =
-      ARGV[pos + 2], ARGV[pos + 3], tonumber(ARGV[pos + 4]), ARGV[pos + 5]
+    op = {code = code, key = KEYS[k], k = k, field = ARGV[pos + 2], value = ARGV[pos + 3],
+      event = tonumber(ARGV[pos + 4]), expected = ARGV[pos + 5]}
     pos = pos + 6
   elseif code == 'hd' then
-    op.field, op.expected = ARGV[pos + 2], ARGV[pos + 3]
+    op = {code = code, key = KEYS[k], k = k, field = ARGV[pos + 2], expected = ARGV[pos + 3]}
     pos = pos + 4
   elseif code == 'vc' then
+    op = {code = code, key = KEYS[k], k = k}
     pos = pos + 2
   else
     return redis.error_reply('ERR threadlog: unknown view op ' .. tostring(code))
@@ -191,7 +194,9 @@ for _, op in ipairs(ops) do
   if code == 'lp' or code == 'lr' then
     if code == 'lr' or not is_a(op.key, 'list') then redis.call('DEL', op.key) end
     kinds[op.key] = 'list'
-    local stamp = (version + 1 + op.event) .. ':'
+    -- The first event's seq is formatted already (formatting a number costs more than
+    -- the concatenation).
+    local stamp = (op.event == 0 and first_s or tostring(version + 1 + op.event)) .. ':'
     local batch = {}
     for i = 0, op.n - 1 do
       batch[#batch + 1] = stamp .. ARGV[op.first + i]
@@ -236,6 +241,15 @@ else  -- a thread from before incarnations or key fingerprints were recorded get
   -- (and a meta that lost its "n" gets one: every feed entry must name the life it is in)
   redis.call('HSET', meta, 'v', last_s, 'h', prev, 's', now_s, ikey, entry, 'n', incarnation,
     'f', fingerprint)
+end
+-- Redis keeps a hash of up to 512 fields (hash-max-listpack-entries) as a listpack, whose
+-- lookups scan it: the ledger's new key, looked up by HMGET and again by HSET, is missed on
+-- nearly every append, so a thread's appends 128 to 512 cost up to half again their server
+-- time scanning it. A value longer than 64 bytes (hash-max-listpack-value) makes it a
+-- hashtable for good, and RDB reloads keep it one. Set again at 256 and 384 for threads that
+-- passed 128 before this was done; at 512 Redis converts the hash itself.
+if version < 512 and math.floor(version / 128) < math.floor(last / 128) then
+  redis.call('HSET', meta, 'x', LEDGER_AS_HASHTABLE)
 end
 redis.call('XADD', feed, '*', 't', thread, 'f', first_s, 'l', last_s, 'n', incarnation)
 redis.call('ZADD', index, now_s, thread)
