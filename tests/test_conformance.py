@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from adapters import Auditor
 from eventstore import (
     CorruptKeyError,
     EventStore,
@@ -18,7 +19,6 @@ from eventstore import (
     open_store,
 )
 from eventstore._connect import StoreSettings
-from adapters import Auditor
 from eventstore.testing import EventStoreConformance, message_texts, msg, read_all
 from tests._redis_hooks import RedisHooks
 from tests.test_security import with_query
