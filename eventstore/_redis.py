@@ -145,6 +145,7 @@ from ._wire import (
     HeldConnections,
     can_hold,
     evalsha_prefix,
+    pack_bulks,
     pack_command,
     pack_script_call,
     packs_like_redis_py,
@@ -530,10 +531,13 @@ def _check_staged(thread_id: str, version: Any, expected_version: int) -> None:
         raise ConcurrencyError(thread_id, expected_version, actual)
 
 
-_ThreadMemo = tuple[KeyLayout, bytes, tuple[bytes, ...], bytes, dict[str, bytes]]
+_ThreadMemo = tuple[
+    KeyLayout, bytes, tuple[bytes, ...], bytes, dict[str, bytes], dict[tuple[bytes, ...], bytes]
+]
 """What `RedisEventStore._memo_thread` keeps per thread: the key layout it was made for, the
 thread id and its log, meta, feed and index keys encoded, the RESP head of an append without
-view ops (empty off the direct path), and its view keys encoded, by view (filled as used)."""
+view ops (empty off the direct path), its view keys encoded, by view, and the RESP heads of
+its appends with view ops, by the view keys they name (both filled as used)."""
 
 
 class _KeyIndex:
@@ -715,7 +719,7 @@ class RedisEventStore(EventStore):
         memo = self._append_keys.get(thread_id) if isinstance(thread_id, str) else None
         if memo is None or memo[0] is not self.keys:
             memo = self._memo_thread(thread_id)
-        _, thread, thread_keys, head, view_keys = memo
+        _, thread, thread_keys, head, view_keys, op_heads = memo
         encoded, rdigest = encode_append(
             thread_id,
             events,
@@ -789,8 +793,21 @@ class RedisEventStore(EventStore):
                     args += self._op_args(thread_id, op, index, view_keys)
                 keys = index.keys
             # On the direct path packed now, as an append without ops is: at send time a
-            # batch holding an unpacked call is joined only after a failed attempt.
-            call = pack_script_call(b"EVALSHA", self._evalsha, keys, args) if head else (keys, args)
+            # batch holding an unpacked call is joined only after a failed attempt. What
+            # comes before the expected version (EVALSHA, keys, thread id, fingerprint) is
+            # the same for every append of the thread that names the same views: memoized.
+            if head:
+                named = tuple(keys[4:])
+                op_head = op_heads.get(named)
+                if op_head is None:
+                    op_head = pack_script_call(b"EVALSHA", self._evalsha, keys, args[:2])[
+                        len(b"*%d\r\n" % (len(keys) + 5)) :
+                    ]
+                    if len(op_heads) < _VIEW_KEYS_MEMO:
+                        op_heads[named] = op_head
+                call = b"*%d\r\n%b%b" % (len(keys) + len(args) + 3, op_head, pack_bulks(args[2:]))
+            else:
+                call = (keys, args)
         self._check_usable()
         try:
             reply = await self._group_commit.submit(thread_keys[0], call)
@@ -850,7 +867,7 @@ class RedisEventStore(EventStore):
             )
         if len(self._append_keys) >= _APPEND_KEYS_MEMO:
             self._append_keys.clear()
-        memo = self._append_keys[thread_id] = (self.keys, thread, keys, head, {})
+        memo = self._append_keys[thread_id] = (self.keys, thread, keys, head, {}, {})
         return memo
 
     def _op_args(

@@ -247,6 +247,70 @@ async def test_packed_appends_are_the_calls_redis_py_would_send(
     assert [e.seq for e in await read_all(standalone, "p")] == [1, 2, 3, 4, 5, 6]
 
 
+async def test_packed_appends_with_view_ops_name_their_view_keys_and_ops(
+    standalone: es.RedisEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appends with view ops are packed on the direct path after a head memoized per thread
+    and set of views: each is the EVALSHA of the thread's keys and then the views' (in the
+    order the ops name them), the arguments as the script reads them, whichever views an
+    append names and in whichever order; and their ops land."""
+    from eventstore._scripts import APPEND
+
+    gc = committer(standalone)
+    assert gc.packs
+    sent: list[object] = []
+    original = gc.submit
+
+    def record(first_key: object, call: object) -> object:
+        sent.append(call)
+        return original(first_key, call)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gc, "submit", record)
+    long_value = b"v" * 2000  # a length past the looked-up headers
+    appends: list[tuple[list[es.ViewOp], list[str]]] = [
+        ([es.ListPush("a", (b"x",))], ["a"]),
+        ([es.ListPush("a", (b"y", b"z")), es.HashSet("h", "f", b"1")], ["a", "h"]),
+        (
+            [es.HashSet("h", "f", long_value, expected_version=1), es.ListPush("a", (b"w",))],
+            ["h", "a"],
+        ),
+        ([es.ListPush("a", (b"q",))], ["a"]),
+    ]
+    for ops, _ in appends:
+        await standalone.append("p", [msg("m")], view_ops=ops)
+    thread_keys = [k.encode() for k in standalone.keys.thread_keys("p")]
+    for seq, (packed, (ops, views)) in enumerate(zip(sent, appends, strict=True), start=1):
+        assert isinstance(packed, bytes)
+        command = _parse_command(packed)
+        view_keys = [standalone.keys.view("p", v).encode() for v in views]
+        n_keys = 4 + len(view_keys)
+        assert command[: 3 + n_keys] == [
+            b"EVALSHA",
+            APPEND.sha.encode(),
+            b"%d" % n_keys,
+            *thread_keys,
+            *view_keys,
+        ]
+        args = command[3 + n_keys :]
+        assert args[:3] == [b"p", b"-", b"any"] and len(args[3]) == 17 and len(args[4]) == 8
+        assert args[5:8] == [b"1", b"%d" % len(ops), b"-"]
+        want: list[bytes] = []
+        for op in ops:
+            k = b"%d" % (5 + views.index(op.view))
+            if isinstance(op, es.ListPush):
+                want += [b"lp", k, b"0", b"%d" % len(op.values), *op.values]
+            else:
+                assert isinstance(op, es.HashSet)
+                exp = b"" if op.expected_version is None else b"%d" % op.expected_version
+                want += [b"hs", k, op.field.encode(), op.value, b"0", exp]
+        assert args[13:] == want, seq
+    snapshot = await standalone.read_views("p", [es.ListRange("a", 0, -1), es.HashGet("h", ("f",))])
+    listed, hashed = snapshot.results
+    assert isinstance(listed, list) and isinstance(hashed, dict)
+    assert [e.value for e in listed] == [b"x", b"y", b"z", b"w", b"q"]
+    assert hashed["f"].value == long_value and hashed["f"].version == 2
+
+
 async def test_a_batch_refuses_only_the_calls_in_a_gone_life(store: es.RedisEventStore) -> None:
     """Appends in one pipeline, each naming a life: those naming the life a thread was
     recreated out of are refused and write nothing; the others land with their life."""
