@@ -147,7 +147,6 @@ from ._wire import (
     evalsha_prefix,
     pack_bulks,
     pack_command,
-    pack_script_call,
     packs_like_redis_py,
 )
 
@@ -800,9 +799,7 @@ class RedisEventStore(EventStore):
                 named = tuple(keys[4:])
                 op_head = op_heads.get(named)
                 if op_head is None:
-                    op_head = pack_script_call(b"EVALSHA", self._evalsha, keys, args[:2])[
-                        len(b"*%d\r\n" % (len(keys) + 5)) :
-                    ]
+                    op_head = self._append_head(keys, thread)
                     if len(op_heads) < _VIEW_KEYS_MEMO:
                         op_heads[named] = op_head
                 call = b"*%d\r\n%b%b" % (len(keys) + len(args) + 3, op_head, pack_bulks(args[2:]))
@@ -859,16 +856,19 @@ class RedisEventStore(EventStore):
         encode = self._client.get_encoder().encode
         thread = encode(thread_id)
         keys = tuple(encode(k) for k in self.keys.thread_keys(thread_id))
-        head = b""
-        if self._group_commit.packs:
-            head = evalsha_prefix(self._group_commit.script.sha.encode("ascii")) + b"".join(
-                b"$%d\r\n%b\r\n" % (len(b), b)
-                for b in (b"%d" % len(keys), *keys, thread, self._fingerprint)
-            )
+        head = self._append_head(keys, thread) if self._group_commit.packs else b""
         if len(self._append_keys) >= _APPEND_KEYS_MEMO:
             self._append_keys.clear()
         memo = self._append_keys[thread_id] = (self.keys, thread, keys, head, {}, {})
         return memo
+
+    def _append_head(self, keys: Sequence[bytes], thread: bytes) -> bytes:
+        """The RESP of an append's ``EVALSHA <sha> <numkeys> <keys> <thread id> <key
+        fingerprint>``, without the array header: what the thread's appends naming the same
+        keys share."""
+        return evalsha_prefix(self._evalsha) + pack_bulks(
+            (b"%d" % len(keys), *keys, thread, self._fingerprint)
+        )
 
     def _op_args(
         self, thread_id: str, op: ViewOp, index: _KeyIndex, view_keys: dict[str, bytes]
