@@ -37,7 +37,12 @@ import msgspec
 import eventstore as es
 from eventstore._codec import decode_entry
 from eventstore._errors import UNREACHABLE
-from eventstore._feed import parse_stream_id, validate_group_to_drop
+from eventstore._feed import (
+    parse_stream_id,
+    validate_group_to_drop,
+    validate_hash_names,
+    validate_projection_name,
+)
 from projections import (
     DEFAULT_WINDOW,
     AsOf,
@@ -57,6 +62,7 @@ from projections import (
     TurnRecord,
     drop_feed_group,
     feed_group_lag,
+    forget_projection,
 )
 
 from ._audit import Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
@@ -117,7 +123,7 @@ URL_ENV = "THREADLOG_URL"
 READ_ONLY_COMMANDS = frozenset(
     {"threads", "show", "replay", "tail", "verify", "check", "export-jsonl", "export", "feed"}
 )
-FEED_COMMANDS = frozenset({"trim-feed", "drop-group"})
+FEED_COMMANDS = frozenset({"trim-feed", "drop-group", "forget-projection"})
 """Commands that change only the feed: like reads, they never create a namespace."""
 # Only the commands that write new events create a namespace (demo, and import-jsonl once its
 # file holds something to write): rebuild and the feed commands work on what is there, and a
@@ -130,6 +136,7 @@ WRITES: dict[str, str] = {
     "export": "its feed consumer group",
     "trim-feed": "the change feed",
     "drop-group": "feed consumer groups",
+    "forget-projection": "feed consumer groups and async projections' checkpoints and figures",
 }
 """What each command writes besides reading: the ACL hint's words for a user who may only read."""
 _ACL_DENIED = "(ACL)"  # how translate_redis_error marks a command Redis's ACL refused
@@ -432,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
         "group's position, entries left unread and pending entries. A group whose position "
         "the feed was trimmed past has lost changes, and is flagged; one whose unread entries "
         "keep growing is read by nobody (a renamed projection, an export given up) and holds "
-        "trimming back: 'threadlog drop-group' removes it.",
+        "trimming back: 'threadlog drop-group' removes it ('threadlog forget-projection' "
+        "removes a retired projection's checkpoints and figures too).",
     )
     p = add(
         "trim-feed",
@@ -464,6 +472,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "name", metavar="NAME", help="the group (an export's --name, an async projection's name)"
+    )
+    p = add(
+        "forget-projection",
+        "remove a retired async projection: its groups, checkpoints and figures",
+        cmd_forget_projection,
+        parents=[json_parent],
+        description="Remove every trace of an async projection from the namespace: its "
+        "consumer group on every partition's feed (as drop-group does), then its checkpoint "
+        "and figures (every hash it counted into), partition by partition. For a projection "
+        "retired or renamed for good: drop-group alone keeps the checkpoint, listed by "
+        "'threadlog feed' as a reader that lost its feed once a feed is deleted, and the "
+        "figures. Stop its runners first: a runner still running counts again from the start "
+        "of the feed. The events are not touched; the projection started again later counts "
+        "from scratch (backfill=True counts what the logs hold).",
+    )
+    p.add_argument("name", metavar="NAME", help="the async projection's name")
+    p.add_argument(
+        "--hash",
+        dest="hashes",
+        action="append",
+        default=[],
+        metavar="HASH",
+        help="also delete this hash of its figures (repeatable): for figures written by a "
+        "release from before their hashes' names were recorded",
     )
     add(
         "verify",
@@ -1869,7 +1901,7 @@ async def cmd_feed(ctx: Ctx, args: argparse.Namespace) -> None:
             where = ", ".join(str(p) for p in reset)
             note.append(
                 f"{'; ' if damaged else ''}feed reset under it (partition {where}): run the "
-                "projection under a new name with backfill",
+                "projection under a new name with backfill (a retired one: forget-projection)",
                 "red",
             )
         for g in broken:
@@ -1926,6 +1958,35 @@ async def cmd_drop_group(ctx: Ctx, args: argparse.Namespace) -> None:
     ctx.out.print(
         escape(f"Dropped consumer group {name!r} from {plural(len(dropped), 'partition')}; ")
         + "trimming no longer waits for it"
+    )
+
+
+async def cmd_forget_projection(ctx: Ctx, args: argparse.Namespace) -> None:
+    store = ctx.store
+    forgotten = await forget_projection(store, args.name, hashes=args.hashes)
+    if not forgotten.found:
+        known = sorted(
+            {n for p in range(store.partitions) for n in await store.checkpoints(p, damaged={})}
+        )
+        has = f"its async projections: {', '.join(known)}" if known else "it has none"
+        raise UsageError(
+            f"no async projection {args.name!r} in namespace {store.namespace!r} ({has}; "
+            "'threadlog feed' lists the feed's readers)"
+        )
+    if args.json:
+        ctx.json(forgotten)
+        return
+    figures = sorted({h for names in forgotten.hashes.values() for h in names})
+    parts = [
+        f"its group on {plural(len(forgotten.groups), 'partition')}",
+        f"its checkpoint on {plural(len(forgotten.checkpoints), 'partition')}",
+        (f"{len(figures)} hash" if len(figures) == 1 else f"{len(figures)} hashes")
+        + " of figures"
+        + (f" ({', '.join(figures)})" if figures else ""),
+    ]
+    ctx.out.print(
+        escape(f"Forgot async projection {args.name!r} in namespace {store.namespace!r}: ")
+        + "; ".join(parts)
     )
 
 
@@ -2542,6 +2603,9 @@ def _preflight(args: argparse.Namespace) -> None:
         )
     if args.command == "drop-group":
         validate_group_to_drop(args.name)
+    if args.command == "forget-projection":
+        validate_projection_name(args.name)
+        validate_hash_names(args.hashes)
     if args.command == "import-jsonl":
         es.validate_thread_id(args.session)
         if str(args.file) == "-":

@@ -94,7 +94,14 @@ from ._events import (
     register_event,
     registry,
 )
-from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_consumer, validate_group
+from ._feed import (
+    CheckpointedState,
+    FeedEntry,
+    FeedInfo,
+    GroupInfo,
+    validate_consumer,
+    validate_group,
+)
 from ._ids import (
     new_ulid,
     validate_count,
@@ -146,6 +153,7 @@ __all__ = [
     "ROLES",
     "AppendResult",
     "ChainKeyMismatchError",
+    "CheckpointedState",
     "ConcurrencyError",
     "ConflictError",
     "ConnectTimeoutError",

@@ -13,7 +13,7 @@ from typing import Any, Self
 
 from ._errors import CorruptKeyError, InvalidInputError, ThreadReplacedError
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
-from ._feed import FeedEntry, FeedInfo, GroupInfo, validate_feed_count
+from ._feed import CheckpointedState, FeedEntry, FeedInfo, GroupInfo, validate_feed_count
 from ._gc import paused_collector
 from ._ids import validate_int, validate_thread_id
 from ._views import ViewEntry, ViewOp, ViewRead, ViewSnapshot
@@ -649,6 +649,22 @@ class EventStore(abc.ABC):
         hashes. A compare-and-set: applied only if the stored checkpoint of ``name`` in this
         partition is still ``expected`` ("0-0" for none) and ``checkpoint`` is above it;
         otherwise returns False and writes nothing, which makes redelivered batches harmless.
+        """
+
+    @abc.abstractmethod
+    async def delete_checkpointed(
+        self, partition: int, name: str, *, hashes: Sequence[str] = ()
+    ) -> CheckpointedState:
+        """Delete async projection ``name``'s state in a partition, atomically: its checkpoint
+        and every partition-level hash `apply_checkpointed` wrote for it (each one's name is
+        recorded as it is written), plus any hash named in ``hashes`` (one written by a release
+        before names were recorded). Returns what was there. The projection's consumer group
+        stays (`delete_feed_group`); a runner still working it writes the state anew, from
+        the start of the feed, so stop its runners first.
+
+        Raises:
+            InvalidInputError: a bad partition, ``name`` or hash name.
+            OperationalError: (Redis) a runner kept adding hashes while they were deleted.
         """
 
     @abc.abstractmethod

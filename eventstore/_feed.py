@@ -48,6 +48,15 @@ class GroupInfo(msgspec.Struct, frozen=True, kw_only=True):
     oldest_pending: str | None
 
 
+class CheckpointedState(msgspec.Struct, frozen=True, kw_only=True):
+    """What `EventStore.delete_checkpointed` deleted of an async projection in a partition."""
+
+    checkpoint: str | None
+    """The checkpoint it had there, as stored (None: it had none)."""
+    hashes: list[str]
+    """The names of its partition-level hashes that were there, sorted."""
+
+
 class FeedInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A partition's feed as it stands: what it holds, and how far it has been trimmed."""
 
@@ -179,6 +188,21 @@ def validate_increments(incr: Sequence[tuple[str, str, int]]) -> list[tuple[str,
                 f"increment {item!r}: the amount must be an int within +-(2**63 - 1)"
             )
     return out
+
+
+def validate_hash_names(hashes: Sequence[str]) -> list[str]:
+    """``hashes`` (names of an async projection's hashes) as a list without repeats, each a
+    usable name; raises `InvalidInputError` otherwise (a lone str too: not a sequence of
+    names, though Python iterates it)."""
+    if isinstance(hashes, str | bytes) or not isinstance(hashes, Sequence):
+        raise InvalidInputError(f"hashes must be a sequence of hash names, not {hashes!r}")
+    return list(dict.fromkeys(validate_name(h, "hash name") for h in hashes))
+
+
+def validate_projection_name(name: object) -> str:
+    """Return ``name`` if it is a usable async projection name, else raise
+    `InvalidInputError`."""
+    return validate_name(name, "projection name")
 
 
 def format_stream_id(parts: tuple[int, int]) -> str:

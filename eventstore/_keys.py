@@ -43,6 +43,8 @@ ACL_COMMANDS: tuple[str, ...] = (
     # the scripts (called by SHA, re-sent with EVAL after NOSCRIPT) and what they call
     "+evalsha", "+eval",
     "+time", "+type", "+xadd", "+hset", "+hmget", "+hdel", "+hincrby", "+del",
+    # the names of an async projection's hashes (recorded when written, read to delete them)
+    "+sadd", "+smembers",
     "+rpush", "+rpop", "+lrange", "+zadd", "+zrem",
     # chunked view loads: staging keys with a TTL, checked and renamed over the views
     "+pexpire", "+llen", "+hlen", "+rename", "+persist", "+unlink",
@@ -157,6 +159,12 @@ class KeyLayout:
         validate_view_name(name)
         validate_view_name(hash_name)
         return f"{self._tags[partition]}:aux:{name}:{hash_name}"
+
+    def aux_names(self, partition: int, name: str) -> str:
+        """The partition's set of the names of async projection ``name``'s hashes (`aux`):
+        every one it ever wrote to, so that its state can be deleted without a SCAN."""
+        validate_view_name(name)
+        return f"{self._tags[partition]}:auxnames:{name}"
 
     def thread_of(self, key: bytes | str) -> str | None:
         """The thread whose log or meta hash ``key`` is (None for any other key, or for one no

@@ -56,6 +56,7 @@ from ._events import Event, EventRegistry, NewEvent, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import (
     INCREMENT_MAX,
+    CheckpointedState,
     FeedEntry,
     FeedInfo,
     GroupInfo,
@@ -69,6 +70,7 @@ from ._feed import (
     validate_feed_count,
     validate_group,
     validate_group_to_drop,
+    validate_hash_names,
     validate_increments,
 )
 from ._ids import (
@@ -904,6 +906,22 @@ class MemoryEventStore(EventStore):
             self._ns.aux.setdefault((partition, name, hash_name), {})[field_name] = value
         self._ns.checkpoints[(partition, name)] = new
         return True
+
+    async def delete_checkpointed(
+        self, partition: int, name: str, *, hashes: Sequence[str] = ()
+    ) -> CheckpointedState:
+        self._feed(partition)
+        validate_view_name(name)
+        validate_hash_names(hashes)  # every hash written is known here: the names add none
+        await anyio.lowlevel.checkpoint()
+        stored = self._ns.checkpoints.pop((partition, name), None)
+        mine = sorted(k for k in self._ns.aux if k[:2] == (partition, name))
+        for key in mine:
+            del self._ns.aux[key]
+        return CheckpointedState(
+            checkpoint=format_stream_id(stored) if stored else None,
+            hashes=[hash_name for _, _, hash_name in mine],
+        )
 
     async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
         self._feed(partition)

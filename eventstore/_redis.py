@@ -71,6 +71,7 @@ from ._errors import (
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent
 from ._events import registry as default_registry
 from ._feed import (
+    CheckpointedState,
     FeedEntry,
     FeedInfo,
     GroupInfo,
@@ -81,6 +82,7 @@ from ._feed import (
     validate_feed_count,
     validate_group,
     validate_group_to_drop,
+    validate_hash_names,
     validate_increments,
     validate_stream_ids,
 )
@@ -107,6 +109,7 @@ from ._keys import (
 from ._scripts import (
     APPEND,
     APPLY_CHECKPOINTED,
+    DELETE_CHECKPOINTED,
     DELETE_THREAD,
     LOAD_VIEWS,
     READ_VIEWS,
@@ -160,6 +163,9 @@ LOAD_CHUNK_VALUES = 8192
 LOAD_CHUNK_BYTES = 4 * 1024 * 1024
 _APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared when full
 _VIEW_KEYS_MEMO = 16  # view keys kept per thread in that memo (a projector has a few views)
+# Reads of an async projection's hash names before its state is deleted: more are needed only
+# while a runner of it still writes new hashes (each attempt takes in the names it added).
+DELETE_ATTEMPTS = 5
 
 
 _WRONG_CREDENTIALS = ("WRONGPASS", "invalid username-password pair", "invalid password")
@@ -1861,10 +1867,14 @@ class RedisEventStore(EventStore):
         if parse_stream_id(checkpoint) <= parse_stream_id(expected):
             raise InvalidInputError(f"checkpoint {checkpoint} must be above {expected}")
         increments = validate_increments(incr)
-        index = _KeyIndex([self.keys.checkpoints(partition)])
+        keys = self.keys
+        index = _KeyIndex([keys.checkpoints(partition), keys.aux_names(partition, name)])
         args: list[Any] = [name, expected, checkpoint, len(increments)]
+        hash_names: dict[str, None] = {}  # in KEYS order: a dict keeps the first-seen order
         for hash_name, field, amount in increments:
-            args += (index(self.keys.aux(partition, name, hash_name)), field, amount)
+            args += (index(keys.aux(partition, name, hash_name)), field, amount)
+            hash_names[hash_name] = None
+        args += (len(hash_names), *hash_names)
         reply = await _call(APPLY_CHECKPOINTED(self.client, index.keys, args))
         if isinstance(reply, list):  # an increment HINCRBY refused: all were undone
             key = _text(index.keys[int(reply[1]) - 1])
@@ -1876,6 +1886,34 @@ class RedisEventStore(EventStore):
                 )
             raise CorruptKeyError(key, f"field {field!r}: {why} (nothing written)")
         return bool(reply)
+
+    async def delete_checkpointed(
+        self, partition: int, name: str, *, hashes: Sequence[str] = ()
+    ) -> CheckpointedState:
+        self._feed_key(partition)
+        validate_view_name(name)
+        names = dict.fromkeys(validate_hash_names(hashes))
+        keys = self.keys
+        base = [keys.checkpoints(partition), keys.aux_names(partition, name)]
+        for _ in range(DELETE_ATTEMPTS):
+            recorded = await _call(self.client.smembers(base[1]))
+            names.update(dict.fromkeys(sorted(_text(n) for n in recorded)))
+            hash_keys = [keys.aux(partition, name, h) for h in names]
+            reply = await _call(
+                DELETE_CHECKPOINTED(self.client, [*base, *hash_keys], [name, *names])
+            )
+            if reply[0] == 1:
+                raw = reply[1]
+                return CheckpointedState(
+                    checkpoint=_text(raw) if raw is not None else None,
+                    hashes=sorted(_text(h) for h in reply[2]),
+                )
+            # Names recorded since they were read (a runner still at work): with them too.
+            names.update(dict.fromkeys(sorted(_text(n) for n in reply[1])))
+        raise OperationalError(
+            f"the state of async projection {name!r} on partition {partition} kept gaining "
+            f"hashes while it was deleted ({DELETE_ATTEMPTS} attempts): stop its runners first"
+        )
 
     async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
         self._feed_key(partition)

@@ -51,6 +51,7 @@ from ._errors import (
 )
 from ._events import Event, EventRegistry, NewEvent, PayloadRow, RecordedEvent, register_event
 from ._events import registry as default_registry
+from ._feed import CheckpointedState
 from ._views import (
     HashDelete,
     HashGet,
@@ -1653,6 +1654,52 @@ class EventStoreConformance:
             await apply(0, "stats", expected="5-1", checkpoint="nope")
         with pytest.raises(InvalidInputError):
             await apply(0, "stats", expected="5-1", checkpoint="5-1")
+
+    async def test_checkpointed_state_is_deleted_whole_and_alone(self, store: EventStore) -> None:
+        """`delete_checkpointed` removes one projection's checkpoint and every hash it wrote
+        in one partition, and nothing of another projection or partition; deleting nothing
+        is no error, and the projection can start again from scratch."""
+        apply = store.apply_checkpointed
+        incr = [("usage", "day|small", 10), ("turns", "day|small", 1)]
+        assert await apply(0, "stats", expected="0-0", checkpoint="5-0", incr=incr)
+        assert await apply(0, "stats", expected="5-0", checkpoint="6-0", incr=[("late", "k", 0)])
+        assert await apply(0, "other", expected="0-0", checkpoint="2-0", incr=[("usage", "k", 3)])
+        last = store.partitions - 1  # partition 0 again with one partition
+        if last:
+            assert await apply(last, "stats", expected="0-0", checkpoint="3-0", incr=incr)
+        state = await store.delete_checkpointed(0, "stats")
+        assert state == CheckpointedState(checkpoint="6-0", hashes=["late", "turns", "usage"])
+        for hash_name in ("usage", "turns", "late"):
+            assert await store.read_aux(0, "stats", hash_name) == {}
+        assert await store.checkpoints(0) == {"other": "2-0"}
+        assert await store.read_aux(0, "other", "usage") == {"k": 3}
+        if last:
+            assert await store.checkpoint_of(last, "stats") == "3-0"
+            assert await store.read_aux(last, "stats", "usage") == {"day|small": 10}
+        assert await store.delete_checkpointed(0, "stats") == CheckpointedState(
+            checkpoint=None, hashes=[]
+        )
+        # Named hashes that do not exist are no error, and are not reported as deleted.
+        gone = await store.delete_checkpointed(0, "stats", hashes=["usage", "never"])
+        assert gone == CheckpointedState(checkpoint=None, hashes=[])
+        # From scratch: the compare-and-set starts from no checkpoint again.
+        assert not await apply(0, "stats", expected="6-0", checkpoint="7-0", incr=incr)
+        assert await apply(0, "stats", expected="0-0", checkpoint="7-0", incr=incr[:1])
+        assert await store.read_aux(0, "stats", "usage") == {"day|small": 10}
+        assert await store.delete_checkpointed(0, "stats") == CheckpointedState(
+            checkpoint="7-0", hashes=["usage"]
+        )
+        bad: list[tuple[int, str, Any]] = [
+            (store.partitions, "stats", ()),
+            (0, "bad name", ()),
+            (0, "stats", "usage"),  # a str: no sequence of names
+            (0, "stats", ["usage", "a:b"]),
+        ]
+        for partition, name, hashes in bad:
+            with pytest.raises(InvalidInputError):
+                await store.delete_checkpointed(partition, name, hashes=hashes)
+        assert await store.checkpoints(0) == {"other": "2-0"}  # refused calls touched nothing
+        assert await store.read_aux(0, "other", "usage") == {"k": 3}
 
     async def test_namespace_id_is_one_per_data_set(self, store: EventStore) -> None:
         first = await store.namespace_id()

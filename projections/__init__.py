@@ -24,6 +24,7 @@ from ._records import Anomaly, RecordsProjection, RecordsState, TurnNode, TurnRe
 from ._runner import (
     MIN_POLL_INTERVAL,
     AsyncProjection,
+    ForgottenProjection,
     GroupLag,
     Increment,
     ProjectionRunner,
@@ -31,6 +32,7 @@ from ._runner import (
     UsageRow,
     drop_feed_group,
     feed_group_lag,
+    forget_projection,
     partitions_for,
 )
 from ._state import Block, ReaderView, StateProjection
@@ -49,6 +51,7 @@ __all__ = [
     "Context",
     "Difference",
     "Folded",
+    "ForgottenProjection",
     "GroupLag",
     "LogFold",
     "Materialized",
@@ -76,5 +79,6 @@ __all__ = [
     "conversation_message",
     "drop_feed_group",
     "feed_group_lag",
+    "forget_projection",
     "partitions_for",
 ]

@@ -52,7 +52,9 @@ from eventstore._feed import (
     format_stream_id,
     parse_stream_id,
     validate_group_to_drop,
+    validate_hash_names,
     validate_increments,
+    validate_projection_name,
 )
 from eventstore._ids import validate_count
 
@@ -306,6 +308,62 @@ async def drop_feed_group(store: EventStore, name: str) -> list[int]:
     store = require_store(store, "drop_feed_group")
     validate_group_to_drop(name)
     return [p for p in range(store.partitions) if await store.delete_feed_group(p, name)]
+
+
+class ForgottenProjection(msgspec.Struct, frozen=True, kw_only=True):
+    """What `forget_projection` removed of an async projection, by partition."""
+
+    name: str
+    groups: list[int]
+    """The partitions whose feed held its consumer group."""
+    checkpoints: dict[int, str]
+    """Partition -> the checkpoint it had there."""
+    hashes: dict[int, list[str]]
+    """Partition -> the names of its hashes (its figures) that were there, sorted."""
+
+    @property
+    def found(self) -> bool:
+        """Whether anything of it was there."""
+        return bool(self.groups or self.checkpoints or self.hashes)
+
+
+async def forget_projection(
+    store: EventStore, name: str, *, hashes: Sequence[str] = ()
+) -> ForgottenProjection:
+    """Remove every trace of async projection ``name`` from the namespace: on each partition
+    its consumer group (`drop_feed_group`), then, atomically, its checkpoint and its figures
+    (every hash it wrote: `EventStore.delete_checkpointed`). For a projection retired or
+    renamed for good: `drop_feed_group` alone frees the feed but keeps the checkpoint, which
+    `feed_group_lag` then lists as a reader whose feed was reset when a feed is deleted, and
+    the figures, which nothing reads any more.
+
+    Stop its runners first: one still running registers its group again and counts from the
+    start of the feed. Started again later under the same name, a projection counts from
+    scratch (``backfill=True`` counts what the logs hold). Interrupted half way (a lost
+    connection), it leaves each partition either done or untouched but for its group: call
+    it again. ``hashes`` names hashes to delete beyond those recorded, for figures written by
+    a release from before hash names were recorded (2026-12-02).
+
+    Raises:
+        InvalidInputError: ``store`` not an `EventStore`, ``name`` not a projection name
+            (1-64 of A-Z a-z 0-9 _ . -), a bad hash name.
+    """
+    store = require_store(store, "forget_projection")
+    validate_projection_name(name)
+    hash_names = validate_hash_names(hashes)
+    groups: list[int] = []
+    checkpoints: dict[int, str] = {}
+    figures: dict[int, list[str]] = {}
+    for partition in range(store.partitions):
+        # The group first: a feed held back for it is freed even if what follows fails.
+        if await store.delete_feed_group(partition, name):
+            groups.append(partition)
+        state = await store.delete_checkpointed(partition, name, hashes=hash_names)
+        if state.checkpoint is not None:
+            checkpoints[partition] = state.checkpoint
+        if state.hashes:
+            figures[partition] = state.hashes
+    return ForgottenProjection(name=name, groups=groups, checkpoints=checkpoints, hashes=figures)
 
 
 class ProjectionRunner:

@@ -45,6 +45,7 @@ PUBLIC_NAMES = [
     "ANY",
     "AppendResult",
     "ChainKeyMismatchError",
+    "CheckpointedState",
     "ConcurrencyError",
     "ConflictError",
     "ConnectTimeoutError",
@@ -327,7 +328,7 @@ def test_redis_errors_translate_one_to_one(
 
 # -- key layout -------------------------------------------------------------------------------
 
-KEY_KINDS = ["log", "meta", "view", "feed", "threads", "ckpt", "aux", "cfg"]
+KEY_KINDS = ["log", "meta", "view", "feed", "threads", "ckpt", "aux", "auxnames", "cfg"]
 # Ids built from key-name parts on purpose: "log:b" and "b:meta" would collide if the thread
 # id did not come last in every key.
 THREADS = [
@@ -392,6 +393,10 @@ def _keys_by_owner(
             for p in range(layout.partitions):
                 for n, h in AUX:
                     add(fn(p, n, h), ("partition", p, name, n, h))
+        elif params == ["partition", "name"]:
+            for p in range(layout.partitions):
+                for n in dict.fromkeys(n for n, _ in AUX):
+                    add(fn(p, n), ("partition", p, name, n))
         elif params == ["namespace"]:
             add(fn(layout.namespace), ("namespace", name))
         else:

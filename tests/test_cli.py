@@ -2538,6 +2538,48 @@ def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) ->
     assert "--max-age" in cli("trim-feed", "--help").out
 
 
+def test_forget_projection_removes_a_retired_projection_whole(redis_url: str) -> None:
+    """`threadlog forget-projection` drops the projection's groups, checkpoints and figures,
+    says what it removed (text and --json), and refuses a name it finds nothing of, naming
+    the projections there are, or one that is no projection name, as one-line errors."""
+    from projections import ProjectionRunner, UsageProjection
+
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> tuple[int, int, int]:
+        turn = es.new_ulid()
+        usage = es.Usage(input_tokens=5, output_tokens=2)
+        settled = es.TurnSettled(turn_id=turn, outcome="completed", usage=usage)
+        await store.append("fp-1", [es.TurnOpened(turn_id=turn), settled])
+        await store.apply_checkpointed(0, "other", expected="0-0", checkpoint="1-0")
+        applied = await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+        return applied, es.partition_of("fp-1", store.partitions), store.partitions
+
+    applied, p, partitions = with_store(redis_url, namespace, setup)
+    assert applied == 1
+    missing = cli("forget-projection", "usag", url=redis_url, namespace=namespace)
+    assert "its async projections: other, usage" in assert_one_line_error(missing)
+    bad = cli("forget-projection", "us age", url=redis_url, namespace=namespace)
+    assert "projection name 'us age' must be" in assert_one_line_error(bad)
+    bad = cli("forget-projection", "usage", "--hash", "a:b", url=redis_url, namespace=namespace)
+    assert "hash name 'a:b' must be" in assert_one_line_error(bad)
+    done = cli("forget-projection", "usage", "--json", url=redis_url, namespace=namespace)
+    assert done.code == 0, done
+    shown = done.json()
+    assert shown["name"] == "usage" and shown["groups"] == list(range(partitions))
+    assert list(shown["checkpoints"]) == [str(p)]
+    assert shown["hashes"] == {str(p): ["input_tokens", "output_tokens", "turns"]}
+    assert with_store(redis_url, namespace, lambda s: UsageProjection().report(s)) == []
+    again = cli("forget-projection", "other", url=redis_url, namespace=namespace)
+    assert again.code == 0, again
+    assert (
+        f"Forgot async projection 'other' in namespace {namespace!r}: its group on 0 "
+        "partitions; its checkpoint on 1 partition; 0 hashes of figures"
+    ) in again.out.replace("\n", " ")
+    gone = cli("forget-projection", "other", url=redis_url, namespace=namespace)
+    assert "it has none" in assert_one_line_error(gone)
+
+
 def test_feed_lists_every_group_past_a_damaged_checkpoint(redis_url: str) -> None:
     """A checkpoint changed from outside threadlog into something that is no feed id stopped
     the whole listing with `CorruptKeyError`; each row now says what is wrong where, and

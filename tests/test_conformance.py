@@ -14,6 +14,7 @@ from eventstore import (
     KeyLayout,
     MemoryEventStore,
     MemoryServer,
+    OperationalError,
     RedisEventStore,
     connect,
     open_store,
@@ -197,3 +198,65 @@ async def test_a_thread_past_128_events_keeps_its_ledger_in_a_hashtable(any_redi
         assert texts[:2] == ["0", "1"] and texts[-3:] == ["a", "b", "c"] and len(texts) == 130
         report = await Auditor(store).verify("t")
         assert report.ok, report
+
+
+@pytest.mark.anyio
+async def test_deleting_a_projections_state_finds_its_hashes_by_their_recorded_names(
+    any_redis_url: str,
+) -> None:
+    """On Redis the names of a projection's hashes are recorded as they are written (a set
+    beside them), so `delete_checkpointed` deletes them with no SCAN: the set goes too. A hash
+    written before names were recorded is deleted when named; one recorded between the read
+    of the names and the delete (a runner still at work) is taken in by another attempt, and
+    a runner that never stops adding them is an error, not a half delete."""
+    ns = "ck" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns) as store:
+        assert isinstance(store, RedisEventStore)
+        client: Any = store.client
+        keys = store.keys
+        names_key = keys.aux_names(0, "p")
+        one = [("a", "k", 1)]
+        await store.apply_checkpointed(0, "p", expected="0-0", checkpoint="1-0", incr=one)
+        assert await client.smembers(names_key) == {b"a"}
+        legacy = keys.aux(0, "p", "old")
+        await client.hincrby(legacy, "k", 5)  # as a release before the names were recorded
+        state = await store.delete_checkpointed(0, "p")
+        assert state.hashes == ["a"] and await client.hgetall(legacy) == {b"k": b"5"}
+        assert await client.exists(names_key, keys.aux(0, "p", "a")) == 0
+        state = await store.delete_checkpointed(0, "p", hashes=["old"])
+        assert state.hashes == ["old"] and await client.exists(legacy) == 0
+
+        await store.apply_checkpointed(0, "p", expected="0-0", checkpoint="2-0", incr=one)
+        read_names = client.smembers
+        landed: list[str] = []
+
+        async def a_batch_lands_after_the_read(key: str) -> Any:
+            names = await read_names(key)
+            if len(landed) < 2:  # two batches land, each after a read: three attempts
+                landed.append(f"new{len(landed)}")
+                incr = [(landed[-1], "k", 1)]
+                at = await store.checkpoint_of(0, "p")
+                checkpoint = f"{int(at.split('-')[0]) + 1}-0"
+                assert await store.apply_checkpointed(
+                    0, "p", expected=at, checkpoint=checkpoint, incr=incr
+                )
+            return names
+
+        client.smembers = a_batch_lands_after_the_read
+        state = await store.delete_checkpointed(0, "p")
+        assert state.checkpoint == "4-0" and state.hashes == ["a", "new0", "new1"]
+        assert await client.exists(names_key, *(keys.aux(0, "p", h) for h in state.hashes)) == 0
+        assert await store.checkpoints(0) == {}
+
+        async def a_batch_lands_after_every_read(key: str) -> Any:
+            names = await read_names(key)
+            await client.sadd(key, uuid.uuid4().hex)
+            return names
+
+        client.smembers = a_batch_lands_after_every_read
+        await store.apply_checkpointed(0, "p", expected="0-0", checkpoint="9-0", incr=one)
+        with pytest.raises(OperationalError, match="stop its runners first"):
+            await store.delete_checkpointed(0, "p")
+        del client.smembers
+        assert await store.checkpoint_of(0, "p") == "9-0"  # nothing deleted
+        assert await store.read_aux(0, "p", "a") == {"k": 1}

@@ -22,6 +22,7 @@ from eventstore._feed import parse_stream_id
 from eventstore.servers import redis_server
 from projections import (
     AsyncProjection,
+    ForgottenProjection,
     GroupLag,
     Increment,
     MessagesProjection,
@@ -30,6 +31,7 @@ from projections import (
     UsageRow,
     drop_feed_group,
     feed_group_lag,
+    forget_projection,
     partitions_for,
 )
 
@@ -1373,6 +1375,58 @@ async def test_a_projection_whose_feed_was_deleted_is_listed_without_a_group(
     assert await store.trim_feed(p, max_age_ms=0) == 1
     (row,) = [r for r in await feed_group_lag(store) if (r.name, r.partition) == ("usage", p)]
     assert (row.registered, row.feed_reset, row.lost_changes) == (True, False, True)
+
+
+async def test_a_forgotten_projection_leaves_no_group_checkpoint_or_figures(
+    store: es.EventStore,
+) -> None:
+    """`forget_projection` removes a retired projection whole: its groups (trimming goes on),
+    its checkpoints (a feed deleted later does not list it as a reader that lost its feed)
+    and its figures; another projection keeps all of its own, and the name counts from
+    scratch if it is used again."""
+    expected = await fill(store, 9)
+    await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+    await ProjectionRunner(store, Renamed(), consumer="c").run_once()
+    with_changes = sorted({es.partition_of(f"thread-{i}", store.partitions) for i in range(7)})
+    with_changes = sorted({*with_changes, es.partition_of("chatter", store.partitions)})
+    before = {p: await store.checkpoint_of(p, "usage") for p in with_changes}
+
+    forgotten = await forget_projection(store, "usage")
+    assert isinstance(forgotten, ForgottenProjection) and forgotten.found
+    assert forgotten.name == "usage"
+    assert forgotten.groups == list(range(store.partitions))  # registered on every partition
+    assert forgotten.checkpoints == before
+    metrics = ["input_tokens", "output_tokens", "turns"]
+    counted = sorted({es.partition_of(f"thread-{i}", store.partitions) for i in range(7)})
+    assert forgotten.hashes == dict.fromkeys(counted, metrics)
+    assert await UsageProjection().report(store) == []
+    assert totals(await Renamed().report(store)) == expected  # the other one: untouched
+    for p in range(store.partitions):
+        assert "usage" not in await store.checkpoints(p)
+        assert "usage" not in {g.name for g in await store.feed_groups(p)}
+    assert {r.name for r in await feed_group_lag(store)} == {"usage-v2"}
+    # Nothing left: found is False, and no error.
+    again = await forget_projection(store, "usage")
+    assert not again.found and (again.groups, again.checkpoints, again.hashes) == ([], {}, {})
+    # The name used again counts from scratch (backfill: what the logs hold).
+    await ProjectionRunner(store, UsageProjection(), consumer="c", backfill=True).run_once()
+    assert totals(await UsageProjection().report(store)) == expected
+    assert (await forget_projection(store, "usage")).hashes == forgotten.hashes
+    # A feed deleted afterwards: the forgotten projection is not listed as having lost it
+    # (a checkpoint alone would be: `feed_group_lag` cannot tell it from a running one).
+    await delete_feed(store, with_changes[0])
+    assert {r.name for r in await feed_group_lag(store)} == {"usage-v2"}
+    await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+    kept = await UsageProjection().report(store)
+    checkpoints = {p: await store.checkpoint_of(p, "usage") for p in range(store.partitions)}
+    assert kept and set(checkpoints.values()) != {"0-0"}
+    for bad in ("", "bad name", None):
+        with pytest.raises(es.InvalidInputError):
+            await forget_projection(store, bad)  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidInputError):
+        await forget_projection(store, "usage", hashes="turns")
+    assert await UsageProjection().report(store) == kept  # the refused calls: untouched
+    assert {p: await store.checkpoint_of(p, "usage") for p in checkpoints} == checkpoints
 
 
 def test_threadlog_feed_shows_a_renamed_projections_group_and_drop_group_removes_it(

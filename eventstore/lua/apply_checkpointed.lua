@@ -1,11 +1,14 @@
 --[[ threadlog apply_checkpointed: an async projection's writes and its checkpoint, atomically.
 
-KEYS[1] the partition's checkpoint hash      KEYS[2..] the projection's hashes
+KEYS[1] the partition's checkpoint hash      KEYS[2] the set of the projection's hash names
+KEYS[3..] the projection's hashes
 ARGV[1] projection name
 ARGV[2] expected checkpoint (the one the batch was read after; "0-0": none yet)
 ARGV[3] new checkpoint (the last feed id of the batch)
 ARGV[4] N increments, then per increment: key index, field, amount (a canonical decimal int
         within +-(2^63 - 1): the caller checks)
+then    M, then the names of the M hashes KEYS[3..] (recorded in KEYS[2], so that
+        delete_checkpointed finds every hash the projection ever wrote without SCAN)
 
 A compare-and-set: applies only when the stored checkpoint is still the expected one, so a
 batch read twice (by two runners of the projection, or again after a crash) is written once.
@@ -41,5 +44,7 @@ for i = 1, tonumber(ARGV[4]) do
   done[#done + 1] = {key, field, amount, existed}
   pos = pos + 3
 end
+local n_names = tonumber(ARGV[pos])
+if n_names > 0 then redis.call('SADD', KEYS[2], unpack(ARGV, pos + 1, pos + n_names)) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1
