@@ -178,24 +178,33 @@ async def measure(
 
     Each side first runs one untimed warm-up round of ``warmup`` ops. A full collection runs
     before every timed round so garbage left by one side is not collected on the other's clock.
+    What is alive when the measurement starts (the imported libraries, the sides' clients and
+    data) is frozen out of the collector meanwhile (`gc.freeze`): with the peers' frameworks
+    imported, a full collection of it took ~150 ms, half of a quick run of bench.session, and
+    it is no side's garbage.
     """
     results = [SideResult(s.name) for s in sides]
-    if warmup > 0:
-        for s in sides:
-            await _run_round(s, -1, warmup)
-    for r in range(rounds):
-        order = list(range(len(sides)))
-        if r % 2:
-            order.reverse()
-        for i in order:
-            lat = await _run_round(sides[i], r, ops)
-            results[i].round_means_ns.append(sum(lat) / len(lat))
-            results[i].latencies_ns.extend(lat)
-        if progress:
-            means = "  ".join(
-                f"{res.name} {res.round_means_ns[-1] / 1000:7.1f} us" for res in results
-            )
-            print(f"  round {r + 1:>3}/{rounds}  {means}", file=sys.stderr, flush=True)
+    gc.collect()
+    gc.freeze()
+    try:
+        if warmup > 0:
+            for s in sides:
+                await _run_round(s, -1, warmup)
+        for r in range(rounds):
+            order = list(range(len(sides)))
+            if r % 2:
+                order.reverse()
+            for i in order:
+                lat = await _run_round(sides[i], r, ops)
+                results[i].round_means_ns.append(sum(lat) / len(lat))
+                results[i].latencies_ns.extend(lat)
+            if progress:
+                means = "  ".join(
+                    f"{res.name} {res.round_means_ns[-1] / 1000:7.1f} us" for res in results
+                )
+                print(f"  round {r + 1:>3}/{rounds}  {means}", file=sys.stderr, flush=True)
+    finally:
+        gc.unfreeze()
     return Comparison(results)
 
 
