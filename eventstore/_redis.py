@@ -11,7 +11,7 @@ import operator
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -367,6 +367,21 @@ def _in_life(
             "'verify')"
         )  # fmt: skip
     return True
+
+
+def _recorded_hash_names(key: str, members: Iterable[bytes]) -> list[str]:
+    """The hash names recorded in set ``key`` (`KeyLayout.aux_names`), sorted; a member that
+    is no hash name was put there from outside threadlog (`CorruptKeyError`, nothing
+    deleted)."""
+    out = []
+    for member in members:
+        try:
+            out.append(validate_view_name(member.decode("utf-8")))
+        except (UnicodeDecodeError, InvalidInputError):
+            raise CorruptKeyError(
+                key, f"it holds {member!r}, which is no hash name (nothing was deleted)"
+            ) from None
+    return sorted(out)
 
 
 def _text(value: Any) -> str:
@@ -1897,7 +1912,7 @@ class RedisEventStore(EventStore):
         base = [keys.checkpoints(partition), keys.aux_names(partition, name)]
         for _ in range(DELETE_ATTEMPTS):
             recorded = await _call(self.client.smembers(base[1]))
-            names.update(dict.fromkeys(sorted(_text(n) for n in recorded)))
+            names.update(dict.fromkeys(_recorded_hash_names(base[1], recorded)))
             hash_keys = [keys.aux(partition, name, h) for h in names]
             reply = await _call(
                 DELETE_CHECKPOINTED(self.client, [*base, *hash_keys], [name, *names])
@@ -1909,7 +1924,7 @@ class RedisEventStore(EventStore):
                     hashes=sorted(_text(h) for h in reply[2]),
                 )
             # Names recorded since they were read (a runner still at work): with them too.
-            names.update(dict.fromkeys(sorted(_text(n) for n in reply[1])))
+            names.update(dict.fromkeys(_recorded_hash_names(base[1], reply[1])))
         raise OperationalError(
             f"the state of async projection {name!r} on partition {partition} kept gaining "
             f"hashes while it was deleted ({DELETE_ATTEMPTS} attempts): stop its runners first"

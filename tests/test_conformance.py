@@ -260,3 +260,14 @@ async def test_deleting_a_projections_state_finds_its_hashes_by_their_recorded_n
         del client.smembers
         assert await store.checkpoint_of(0, "p") == "9-0"  # nothing deleted
         assert await store.read_aux(0, "p", "a") == {"k": 1}
+        # A member put in the set from outside threadlog is damage, named; nothing deleted.
+        await client.delete(names_key)
+        await client.sadd(names_key, "a")
+        for damage in (b"a:b", b"\xff"):
+            await client.sadd(names_key, damage)
+            with pytest.raises(CorruptKeyError) as info:
+                await store.delete_checkpointed(0, "p")
+            assert info.value.key == names_key and repr(damage) in info.value.detail
+            await client.srem(names_key, damage)
+            assert await store.checkpoint_of(0, "p") == "9-0"
+            assert await store.read_aux(0, "p", "a") == {"k": 1}
