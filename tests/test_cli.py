@@ -613,6 +613,8 @@ def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_pat
         (["rebuild", "t", "--all"], "give a THREAD or --all, not both"),
         (["export", "--format", "ndjson", "--compression", "zstd", "--out", "x"], "--compression"),
         (["drop-group", ""], "group name '' must be a non-empty str"),
+        (["forget-projection", "a b"], "projection name 'a b' must be"),
+        (["forget-projection", "usage", "--hash", ""], "hash name '' must be"),
         (["import-jsonl", "missing.jsonl", "s"], "cannot read missing.jsonl"),
         (["import-jsonl", "in.jsonl", ""], "thread id must not be empty"),
     ],
@@ -2686,7 +2688,13 @@ def test_feed_judges_a_projection_by_its_checkpoint_not_its_groups_position(
 
 def test_feed_commands_never_create_a_namespace(redis_url: str) -> None:
     namespace = fresh_namespace()
-    for argv in (["feed"], ["trim-feed"], ["trim-feed", "--max-age", "1d"], ["drop-group", "x"]):
+    for argv in (
+        ["feed"],
+        ["trim-feed"],
+        ["trim-feed", "--max-age", "1d"],
+        ["drop-group", "x"],
+        ["forget-projection", "x"],
+    ):
         line = assert_one_line_error(cli(*argv, url=redis_url, namespace=namespace))
         assert f"no namespace {namespace!r}" in line, (argv, line)
     keys = with_store(redis_url, "default", lambda s: s.client.keys(f"tl:{{{namespace}*"))  # type: ignore[attr-defined]

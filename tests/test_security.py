@@ -344,8 +344,10 @@ def test_every_command_runs_as_a_tenant_user_made_as_documented(
         ["rebuild", thread],
         ["feed"],
         ["export", "--format", "ndjson", "--out", str(tmp_path / "out"), "--name", "a"],
+        ["export", "--format", "ndjson", "--out", str(tmp_path / "out-b"), "--name", "b"],
         ["trim-feed"],
         ["drop-group", "export-a"],
+        ["forget-projection", "export-b"],
         ["import-jsonl", str(jsonl), "s1"],
         ["export-jsonl", "s1", str(tmp_path / "back.jsonl")],
     ):
@@ -490,6 +492,7 @@ def test_a_read_only_auditor_reads_and_a_writing_command_says_which_rules_it_nee
         ["import-jsonl", str(jsonl), "s1"],
         ["export", "--format", "ndjson", "--out", str(tmp_path / "out")],
         ["drop-group", "export-a"],
+        ["forget-projection", "export-a"],
     ):
         line = assert_one_line_error(cli(*argv, url=url, namespace=namespace))
         assert "redis denied the command (ACL)" in line, line
