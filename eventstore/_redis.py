@@ -1919,8 +1919,10 @@ class RedisEventStore(EventStore):
             )
             if reply[0] == 1:
                 raw = reply[1]
+                # As stored, damage included: it is gone now, and saying what it was must
+                # not fail (a checkpoint changed from outside may hold any bytes).
                 return CheckpointedState(
-                    checkpoint=_text(raw) if raw is not None else None,
+                    checkpoint=raw.decode("utf-8", "backslashreplace") if raw else None,
                     hashes=sorted(_text(h) for h in reply[2]),
                 )
             # Names recorded since they were read (a runner still at work): with them too.

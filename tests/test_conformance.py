@@ -260,6 +260,12 @@ async def test_deleting_a_projections_state_finds_its_hashes_by_their_recorded_n
         del client.smembers
         assert await store.checkpoint_of(0, "p") == "9-0"  # nothing deleted
         assert await store.read_aux(0, "p", "a") == {"k": 1}
+        # A damaged checkpoint (any bytes, from outside threadlog) is deleted and reported.
+        await client.hset(keys.checkpoints(0), "p", b"\xff\xfe")
+        state = await store.delete_checkpointed(0, "p")
+        assert state.checkpoint == "\\xff\\xfe" and state.hashes == ["a"]
+        assert await store.checkpoints(0) == {}
+        await store.apply_checkpointed(0, "p", expected="0-0", checkpoint="9-0", incr=one)
         # A member put in the set from outside threadlog is damage, named; nothing deleted.
         await client.delete(names_key)
         await client.sadd(names_key, "a")
