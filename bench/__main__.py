@@ -80,12 +80,20 @@ def module_main(
         help="record the run in results.json and RESULTS.md (default: yes, not for --quick)",
     )
     args = p.parse_args(argv)
-    summary = run(args.quick)
+    record_run(name, run(args.quick), args)
+    return 0
+
+
+def record_run(name: str, summary: dict[str, Any], args: argparse.Namespace) -> None:
+    """Where a ``python -m bench.NAME`` run's summary goes: to ``--json`` if given, and into
+    results.json and RESULTS.md unless ``--no-write``, or ``--quick`` without ``--write`` (a
+    smoke run must not replace the recorded figures)."""
     if args.json is not None:
         _write_json(args.json, summary)
     if args.write if args.write is not None else not args.quick:
         save_summary(name, summary)
-    return 0
+    else:
+        print("(results.json and RESULTS.md left alone: --write records a quick run)")
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:

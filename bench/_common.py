@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -247,13 +246,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(out)
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` (small summaries only, never raw latencies) as indented JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n", encoding="utf-8")
-    print(f"\nwrote {path}")
-
-
 def loadavg() -> list[float] | None:
     """The 1, 5 and 15 minute load averages, where the platform has them."""
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
@@ -271,16 +263,41 @@ def environment(**extra: Any) -> dict[str, Any]:
     }
 
 
-def arg_parser(description: str, *, default_json: Path) -> argparse.ArgumentParser:
-    """The flags every benchmark shares; ``--rounds``/``--ops``/``--warmup`` override the mode."""
-    p = argparse.ArgumentParser(description=description)
+def arg_parser(prog: str, *, warmup: bool = False) -> argparse.ArgumentParser:
+    """The flags of the paired-timing benchmarks; ``--rounds``/``--ops``/``--warmup`` override
+    the mode, ``--json``/``--write`` say where the summary goes (as ``python -m bench``'s)."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--quick", action="store_true", help="few rounds; well under 30 s")
-    p.add_argument("--rounds", type=int, help="timed rounds per side")
-    p.add_argument("--ops", type=int, help="sequential ops per round")
-    p.add_argument("--warmup", type=int, help="untimed ops per side before the first round")
-    p.add_argument("--json", type=Path, default=default_json, help="where to write the JSON")
+    p.add_argument("--rounds", type=positive_int, help="timed rounds per side")
+    p.add_argument("--ops", type=positive_int, help="sequential ops per round")
+    if warmup:  # only where the run takes it: a flag accepted and ignored would mislead
+        p.add_argument("--warmup", type=non_negative_int, help="untimed ops per side first")
+    p.add_argument("--json", type=Path, help="also write the summary to this file")
+    p.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="record the run in results.json and RESULTS.md (default: yes, not for --quick)",
+    )
     p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
     return p
+
+
+def positive_int(text: str) -> int:
+    value = non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
 
 
 @dataclass(frozen=True)
@@ -299,5 +316,5 @@ class Mode:
             name=base.name,
             rounds=args.rounds or base.rounds,
             ops=args.ops or base.ops,
-            warmup=base.warmup if args.warmup is None else args.warmup,
+            warmup=base.warmup if getattr(args, "warmup", None) is None else args.warmup,
         )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -46,7 +45,6 @@ from ._common import (
     print_table,
     time_cpu,
     time_ops,
-    write_json,
 )
 
 QUICK = Mode("quick", rounds=10, ops=300, warmup=300)
@@ -266,11 +264,12 @@ def report(mode: Mode, comparison: Comparison, extra: dict[str, Any]) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    default_json = Path(__file__).with_name("results-append.json")
-    args = arg_parser("python -m bench.append", default_json=default_json).parse_args(argv)
+    from .__main__ import record_run
+
+    args = arg_parser("python -m bench.append", warmup=True).parse_args(argv)
     mode = Mode.from_args(args, quick=QUICK, full=FULL)
     comparison, extra = asyncio.run(run(mode, progress=not args.quiet))
-    write_json(args.json, report(mode, comparison, extra))
+    record_run("append", report(mode, comparison, extra), args)
     return 0
 
 

@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -83,7 +82,6 @@ from ._common import (
     markdown_table,
     measure,
     time_cpu,
-    write_json,
 )
 
 # -- shared helpers (also used by bench.session and bench.frameworks) ---------------------------
@@ -891,12 +889,13 @@ class RunFn(Protocol):
 
 def bench_main(name: str, run: RunFn, argv: list[str] | None) -> int:
     """The command line of one paired-timing benchmark: run it, write its JSON summary."""
-    default_json = Path(__file__).with_name(f"results-{name}.json")
-    args = arg_parser(f"python -m bench.{name}", default_json=default_json).parse_args(argv)
+    from .__main__ import record_run
+
+    args = arg_parser(f"python -m bench.{name}").parse_args(argv)
     t0 = time.perf_counter()
     summary = run(args.quick, rounds=args.rounds, ops=args.ops, progress=not args.quiet)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
-    write_json(args.json, summary)
+    record_run(name, summary, args)
     return 0
 
 
