@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ._common import add_recording_flags
+
 HERE = Path(__file__).resolve().parent
 RESULTS_JSON = HERE / "results.json"
 RESULTS_MD = HERE / "RESULTS.md"
@@ -72,13 +74,7 @@ def module_main(
     """``python -m bench.NAME``: run one module; record it as ``python -m bench`` would."""
     p = argparse.ArgumentParser(prog=f"python -m bench.{name}")
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--json", type=Path, help="also write the summary to this file")
-    p.add_argument(
-        "--write",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="record the run in results.json and RESULTS.md (default: yes, not for --quick)",
-    )
+    add_recording_flags(p)
     args = p.parse_args(argv)
     record_run(name, run(args.quick), args)
     return 0

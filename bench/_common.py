@@ -272,6 +272,14 @@ def arg_parser(prog: str, *, warmup: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--ops", type=positive_int, help="sequential ops per round")
     if warmup:  # only where the run takes it: a flag accepted and ignored would mislead
         p.add_argument("--warmup", type=non_negative_int, help="untimed ops per side first")
+    add_recording_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
+    return p
+
+
+def add_recording_flags(p: argparse.ArgumentParser) -> None:
+    """``--json`` and ``--write``: where a ``python -m bench.NAME`` run's summary goes
+    (`bench.__main__.record_run`)."""
     p.add_argument("--json", type=Path, help="also write the summary to this file")
     p.add_argument(
         "--write",
@@ -279,8 +287,6 @@ def arg_parser(prog: str, *, warmup: bool = False) -> argparse.ArgumentParser:
         default=None,
         help="record the run in results.json and RESULTS.md (default: yes, not for --quick)",
     )
-    p.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
-    return p
 
 
 def positive_int(text: str) -> int:
