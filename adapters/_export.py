@@ -1397,14 +1397,18 @@ class Exporter:
         for p in range(self.store.partitions):
             info = await self.store.feed_info(p)
             trimmed = parse_stream_id(info.trimmed_to)
+            if since_ms is not None and trimmed[0] < since_ms:
+                # Every trimmed change is older than the directory's start: none it needs.
+                # (A position is a change it exported, never older than the start; the group
+                # of a partition it has had no change from may stand before the trim, as it
+                # was made at the feed's start.)
+                continue
             start = positions.get(p)
             if start is None and positions:
                 # A partition the directory has had no change from: its group, made at the
                 # directory's first run, has held trimming back there since.
                 start = delivered.get(p)
             if start is None:  # a partition this directory has not read yet: from the start
-                if since_ms is not None and trimmed[0] < since_ms:
-                    continue  # every trimmed change is older than the run asks for
                 if trimmed > (0, 0):
                     lacking.append((trimmed, p, info.trimmed_to))
                 continue

@@ -424,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TIME",
         help="start at a past time: ISO-8601, or a duration ago (15m, 2h)",
     )
-    p.add_argument("--limit", type=_positive, metavar="N", help="exit after N events (0: no limit)")
+    p.add_argument(
+        "--limit",
+        type=_positive,
+        metavar="N",
+        help="exit after N events or deletions shown (0: no limit)",
+    )
     p.add_argument(
         "--interval", type=_seconds, default=0.25, metavar="SEC", help="poll interval (0.25)"
     )
@@ -461,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = add(
         "drop-group",
-        "forget a feed consumer group (an old export name), so trimming stops waiting for it",
+        "forget a feed consumer group (an old export's, a retired projection's), so trimming "
+        "stops waiting for it",
         cmd_drop_group,
         description="Forget a consumer group on every partition's feed: its position and its "
         "pending entries. Trimming waits for every group, so a group nobody reads any more "
@@ -471,7 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
         "projection runner still running registers it again when it next applies a change.",
     )
     p.add_argument(
-        "name", metavar="NAME", help="the group (an export's --name, an async projection's name)"
+        "name",
+        metavar="NAME",
+        help="the group, as 'threadlog feed' lists it: an export's is export-<its --name>, an "
+        "async projection's is the projection's name",
     )
     p = add(
         "forget-projection",
@@ -1612,12 +1621,16 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
     limit: int | None = args.limit or None
     shown = 0
 
-    def emit(line: Text | dict[str, Any]) -> bool:
-        nonlocal shown
+    def say(line: Text | dict[str, Any]) -> None:
         if isinstance(line, dict):
             write_stdout(msgspec.json.encode(line) + b"\n")
         else:
             ctx.out.print(line)
+
+    def emit(line: Text | dict[str, Any]) -> bool:
+        """Show a line about events (or a deletion): one of the --limit's N."""
+        nonlocal shown
+        say(line)
         shown += 1
         return limit is not None and shown >= limit
 
@@ -1666,8 +1679,7 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
             p = min(heads, key=lambda q: parse_stream_id(pending[q][0].id))
             entry = pending[p].popleft()
             if isinstance(entry, _FeedGap):
-                if _show_gap(entry, emit, json=args.json):
-                    return True
+                _show_gap(entry, say, json=args.json)  # a notice, not one of the --limit's
                 continue
             if thread is not None and entry.thread_id != thread:
                 continue
@@ -1706,13 +1718,13 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
     await follow(positions)
 
 
-def _show_gap(gap: _FeedGap, emit: Callable[[Text | dict[str, Any]], bool], *, json: bool) -> bool:
-    """Say that changes were trimmed from the feed unseen (tail goes on after them); True once
-    the --limit is reached."""
+def _show_gap(gap: _FeedGap, say: Callable[[Text | dict[str, Any]], None], *, json: bool) -> None:
+    """Say that changes were trimmed from the feed unseen (tail goes on after them)."""
     ms = parse_stream_id(gap.id)[0]
     if json:
         row = {"type": "feed.trimmed", "partition": gap.partition, "after": gap.after}
-        return emit({**row, "trimmed_to": gap.id, "time_ms": ms})
+        say({**row, "trimmed_to": gap.id, "time_ms": ms})
+        return
     since = "" if gap.after == "0-0" else f" after {_id_time(gap.after)}"
     line = Text(f"{fmt_time(ms)}  partition {gap.partition}  ")
     line.append(
@@ -1720,7 +1732,7 @@ def _show_gap(gap: _FeedGap, emit: Callable[[Text | dict[str, Any]], bool], *, j
         "them (their events are still in the threads' logs; run 'threadlog feed')",
         style="red",
     )
-    return emit(line)
+    say(line)
 
 
 def _type_width(registry: es.EventRegistry) -> int:
@@ -2786,9 +2798,13 @@ def _main(argv: Sequence[str] | None) -> int:
                 text.replace("run 'verify'", hint) if "run 'verify'" in text else f"{text} ({hint})"
             )
             return _fail(text, EXIT_FAILED)
-        if isinstance(exc, es.CorruptKeyError):
-            # Stored damage, as a thread's undecodable event is: not a usage error.
-            return _fail(_describe(exc), EXIT_FAILED)
+        if isinstance(exc, es.CorruptKeyError | es.UnstampedViewError | es.WrongKeyTypeError):
+            # Stored damage (a key, a view value or a key's type changed from outside), as a
+            # thread's undecodable event is: not a usage error.
+            text = _describe(exc)
+            if isinstance(exc, es.UnstampedViewError):
+                text = text.replace("; run rebuild", f"; run 'threadlog rebuild {exc.thread_id}'")
+            return _fail(text, EXIT_FAILED)
         if isinstance(exc, es.EventStoreError | OSError):
             hint = _acl_hint(command, exc) or _full_hint(exc)
             described = _describe(exc)

@@ -199,10 +199,25 @@ def validate_hash_names(hashes: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(validate_name(h, "hash name") for h in hashes))
 
 
+EXPORT_GROUP_PREFIX = "export-"
+"""An export's feed consumer group is ``export-<its name>``; no projection's may look like one."""
+
+
 def validate_projection_name(name: object) -> str:
     """Return ``name`` if it is a usable async projection name, else raise
-    `InvalidInputError`."""
-    return validate_name(name, "projection name")
+    `InvalidInputError`. A projection's name is its feed consumer group's, so it may not start
+    with ``export-``: that would be an export's group (a runner and an export sharing one
+    would each move the other's position, and forgetting the projection would drop the
+    export's)."""
+    checked = validate_name(name, "projection name")
+    if checked.startswith(EXPORT_GROUP_PREFIX):
+        raise InvalidInputError(
+            f"projection name {checked!r} starts with {EXPORT_GROUP_PREFIX!r}, which names an "
+            f"export's feed consumer group ({EXPORT_GROUP_PREFIX}<its name>), not an async "
+            "projection's; to remove an export's group, drop it (drop_feed_group, threadlog "
+            "drop-group)"
+        )
+    return checked
 
 
 def format_stream_id(parts: tuple[int, int]) -> str:

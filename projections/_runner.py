@@ -43,12 +43,12 @@ from eventstore import (
     TurnSettled,
     validate_consumer,
     validate_group,
-    validate_view_name,
 )
 from eventstore._codec import decode_rows
 from eventstore._contract import require_store
 from eventstore._errors import UNREACHABLE
 from eventstore._feed import (
+    EXPORT_GROUP_PREFIX,
     format_stream_id,
     parse_stream_id,
     validate_group_to_drop,
@@ -267,7 +267,7 @@ def _projection_name(group: str) -> bool:
     """Whether ``group`` may be an async projection's (which has a checkpoint under that name):
     an export's group is ``export-<name>``, and a group registered from outside threadlog may
     have a name no projection can."""
-    if group.startswith("export-"):
+    if group.startswith(EXPORT_GROUP_PREFIX):
         return False
     try:
         validate_group(group)
@@ -440,7 +440,7 @@ class ProjectionRunner:
             raise InvalidInputError(
                 f"projection must be an instance of an AsyncProjection subclass, not {projection!r}"
             )
-        validate_view_name(getattr(projection, "name", None))
+        validate_projection_name(getattr(projection, "name", None))
         validate_consumer(consumer)
         validate_count(batch_size, "batch_size", minimum=1)
         if (

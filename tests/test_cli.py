@@ -614,6 +614,7 @@ def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_pat
         (["export", "--format", "ndjson", "--compression", "zstd", "--out", "x"], "--compression"),
         (["drop-group", ""], "group name '' must be a non-empty str"),
         (["forget-projection", "a b"], "projection name 'a b' must be"),
+        (["forget-projection", "export-x"], "names an export's feed consumer group"),
         (["forget-projection", "usage", "--hash", ""], "hash name '' must be"),
         (["import-jsonl", "missing.jsonl", "s"], "cannot read missing.jsonl"),
         (["import-jsonl", "in.jsonl", ""], "thread id must not be empty"),
@@ -1292,6 +1293,10 @@ def test_check_finds_differences_and_rebuild_repairs_them(redis_url: str) -> Non
     with_store(redis_url, namespace, more_damage)
     unstamped = cli("check", "beta", url=redis_url, namespace=namespace)
     assert unstamped.code == 1 and "an unstamped value" in unstamped.out, unstamped
+    # Reading the damaged view is stored damage too (exit 1), with the command that mends it.
+    shown = cli("show", "beta", url=redis_url, namespace=namespace)
+    line = assert_one_line_error(shown, code=1)
+    assert "unstamped value" in line and "run 'threadlog rebuild beta'" in line, line
     every = cli("check", "--all", url=redis_url, namespace=namespace)
     assert every.code == 1 and "checked 3 threads" in every.out, every
     assert "1 DIFFERENT, 1 LOG DAMAGED" in every.out and "beta" in every.out
@@ -2135,8 +2140,10 @@ def test_tail_reports_changes_trimmed_from_the_feed_before_it_read_them(redis_ur
     assert f"partition {partition}  changes after " in lines[0], lines
     assert "not shown: the change feed was trimmed past them" in lines[0], lines
     assert "tr-1 #3 " in lines[1] and "kept3" in lines[1], lines
+    # The notice is not one of the --limit's events: two events follow it.
+    assert "tr-1 #4 " in lines[2] and "kept5" in lines[2] and len(lines) == 3, lines
     as_json = cli(
-        "tail", "--since", "1h", "--limit", "4", "--json", url=redis_url, namespace=namespace
+        "tail", "--since", "1h", "--limit", "2", "--json", url=redis_url, namespace=namespace
     )  # fmt: skip
     assert as_json.code == 0, as_json
     rows = [json.loads(line) for line in as_json.lines()]
@@ -2174,16 +2181,19 @@ def test_tail_reports_changes_trimmed_while_it_follows(
         await store.append("live", [msg("unseen")])
         assert await _trim_every_feed(store) == 1
         await store.append("live", [msg("after")])
-        await store.append("live", [msg("more")])  # a tail that skipped the gap exits too
+        await store.append("live", [msg("more")])
+        await store.append("live", [msg("beyond the limit")])  # a skipped gap: not hung
 
     with_store(redis_url, namespace, write)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    gap, event = (json.loads(line) for line in out.splitlines())
+    # The notice is not one of the --limit's two events.
+    gap, *events = (json.loads(line) for line in out.splitlines())
     assert gap["type"] == "feed.trimmed", gap
     assert gap["partition"] == es.partition_of("live", es.DEFAULT_PARTITIONS), gap
     assert parse_stream_id(gap["after"]) < parse_stream_id(gap["trimmed_to"]), gap
-    assert (event["seq"], event["payload"]["message"]["content"]) == (3, "after"), event
+    shown = [(e["seq"], e["payload"]["message"]["content"]) for e in events]
+    assert shown == [(3, "after"), (4, "more")], events
 
 
 def _read_line(stream: IO[str], timeout: float) -> str:

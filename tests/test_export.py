@@ -1340,3 +1340,41 @@ async def test_the_since_a_trimmed_feed_asks_for_is_one_that_is_accepted(
     asked = re.findall(r"\d{4}-\d\d-\d\dT[\d:.]+\+00:00", str(refused.value))[-1]
     result = await Exporter(redis_store, tmp_path).run(since=datetime.fromisoformat(asked))
     assert result.files == []
+
+
+async def test_a_directory_started_at_a_time_continues_over_a_feed_trimmed_before_it(
+    redis_store: es.EventStore, tmp_path: Path
+) -> None:
+    # The feed is trimmed (by age) before the directory exists, in every partition; the
+    # directory then starts at a time after the trim and gets changes in one partition only.
+    # Its later runs must go on: what the feed lost is older than the directory's start, in
+    # the partitions it has read from and in those it has not (its group there stands at
+    # the feed's start, before the trim).
+    old, fresh, other = (thread_in_partition(redis_store, p) for p in (0, 1, 2))
+    await redis_store.append(old, [msg("before the trim")])
+    await redis_store.append(other, [msg("before the trim too")])
+    await anyio.sleep(0.01)
+    for p in range(redis_store.partitions):
+        await redis_store.trim_feed(p, max_age_ms=0)
+    await anyio.sleep(0.01)
+    since = datetime.now(UTC)
+    await redis_store.append(fresh, [msg("after the start")])
+    out = tmp_path / "out"
+    first = await Exporter(redis_store, out, fmt="ndjson").run(since=since)
+    assert first.events == 1
+    second = await Exporter(redis_store, out, fmt="ndjson").run()
+    assert second.events == 0
+    await redis_store.append(other, [msg("after the start, elsewhere")])
+    await redis_store.append(fresh, [msg("after the start, again")])
+    third = await Exporter(redis_store, out, fmt="ndjson").run()
+    assert third.events == 2
+    assert sorted((r["thread"], r["seq"]) for r in ndjson_rows(out)) == sorted(
+        [(fresh, 1), (fresh, 2), (other, 2)]
+    )
+    # A trim by age after the start, past what the directory has not read, is still refused.
+    await redis_store.append(other, [msg("never exported")])
+    await anyio.sleep(0.01)
+    for p in range(redis_store.partitions):
+        await redis_store.trim_feed(p, max_age_ms=0)
+    with pytest.raises(ExportSourceError, match="was trimmed past"):
+        await Exporter(redis_store, out, fmt="ndjson").run()

@@ -1532,3 +1532,24 @@ async def test_run_waits_out_a_store_restart_and_counts_every_change_once() -> N
             await anyio.to_thread.run_sync(server.start)
         finally:
             await store.close()
+
+
+class NamedLikeAnExport(UsageProjection):
+    name = "export-nightly"
+
+
+async def test_a_projection_may_not_take_an_exports_group_name(store: es.EventStore) -> None:
+    """``export-<name>`` is an export's consumer group: a projection under such a name would
+    move the export's position (and the export its), and forgetting it would drop the
+    export's group. Refused before anything is registered or removed."""
+    await settle(store, "t", "small", 1)
+    for p in range(store.partitions):
+        assert await store.create_feed_group(p, "export-nightly", start="0-0")
+    with pytest.raises(es.InvalidInputError, match="'export-nightly' starts with 'export-'"):
+        ProjectionRunner(store, NamedLikeAnExport(), consumer="c")
+    with pytest.raises(es.InvalidInputError, match="drop-group"):
+        await forget_projection(store, "export-nightly")
+    for p in range(store.partitions):
+        assert [g.name for g in await store.feed_groups(p)] == ["export-nightly"]
+    # The export's own way to go: drop its group.
+    assert await drop_feed_group(store, "export-nightly") == list(range(store.partitions))
