@@ -10,7 +10,8 @@ validates the whole file before writing anything; malformed lines (a blank line 
 message is one) are reported with their line numbers and either refuse the import or, with
 ``skip_bad``, are skipped and reported one by one. A file with no message to import is refused,
 so that an import never reports success for a session it did not write. Importing the same
-messages twice writes them once, even from a copy that differs only in what import drops. Export
+messages twice writes them once, even from a copy that differs only in what import drops, and
+importing a file grown since writes only the messages added (`_ImportLayout`). Export
 refuses a session with no transcript: one never written, or a thread that holds other events (a
 conversation's messages) but no transcript event.
 """
@@ -18,6 +19,7 @@ conversation's messages) but no transcript event.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import stat
 from collections.abc import Callable
@@ -34,11 +36,12 @@ from eventstore import (
     MessageFormatError,
     TranscriptAppended,
     TranscriptReplaced,
+    validate_thread_id,
 )
 from eventstore._codec import MAX_NESTING, encoded_too_deep
 from eventstore._contract import require_store
 
-from ._access import Principal
+from ._access import Principal, authorize
 from ._files import temp_beside
 from ._sessions import SessionStore, Transcript, chunk_by_size, event_budget
 
@@ -113,8 +116,9 @@ class ImportProgress(msgspec.Struct, frozen=True, kw_only=True):
 
 class ImportReport(msgspec.Struct, frozen=True, kw_only=True):
     """What an import did: of the ``lines`` of the file, ``imported`` messages are in the
-    session, ``written`` of them by this import and the others by an earlier run of the same
-    import (one that was stopped half way); ``duplicate`` when this import wrote none."""
+    session, ``written`` of them by this import and the others by an earlier import of the
+    file (one stopped half way, or one of the file before it grew); ``duplicate`` when this
+    import wrote none. ``version`` is the session's version when it ended."""
 
     session_id: str
     lines: int
@@ -222,8 +226,9 @@ async def import_jsonl(
     """Append the messages of a JSONL file to a session's transcript.
 
     Raises `JsonlImportError` (nothing written) when lines are malformed or too large to store
-    and ``skip_bad`` is off. Idempotent: the appends are keyed by a hash of the messages
-    imported, so an import stopped half way and run again writes only the rest.
+    and ``skip_bad`` is off. Idempotent: each append is keyed by a hash of the file's messages
+    up to its last, so an import stopped half way and run again writes only the rest, and so
+    does an import of the file once it has grown (lines added at its end).
 
     A large file is written in several appends (each atomic). ``progress`` is called
     before each one and once after the last, with what is written so far; an exception it
@@ -265,45 +270,41 @@ async def write_import(
     progress: Callable[[ImportProgress], None] | None = None,
 ) -> ImportReport:
     """The second half of `import_jsonl`: append what `read_import` returned (at least one
-    message)."""
-    # The key names the messages, not the file's bytes: a copy that differs only in what an
-    # import drops (CRLF line ends, a byte order mark, trailing blank lines, skipped lines) is
-    # the same import. For a file with none of those the two are the same bytes, so files
-    # imported before keep their keys.
-    digest = hashlib.sha256(b"".join(m.to_json_bytes() + b"\n" for m in messages)).hexdigest()
-    digest = digest[:32]
-    # With the store's default limit the budget is EVENT_BUDGET_BYTES, as it always was: the
-    # same events, so an import stopped by an earlier version resumes with the same keys.
-    events = chunk_by_size(messages, min(EVENT_BUDGET_BYTES, event_budget(sessions.store)))
+    message), but for the messages an earlier import of these same first messages wrote."""
+    layout = _ImportLayout(messages, min(EVENT_BUDGET_BYTES, event_budget(sessions.store)))
+    # Asked before the ledger is read: a principal who may not write learns nothing of what
+    # the session holds (append_batches asks again for each append).
+    validate_thread_id(session_id)
+    await authorize(sessions.policy, principal, "write", sessions.store.namespace, session_id)
+    done = await layout.imported_before(sessions.store, session_id)
+    plan = layout.appends_after(done)
     version = 0
-    appends = -(-len(events) // EVENTS_PER_APPEND)
-    done = 0  # messages in the session so far, written now or by an earlier run
-    new = 0  # of those, written by this run
-    for start in range(0, len(events), EVENTS_PER_APPEND):
-        chunk = events[start : start + EVENTS_PER_APPEND]
+    new = 0  # messages written by this run
+    for i, (end, batches) in enumerate(plan):
         if progress is not None:
             progress(
                 ImportProgress(
-                    appends=start // EVENTS_PER_APPEND,
-                    of_appends=appends,
+                    appends=i,
+                    of_appends=len(plan),
                     messages=done,
                     of_messages=len(messages),
                     version=version,
                 )
             )
-        key = f"jsonl:{digest}:{start // EVENTS_PER_APPEND}"
         result = await sessions.append_batches(
-            session_id, chunk, idempotency_key=key, principal=principal
+            session_id, batches, idempotency_key=layout.key(end), principal=principal
         )
         version = result.last_seq
-        done += sum(map(len, chunk))
         if not result.duplicate:
-            new += sum(map(len, chunk))
+            new += end - done
+        done = end
+    if not plan:
+        version = await sessions.store.version(session_id)
     if progress is not None:
         progress(
             ImportProgress(
-                appends=appends,
-                of_appends=appends,
+                appends=len(plan),
+                of_appends=len(plan),
                 messages=done,
                 of_messages=len(messages),
                 version=version,
@@ -319,6 +320,81 @@ async def write_import(
         version=version,
         written=new,
     )
+
+
+class _ImportLayout:
+    """How a file's messages are written: in events of at most ``budget`` bytes of messages,
+    `EVENTS_PER_APPEND` events an append, laid out from the file's first message, each append
+    keyed by a digest of the file's messages up to its last (`key`).
+
+    So an import run again, of the same file or of the file grown since (the append-only
+    session files runtimes keep), finds how many of its first messages were written
+    (`imported_before`) and writes only the rest (`appends_after`): the appends end where the
+    layout from the first message ends them, wherever a run starts, so the keys a later run
+    looks for are the ones earlier runs wrote. The key names the messages, not the file's
+    bytes: a copy that differs only in what an import drops (CRLF line ends, a byte order
+    mark, trailing blank lines, skipped lines) is the same import.
+    """
+
+    def __init__(self, messages: list[Message], budget: int) -> None:
+        self.messages = messages
+        self.events = chunk_by_size(messages, budget)
+        self.event_ends = list(itertools.accumulate(map(len, self.events)))
+        # Where the appends end when the file is written from its first message.
+        self.ends = self.event_ends[EVENTS_PER_APPEND - 1 :: EVENTS_PER_APPEND]
+        if not self.ends or self.ends[-1] != len(messages):
+            self.ends.append(len(messages))
+        # The digest of the first i messages, for every i (one pass).
+        h = hashlib.sha256()
+        self._prefix = [""]
+        for m in messages:
+            h.update(m.to_json_bytes() + b"\n")
+            self._prefix.append(h.copy().hexdigest()[:32])
+        # Before the prefix keys, an append was keyed by the whole file's digest and its
+        # index in this same layout: an import written that way is found by those keys.
+        self._whole = self._prefix[-1]
+
+    def key(self, end: int) -> str:
+        """The idempotency key of an append that ends after message ``end`` (1-based)."""
+        return f"jsonl:{end}:{self._prefix[end]}"
+
+    def _whole_file_key(self, index: int) -> str:
+        return f"jsonl:{self._whole}:{index}"
+
+    async def imported_before(self, store: EventStore, session_id: str) -> int:
+        """How many of the first messages earlier imports wrote into the session: the most
+        that an append keyed for them says (0: none)."""
+        keys = [self.key(end) for end in self.ends]
+        legacy = [self._whole_file_key(i) for i in range(len(self.ends))]
+        found = await store.recorded_appends(session_id, [*keys, *legacy])
+        done = 0
+        for end, key, old in zip(self.ends, keys, legacy, strict=True):
+            if key in found or old in found:
+                done = end
+        # An earlier import of fewer messages (the file before it grew) ended its last append
+        # where its own messages ended, between two of these ends: after the last one found.
+        after = [end for end in self.ends if end > done]
+        if after:
+            between = list(range(done + 1, after[0]))
+            recorded = await store.recorded_appends(session_id, [self.key(e) for e in between])
+            done = max((e for e in between if self.key(e) in recorded), default=done)
+        return done
+
+    def appends_after(self, done: int) -> list[tuple[int, list[list[Message]]]]:
+        """The appends that write the messages after the first ``done``: each its end and its
+        events, the first cut to start after ``done``."""
+        plan: list[tuple[int, list[list[Message]]]] = []
+        event = 0
+        for end in self.ends:
+            batches: list[list[Message]] = []
+            while event < len(self.events) and self.event_ends[event] <= end:
+                first = self.event_ends[event] - len(self.events[event])
+                if self.event_ends[event] > done:
+                    batches.append(self.events[event][max(done - first, 0) :])
+                event += 1
+            if end > done:
+                plan.append((end, batches))
+        return plan
 
 
 def _write_atomically(path: Path, chunks: list[bytes]) -> None:

@@ -233,7 +233,11 @@ def parse_as_of(text: str) -> AsOf:
     stripped = text.strip()
     if stripped.isascii() and stripped.isdigit():  # not "²" or "١٢": digits of other scripts
         return _positive(stripped)
-    return parse_time(stripped)
+    try:
+        return parse_time(stripped)
+    except argparse.ArgumentTypeError as exc:
+        # parse_time speaks of times only; a seq is the other half of what is taken here.
+        raise argparse.ArgumentTypeError(f"{exc}; or a seq (1, 2, ...)") from None
 
 
 def _positive(text: str) -> int:
@@ -254,6 +258,21 @@ def _seq(text: str) -> int:
         if int(text) < 1:
             raise argparse.ArgumentTypeError(f"{text!r} is not a seq (seqs start at 1)")
     return _positive(text)
+
+
+def _file(text: str) -> Path:
+    # Path("") is ".": an empty FILE (an unset shell variable) read as the working directory.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the file name is empty ('-': standard input or output)")
+    return Path(text)
+
+
+def _session(text: str) -> str:
+    """A session id (a thread id, named as the command names it)."""
+    try:
+        return es.validate_thread_id(text)
+    except es.InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("thread id", "session id")) from None
 
 
 def _out_dir(text: str) -> Path:
@@ -409,8 +428,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from", dest="start", type=_seq, default=1, metavar="SEQ", help="first seq (default 1)"
     )
-    p.add_argument("--to", dest="stop", type=_seq, metavar="SEQ", help="last seq (default: end)")
-    p.add_argument("--as-of", type=parse_as_of, metavar="SEQ|TIME", help="stop at this point")
+    p.add_argument(
+        "--to",
+        dest="stop",
+        type=_seq,
+        metavar="SEQ",
+        help="last seq (default: end; with --as-of, whichever comes first)",
+    )
+    p.add_argument(
+        "--as-of",
+        type=parse_as_of,
+        metavar="SEQ|TIME",
+        help="stop at this point (with --to, whichever comes first)",
+    )
     p = add(
         "tail",
         "follow new events as they are appended (one thread, or all); Ctrl-C stops",
@@ -578,16 +608,16 @@ def build_parser() -> argparse.ArgumentParser:
         "append a JSONL file of model messages to a session's transcript",
         cmd_import_jsonl,
     )
-    p.add_argument("file", type=Path, metavar="FILE", help="JSONL file ('-': standard input)")
-    p.add_argument("session", metavar="SESSION")
+    p.add_argument("file", type=_file, metavar="FILE", help="JSONL file ('-': standard input)")
+    p.add_argument("session", type=_session, metavar="SESSION")
     p.add_argument(
         "--skip-bad",
         action="store_true",
         help="skip malformed lines and messages too large to store (and list them)",
     )
     p = add("export-jsonl", "write a session's transcript as a JSONL file", cmd_export_jsonl)
-    p.add_argument("session", metavar="SESSION")
-    p.add_argument("file", metavar="FILE", help="output file ('-': stdout)")
+    p.add_argument("session", type=_session, metavar="SESSION")
+    p.add_argument("file", type=_file, metavar="FILE", help="output file ('-': stdout)")
     return parser
 
 
@@ -1410,7 +1440,12 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     thread: str = args.thread
     version = await _require_thread(ctx, thread)
     if args.as_of is not None:  # refused before anything is printed when past the end
-        await _as_of_seq(ctx.projector, thread, args.as_of)
+        point = await _as_of_seq(ctx.projector, thread, args.as_of)
+        if args.start > point:
+            # An empty replay would read as a range with no events, not as options that
+            # contradict each other.
+            shown = args.as_of if isinstance(args.as_of, int) else args.as_of.isoformat()
+            raise UsageError(f"--from {args.start} comes after --as-of {shown} (seq {point})")
     # Without --as-of, up to the version there was when the replay began: a point the log
     # must reach. Entries it lost at its end are then damage, said as a hole is (an open
     # end would stop at the last entry there is without a word).
@@ -2317,6 +2352,17 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
 def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
     """A check whose log failed verification: no comparison, and no advice to rebuild."""
     line = Text(f"check {verdict.thread_id}: ")
+    if verdict.kind == "wrong_key":
+        # Not damage: the check holds another chain key than the thread's writers did.
+        line.append(_WRONG_KEY, style="bold red")
+        line.append(
+            printable(
+                f" - its log could not be verified under this check's key ({verdict.detail}); "
+                "its views were not compared with it"
+            )
+        )
+        ctx.out.print(line)
+        return
     line.append("LOG DAMAGED", style="bold red")
     line.append(
         printable(
@@ -2326,6 +2372,9 @@ def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
         )
     )
     ctx.out.print(line)
+
+
+_WRONG_KEY = "UNVERIFIED (WRONG CHAIN KEY)"
 
 
 def _check_row(verdict: Verdict, report: CheckReport | None) -> dict[str, Any]:
@@ -2372,7 +2421,9 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
             f"{_OF_THE_INDEX if listing.index_only else ''} in namespace "
             f"{ctx.store.namespace!r}: "
         )
-        damaged = [t for t in bad if t not in reports]
+        unverified = [t for t in bad if t not in reports]
+        wrong_key = [t for t in unverified if verdicts[t].kind == "wrong_key"]
+        damaged = [t for t in unverified if verdicts[t].kind != "wrong_key"]
         different = [t for t in bad if t in reports and not reports[t].ok]
         if bad:
             parts = []
@@ -2380,7 +2431,9 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
                 parts.append(f"{len(different)} DIFFERENT")
             if damaged:
                 parts.append(f"{len(damaged)} LOG DAMAGED")
-            if unlisted := len(bad) - len(different) - len(damaged):
+            if wrong_key:
+                parts.append(f"{len(wrong_key)} {_WRONG_KEY}")
+            if unlisted := len(bad) - len(different) - len(unverified):
                 parts.append(f"{unlisted} NOT IN THE THREAD INDEX")
             line.append(", ".join(parts), style="bold red")
         else:
@@ -2437,10 +2490,11 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
         lines = plural(report.lines, "line")
         text = f"{args.file}: imported {report.imported:,} of {lines} into {where}"
         if already := report.imported - report.written:
-            # An import stopped half way and run again: say what this run added.
+            # An import stopped half way and run again, or the file grown since its import:
+            # say what this run added.
             text += (
                 f": {report.written:,} newly written, {already:,} already there from an "
-                "earlier run of this import"
+                "earlier import of this file"
             )
     ctx.out.print(Text(text))
     for bad in report.skipped:
@@ -2462,7 +2516,7 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     session: str = args.session
     await _require_thread(ctx, session)
     sessions = SessionStore(ctx.store)
-    if args.file == "-":
+    if str(args.file) == "-":
         transcript = await transcript_to_export(sessions, session)
         write_stdout(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
         return
@@ -2619,7 +2673,6 @@ def _preflight(args: argparse.Namespace) -> None:
         validate_projection_name(args.name)
         validate_hash_names(args.hashes)
     if args.command == "import-jsonl":
-        es.validate_thread_id(args.session)
         if str(args.file) == "-":
             # As export-jsonl writes '-' to stdout ('cat f | threadlog import-jsonl - s1'):
             # standard input, by the name under which the import reads it as any file.
@@ -2756,7 +2809,12 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     command: str | None = None
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # argparse leaves them to the top parser, whose help does not list a command's
+            # options: point to the command's own.
+            helped = f"threadlog {args.command}" if args.command else "threadlog"
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see '{helped} --help')")
         _tolerant_output(json_lines=bool(getattr(args, "json", False)))
         command = args.command
         if command is None:

@@ -169,13 +169,13 @@ class StoreSettings:
             if "namespace" in last:
                 values["namespace"] = validate_namespace(last["namespace"])
             if "partitions" in last:
-                values["partitions"] = int(last["partitions"])
+                values["partitions"] = _url_number(int, "partitions", last["partitions"])
             for name in ("socket_timeout", "connect_timeout"):
                 if name in last:
-                    values[name] = float(last[name])
+                    values[name] = _url_number(float, name, last[name])
             for name, value in values.items():
                 _check_setting(name, value)
-            if "db" in last and int(last["db"]) < 0:
+            if "db" in last and _url_number(int, "db", last["db"]) < 0:
                 raise ValueError("db must be >= 0")
             if "protocol" in last and last["protocol"] not in ("2", "3"):
                 raise ValueError(
@@ -254,6 +254,16 @@ def _scheme_params(scheme: str) -> frozenset[str]:
     if scheme.endswith("+sentinel"):
         params.add("sentinel_auth")
     return frozenset(params)
+
+
+def _url_number(kind: Callable[[str], Any], name: str, text: str) -> Any:
+    """``text`` (a URL parameter's value) as ``kind``: a ValueError that names the parameter
+    and what it takes (Python's own words name neither: "could not convert string to float")."""
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number of seconds"
+        raise ValueError(f"{name} must be {what}, not {text!r}") from None
 
 
 def _check_setting(name: str, value: Any) -> None:

@@ -349,6 +349,25 @@ class EventStore(abc.ABC):
         """
         return None
 
+    async def recorded_appends(
+        self, thread_id: str, idempotency_keys: Sequence[str]
+    ) -> dict[str, AppendResult]:
+        """`recorded_append` for many keys at once: each key some append of the thread's
+        current life used, with what it wrote; keys no append used are left out.
+
+        For a caller that must find how far a series of keyed appends got (an import run
+        again over a file that has grown). Raises `InvalidInputError` for a key `append`
+        would refuse (before anything is read). The answers for different keys may be read
+        at different moments: a thread deleted meanwhile can answer for its old life.
+        """
+        keys = key_list(idempotency_keys)
+        found: dict[str, AppendResult] = {}
+        for key in keys:
+            result = await self.recorded_append(thread_id, key)
+            if result is not None:
+                found[key] = result
+        return found
+
     async def read_between(
         self,
         thread_id: str,
@@ -787,12 +806,20 @@ def _to_ms(value: datetime | int | None, name: str) -> int | None:
 def thread_id_list(thread_ids: Sequence[str]) -> list[str]:
     """``thread_ids`` as a list of valid thread ids (a lone str would be taken for its
     characters)."""
-    if isinstance(thread_ids, str | bytes) or not isinstance(thread_ids, Sequence):
-        raise InvalidInputError(f"thread_ids must be a sequence of thread ids, not {thread_ids!r}")
-    ids = list(thread_ids)
-    for thread_id in ids:
-        validate_thread_id(thread_id)
-    return ids
+    return _checked_list(thread_ids, "thread_ids", "thread ids", validate_thread_id)
+
+
+def _checked_list(
+    values: Sequence[str], name: str, what: str, check: Callable[[str], object]
+) -> list[str]:
+    """``values`` as a list, each passed by ``check``; a lone str or bytes is refused (Python
+    would iterate its characters), as is anything that is no sequence."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise InvalidInputError(f"{name} must be a sequence of {what}, not {values!r}")
+    out = list(values)
+    for value in out:
+        check(value)
+    return out
 
 
 def require_store(store: object, owner: str) -> EventStore:
@@ -813,3 +840,10 @@ def require_store(store: object, owner: str) -> EventStore:
             f"{type(store).__name__}{hint}"
         )
     return store  # type: ignore[return-value]
+
+
+def key_list(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each an idempotency key `append` would take."""
+    from ._codec import caller_key_field  # (the codec imports this module)
+
+    return _checked_list(keys, "idempotency_keys", "keys", caller_key_field)

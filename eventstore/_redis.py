@@ -47,6 +47,7 @@ from ._contract import (
     ExpectedVersion,
     RawRange,
     ThreadInfo,
+    key_list,
     thread_id_list,
     threads_cursor,
 )
@@ -65,6 +66,7 @@ from ._errors import (
     StoreConnectionError,
     StoreTimeoutError,
     ThreadReplacedError,
+    UnstampedViewError,
     ViewConflictError,
     WrongKeyTypeError,
 )
@@ -159,6 +161,7 @@ _EXEC = pack_command(("EXEC",))
 _PLAIN_READS = (ListRange, HashGetAll, HashGet)
 _VALUE = operator.attrgetter("value")
 READ_BATCH = 512
+LEDGER_READ_CHUNK = 1000  # idempotency keys looked up per HMGET (`recorded_appends`)
 LOAD_CHUNK_VALUES = 8192
 LOAD_CHUNK_BYTES = 4 * 1024 * 1024
 _APPEND_KEYS_MEMO = 4096  # threads whose encoded keys an append reuses; cleared when full
@@ -208,9 +211,25 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
         return OperationalError(f"redis denied the command (ACL): {exc}")
     if isinstance(exc, TimeoutError):
         return StoreTimeoutError(f"redis timed out: {exc}")
-    if isinstance(exc, rex.ResponseError) and str(exc).startswith("WRONGTYPE"):
-        return WrongKeyTypeError(f"redis error: {exc}")
+    # In a pipeline's error redis-py puts the command first ("Command # 2 (XRANGE ...) of
+    # pipeline caused error: WRONGTYPE ..."): the key named, the same damage.
+    if isinstance(exc, rex.ResponseError) and "WRONGTYPE" in text:
+        return WrongKeyTypeError(
+            "a key holds another kind of value than threadlog writes there (it was replaced "
+            f"from outside threadlog): {exc}"
+        )
     return OperationalError(f"redis error: {exc}")
+
+
+# read_views.lua's words for a view key of a type no view is: its KEYS index and the type.
+_FOREIGN_VIEW_KEY = re.compile(r"threadlog view key (\d+) holds a (\w+),")
+_VIEW_TYPES = frozenset({"list", "hash", "none"})
+
+
+def _foreign_view(thread_id: str, view: str, kind: str) -> UnstampedViewError:
+    return UnstampedViewError(
+        thread_id, view, f"its key holds a {kind}, which no view is: written from outside threadlog"
+    )
 
 
 async def _call(op: Awaitable[T]) -> T:
@@ -972,6 +991,26 @@ class RedisEventStore(EventStore):
         first, last = parse_ledger_entry(thread_id, raw)
         return _append_result(thread_id, first, last, True, _reply_life(n))
 
+    async def recorded_appends(
+        self, thread_id: str, idempotency_keys: Sequence[str]
+    ) -> dict[str, AppendResult]:
+        validate_thread_id(thread_id)
+        keys = key_list(idempotency_keys)
+        found: dict[str, AppendResult] = {}
+        meta = self.keys.meta(thread_id)
+        # The ledger is the meta hash: its fields read in chunks (one HMGET of thousands of
+        # fields would hold the server for as long as it takes to answer).
+        for start in range(0, len(keys), LEDGER_READ_CHUNK):
+            chunk = keys[start : start + LEDGER_READ_CHUNK]
+            *raws, n = await self._command(
+                "HMGET", meta, *(caller_key_field(k) for k in chunk), "n"
+            )
+            for key, raw in zip(chunk, raws, strict=True):
+                if raw is not None:
+                    first, last = parse_ledger_entry(thread_id, raw)
+                    found[key] = _append_result(thread_id, first, last, True, _reply_life(n))
+        return found
+
     async def _command(self, *parts: Any) -> Any:
         """One command whose reply redis-py would not reshape (no reply callback), on the held
         connections when there are some. Error replies raise translated."""
@@ -1252,11 +1291,21 @@ class RedisEventStore(EventStore):
             )
         except OperationalError as exc:
             if "WRONGTYPE" in str(exc):
+                await self._check_view_type(thread_id, view)
                 return []  # a view of the other kind reads as empty, as in read_views
             raise
         result = decode_view_result(thread_id, ListRange(view, start, stop), raw)
         assert isinstance(result, list)
         return result
+
+    async def _check_view_type(self, thread_id: str, view: str) -> None:
+        """Raise `UnstampedViewError` if the view's key is of a type no view ever is (a
+        string, a set: written from outside threadlog), which would otherwise read as an
+        empty view, without a word."""
+        kind = await self._command("TYPE", self.keys.view(thread_id, view))
+        kind = kind.decode("ascii", "replace") if isinstance(kind, bytes) else str(kind)
+        if kind not in _VIEW_TYPES:
+            raise _foreign_view(thread_id, view, kind)
 
     async def read_views(self, thread_id: str, reads: Sequence[ViewRead]) -> ViewSnapshot:
         validate_thread_id(thread_id)
@@ -1265,8 +1314,10 @@ class RedisEventStore(EventStore):
             return await self._read_views_multi(thread_id, reads)
         index = _KeyIndex([self.keys.meta(thread_id)])
         args: list[Any] = [len(reads)]
+        views: dict[int, str] = {}  # KEYS index -> view name, for a key of no view's type
         for r in reads:
             k = index(self.keys.view(thread_id, r.view))
+            views[k] = r.view
             if isinstance(r, ListRange):
                 args += ("lr", k, redis_index(r.start), redis_index(r.stop))
             elif isinstance(r, HashGetAll):
@@ -1275,8 +1326,15 @@ class RedisEventStore(EventStore):
                 args += ("hg", k, len(r.fields), *r.fields)
             else:  # HashGetListed (`check_reads` refused anything else)
                 lk = index(self.keys.view(thread_id, r.list_view))
+                views[lk] = r.list_view
                 args += ("hl", k, lk, redis_index(r.start), redis_index(r.stop))
-        reply = await _call(READ_VIEWS(self.client, index.keys, args))
+        try:
+            reply = await _call(READ_VIEWS(self.client, index.keys, args))
+        except WrongKeyTypeError as exc:
+            found = _FOREIGN_VIEW_KEY.search(str(exc))
+            if found is None or int(found[1]) not in views:
+                raise
+            raise _foreign_view(thread_id, views[int(found[1])], found[2]) from None
         results: list[ViewResult] = []
         for r, raw in zip(reads, reply[1:-1], strict=True):
             results.append(decode_view_result(thread_id, r, raw))
@@ -1307,7 +1365,10 @@ class RedisEventStore(EventStore):
             if isinstance(raw, Exception):
                 if "WRONGTYPE" not in str(raw):
                     raise translate_redis_error(raw)
-                raw = []  # a view of the other kind reads as empty, as in the script
+                # A view of the other kind reads as empty, as in the script; a key of no
+                # view's type is damage (asked after the snapshot: only on this path).
+                await self._check_view_type(thread_id, r.view)
+                raw = []
             if isinstance(r, HashGet):
                 values = raw if isinstance(raw, list) else []
                 raw = [

@@ -518,6 +518,27 @@ class EventStoreConformance:
         await store.delete_thread("t")
         assert await store.recorded_append("t", "many") is None  # the ledger went with the thread
 
+    async def test_recorded_appends_answers_for_many_keys_at_once(self, store: EventStore) -> None:
+        assert await store.recorded_appends("t", ["k"]) == {}  # no thread
+        keys = [f"key-{i}" for i in range(2500)]  # more than one chunk of the Redis backend's
+        for key in keys[::500]:
+            await store.append("t", [msg(key)], idempotency_key=key)
+        many = await store.append("t", [msg("b"), msg("c")], idempotency_key="many")
+        found = await store.recorded_appends("t", [*keys, "many", "never"])
+        assert sorted(found) == sorted([*keys[::500], "many"])
+        assert found["many"] == many and found["many"].duplicate
+        assert [found[k].first_seq for k in keys[::500]] == [1, 2, 3, 4, 5]
+        assert found == {
+            k: r for k in [*keys, "many"] if (r := await store.recorded_append("t", k)) is not None
+        }
+        assert await store.recorded_appends("t", []) == {}
+        assert await store.recorded_appends("other", ["many"]) == {}  # keys are per thread
+        for bad in ["many", [""], [None], ["x" * 513], 5]:
+            with pytest.raises(InvalidInputError, match="idempotency_key"):
+                await store.recorded_appends("t", bad)  # type: ignore[arg-type]
+        await store.delete_thread("t")
+        assert await store.recorded_appends("t", ["many"]) == {}  # gone with the thread
+
     async def test_idempotency_keys_are_per_thread(self, store: EventStore) -> None:
         a = await store.append("a", [msg("x")], idempotency_key="k")
         b = await store.append("b", [msg("x")], idempotency_key="k")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import anyio
 import msgspec
 import pytest
 
+import adapters._jsonl
 import eventstore as es
 from adapters import (
     AccessDenied,
@@ -1802,17 +1804,20 @@ async def test_jsonl_import_splits_events_by_the_stores_own_limit(
         assert report.version == await store.version("s") > 1
 
 
+class Stop(Exception):
+    """Raised by `stop_after_one`."""
+
+
+def stop_after_one(progress: ImportProgress) -> None:
+    """An import's progress callback that stops it once its first append is written."""
+    if progress.appends == 1:
+        raise Stop
+
+
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 async def test_an_import_run_again_after_a_stop_says_what_it_wrote(
     backend: str, redis_url: str, tmp_path: Path
 ) -> None:
-    class Stop(Exception):
-        pass
-
-    def stop_after_one(progress: ImportProgress) -> None:
-        if progress.appends == 1:
-            raise Stop
-
     # A small event limit: one message per event, so 100 messages take two appends of 64.
     async with await limited_store(backend, redis_url, 8192) as store:
         sessions = SessionStore(store)
@@ -1858,3 +1863,100 @@ async def test_jsonl_lines_that_are_not_unicode_say_so(
     report = await import_jsonl(SessionStore(store), path, "s", skip_bad=True)
     loaded = (await SessionStore(store).load("s")).messages
     assert report.imported == 2 and [m.text for m in loaded] == ["fine", "\\ud800 😀"]
+
+
+def numbered_lines(first: int, last: int) -> bytes:
+    """JSONL lines of messages ``first`` .. ``last - 1``, each ~3 KB (one per event of an
+    8 KiB store, `limited_store`)."""
+    return b"".join(
+        msgspec.json.encode({"role": "user", "content": f"{i} " + "y" * 3000}) + b"\n"
+        for i in range(first, last)
+    )
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_an_import_of_a_file_grown_since_writes_only_its_new_lines(
+    backend: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runtimes append to their session files: importing one again once it has grown writes
+    the lines added since, never the earlier ones a second time, whether the earlier import
+    ended on an append of the layout or inside one, and however often it grew."""
+    monkeypatch.setattr(adapters._jsonl, "EVENTS_PER_APPEND", 4)  # appends end at 4, 8, 12...
+    async with await limited_store(backend, redis_url, 8192) as store:
+        sessions = SessionStore(store)
+        path = tmp_path / "s.jsonl"
+        reports = []
+        for size in (3, 4, 10, 10, 11, 17):  # inside an append, on an end, across ends
+            path.write_bytes(numbered_lines(0, size))
+            reports.append(await import_jsonl(sessions, path, "s"))
+        assert [(r.imported, r.written, r.duplicate) for r in reports] == [
+            (3, 3, False),
+            (4, 1, False),
+            (10, 6, False),
+            (10, 0, True),
+            (11, 1, False),
+            (17, 6, False),
+        ]
+        assert reports[-1].version == await store.version("s")
+        loaded = [m.to_json_bytes() + b"\n" for m in (await sessions.load("s")).messages]
+        assert b"".join(loaded) == numbered_lines(0, 17)  # each line once, in order
+        # The same file imported whole into another session writes the same events' worth.
+        whole = await import_jsonl(sessions, path, "t")
+        assert (whole.written, whole.duplicate) == (17, False)
+        assert (await sessions.load("t")).messages == (await sessions.load("s")).messages
+        # A file that is no longer an extension (an earlier line edited) is another file:
+        # appended whole, as any other file is (its first line matches, which is not enough).
+        path.write_bytes(numbered_lines(0, 3))
+        assert (await import_jsonl(sessions, path, "u")).written == 3
+        edited = numbered_lines(0, 1) + b'{"role":"user","content":"edited"}\n'
+        path.write_bytes(edited + numbered_lines(2, 5))
+        other = await import_jsonl(sessions, path, "u")
+        assert other.written == 5
+        loaded = [m.to_json_bytes() + b"\n" for m in (await sessions.load("u")).messages]
+        assert b"".join(loaded) == numbered_lines(0, 3) + edited + numbered_lines(2, 5)
+        # Grown again, that file writes its new line only.
+        path.write_bytes(path.read_bytes() + numbered_lines(99, 100))
+        assert (await import_jsonl(sessions, path, "u")).written == 1
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_an_import_stopped_after_a_grown_files_first_append_resumes_exactly(
+    backend: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapters._jsonl, "EVENTS_PER_APPEND", 4)
+    async with await limited_store(backend, redis_url, 8192) as store:
+        sessions = SessionStore(store)
+        path = tmp_path / "s.jsonl"
+        path.write_bytes(numbered_lines(0, 6))
+        assert (await import_jsonl(sessions, path, "s")).written == 6
+        path.write_bytes(numbered_lines(0, 15))
+        with pytest.raises(Stop):  # the first append writes 6..7 (it ends where 0..7 does)
+            await import_jsonl(sessions, path, "s", progress=stop_after_one)
+        assert await store.version("s") == 8
+        rest = await import_jsonl(sessions, path, "s")
+        assert (rest.written, rest.duplicate, rest.version) == (7, False, 15)
+        loaded = [m.to_json_bytes() + b"\n" for m in (await sessions.load("s")).messages]
+        assert b"".join(loaded) == numbered_lines(0, 15)
+
+
+async def test_an_import_written_under_the_whole_file_keys_is_still_recognised(
+    store: es.EventStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before an append's key named the messages up to its last, it named the whole file's
+    digest and the append's index: a file imported that way (all of it, or its first appends
+    before a stop) is not written again."""
+    monkeypatch.setattr(adapters._jsonl, "EVENTS_PER_APPEND", 1)
+    monkeypatch.setattr(adapters._jsonl, "EVENT_BUDGET_BYTES", 16)  # one message an event
+    sessions = SessionStore(store)
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(b"".join(b'{"role":"user","content":"m%d"}\n' % i for i in range(5)))
+    messages, _ = parse_jsonl(path.read_bytes(), max_message_bytes=1 << 20)
+    layout = adapters._jsonl._ImportLayout(messages, 16)
+    assert layout.ends == [1, 2, 3, 4, 5]
+    whole = hashlib.sha256(b"".join(m.to_json_bytes() + b"\n" for m in messages))
+    for i in range(3):  # an import by an earlier release, stopped after three appends
+        key = f"jsonl:{whole.hexdigest()[:32]}:{i}"
+        await sessions.append_batches("s", [messages[i : i + 1]], idempotency_key=key)
+    report = await import_jsonl(sessions, path, "s")
+    assert (report.written, report.version) == (2, 5)
+    assert [m.text for m in (await sessions.load("s")).messages] == [f"m{i}" for i in range(5)]

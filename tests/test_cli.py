@@ -219,6 +219,12 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     ([], "choose a command"),
     (["frobnicate"], "invalid choice"),
     (["threads", "--bogus"], "unrecognized arguments"),
+    (
+        ["rebuild", "t1", "--json"],
+        "unrecognized arguments: --json (see 'threadlog rebuild --help')",
+    ),
+    (["--bogus"], "unrecognized arguments: --bogus (see 'threadlog --help')"),
+    (["show", "t1", "--as-of", "-5"], "or a seq (1, 2, ...)"),
     (["verify"], "give a THREAD or --all"),
     (["check", "t1", "--all"], "not both"),
     (["show"], "required: THREAD"),
@@ -617,7 +623,10 @@ def test_a_bad_namespace_is_refused_before_an_embedded_server_is_started(tmp_pat
         (["forget-projection", "export-x"], "names an export's feed consumer group"),
         (["forget-projection", "usage", "--hash", ""], "hash name '' must be"),
         (["import-jsonl", "missing.jsonl", "s"], "cannot read missing.jsonl"),
-        (["import-jsonl", "in.jsonl", ""], "thread id must not be empty"),
+        (["import-jsonl", "in.jsonl", ""], "session id must not be empty"),
+        (["import-jsonl", "", "s"], "the file name is empty"),
+        (["export-jsonl", "s", ""], "the file name is empty"),
+        (["export-jsonl", "", "out.jsonl"], "session id must not be empty"),
     ],
 )
 def test_usage_errors_are_refused_before_an_embedded_server_is_started(
@@ -1180,6 +1189,15 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
         "replay", "intact", "--from", "3", "--to", "2", url=redis_url, namespace=namespace
     )
     assert "comes before --from 3" in assert_one_line_error(backwards)
+    after = cli(
+        "replay", "intact", "--from", "3", "--as-of", "2", url=redis_url, namespace=namespace
+    )
+    assert "--from 3 comes after --as-of 2 (seq 2)" in assert_one_line_error(after)
+    # --to and --as-of together: the replay ends at whichever comes first.
+    for ends in (("--to", "1", "--as-of", "2"), ("--to", "2", "--as-of", "1")):
+        both = cli("replay", "intact", "--json", *ends, url=redis_url, namespace=namespace)
+        assert both.code == 0, both
+        assert [json.loads(line)["seq"] for line in both.lines()] == [1], both
 
     garbled = cli("verify", "garbled", url=redis_url, namespace=namespace)
     assert garbled.code == 1 and "undecodable" in garbled.out, garbled
@@ -1191,6 +1209,11 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     clobbered = cli("verify", "clobbered", url=redis_url, namespace=namespace)
     assert clobbered.code == 1 and "undecodable" in clobbered.out, clobbered
     assert "cannot be read as a log" in clobbered.out and "WRONGTYPE" in clobbered.out
+    # Reading it elsewhere is stored damage too (exit 1), said as such.
+    line = assert_one_line_error(
+        cli("replay", "clobbered", url=redis_url, namespace=namespace), code=1
+    )
+    assert "replaced from outside threadlog" in line and "WRONGTYPE" in line, line
     # Without its meta hash the thread still has a log: not "no thread", but damage.
     metaless = cli("verify", "metaless", url=redis_url, namespace=namespace)
     assert metaless.code == 1 and "meta" in metaless.out, metaless
@@ -1417,8 +1440,13 @@ def test_rebuild_verifies_keyed_chains_with_the_secret(redis_url: str) -> None:
     line = assert_one_line_error(refused, code=1)
     assert "wrong_key" in line and "another chain key than this check's" in line, line
     unkeyed = cli("check", "k", url=redis_url, namespace=namespace)
-    assert unkeyed.code == 1 and "LOG DAMAGED - the log itself fails verification" in unkeyed.out
-    assert "wrong_key" in unkeyed.out and "THREADLOG_SECRET" in unkeyed.out
+    # Not damage: the check holds no key, the thread's writers one.
+    said = "check k: UNVERIFIED (WRONG CHAIN KEY) - its log could not be verified under this"
+    assert unkeyed.code == 1 and said in unkeyed.out, unkeyed
+    assert "LOG DAMAGED" not in unkeyed.out and "THREADLOG_SECRET" in unkeyed.out
+    every = cli("check", "--all", url=redis_url, namespace=namespace, env=wrong)
+    assert every.code == 1 and ": 1 UNVERIFIED (WRONG CHAIN KEY)" in every.out, every
+    assert "LOG DAMAGED" not in every.out
     ok = cli("rebuild", "k", url=redis_url, namespace=namespace, env=keyed)
     assert ok.code == 0 and "rebuilt the views of k at version 1" in ok.out, ok
     assert cli("check", "k", url=redis_url, namespace=namespace, env=keyed).code == 0
@@ -1852,7 +1880,7 @@ def test_import_stopped_by_ctrl_c_says_what_it_wrote(
     assert rest.code == 0 and "(version 100)" in rest.out, rest
     # The second run says what it added, not only what the session now holds.
     assert "imported 200 of 200 lines into session s1" in rest.out, rest
-    assert ": 72 newly written, 128 already there from an earlier run" in rest.out, rest
+    assert ": 72 newly written, 128 already there from an earlier import" in rest.out, rest
     exported = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
     assert exported.out == source.read_text()  # every message once, in order
 

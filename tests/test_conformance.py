@@ -277,3 +277,55 @@ async def test_deleting_a_projections_state_finds_its_hashes_by_their_recorded_n
             await client.srem(names_key, damage)
             assert await store.checkpoint_of(0, "p") == "9-0"
             assert await store.read_aux(0, "p", "a") == {"k": 1}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_view_key_of_no_views_type_is_damage_not_an_empty_view(
+    any_redis_url: str, protocol: int
+) -> None:
+    """A view key replaced from outside threadlog by a string (or a set...) read as an empty
+    view: a transcript with no messages, a window with none, without a word. Every read path
+    (the one-snapshot script, the MULTI of plain reads, a lone list read) says it is damage,
+    naming thread and view; the other kind of view (a hash where a list was) still reads as
+    empty, as view ops may turn one into the other."""
+    from adapters import SessionStore
+    from eventstore import HashGetAll, HashGetListed, ListRange, UnstampedViewError
+    from projections import Projector
+
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    url = with_query(any_redis_url, protocol=str(protocol))
+    async with await connect(url, namespace=ns, partitions=2) as store:
+        assert isinstance(store, RedisEventStore)
+        sessions = SessionStore(store)
+        await sessions.append("s", [{"role": "user", "content": "hi"}])
+        key = store.keys.view("s", "transcript")
+        projector = Projector(store)
+        for kind in ("string", "set"):
+            await store.client.delete(key)
+            if kind == "string":
+                await store.client.set(key, "x")
+            else:
+                await store.client.sadd(key, "x")
+            with pytest.raises(UnstampedViewError, match="which no view is") as info:
+                await sessions.load("s")
+            assert (info.value.thread_id, info.value.view) == ("s", "transcript")
+            with pytest.raises(UnstampedViewError, match="which no view is"):
+                await store.read_list("s", "transcript")
+            # The script: a read it alone makes (a hash's fields named by a list) beside it.
+            for reads in (
+                [HashGetAll("records"), ListRange("transcript")],
+                [HashGetListed("records", "transcript")],
+            ):
+                with pytest.raises(UnstampedViewError, match="which no view is") as info:
+                    await store.read_views("s", [*reads, HashGetListed("other", "none")])
+                assert info.value.view == "transcript"
+            report = await projector.check("s")  # check names it among the differences
+            assert not report.ok and "which no view is" in str(report.differences), report
+        await projector.rebuild("s")
+        assert [m.text for m in (await sessions.load("s")).messages] == ["hi"]
+        # The other kind of view is no damage: a hash where the list was reads as empty.
+        await store.client.delete(key)
+        await store.client.hset(key, "f", "1:1:x")
+        assert (await sessions.load("s")).messages == []
+        assert await store.read_list("s", "transcript") == []

@@ -1460,3 +1460,19 @@ def test_threadlog_stop_reports_a_server_that_will_not_stop_and_force_kills_it(
         )  # fmt: skip
         assert forced.returncode == 0 and "stopped the embedded redis-server" in forced.stdout
         assert _gone(pid)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("redis://h?connect_timeout=abc", "connect_timeout must be a number of seconds, not 'abc'"),
+        ("redis://h?socket_timeout=soon", "socket_timeout must be a number of seconds, not 'soon'"),
+        ("redis://h?partitions=x", "partitions must be a whole number, not 'x'"),
+        ("redis://h?db=x", "db must be a whole number, not 'x'"),
+    ],
+)
+def test_a_url_parameter_that_is_no_number_is_named_with_what_it_takes(url: str, said: str) -> None:
+    """Python's own words ("could not convert string to float: 'abc'") named neither the
+    parameter nor what it takes."""
+    with pytest.raises(InvalidURLError, match=re.escape(said)):
+        StoreSettings.from_url(url)

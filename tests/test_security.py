@@ -37,7 +37,7 @@ from eventstore import (
 from eventstore._connect import StoreSettings, redact
 from eventstore.servers import RedisServer, RedisServerError, TlsFiles, redis_server
 from eventstore.testing import EventStoreConformance, msg, read_all
-from projections import Projector
+from projections import ProjectionRunner, Projector, UsageProjection
 from tests._redis_hooks import RedisHooks
 from tests.test_cli import Run, assert_one_line_error, cli, with_store
 
@@ -330,6 +330,11 @@ def test_every_command_runs_as_a_tenant_user_made_as_documented(
     namespace = new_namespace()
     url = tenant_url(acl_server, *add_tenant(acl_server, namespace))
     thread = _recorded_demo(url, namespace)
+
+    async def run_a_projection(store: EventStore) -> None:  # for forget-projection to find
+        await ProjectionRunner(store, UsageProjection(), consumer="c").run_once()
+
+    with_store(url, namespace, run_a_projection)  # as the tenant's user
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text('{"role":"user","content":"hi"}\n{"role":"assistant","content":"yo"}\n')
     for argv in (
@@ -347,7 +352,7 @@ def test_every_command_runs_as_a_tenant_user_made_as_documented(
         ["export", "--format", "ndjson", "--out", str(tmp_path / "out-b"), "--name", "b"],
         ["trim-feed"],
         ["drop-group", "export-a"],
-        ["forget-projection", "export-b"],
+        ["forget-projection", "usage"],
         ["import-jsonl", str(jsonl), "s1"],
         ["export-jsonl", "s1", str(tmp_path / "back.jsonl")],
     ):
@@ -492,7 +497,7 @@ def test_a_read_only_auditor_reads_and_a_writing_command_says_which_rules_it_nee
         ["import-jsonl", str(jsonl), "s1"],
         ["export", "--format", "ndjson", "--out", str(tmp_path / "out")],
         ["drop-group", "export-a"],
-        ["forget-projection", "export-a"],
+        ["forget-projection", "usage"],
     ):
         line = assert_one_line_error(cli(*argv, url=url, namespace=namespace))
         assert "redis denied the command (ACL)" in line, line
