@@ -44,6 +44,7 @@ from eventstore._codec import expected_incarnation_arg
 from eventstore._contract import require_store
 from projections import (
     DEFAULT_WINDOW,
+    AsOf,
     Block,
     Context,
     Projector,
@@ -284,12 +285,18 @@ class ThreadStore:
     # -- messages -------------------------------------------------------------------------------
 
     async def list_messages(
-        self, thread_id: str, limit: int = DEFAULT_WINDOW, *, principal: Principal | None = None
+        self,
+        thread_id: str,
+        limit: int = DEFAULT_WINDOW,
+        *,
+        as_of: AsOf | None = None,
+        principal: Principal | None = None,
     ) -> list[StoredMessage]:
-        """The history window: the last ``limit`` messages (``limit=0``: none)."""
+        """The history window: the last ``limit`` messages (``limit=0``: none); ``as_of`` (a
+        seq, or a time): as it was then, folded from the log (`Projector.last`)."""
         validate_count(limit, "limit")
         await self._allow(principal, "read", thread_id)
-        return await self.projector.last(thread_id, limit)
+        return await self.projector.last(thread_id, limit, as_of=as_of)
 
     async def append_message(
         self,
@@ -316,12 +323,18 @@ class ThreadStore:
     # -- state ----------------------------------------------------------------------------------
 
     async def state(
-        self, thread_id: str, view: str | None = None, *, principal: Principal | None = None
+        self,
+        thread_id: str,
+        view: str | None = None,
+        *,
+        as_of: AsOf | None = None,
+        principal: Principal | None = None,
     ) -> dict[str, Block]:
-        """The state blocks reader view ``view`` selects (None: every block). A policy that
-        confines the principal to a reader view (`ReaderViewPolicy`) refuses any other."""
+        """The state blocks reader view ``view`` selects (None: every block); ``as_of``: as
+        they were then. A policy that confines the principal to a reader view
+        (`ReaderViewPolicy`) refuses any other, at any point in time."""
         await self._allow_state(principal, thread_id, view)
-        return await self.projector.state(thread_id, view)
+        return await self.projector.state(thread_id, view, as_of=as_of)
 
     async def update_state(
         self,
@@ -574,20 +587,25 @@ class ThreadStore:
     # -- records --------------------------------------------------------------------------------
 
     async def turn(
-        self, thread_id: str, turn_id: str, *, principal: Principal | None = None
+        self,
+        thread_id: str,
+        turn_id: str,
+        *,
+        as_of: AsOf | None = None,
+        principal: Principal | None = None,
     ) -> TurnRecord | None:
-        """One turn's record (open or settled), or None."""
+        """One turn's record (open or settled), or None (``as_of``: as it was then)."""
         _check_turn_id(turn_id)
         await self._allow(principal, "read", thread_id)
-        return await self.projector.record(thread_id, turn_id)
+        return await self.projector.record(thread_id, turn_id, as_of=as_of)
 
     async def turn_tree(
-        self, thread_id: str, *, principal: Principal | None = None
+        self, thread_id: str, *, as_of: AsOf | None = None, principal: Principal | None = None
     ) -> list[TurnNode]:
         """Root turns with their child turns, each level in turn id order (the order the
-        turns were opened for ULID turn ids)."""
+        turns were opened for ULID turn ids); ``as_of``: as they were then."""
         await self._allow(principal, "read", thread_id)
-        return await self.projector.turn_tree(thread_id)
+        return await self.projector.turn_tree(thread_id, as_of=as_of)
 
     async def records(
         self,
@@ -595,6 +613,7 @@ class ThreadStore:
         *,
         limit: int = 50,
         after: str | None = None,
+        as_of: AsOf | None = None,
         principal: Principal | None = None,
     ) -> RecordsPage:
         """Settled turn records, newest first: of one thread, or of every thread (None).
@@ -602,15 +621,22 @@ class ThreadStore:
 
         ``after`` is the ``next_cursor`` of the previous page. A page across threads reads
         the records of every thread active since shortly (`CLOCK_SKEW_MS`) before the page's
-        oldest record, `RECORDS_READ_AHEAD` threads at a time.
+        oldest record, `RECORDS_READ_AHEAD` threads at a time; records of one millisecond
+        come by thread id there (no order across threads is finer than their clocks).
+        ``as_of`` (one thread's only: a seq or a time is a point in one thread's log): the
+        records as they were then.
         """
         validate_count(limit, "limit")  # 0: the empty page, as every read with a count
+        if as_of is not None and thread_id is None:
+            raise InvalidInputError(
+                "as_of reads one thread as it was at a point of its log: give a thread_id"
+            )
         await self._allow(principal, "read", thread_id)
         cursor = _parse_cursor(after)
         if limit == 0:
             return RecordsPage(records=[], next_cursor=None)
         if thread_id is not None:
-            found = await self.projector.records(thread_id)
+            found = await self.projector.records(thread_id, as_of=as_of)
             ordered = sorted(found, key=_newest_first)
         else:
             ordered = await self._records_everywhere(cursor, limit)
@@ -667,6 +693,7 @@ class ThreadStore:
         limit: int = DEFAULT_WINDOW,
         view: str | None = None,
         records: int = 0,
+        as_of: AsOf | None = None,
         principal: Principal | None = None,
     ) -> Context:
         """History window, a reader view and the latest records in one round trip.
@@ -674,11 +701,14 @@ class ThreadStore:
         Both lists are in the order a prompt reads them, oldest first: the last ``limit``
         messages, and the last ``records`` settled turn records in settle order (`records`
         pages the other way, newest first). ``view`` None reads every state block.
+        ``as_of`` (a seq, or a time): the context as it was then, folded from the log.
         """
         validate_count(limit, "limit")
         validate_count(records, "records")
         await self._allow_state(principal, thread_id, view)
-        return await self.projector.context(thread_id, n=limit, view=view, records=records)
+        return await self.projector.context(
+            thread_id, n=limit, view=view, records=records, as_of=as_of
+        )
 
 
 # Newest first: by record time (ms), then thread id, then seq descending within a thread.

@@ -1046,7 +1046,8 @@ class ThreadlogCheckpointSaver(
     async def aclose(self) -> None:
         """Close the store this saver opened on the running loop (a given store stays open).
 
-        A store opened on a loop is also closed when ``asyncio.run`` shuts that loop down.
+        A store opened on a loop is also closed when ``asyncio.run`` shuts that loop down. A
+        later call on that loop opens one again: closing frees, it does not retire the saver.
         """
         loop = asyncio.get_running_loop()
         entry = self._opened.pop(loop, None)
@@ -1058,6 +1059,8 @@ class ThreadlogCheckpointSaver(
         """Close the saver's private loop and the store it opened there.
 
         A sync saver nobody closed is closed when it is collected or the interpreter exits.
+        Closing frees what the saver holds; it does not retire it: a later call opens a loop
+        and a store again (as a `with` block reused would need).
         """
         portal, stop = self._bridge.detach()
         if portal is not None and stop is not None:

@@ -678,11 +678,16 @@ class RedisEventStore(EventStore):
         self._evalsha = self._group_commit.script.sha.encode("ascii")
 
     def _check_usable(self) -> None:
-        """`StoreClosedError` when the store is closed, or when its event loop is.
+        """`StoreClosedError` when the store is closed, or used from another event loop than
+        its own.
 
-        The connections belong to the loop the store was first used in: used from another
+        The connections belong to the loop the store was first used in. Used from another
         after that one closed (``asyncio.run`` twice), a call would fail inside redis-py
-        (``RuntimeError: Event loop is closed``) and the next would reconnect by chance.
+        (``RuntimeError: Event loop is closed``) and the next would reconnect by chance; from
+        another loop while that one still runs (a thread of its own), a call was sent on the
+        first loop's connections, landed, and then failed with a RuntimeError (a future of
+        another loop), leaving the connection to its own loop's next call. Refused before
+        anything is sent, either way.
         """
         if self._closed:
             raise StoreClosedError("the store is closed")
@@ -692,11 +697,18 @@ class RedisEventStore(EventStore):
             return  # the client property, read outside any loop (tooling)
         if self._loop is None:
             self._loop = loop
-        elif loop is not self._loop and self._loop.is_closed():
+        elif loop is not self._loop:
+            if self._loop.is_closed():
+                raise StoreClosedError(
+                    "this store was opened in an event loop that has closed since (each "
+                    "asyncio.run or anyio.run is a new loop): open the store in the loop that "
+                    "uses it"
+                )
             raise StoreClosedError(
-                "this store was opened in an event loop that has closed since (each "
-                "asyncio.run or anyio.run is a new loop): open the store in the loop that "
-                "uses it"
+                "this store belongs to the event loop it was opened in, which still runs: it "
+                "was used from another (a thread's own loop); nothing was sent. Open a store "
+                "in each loop that uses one, or hand the call to the store's own loop "
+                "(asyncio.run_coroutine_threadsafe)"
             )
 
     @property
@@ -2064,9 +2076,19 @@ class RedisEventStore(EventStore):
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None and self._loop.is_closed():
+        home = self._loop
+        if home is not None and home.is_closed():
             # Its connections died with their loop; closing them here would fail.
             return
+        if home is not None and home is not asyncio.get_running_loop():
+            # Closed from another loop while its own still runs: its connections are that
+            # loop's, and are closed there.
+            done = asyncio.run_coroutine_threadsafe(self._close_connections(), home)
+            await asyncio.wrap_future(done)
+            return
+        await self._close_connections()
+
+    async def _close_connections(self) -> None:
         with contextlib.suppress(rex.RedisError, OSError):
             if self._held is not None:
                 await self._held.close()

@@ -79,7 +79,11 @@ def check_json_value(block: str, value: Any) -> None:
 
 
 class ReaderView(msgspec.Struct, frozen=True):
-    """A named selection of state: block name -> None (whole block) or the fields to show."""
+    """A named selection of state: block name -> None (whole block) or the fields to show.
+
+    Fields select from a block whose value is an object; a block holding anything else (a
+    string, a list) shows as ``{}`` through a field selection: it hides what it does not name,
+    whatever shape the value has."""
 
     name: str
     blocks: Mapping[str, tuple[str, ...] | None]

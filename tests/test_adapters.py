@@ -1960,3 +1960,58 @@ async def test_an_import_written_under_the_whole_file_keys_is_still_recognised(
     report = await import_jsonl(sessions, path, "s")
     assert (report.written, report.version) == (2, 5)
     assert [m.text for m in (await sessions.load("s")).messages] == [f"m{i}" for i in range(5)]
+
+
+async def test_past_reads_through_the_thread_store_keep_its_access_policy(
+    store: es.EventStore,
+) -> None:
+    """Reads as of a past point were only on `ThreadStore.projector`, which has no policy: a
+    principal confined to a reader view read every block as it was. Through the ThreadStore
+    they keep the boundary, and answer what the projector does."""
+    views = {"planner-agent": "planner"}
+    threads = ThreadStore(
+        store,
+        state=StateProjection([ReaderView("planner", {"plan": None, "profile": ("name",)})]),
+        policy=CallbackPolicy(
+            lambda p, action, ns, thread: p is None or p.id != "stranger",
+            reader_view=lambda p, ns, thread: views.get(p.id) if p is not None else None,
+        ),
+    )
+    turn = await threads.open_turn("t", request_message={"role": "user", "content": "hi"})
+    await threads.update_state("t", "profile", {"name": "Ada", "email": "a@x"}, turn_id=turn)
+    point = await store.version("t")
+    await threads.update_state("t", "profile", {"name": "Bo", "email": "b@x"}, turn_id=turn)
+    await threads.settle_turn(
+        "t", turn, outcome="completed", assistant_message={"role": "assistant", "content": "yo"}
+    )
+    agent, stranger = Principal(id="planner-agent"), Principal(id="stranger")
+    with pytest.raises(AccessDenied, match="only through reader view 'planner'"):
+        await threads.state("t", as_of=point, principal=agent)
+    with pytest.raises(AccessDenied, match="only through reader view 'planner'"):
+        await threads.context("t", as_of=point, principal=agent)
+    then = await threads.state("t", "planner", as_of=point, principal=agent)
+    assert then["profile"].value == {"name": "Ada"}
+    assert (await threads.state("t", "planner", principal=agent))["profile"].value == {"name": "Bo"}
+    projector = threads.projector
+    assert [m.message.text for m in await threads.list_messages("t", as_of=point)] == ["hi"]
+    assert await threads.list_messages("t", as_of=point) == await projector.last("t", as_of=point)
+    assert await threads.turn("t", turn, as_of=point) == await projector.record(
+        "t", turn, as_of=point
+    )
+    was = await threads.turn("t", turn, as_of=point)
+    assert was is not None and was.outcome is None  # open then
+    assert await threads.turn_tree("t", as_of=point) == await projector.turn_tree("t", as_of=point)
+    assert (await threads.records("t", as_of=point)).records == []  # none settled then
+    assert len((await threads.records("t")).records) == 1
+    ctx = await threads.context("t", view="planner", records=1, as_of=point, principal=agent)
+    assert [m.message.text for m in ctx.messages] == ["hi"] and ctx.records == []
+    for read in (
+        threads.list_messages("t", as_of=point, principal=stranger),
+        threads.turn("t", turn, as_of=point, principal=stranger),
+        threads.turn_tree("t", as_of=point, principal=stranger),
+        threads.records("t", as_of=point, principal=stranger),
+    ):
+        with pytest.raises(AccessDenied):
+            await read
+    with pytest.raises(es.InvalidInputError, match="give a thread_id"):
+        await threads.records(as_of=point)

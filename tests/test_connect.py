@@ -1476,3 +1476,45 @@ def test_a_url_parameter_that_is_no_number_is_named_with_what_it_takes(url: str,
     parameter nor what it takes."""
     with pytest.raises(InvalidURLError, match=re.escape(said)):
         StoreSettings.from_url(url)
+
+
+def test_a_store_used_from_another_running_loop_is_refused_before_anything_is_sent(
+    redis_url: str,
+) -> None:
+    """A store opened in a loop that runs in a thread of its own, then used from another loop
+    (the main thread's ``asyncio.run``): the call was sent on the first loop's connections,
+    landed, then failed with a RuntimeError, and the first loop's own next calls failed half
+    the time. Now it is `StoreClosedError` before anything is sent, the store goes on working
+    in its own loop, and closing it from the other loop closes it there."""
+    namespace = _ns()
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+
+    def at_home(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, home).result(30)
+
+    try:
+        store = at_home(connect(redis_url, namespace=namespace))
+        at_home(store.append("t", [msg("a")]))
+
+        async def write() -> None:
+            await store.append("t", [msg("b")])
+
+        async def read() -> None:
+            await store.version("t")
+
+        for version in range(1, 6):
+            for call in (write, read):
+                with pytest.raises(StoreClosedError, match=r"another .*nothing was sent"):
+                    asyncio.run(call())
+            assert at_home(store.version("t")) == version  # nothing landed
+            at_home(store.append("t", [msg("c")], expected_version=version))  # home works
+        assert at_home(_texts(store, "t")) == ["a"] + ["c"] * 5
+        asyncio.run(store.close())  # from the other loop: closed in its own
+        with pytest.raises(StoreClosedError, match="the store is closed"):
+            at_home(store.version("t"))
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join(10)
+        home.close()
