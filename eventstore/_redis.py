@@ -240,6 +240,21 @@ async def _call(op: Awaitable[T]) -> T:
         raise translate_redis_error(exc) from exc
 
 
+async def _pipeline_replies(pipe: Any) -> list[Any]:
+    """A redis-py pipeline's replies; an error reply is raised translated, as Redis worded it.
+
+    Raised by the pipeline itself, the first error is reworded ("Command # 2 (XRANGE ...) of
+    pipeline caused error: ..."), and redis-py up to 6.4 drops Redis's own words there (a
+    format string never filled in): a log replaced by another type would not read as
+    WRONGTYPE, the damage it is.
+    """
+    replies = list(await _call(pipe.execute(raise_on_error=False)))
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise translate_redis_error(reply) from reply
+    return replies
+
+
 async def _group_call(op: Awaitable[T], partition: int, group: str) -> T:
     """`_call` for a command naming a consumer group: a missing group (or feed) is
     `FeedGroupNotFoundError`, named by partition and group rather than by Redis key."""
@@ -964,7 +979,7 @@ class RedisEventStore(EventStore):
             pipe = self.client.pipeline(transaction=False)
             for thread_id in ids:
                 pipe.hget(self.keys.meta(thread_id), "v")
-            replies = await _call(pipe.execute())
+            replies = await _pipeline_replies(pipe)
         else:
             commands = [(b"HGET", self.keys.meta(t), b"v") for t in ids]
             replies = await self._raw_replies(commands)
@@ -1270,7 +1285,7 @@ class RedisEventStore(EventStore):
             pipe.execute_command(
                 b"XREVRANGE" if backwards else b"XRANGE", log, *bounds, b"COUNT", count
             )
-        life, rows = await _call(pipe.execute())
+        life, rows = await _pipeline_replies(pipe)
         n, v = life
         return (n, v is not None), rows
 
@@ -1576,7 +1591,7 @@ class RedisEventStore(EventStore):
         pipe.hget(meta, "v")
         pipe.execute_command(command, stage, *values)
         pipe.pexpire(stage, STAGING_TTL_S * 1000)
-        version, _, _ = await _call(pipe.execute())
+        version, _, _ = await _pipeline_replies(pipe)
         _check_staged(thread_id, version, expected_version)
         await self._staged(stage)
 
