@@ -30,6 +30,7 @@ import anyio.to_thread
 import msgspec
 
 from eventstore import (
+    ConcurrencyError,
     EventStore,
     InvalidInputError,
     Message,
@@ -49,6 +50,9 @@ from ._sessions import SessionStore, Transcript, chunk_by_size, event_budget
 # at most this many, and fewer when the store's limit leaves less (`event_budget`).
 EVENT_BUDGET_BYTES = 256 * 1024
 EVENTS_PER_APPEND = 64
+# How many times an import may find that another writer moved the session on between its plan
+# and an append before it gives up (`ConcurrencyError`; see `write_import`).
+IMPORT_ATTEMPTS = 20
 _ENVELOPE_MARGIN = 512
 
 
@@ -228,7 +232,10 @@ async def import_jsonl(
     Raises `JsonlImportError` (nothing written) when lines are malformed or too large to store
     and ``skip_bad`` is off. Idempotent: each append is keyed by a hash of the file's messages
     up to its last, so an import stopped half way and run again writes only the rest, and so
-    does an import of the file once it has grown (lines added at its end).
+    does an import of the file once it has grown (lines added at its end); an older, shorter
+    copy imported after it writes nothing. Imports of one session at once write each line once
+    (see `write_import`); one that finds other writers moving the session on between its plan
+    and its append `IMPORT_ATTEMPTS` times raises `ConcurrencyError` (what it wrote stays).
 
     A large file is written in several appends (each atomic). ``progress`` is called
     before each one and once after the last, with what is written so far; an exception it
@@ -276,30 +283,54 @@ async def write_import(
     # the session holds (append_batches asks again for each append).
     validate_thread_id(session_id)
     await authorize(sessions.policy, principal, "write", sessions.store.namespace, session_id)
-    done = await layout.imported_before(sessions.store, session_id)
-    plan = layout.appends_after(done)
-    version = 0
+    store = sessions.store
     new = 0  # messages written by this run
-    for i, (end, batches) in enumerate(plan):
-        if progress is not None:
-            progress(
-                ImportProgress(
-                    appends=i,
-                    of_appends=len(plan),
-                    messages=done,
-                    of_messages=len(messages),
-                    version=version,
+    conflicts = 0
+    while True:
+        # Each append expects the version the plan was made at (read before the ledger, so a
+        # write landing between the two reads fails the first append rather than being
+        # missed): another import of this session, of a shorter or longer copy of the file,
+        # may be writing the same messages under other keys, and an append made after it
+        # without this check would write them again. On a conflict, or an append another
+        # import made first (a duplicate: it then counts among those found, so this ends),
+        # the ledger is read again and the rest planned anew.
+        version = await store.version(session_id)
+        done = await layout.imported_before(store, session_id)
+        plan = layout.appends_after(done)
+        replan = False
+        for i, (end, batches) in enumerate(plan):
+            if progress is not None:
+                progress(
+                    ImportProgress(
+                        appends=i,
+                        of_appends=len(plan),
+                        messages=done,
+                        of_messages=len(messages),
+                        version=version,
+                    )
                 )
-            )
-        result = await sessions.append_batches(
-            session_id, batches, idempotency_key=layout.key(end), principal=principal
-        )
-        version = result.last_seq
-        if not result.duplicate:
+            try:
+                result = await sessions.append_batches(
+                    session_id,
+                    batches,
+                    idempotency_key=layout.key(end),
+                    expected_version=version,
+                    principal=principal,
+                )
+            except ConcurrencyError:
+                conflicts += 1
+                if conflicts == IMPORT_ATTEMPTS:
+                    raise
+                replan = True
+                break
+            if result.duplicate:
+                replan = True
+                break
+            version = result.last_seq
             new += end - done
-        done = end
-    if not plan:
-        version = await sessions.store.version(session_id)
+            done = end
+        if not replan:
+            break
     if progress is not None:
         progress(
             ImportProgress(
@@ -362,23 +393,51 @@ class _ImportLayout:
         return f"jsonl:{self._whole}:{index}"
 
     async def imported_before(self, store: EventStore, session_id: str) -> int:
-        """How many of the first messages earlier imports wrote into the session: the most
-        that an append keyed for them says (0: none)."""
+        """How many of the first messages earlier imports wrote into the session (0: none).
+
+        The most that an append keyed for them says; then, when the session's log goes on
+        after that append with the file's next messages, those too: an import of a longer
+        copy of the file (the file grown since) wrote them, in an append that ends past this
+        file's end under a key this file cannot name.
+        """
         keys = [self.key(end) for end in self.ends]
         legacy = [self._whole_file_key(i) for i in range(len(self.ends))]
         found = await store.recorded_appends(session_id, [*keys, *legacy])
-        done = 0
+        done, last_seq = 0, 0
         for end, key, old in zip(self.ends, keys, legacy, strict=True):
-            if key in found or old in found:
-                done = end
+            result = found.get(key) or found.get(old)
+            if result is not None:
+                done, last_seq = end, result.last_seq
         # An earlier import of fewer messages (the file before it grew) ended its last append
         # where its own messages ended, between two of these ends: after the last one found.
         after = [end for end in self.ends if end > done]
         if after:
-            between = list(range(done + 1, after[0]))
-            recorded = await store.recorded_appends(session_id, [self.key(e) for e in between])
-            done = max((e for e in between if self.key(e) in recorded), default=done)
+            between = {self.key(e): e for e in range(done + 1, after[0])}
+            recorded = await store.recorded_appends(session_id, list(between))
+            for key, result in recorded.items():
+                if between[key] > done:
+                    done, last_seq = between[key], result.last_seq
+        if done and done < len(self.messages):
+            done += await self._written_after(store, session_id, last_seq, done)
         return done
+
+    async def _written_after(self, store: EventStore, session_id: str, seq: int, done: int) -> int:
+        """How many of the messages after the first ``done`` the transcript events right
+        after ``seq`` (the end of an import's append of the first ``done``) hold, in order."""
+        rest = self.messages[done:]
+        matched = 0
+        # Each event holds at least one message: no more events than messages can match.
+        async for event in store.read(session_id, start=seq + 1, stop=seq + len(rest)):
+            payload = event.payload
+            if not isinstance(payload, TranscriptAppended):
+                break
+            for message in payload.messages:
+                if message.to_json_bytes() != rest[matched].to_json_bytes():
+                    return matched
+                matched += 1
+                if matched == len(rest):
+                    return matched
+        return matched
 
     def appends_after(self, done: int) -> list[tuple[int, list[list[Message]]]]:
         """The appends that write the messages after the first ``done``: each its end and its

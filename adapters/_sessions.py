@@ -415,16 +415,21 @@ class SessionStore:
         batches: Sequence[Sequence[Message]],
         *,
         idempotency_key: str,
+        expected_version: ExpectedVersion = ANY,
         principal: Principal | None = None,
     ) -> AppendResult:
         """Append several transcript events in one atomic append (bulk imports).
 
-        Not checked for staleness: imports add to whatever the transcript holds.
+        Not checked for staleness against this task's `load`: only ``expected_version`` (the
+        session thread's version, as for `EventStore.append`; any by default) is.
         """
         await self._allow(principal, "write", session_id)
         events = [NewEvent(payload=TranscriptAppended(messages=list(b))) for b in batches if b]
         result = await self.projector.append(
-            session_id, events, expected_version=ANY, idempotency_key=idempotency_key
+            session_id,
+            events,
+            expected_version=expected_version,
+            idempotency_key=idempotency_key,
         )
         self._remember(session_id, None)
         return result

@@ -1939,6 +1939,80 @@ async def test_an_import_stopped_after_a_grown_files_first_append_resumes_exactl
         assert b"".join(loaded) == numbered_lines(0, 15)
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_imports_of_a_file_at_two_sizes_at_once_write_each_line_once(
+    backend: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two imports of one session file, one of it before it grew and one after, running at
+    once: each plans from the ledger it read, and the shorter one's last append ends between
+    the longer one's appends, under another key. Every append expects the version its plan
+    was made at, so whichever comes second plans again and writes each line once. The same
+    file imported twice at once writes it once (the second finds its appends duplicates)."""
+    monkeypatch.setattr(adapters._jsonl, "EVENTS_PER_APPEND", 4)
+    async with await limited_store(backend, redis_url, 8192) as store:
+        sessions = SessionStore(store)
+        short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+        short.write_bytes(numbered_lines(0, 10))
+        long.write_bytes(numbered_lines(0, 17))
+        original = adapters._jsonl._ImportLayout.imported_before
+        racing: list[Path] = []
+
+        async def imported_before(
+            layout: adapters._jsonl._ImportLayout, store: es.EventStore, session_id: str
+        ) -> int:
+            done = await original(layout, store, session_id)
+            if racing:  # the other import runs whole between this one's plan and its append
+                await import_jsonl(sessions, racing.pop(), session_id)
+            return done
+
+        monkeypatch.setattr(adapters._jsonl._ImportLayout, "imported_before", imported_before)
+        # "a": the short file written whole between the long one's plan and its first append;
+        # "b": the other way round (the short file's last two lines were in the long file's
+        # third append, keyed for its 12 lines: found as the messages after its second).
+        written = {}
+        for first, second, session in ((long, short, "a"), (short, long, "b")):
+            racing.append(second)
+            report = await import_jsonl(sessions, first, session)
+            assert not racing
+            loaded = [m.to_json_bytes() + b"\n" for m in (await sessions.load(session)).messages]
+            assert b"".join(loaded) == numbered_lines(0, 17), session  # each line once
+            assert report.version == await store.version(session)
+            written[session] = report.written
+        assert written == {"a": 7, "b": 0}
+        # An older copy imported after the grown one (no race) writes nothing either.
+        monkeypatch.setattr(adapters._jsonl._ImportLayout, "imported_before", original)
+        older = await import_jsonl(sessions, short, "b")
+        assert (older.written, older.duplicate, older.version) == (0, True, 17)
+        monkeypatch.setattr(adapters._jsonl._ImportLayout, "imported_before", imported_before)
+        racing.append(long)
+        again = await import_jsonl(sessions, long, "c")
+        assert (again.written, again.duplicate, again.version) == (0, True, 17)
+        loaded = [m.to_json_bytes() + b"\n" for m in (await sessions.load("c")).messages]
+        assert b"".join(loaded) == numbered_lines(0, 17)
+
+
+async def test_an_import_into_a_session_that_keeps_moving_gives_up_having_written_nothing(
+    store: es.EventStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapters._jsonl, "IMPORT_ATTEMPTS", 3)
+    sessions = SessionStore(store)
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(b'{"role":"user","content":"imported"}\n')
+    original = adapters._jsonl._ImportLayout.imported_before
+
+    async def imported_before(
+        layout: adapters._jsonl._ImportLayout, store: es.EventStore, session_id: str
+    ) -> int:
+        done = await original(layout, store, session_id)
+        await sessions.append(session_id, [user("live")])
+        return done
+
+    monkeypatch.setattr(adapters._jsonl._ImportLayout, "imported_before", imported_before)
+    with pytest.raises(es.ConcurrencyError):
+        await import_jsonl(sessions, path, "s")
+    assert [m.text for m in (await sessions.load("s")).messages] == ["live"] * 3
+
+
 async def test_an_import_written_under_the_whole_file_keys_is_still_recognised(
     store: es.EventStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
