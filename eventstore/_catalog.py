@@ -248,6 +248,10 @@ def _json_problem(raw: bytes, exc: Exception) -> str:
             pending = found
     if pending is not None:
         return _unpaired(pending)
+    if str(exc).startswith("Number out of range"):
+        # Valid JSON (its grammar sets no limit), past what a float holds (``1e400``):
+        # stored, it would read back as infinity, which JSON cannot write.
+        return f"a number too large to store (beyond a 64-bit float): {exc}"
     return f"not valid JSON: {exc}"
 
 

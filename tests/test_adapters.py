@@ -1849,11 +1849,13 @@ async def test_jsonl_lines_that_are_not_unicode_say_so(
         b'{"role":"user","content":"\xff"}\n'  # not UTF-8
         b'{"role":"user","content":"\\\\ud800 \\ud83d\\ude00"}\n'  # an escaped backslash: fine
         b'{"role":"user","content":"trunc\n'
+        b'{"role":"user","content":"x","n":1e400}\n'  # valid JSON, beyond a float
     )
     with pytest.raises(JsonlImportError) as info:
         await import_jsonl(SessionStore(store), path, "s")
     reasons = {e.line: e.reason for e in info.value.errors}
-    assert sorted(reasons) == [2, 3, 4, 5, 7]
+    assert sorted(reasons) == [2, 3, 4, 5, 7, 8]
+    assert reasons[8].startswith("a number too large to store (beyond a 64-bit float)")
     assert reasons[2].startswith("unpaired UTF-16 surrogate escape \\ud800 at byte 26")
     assert reasons[3].startswith("unpaired UTF-16 surrogate escape \\udc00 at byte 27")
     assert reasons[4].startswith("unpaired UTF-16 surrogate escape \\ud83d at byte 26")
