@@ -2662,6 +2662,8 @@ def _preflight(args: argparse.Namespace) -> None:
     or waiting for an unreachable ``--url`` first. The commands check again as they run."""
     if hasattr(args, "all") and hasattr(args, "thread"):
         _target(args)
+    if isinstance(getattr(args, "thread", None), str):
+        es.validate_thread_id(args.thread)
     if args.command == "export" and args.compression is not None and args.fmt != "parquet":
         raise UsageError(
             f"--compression applies to --format parquet only; {args.fmt} parts are written "

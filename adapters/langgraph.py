@@ -1967,10 +1967,14 @@ class ThreadlogCheckpointSaver(
         highest checkpoint id), ``delete`` drops them all. The log keeps them
         (`CheckpointsRemoved`); delete the thread to reclaim its storage.
 
-        A kept checkpoint's ``parent_config`` still names its parent, which is gone (as with
-        savers that delete rows): reading that config answers None.
-
-        Not `DeltaChannel`-aware: with delta channels, a kept checkpoint may need ancestors.
+        `DeltaChannel`-aware: a delta channel's value is rebuilt from the writes of the kept
+        checkpoint's ancestors back to its last snapshot, so ``keep_latest`` also keeps those
+        ancestors (with their writes): for each channel the latest checkpoint's metadata
+        counts as written since its snapshot (``counters_since_delta_snapshot``), every
+        ancestor back to the nearest one whose counters no longer name it (the snapshot, or
+        the checkpoint before the channel's first write). Other ancestors are dropped: a kept
+        checkpoint's ``parent_config`` may name a parent that is gone (as with savers that
+        delete rows), and reading that config answers None.
         """
         if strategy not in ("keep_latest", "delete"):
             raise InvalidInputError(f"unknown prune strategy {strategy!r}")
@@ -1979,14 +1983,39 @@ class ThreadlogCheckpointSaver(
         def select(records: list[tuple[Record, ViewEntry]]) -> set[tuple[str, str]]:
             if strategy == "delete":
                 return {(r.ns, r.checkpoint_id) for r, _ in records}
-            latest: dict[str, str] = {}
+            latest: dict[str, Record] = {}
             for r, _ in records:
-                if r.checkpoint_id > latest.get(r.ns, ""):
-                    latest[r.ns] = r.checkpoint_id
-            return {(r.ns, r.checkpoint_id) for r, _ in records if latest[r.ns] != r.checkpoint_id}
+                if r.checkpoint_id > getattr(latest.get(r.ns), "checkpoint_id", ""):
+                    latest[r.ns] = r
+            by_id = {(r.ns, r.checkpoint_id): r for r, _ in records}
+            kept = {(r.ns, r.checkpoint_id) for r in latest.values()}
+            for head in latest.values():
+                kept |= self._delta_ancestors(head, by_id)
+            return {(r.ns, r.checkpoint_id) for r, _ in records} - kept
 
         for thread_id in thread_ids:
             await self._remove(store, self.thread_id_of(thread_id), select, f"prune:{strategy}")
+
+    def _delta_counters(self, rec: Record) -> Mapping[str, Any]:
+        metadata = self.serde.loads_typed(rec.metadata)
+        counters = metadata.get("counters_since_delta_snapshot") if metadata else None
+        return counters if isinstance(counters, Mapping) else {}
+
+    def _delta_ancestors(
+        self, head: Record, by_id: Mapping[tuple[str, str], Record]
+    ) -> set[tuple[str, str]]:
+        """The ancestors ``head``'s delta channels are rebuilt from (see `aprune`)."""
+        pending = set(self._delta_counters(head))
+        keep: set[tuple[str, str]] = set()
+        rec = head
+        while pending and rec.parent_id is not None:
+            parent = by_id.get((rec.ns, rec.parent_id))
+            if parent is None:
+                break  # gone already: the rebuild stops there whatever is kept
+            keep.add((parent.ns, parent.checkpoint_id))
+            pending &= set(self._delta_counters(parent))
+            rec = parent
+        return keep
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Drop the checkpoints of these runs from every thread of the namespace (a scan).

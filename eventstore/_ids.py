@@ -162,7 +162,18 @@ def validate_thread_id(thread_id: object) -> str:
     try:
         size = len(thread_id.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidThreadIdError(f"thread id is not valid unicode: {exc.reason}") from exc
+        # A lone surrogate: in Python's own strings, or a byte that is not UTF-8 in a command
+        # line or file name (decoded with surrogateescape, as U+DC80..U+DCFF).
+        code = ord(thread_id[exc.start])
+        what = (
+            f"the byte 0x{code - 0xDC00:02x}, not UTF-8"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"a lone surrogate U+{code:04X}"
+        )
+        raise InvalidThreadIdError(
+            f"thread id {thread_id!r} is not valid unicode: it holds {what} "
+            f"(at character {exc.start})"
+        ) from exc
     if size > MAX_THREAD_ID_BYTES:
         raise InvalidThreadIdError(
             f"thread id is {size} bytes long, the limit is {MAX_THREAD_ID_BYTES}"

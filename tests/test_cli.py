@@ -243,6 +243,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     ),
     (["show", "no-such-thread"], "no thread 'no-such-thread'"),
     (["show", "bad{id}"], "forbidden character"),
+    # A byte that is not UTF-8 in the command line (Python decodes it as a lone surrogate).
+    (["replay", os.fsdecode(b"ab\xff")], "holds the byte 0xff, not UTF-8"),
     (["verify", "no-such-thread"], "no thread"),
     (["export-jsonl", "no-such-session", "-"], "no thread"),
     (["import-jsonl", "/nonexistent/x.jsonl", "s1"], "cannot read /nonexistent/x.jsonl"),

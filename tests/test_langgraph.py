@@ -749,6 +749,40 @@ async def test_delta_channels_match_in_memory_saver(store: es.EventStore) -> Non
     assert results[0] == results[1]
 
 
+async def test_prune_keeps_what_delta_channels_are_rebuilt_from(store: es.EventStore) -> None:
+    """A delta channel's value at the latest checkpoint is rebuilt from its ancestors' writes
+    back to its last snapshot: ``keep_latest`` keeps those (only those), and the graph goes
+    on from the same messages (it started again from none when they were dropped)."""
+    builder = StateGraph(DeltaState)
+    builder.add_node("speak", delta_speak)
+    builder.add_edge(START, "speak")
+    builder.add_conditional_edges("speak", delta_more, ["speak", END])
+    saver = ThreadlogCheckpointSaver(store)
+    graph = builder.compile(checkpointer=saver)
+    cfg = config("delta-prune")
+    cfg["recursion_limit"] = 100
+    start: Any = {"messages": [], "target": 7}
+    await graph.ainvoke(start, cfg)
+    before = [m.content for m in (await graph.aget_state(cfg)).values["messages"]]
+    assert before == [f"m{i}" for i in range(7)]
+    history = [s async for s in graph.aget_state_history(cfg)]
+    counters = [s.metadata.get("counters_since_delta_snapshot", {}) for s in history]
+    # The latest checkpoint back to the nearest whose counters do not name the channel.
+    needed = next(i for i, c in enumerate(counters) if i and "messages" not in c) + 1
+    assert 1 < needed < len(history)  # some ancestors are needed, and some are not
+    await saver.aprune(["delta-prune"])
+    kept = [s.config["configurable"]["checkpoint_id"] async for s in graph.aget_state_history(cfg)]
+    assert kept == [s.config["configurable"]["checkpoint_id"] for s in history[:needed]]
+    assert [m.content for m in (await graph.aget_state(cfg)).values["messages"]] == before
+    final = await graph.ainvoke(cast(Any, {"target": 9}), cfg)
+    assert [m.content for m in final["messages"]] == [f"m{i}" for i in range(9)]
+    assert (await saver.acheck("delta-prune")).ok
+    # A graph without delta channels keeps the latest checkpoint only (test_prune_then_continue);
+    # "delete" drops every one, delta channels or not.
+    await saver.aprune(["delta-prune"], strategy="delete")
+    assert [s async for s in saver.alist(cfg)] == []
+
+
 # -- storage growth ---------------------------------------------------------------------------
 
 
