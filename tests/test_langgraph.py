@@ -733,11 +733,16 @@ def delta_more(state: DeltaState) -> str:
     return "speak" if len(state["messages"]) < state["target"] else END
 
 
-async def test_delta_channels_match_in_memory_saver(store: es.EventStore) -> None:
+def delta_graph() -> StateGraph[DeltaState]:
     builder = StateGraph(DeltaState)
     builder.add_node("speak", delta_speak)
     builder.add_edge(START, "speak")
     builder.add_conditional_edges("speak", delta_more, ["speak", END])
+    return builder
+
+
+async def test_delta_channels_match_in_memory_saver(store: es.EventStore) -> None:
+    builder = delta_graph()
     cfg = config("delta")
     cfg["recursion_limit"] = 100
     start: Any = {"messages": [], "target": 12}
@@ -753,10 +758,7 @@ async def test_prune_keeps_what_delta_channels_are_rebuilt_from(store: es.EventS
     """A delta channel's value at the latest checkpoint is rebuilt from its ancestors' writes
     back to its last snapshot: ``keep_latest`` keeps those (only those), and the graph goes
     on from the same messages (it started again from none when they were dropped)."""
-    builder = StateGraph(DeltaState)
-    builder.add_node("speak", delta_speak)
-    builder.add_edge(START, "speak")
-    builder.add_conditional_edges("speak", delta_more, ["speak", END])
+    builder = delta_graph()
     saver = ThreadlogCheckpointSaver(store)
     graph = builder.compile(checkpointer=saver)
     cfg = config("delta-prune")
@@ -766,7 +768,7 @@ async def test_prune_keeps_what_delta_channels_are_rebuilt_from(store: es.EventS
     before = [m.content for m in (await graph.aget_state(cfg)).values["messages"]]
     assert before == [f"m{i}" for i in range(7)]
     history = [s async for s in graph.aget_state_history(cfg)]
-    counters = [s.metadata.get("counters_since_delta_snapshot", {}) for s in history]
+    counters = [(s.metadata or {}).get("counters_since_delta_snapshot", {}) for s in history]
     # The latest checkpoint back to the nearest whose counters do not name the channel.
     needed = next(i for i, c in enumerate(counters) if i and "messages" not in c) + 1
     assert 1 < needed < len(history)  # some ancestors are needed, and some are not
