@@ -59,6 +59,7 @@ from eventstore import (
     Event,
     EventStore,
     EventTooLargeError,
+    EventValidationError,
     ExpectedVersion,
     InvalidInputError,
     InvalidThreadIdError,
@@ -226,6 +227,31 @@ def _json_item(index: int, item: object) -> dict[str, Any]:
         return cast(dict[str, Any], json.loads(json.dumps(item, allow_nan=False)))
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"items[{index}] is not a JSON object: {exc}") from None
+
+
+def _check_storable(items: list[dict[str, Any]]) -> None:
+    """Raise `InvalidInputError` naming the first item that holds what a JSON store would
+    keep and the log cannot: a string that is not valid Unicode (a lone surrogate, as Python
+    decodes a file name that is not UTF-8), or an int beyond 64 bits."""
+    for index, item in enumerate(items):
+        _check_item_storable(index, item)
+
+
+def _check_item_storable(index: int, item: dict[str, Any]) -> None:
+    try:
+        encode_item(item)
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"items[{index}] cannot be stored: it holds a string that is not valid Unicode "
+            f"(the lone surrogate {exc.object[exc.start]!r}, as Python decodes a byte that is "
+            "not UTF-8, in a file name for instance); encode it, or replace it "
+            "(str.encode('utf-8', 'replace'))"
+        ) from None
+    except OverflowError:
+        raise InvalidInputError(
+            f"items[{index}] cannot be stored: it holds an int beyond 64 bits (below -2**63 or "
+            "above 2**64 - 1); store it as a string"
+        ) from None
 
 
 def _now_ms() -> int:
@@ -407,6 +433,9 @@ class ThreadlogSession:
         await self._expire_if_idle()
         try:
             await self._append([ItemsAdded(items=stored)], expected_version=ANY)
+        except EventValidationError:
+            _check_storable(stored)  # nothing was written (encoded before anything is sent)
+            raise
         except EventTooLargeError:
             # Nothing was written (sizes are checked before anything is sent). Items bigger
             # together than one event go as several events of one atomic append, as
@@ -505,6 +534,7 @@ class ThreadlogSession:
         if not stored:
             await self._clear()
             return
+        _check_storable(stored)  # each item is encoded to chunk them: named first
         chunks = chunk_by_size(stored, event_budget(self.store))
         events: list[Event] = [SessionCleared(), *(ItemsAdded(items=c) for c in chunks)]
         await self._append(events, expected_version=ANY)

@@ -326,6 +326,19 @@ async def test_items_are_stored_as_a_json_store_keeps_them(store: es.EventStore)
             await session.add_items([item])
     await session.add_items([cast(TResponseInputItem, {"role": "user", "t": (1, 2), 7: "k"})])
     assert await session.get_items() == [{"role": "user", "t": [1, 2], "7": "k"}]
+    # JSON keeps these, the log cannot: refused naming the item, before anything is written
+    # (SQLiteSession stores them; a tool output of os.listdir can hold a lone surrogate).
+    unstorable: list[tuple[Any, str]] = [
+        ({"type": "function_call_output", "output": ["caf\udce9.txt"]}, "not valid Unicode"),
+        ({"role": "user", "n": 2**70}, "an int beyond 64 bits"),
+    ]
+    for item, problem in unstorable:
+        for write in (session.add_items, session._atomic_replace_items):
+            with pytest.raises(
+                es.InvalidInputError, match=rf"items\[1\] cannot be stored: .*{problem}"
+            ):
+                await write([user("fine"), item])
+    assert await session.get_items() == [{"role": "user", "t": [1, 2], "7": "k"}]
 
 
 async def test_limits_are_ints_and_any_int_works(store: es.EventStore) -> None:
