@@ -192,10 +192,12 @@ def _escape(text: str) -> str:
 def session_thread_id(session_id: str, *, prefix: str = DEFAULT_THREAD_PREFIX) -> str:
     """The thread that stores session ``session_id``.
 
-    Raises `InvalidThreadIdError` for a non-string or empty id, or one too long once prefixed.
+    The empty id is a session like any other, as in the SDK's `SQLiteSession` (its thread is
+    the prefix alone, which no other id maps to). Raises `InvalidThreadIdError` for a
+    non-string id, or one too long once prefixed (or empty with an empty prefix).
     """
-    if not isinstance(session_id, str) or not session_id:
-        raise InvalidThreadIdError(f"session id must be a non-empty str, not {session_id!r}")
+    if not isinstance(session_id, str):
+        raise InvalidThreadIdError(f"session id must be a str, not {session_id!r:.80}")
     if not isinstance(prefix, str):
         raise InvalidThreadIdError(f"thread prefix must be a str, not {prefix!r:.80}")
     return validate_thread_id(prefix + _escape(session_id))

@@ -376,8 +376,16 @@ async def test_session_settings_limit_and_ids(store: es.EventStore) -> None:
     await session.add_items([user(str(i)) for i in range(5)])
     assert [i["content"] for i in await session.get_items()] == ["3", "4"]  # type: ignore[typeddict-item]
     assert len(await session.get_items(limit=4)) == 4
+    # The empty id is a session like any other, as in SQLiteSession; None is no id.
+    empty = ThreadlogSession("", store)
+    assert empty.thread_id == "agents:"
+    await empty.add_items([user("e")])
+    assert await empty.get_items() == [user("e")]
+    assert await ThreadlogSession("a", store).get_items() == []
     with pytest.raises(es.InvalidThreadIdError):
-        ThreadlogSession("", store)
+        ThreadlogSession(None, store)  # type: ignore[arg-type]
+    with pytest.raises(es.InvalidThreadIdError):
+        ThreadlogSession("", store, thread_prefix="")
     with pytest.raises(es.InvalidThreadIdError):
         ThreadlogSession("x" * 300, store)
     with pytest.raises(es.InvalidInputError):
