@@ -24,6 +24,7 @@ from eventstore import (
     Fallback,
     Grant,
     IdempotencyKeyReusedError,
+    IncarnationConflictError,
     InvalidInputError,
     Message,
     MessageAppended,
@@ -48,6 +49,7 @@ from projections import (
     Block,
     Context,
     Projector,
+    RecordsProjection,
     StateProjection,
     StoredMessage,
     TurnNode,
@@ -421,13 +423,15 @@ class ThreadStore:
             _check_turn_id(parent_turn_id, "parent_turn_id")
         grant = _as_optional(grant, Grant, "grant")
         _check_grant(grant)
-        if (
-            parent_turn_id is not None
-            and await self.projector.record(thread_id, parent_turn_id) is None
-        ):
-            raise TurnNotFoundError(
-                f"parent turn {parent_turn_id!r} was not opened in thread {thread_id!r}"
-            )
+        life: int | None = None  # a root turn opens in any life (it may create the thread)
+        if parent_turn_id is not None:
+            # The life read first: the child is opened only in the life its parent was read
+            # in, never in the thread written again after a delete (see settle_turn).
+            life = await self.projector.store.incarnation(thread_id)
+            if await self.projector.record(thread_id, parent_turn_id) is None:
+                raise TurnNotFoundError(
+                    f"parent turn {parent_turn_id!r} was not opened in thread {thread_id!r}"
+                )
         minted = turn_id is None
         if turn_id is None:
             turn_id = self.new_turn_id()
@@ -439,8 +443,14 @@ class ThreadStore:
         new = NewEvent(payload=opened, turn_id=turn_id)
         try:
             result = await self.projector.append(
-                thread_id, [new], idempotency_key=f"open:{turn_id}"
+                thread_id, [new], idempotency_key=f"open:{turn_id}", expected_incarnation=life
             )
+        except IncarnationConflictError:
+            raise TurnNotFoundError(
+                f"parent turn {parent_turn_id!r} was opened in thread {thread_id!r} before it "
+                "was deleted (deleted, or deleted and written again, as the child was opened); "
+                "nothing was written"
+            ) from None
         except IdempotencyKeyReusedError:
             if minted:
                 raise _minted_twice(thread_id, turn_id) from None
@@ -504,6 +514,9 @@ class ThreadStore:
         updates = _as_structs(state_updates, StateUpdate, "state_updates")
         _check_counts(steps, usage)
         _check_timing(timing)
+        # The life read first: the settlement is appended only in the life the open record
+        # was read in (read after it), never into the thread written again after a delete.
+        life = await self.projector.store.incarnation(thread_id)
         current = await self.projector.record(thread_id, turn_id)
         if current is None:
             raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
@@ -538,8 +551,17 @@ class ThreadStore:
         events.append(NewEvent(payload=settled, turn_id=turn_id))
         try:
             result = await self.projector.append(
-                thread_id, events, idempotency_key=f"settle:{turn_id}"
+                thread_id,
+                events,
+                idempotency_key=f"settle:{turn_id}",
+                expected_incarnation=life,
             )
+        except IncarnationConflictError:
+            raise TurnNotFoundError(
+                f"turn {turn_id!r} was opened in thread {thread_id!r} before it was deleted "
+                "(the thread was deleted, or deleted and written again, as it was settled); "
+                "nothing was written"
+            ) from None
         except IdempotencyKeyReusedError:
             # The key recorded another append: another instance settled the turn first, with
             # other details (the first wins), or, if the turn is still open, an append outside
@@ -553,7 +575,15 @@ class ThreadStore:
                 ) from None
             return await self._first_settlement(thread_id, turn_id, record)
         record = await self.projector.record(thread_id, turn_id)
-        assert record is not None
+        if record is None:
+            # Deleted right after the settlement landed: answer what it wrote.
+            if result.duplicate:
+                raise TurnNotFoundError(
+                    f"turn {turn_id!r} of thread {thread_id!r} was settled before, and the "
+                    "thread was deleted before its first settlement could be read"
+                )
+            record = RecordsProjection.record_of(thread_id, result.last_seq, events[-1])
+            assert record is not None  # a TurnSettled makes one
         # A duplicate whose record was written by this very event is this call's own write,
         # answered from the ledger after the connection re-sent it (a lost reply): not a
         # settlement someone else made first.

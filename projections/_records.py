@@ -247,6 +247,17 @@ class RecordsProjection(Projection[RecordsState]):
                 _open(state, event.seq, payload, event.id)
         return state
 
+    @staticmethod
+    def record_of(thread_id: str, seq: int, event: NewEvent) -> TurnRecord | None:
+        """The record a `TurnOpened` or `TurnSettled` appended at ``seq`` makes (None for any
+        other event): what a read would answer just after that append."""
+        payload = event.payload
+        value = _value_of(payload, event.id)
+        if value is None:
+            return None
+        assert isinstance(payload, TurnOpened | TurnSettled)
+        return _record(thread_id, payload.turn_id, seq, value)
+
     def apply_payload(
         self, state: RecordsState, seq: int, payload: Event, event_id: bytes, meta: EventMeta
     ) -> RecordsState:

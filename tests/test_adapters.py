@@ -196,6 +196,53 @@ async def test_settling_is_idempotent_and_scoped_to_the_thread(store: es.EventSt
     assert await store.version("b") == 0
 
 
+async def test_a_settlement_racing_a_deletion_never_writes_into_another_life(
+    store: es.EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread deleted while a turn is settled: after the open record was read, the
+    settlement is refused (it would start a new life holding only a stray settlement, which
+    usage counts and check flags); after the settlement landed, its own record is answered
+    (it was a bare AssertionError)."""
+    threads = ThreadStore(store)
+    read_record, append = Projector.record, Projector.append
+
+    async def deleted_after_the_read(self: Projector, thread_id: str, turn_id: str, **kw: Any):  # type: ignore[no-untyped-def]
+        record = await read_record(self, thread_id, turn_id, **kw)
+        await threads.delete_thread(thread_id)
+        return record
+
+    turn = await threads.open_turn("b", request_message=user("hi"))
+    monkeypatch.setattr(Projector, "record", deleted_after_the_read)
+    with pytest.raises(TurnNotFoundError, match="before it was deleted"):
+        await threads.settle_turn("b", turn, outcome="completed", assistant_message=assistant("x"))
+    assert await store.version("b") == 0  # nothing written: no new life
+    assert "b" not in [t.thread_id for t in await store.threads()]
+    # A child turn, its parent read before the deletion: refused the same way.
+    parent = await threads.open_turn("c")
+    with pytest.raises(TurnNotFoundError, match="before it was deleted"):
+        await threads.open_turn("c", parent_turn_id=parent)
+    monkeypatch.setattr(Projector, "record", read_record)
+    assert await store.version("c") == 0
+
+    async def deleted_after_the_append(self: Projector, thread_id: str, *args: Any, **kw: Any):  # type: ignore[no-untyped-def]
+        result = await append(self, thread_id, *args, **kw)
+        await threads.delete_thread(thread_id)
+        return result
+
+    turn = await threads.open_turn("a", request_message=user("hi"))
+    monkeypatch.setattr(Projector, "append", deleted_after_the_append)
+    settled = await threads.settle_turn(
+        "a", turn, outcome="completed", steps=2, assistant_message=assistant("x")
+    )
+    assert (settled.record.turn_id, settled.record.outcome, settled.record.steps) == (
+        turn,
+        "completed",
+        2,
+    )
+    assert (settled.record.status, settled.record.seq, settled.duplicate) == ("settled", 2, False)
+    assert settled.last_seq == 2 and await store.version("a") == 0
+
+
 async def test_a_retried_settlement_answers_the_first_ones_seqs(store: es.EventStore) -> None:
     threads = ThreadStore(store)
     turn = await threads.open_turn("t")
