@@ -578,6 +578,9 @@ class EventStore(abc.ABC):
             InvalidInputError: ``count`` not an int >= 1, ``block_ms`` neither None nor an
                 int > 0, a bad group name or partition. Nothing is sent.
             FeedGroupNotFoundError: the group is not registered on the partition.
+            FeedTrimmedError: with ``pending``, entries delivered to the consumer were trimmed
+                before it acknowledged them (``lost`` names them; they stay pending, and
+                this is raised again, until they are acknowledged).
         """
 
     @abc.abstractmethod
@@ -596,6 +599,10 @@ class EventStore(abc.ABC):
             InvalidInputError: ``min_idle_ms`` not an int >= 0, ``count`` not an int >= 1, a
                 bad group name or partition. Nothing is sent.
             FeedGroupNotFoundError: the group is not registered on the partition.
+            FeedTrimmedError: some of those entries were trimmed before anyone acknowledged
+                them (``lost`` names them). They are dropped from the group as this is
+                raised (said once); the entries it did take over are the consumer's, and a
+                pending read (`read_feed_group`) returns them.
         """
 
     @abc.abstractmethod

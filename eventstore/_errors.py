@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -119,24 +120,52 @@ class FeedTrimmedError(ConflictError):
     """Raised when a feed was trimmed past a reader's position: changes the reader had not
     read are gone from the feed (never from the threads' logs), so it cannot go on exactly.
 
+    Also raised for a consumer group whose delivered, unacknowledged entries were trimmed
+    (by age, or by hand) before its consumer acknowledged them: ``lost`` names them. Read
+    again as pending they stay pending, and this is raised each time, until the consumer
+    acknowledges them (`EventStore.ack_feed`) after taking the changes from the threads' logs
+    (or accepting they are gone); a claim (`EventStore.claim_feed`) drops them from the group
+    as it raises.
+
     Not retryable: the entries will not come back. `EventStore.feed_info` tells how far the
     feed was trimmed.
     """
 
-    def __init__(self, partition: int, reader: str, position: str, trimmed_to: str) -> None:
+    def __init__(
+        self,
+        partition: int,
+        reader: str,
+        position: str,
+        trimmed_to: str,
+        lost: Sequence[str] = (),
+    ) -> None:
         self.partition = partition
         self.reader = reader
         self.position = position
         self.trimmed_to = trimmed_to
-        super().__init__(
-            f"the change feed of partition {partition} was trimmed past {reader}'s position "
-            f"({position}; entries up to {trimmed_to} removed): changes it had not read are "
-            "gone from the feed, so it cannot go on exactly (every event is still in its "
-            "thread's log)"
-        )
+        self.lost = tuple(lost)
+        if self.lost:
+            shown = ", ".join(self.lost[:5]) + (", ..." if len(self.lost) > 5 else "")
+            message = (
+                f"the change feed of partition {partition} was trimmed past entries "
+                f"delivered to {reader} and not acknowledged ({len(self.lost)}: {shown}; "
+                f"entries up to {trimmed_to} removed): those changes are gone from the feed "
+                "(every event is still in its thread's log); acknowledge them to go on"
+            )
+        else:
+            message = (
+                f"the change feed of partition {partition} was trimmed past {reader}'s position "
+                f"({position}; entries up to {trimmed_to} removed): changes it had not read are "
+                "gone from the feed, so it cannot go on exactly (every event is still in its "
+                "thread's log)"
+            )
+        super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.partition, self.reader, self.position, self.trimmed_to))
+        return (
+            type(self),
+            (self.partition, self.reader, self.position, self.trimmed_to, self.lost),
+        )
 
 
 class FeedResetError(ConflictError):

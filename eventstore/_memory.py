@@ -45,6 +45,7 @@ from ._errors import (
     ConcurrencyError,
     CorruptKeyError,
     FeedGroupNotFoundError,
+    FeedTrimmedError,
     IdempotencyKeyReusedError,
     IncarnationConflictError,
     InvalidInputError,
@@ -178,16 +179,29 @@ class _Feed:
         return self.ids[start : start + count]
 
 
-def _group_infos(feed: _Feed) -> list[GroupInfo]:
-    return [
-        GroupInfo(
-            name=name,
-            last_delivered=format_stream_id(g.last_delivered),
-            pending=len(g.pending),
-            oldest_pending=format_stream_id(min(g.pending)) if g.pending else None,
+def _group_infos(feed: _Feed, *, held_only: bool = False) -> list[GroupInfo]:
+    """The groups as `feed_groups` lists them; ``held_only``: each one's oldest pending entry
+    among those the feed still holds (what trimming must keep)."""
+    infos = []
+    for name, g in feed.groups.items():
+        pending = [i for i in g.pending if i in feed.entries] if held_only else list(g.pending)
+        infos.append(
+            GroupInfo(
+                name=name,
+                last_delivered=format_stream_id(g.last_delivered),
+                pending=len(g.pending),
+                oldest_pending=format_stream_id(min(pending)) if pending else None,
+            )
         )
-        for name, g in feed.groups.items()
-    ]
+    return infos
+
+
+def _lost_pending(
+    partition: int, group: str, feed: _Feed, lost: list[tuple[int, int]]
+) -> FeedTrimmedError:
+    ids = [format_stream_id(i) for i in lost]
+    trimmed_to = format_stream_id(feed.trimmed_to)
+    return FeedTrimmedError(partition, f"group {group!r}", ids[0], trimmed_to, ids)
 
 
 @dataclass
@@ -772,6 +786,9 @@ class MemoryEventStore(EventStore):
         if pending:
             mine = sorted(i for i, (c, _) in grp.pending.items() if c == consumer)[:count]
             await anyio.lowlevel.checkpoint()
+            lost = [i for i in mine if i not in feed.entries]  # trimmed before acknowledged
+            if lost:
+                raise _lost_pending(partition, group, feed, lost)
             return self._out(partition, feed, mine)
         deadline = time.monotonic() + (block_ms or 0) / 1000
         while True:
@@ -802,6 +819,7 @@ class MemoryEventStore(EventStore):
         feed, grp = self._group(partition, group)
         now = time.monotonic() * 1000
         claimed: list[tuple[int, int]] = []
+        lost: list[tuple[int, int]] = []
         for i in sorted(grp.pending):
             if len(claimed) >= count:
                 break
@@ -809,10 +827,13 @@ class MemoryEventStore(EventStore):
             if now - since >= min_idle_ms:
                 if i not in feed.entries:  # trimmed while pending: XAUTOCLAIM drops it
                     del grp.pending[i]
+                    lost.append(i)
                     continue
                 grp.pending[i] = (consumer, now)
                 claimed.append(i)
         await anyio.lowlevel.checkpoint()
+        if lost:
+            raise _lost_pending(partition, group, feed, lost)
         return self._out(partition, feed, claimed)
 
     async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:
@@ -841,8 +862,8 @@ class MemoryEventStore(EventStore):
         if feed is None:
             return 0
         # Read with no await before the trim, as Redis's script reads them: a group registered
-        # meanwhile is waited for.
-        point = safe_trim_point(_group_infos(feed))
+        # meanwhile is waited for. A pending entry trimmed already is needed by nobody.
+        point = safe_trim_point(_group_infos(feed, held_only=True))
         if max_age_ms is not None:
             aged = f"{max(int(time.time() * 1000) - max_age_ms, 0)}-0"
             point = aged if point is None else max(point, aged, key=parse_stream_id)

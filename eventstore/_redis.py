@@ -12,7 +12,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -58,6 +58,7 @@ from ._errors import (
     CorruptKeyError,
     EventStoreError,
     FeedGroupNotFoundError,
+    FeedTrimmedError,
     IdempotencyKeyReusedError,
     IncarnationConflictError,
     InvalidInputError,
@@ -1831,7 +1832,16 @@ class RedisEventStore(EventStore):
             partition,
             group,
         )
-        return self._entries(partition, _read_rows(reply))
+        rows = _read_rows(reply)
+        # A pending entry trimmed before it was acknowledged comes back without fields.
+        lost = [_text(entry_id) for entry_id, fields in rows or () if not fields]
+        if lost:
+            await self._lost_pending(partition, group, lost)
+        return self._entries(partition, rows)
+
+    async def _lost_pending(self, partition: int, group: str, lost: list[str]) -> NoReturn:
+        info = await self.feed_info(partition)
+        raise FeedTrimmedError(partition, f"group {group!r}", lost[0], info.trimmed_to, lost)
 
     async def claim_feed(
         self,
@@ -1848,6 +1858,7 @@ class RedisEventStore(EventStore):
         validate_feed_count(count)
         key = self._feed_key(partition)
         out: list[FeedEntry] = []
+        lost: list[str] = []
         start = "0-0"
         # XAUTOCLAIM scans a bounded window per call; a few calls cover any backlog.
         for _ in range(64):
@@ -1859,9 +1870,13 @@ class RedisEventStore(EventStore):
                 group,
             )
             out += self._entries(partition, reply[1])
-            start = reply[0].decode("ascii") if isinstance(reply[0], bytes) else str(reply[0])
+            # Redis 7: the ids it found trimmed, dropped from the group's pending entries.
+            lost += [_text(i) for i in (reply[2] if len(reply) > 2 else ())]
+            start = _text(reply[0])
             if start == "0-0" or len(out) >= count:
                 break
+        if lost:
+            await self._lost_pending(partition, group, lost)
         return out
 
     async def ack_feed(self, partition: int, group: str, ids: Sequence[str]) -> int:

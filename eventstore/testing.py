@@ -39,6 +39,7 @@ from ._errors import (
     EventTooLargeError,
     EventValidationError,
     FeedGroupNotFoundError,
+    FeedTrimmedError,
     IdempotencyKeyReusedError,
     IncarnationConflictError,
     InvalidInputError,
@@ -1445,6 +1446,51 @@ class EventStoreConformance:
         await store.append(a, [msg("new")])
         assert await store.trim_feed(p, max_age_ms=30) == 1
         assert [e.last_seq for e in await store.read_feed(p)] == [2]
+
+    async def test_pending_entries_trimmed_before_their_ack_are_said_and_hold_nothing_back(
+        self, store: EventStore
+    ) -> None:
+        """A consumer crashed with entries delivered and not acknowledged; an age limit
+        trimmed them. Reading them again as pending raises `FeedTrimmedError` naming them
+        (each time, until acknowledged), a claim raises it once (the group drops them), and
+        the group no longer holds trimming back."""
+        p, a, _ = await self._partition_with_two_threads(store)
+        for i in range(3):
+            await store.append(a, [msg(str(i))])
+        await store.create_feed_group(p, "g", start="0-0")
+        await store.create_feed_group(p, "h", start="0-0")
+        lost = [e.id for e in await store.read_feed_group(p, "g", "c1", count=3)]
+        h_lost = [e.id for e in await store.read_feed_group(p, "h", "c1", count=2)]
+        await anyio.sleep(0.03)
+        assert await store.trim_feed(p, max_age_ms=10) == 3
+        for _ in range(2):
+            with pytest.raises(FeedTrimmedError) as info:
+                await store.read_feed_group(p, "g", "c1", pending=True)
+            assert info.value.lost == tuple(lost) and info.value.partition == p
+            assert "acknowledge them" in str(info.value)
+        # Trimming goes on past them: new entries read and acknowledged by both groups go.
+        for i in range(2):
+            await store.append(a, [msg(f"new {i}")])
+        for group in ("g", "h"):
+            fresh = await store.read_feed_group(p, group, "c2", count=10)
+            assert [e.last_seq for e in fresh] == [4, 5]  # "h" never got 3: trimmed unread
+            await store.ack_feed(p, group, [e.id for e in fresh])
+        assert await store.trim_feed(p) == 2
+        assert await store.ack_feed(p, "g", lost) == 3  # accepted as gone: pending no more
+        assert await store.read_feed_group(p, "g", "c1", pending=True) == []
+        assert await store.ack_feed(p, "h", h_lost) == 2
+        # A claim of trimmed entries says so once, and drops them from the group.
+        assert await store.trim_feed(p, max_age_ms=0) == 0  # nothing held
+        await store.append(a, [msg("claimed")])
+        (entry,) = await store.read_feed_group(p, "h", "c3")
+        await anyio.sleep(0.03)
+        assert await store.trim_feed(p, max_age_ms=10) == 1
+        with pytest.raises(FeedTrimmedError) as info:
+            await store.claim_feed(p, "h", "c4", min_idle_ms=0)
+        assert info.value.lost == (entry.id,)
+        assert await store.claim_feed(p, "h", "c4", min_idle_ms=0) == []
+        (h,) = [g for g in await store.feed_groups(p) if g.name == "h"]
+        assert h.pending == 0
 
     async def test_an_age_reaching_back_before_the_epoch_trims_nothing(
         self, store: EventStore

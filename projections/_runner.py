@@ -133,8 +133,9 @@ class GroupLag(msgspec.Struct, frozen=True, kw_only=True):
     oldest_pending: str | None
     """The oldest of them (None: none)."""
     lost_changes: bool
-    """The feed was trimmed (by age, or by hand) past ``position``: changes its reader had not
-    read are gone from the feed."""
+    """The feed was trimmed (by age, or by hand) past ``position``, or past entries delivered
+    to the group and not acknowledged: changes its reader had not read, or not finished, are
+    gone from the feed."""
     damaged: str | None = None
     """What is wrong with the checkpoint stored under this name, changed from outside
     threadlog into something that is no feed id (None: nothing). ``position`` is then the
@@ -210,7 +211,11 @@ async def feed_group_lag(store: EventStore) -> list[GroupLag]:
                     last_delivered=group.last_delivered,
                     pending=group.pending,
                     oldest_pending=group.oldest_pending,
-                    lost_changes=trimmed_to > parse_stream_id(position),
+                    lost_changes=trimmed_to > parse_stream_id(position)
+                    or (
+                        group.oldest_pending is not None
+                        and trimmed_to >= parse_stream_id(group.oldest_pending)
+                    ),
                     damaged=damage.get(group.name),
                     feed_reset=group.name in reset,
                 )

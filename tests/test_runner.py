@@ -1331,6 +1331,28 @@ async def test_group_lag_counts_a_backlog_longer_than_a_page_and_flags_lost_chan
     assert rows["reader"].unread == 0
 
 
+async def test_group_lag_flags_pending_entries_trimmed_before_their_ack(
+    store: es.EventStore,
+) -> None:
+    """A consumer read entries and crashed before acknowledging them; an age limit trimmed
+    them. The group's position is past them, yet changes were lost: flagged, as `threadlog
+    feed` flags a position trimmed past."""
+    p = es.partition_of("t", store.partitions)
+    await store.create_feed_group(p, "consumers")
+    for _ in range(2):
+        await store.append("t", [es.MessageAppended(message=es.Message(role="user", content="x"))])
+    delivered = await store.read_feed_group(p, "consumers", "c1")
+    (row,) = [r for r in await feed_group_lag(store) if r.name == "consumers"]
+    assert (row.pending, row.lost_changes) == (2, False)
+    await anyio.sleep(0.01)
+    assert await store.trim_feed(p, max_age_ms=0) == 2
+    (row,) = [r for r in await feed_group_lag(store) if r.name == "consumers"]
+    assert (row.pending, row.unread, row.lost_changes) == (2, 0, True)
+    await store.ack_feed(p, "consumers", [e.id for e in delivered])
+    (row,) = [r for r in await feed_group_lag(store) if r.name == "consumers"]
+    assert (row.pending, row.lost_changes) == (0, False)
+
+
 async def test_a_projection_whose_feed_was_deleted_is_listed_without_a_group(
     store: es.EventStore,
 ) -> None:

@@ -49,7 +49,16 @@ for _, g in ipairs(groups) do
     if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
     if g[i] == 'pending' then pending = g[i + 1] end
   end
-  if pending > 0 then need(redis.call('XPENDING', key, name)[2]) end
+  if pending > 0 then
+    -- Its oldest pending entry the feed still holds: one trimmed before its consumer
+    -- acknowledged it is needed by nobody (reading it raises FeedTrimmedError), and would
+    -- hold trimming back for ever.
+    local first = redis.call('XRANGE', key, '-', '+', 'COUNT', 1)[1]
+    if first then
+      local held = redis.call('XPENDING', key, name, first[1], '+', 1)[1]
+      if held then need(held[1]) end
+    end
+  end
   -- The first entry after its last delivered one (none held: it needs nothing held).
   local after = redis.call('XRANGE', key, '(' .. delivered, '+', 'COUNT', 1)[1]
   if after then need(after[1]) end
