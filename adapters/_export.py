@@ -80,6 +80,7 @@ from eventstore import (
     EventStore,
     EventStoreError,
     FeedEntry,
+    FeedTrimmedError,
     InvalidInputError,
     OperationalError,
     RawRange,
@@ -1685,8 +1686,24 @@ class _Pipeline:
             while (p := await self.claim()) is not None:
                 after = self.start.get(p, "0-0")
                 end = self.end.get(p)
+                reader: str | None = None  # the start was checked (`_check_not_trimmed`)
                 while True:
-                    entries = await self.store.read_feed(p, after=after, count=self.batch)
+                    try:
+                        entries = await self.store.read_feed(
+                            p, after=after, count=self.batch, reader=reader
+                        )
+                    except FeedTrimmedError as exc:
+                        raise ExportSourceError(
+                            f"the change feed of partition {p} was trimmed (by age, or by "
+                            f"hand) while this export read it, past what it had read ({after}; "
+                            f"entries up to {exc.trimmed_to} removed): the changes in between "
+                            "are gone from the feed (every event is still in its thread's "
+                            "log), so the directory cannot continue without a hole; trim only "
+                            "what the export has read (threadlog trim-feed without "
+                            "--max-age), and start a new directory with --since"
+                        ) from None
+                    # From here on a position this run read up to: a trim past it is a hole.
+                    reader = f"export {self.directory}"
                     reached = False
                     if end is not None and entries and parse_stream_id(entries[-1].id) > end:
                         entries = [e for e in entries if parse_stream_id(e.id) <= end]

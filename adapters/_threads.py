@@ -37,6 +37,7 @@ from eventstore import (
     TurnOpened,
     TurnSettled,
     Usage,
+    check_json_message,
     new_ulid,
     validate_count,
     validate_thread_id,
@@ -108,15 +109,19 @@ class RecordsPage(msgspec.Struct, frozen=True, kw_only=True):
 
 def as_message(message: Message | Mapping[str, Any]) -> Message:
     """Accept a `Message` or its JSON object form (a `Message` whose ``source`` no longer
-    matches it loses the source: see `Message.with_current_source`)."""
+    matches it loses the source: see `Message.with_current_source`); one holding what JSON
+    cannot hold (a NaN, a non-string key, bytes...) is refused (`check_json_message`)."""
     if isinstance(message, Message):
-        return message.with_current_source()
-    if not isinstance(message, Mapping):
+        message = message.with_current_source()
+    elif isinstance(message, Mapping):
+        message = Message.from_json(dict(message))
+    else:
         raise InvalidInputError(
             "a message is a Message or a mapping with 'role' and 'content', not "
             f"{type(message).__name__}: {message!r:.80}"
         )
-    return Message.from_json(dict(message))
+    check_json_message(message)  # built in Python, it can hold what JSON cannot
+    return message
 
 
 def as_messages(messages: object, name: str = "messages") -> list[Message]:

@@ -33,6 +33,8 @@ from ._catalog import (
     TurnOpened,
     TurnSettled,
     Usage,
+    check_json_message,
+    json_value_problem,
 )
 from ._codec import (
     chain_link,
@@ -199,6 +201,8 @@ __all__ = [
     "MemoryEventStore",
     "MemoryServer",
     "Message",
+    "check_json_message",
+    "json_value_problem",
     "MessageAppended",
     "MessageFormatError",
     "OtherPart",

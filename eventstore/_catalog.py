@@ -262,6 +262,75 @@ def _unpaired(escape: re.Match[bytes]) -> str:
     )
 
 
+def json_value_problem(value: Any) -> tuple[str, str] | None:
+    """Where in ``value`` (``"[0]['k']"``, ``""`` for the value itself) a part JSON cannot
+    hold as it is sits, and what it is; None when JSON holds all of it.
+
+    What JSON cannot hold would be stored as msgpack allows and come back, be shown or be
+    exported as something else, or not at all: NaN and infinities, bytes, a set, a non-string
+    key, an object of another type. Tuples count as lists (they come back as lists).
+    """
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:
+        item, where = pending.pop()
+        if item is None or isinstance(item, str | bool | int):
+            continue
+        if isinstance(item, float):
+            if item - item == 0.0:  # finite (NaN and infinities give NaN)
+                continue
+            return where, f"{item!r} (JSON has no NaN or infinity)"
+        if isinstance(item, list | tuple):
+            pending += [(x, f"{where}[{i}]") for i, x in enumerate(item)]
+            continue
+        if isinstance(item, dict):
+            for key, x in item.items():
+                if not isinstance(key, str):
+                    return where, (
+                        f"keyed by {key!r}, of type {type(key).__name__} (JSON keys are strings)"
+                    )
+                pending.append((x, f"{where}[{key!r}]"))
+            continue
+        return where, f"of type {type(item).__name__}, not a JSON type (convert it first)"
+    return None
+
+
+def check_json_message(message: Message) -> None:
+    """Refuse a message holding what JSON cannot hold as it is (`json_value_problem`) in its
+    free-form fields (a tool call's input, a tool result's output, provider options, unknown
+    fields): it is exported, shown and written to JSONL files as JSON, and a message built in
+    Python (not read from JSON) can hold anything.
+
+    Raises:
+        MessageFormatError: naming the field and where in its value the culprit is.
+    """
+    fields: list[tuple[str, Any]] = [
+        ("providerOptions", message.provider_options),
+        ("extra", message.extra),
+    ]
+    if not isinstance(message.content, str):
+        for i, part in enumerate(message.content):
+            fields += [
+                (f"content[{i}].providerOptions", part.provider_options),
+                (f"content[{i}].extra", part.extra),
+            ]
+            if isinstance(part, ToolCallPart):
+                fields.append((f"content[{i}].input", part.input))
+            elif isinstance(part, ToolResultPart):
+                fields.append((f"content[{i}].output", part.output))
+            elif isinstance(part, OtherPart):
+                fields.append((f"content[{i}]", part.data))
+    for name, value in fields:
+        if value is None:
+            continue
+        found = json_value_problem(value)
+        if found is not None:
+            where, problem = found
+            raise MessageFormatError(
+                f"the message's {name}{where} is {problem}: JSON cannot hold it, and a message "
+                "is exported and shown as JSON"
+            )
+
+
 def _part_from_json(obj: Any) -> _Part:
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise MessageFormatError("every content part must be an object with a string 'type'")

@@ -512,7 +512,13 @@ class EventStore(abc.ABC):
         expected_version: int | None = None,
         expected_incarnation: int | None = None,
     ) -> int:
-        """Delete the thread: its log, meta, idempotency ledger and the named views.
+        """Delete the thread: its log, meta, idempotency ledger and every one of its views.
+
+        ``views`` names views to delete besides those the store knows: on Redis each view
+        name is recorded for its partition before it is first written (one ``SADD`` per store
+        and name), and a deletion removes the thread's view under every recorded name; views
+        written before names were recorded (2026-12-02) go only when named here. A view left
+        behind would be read as the next life's, when the id is written again.
 
         The change feed records a tombstone (so exports and consumers learn of it) and the
         thread leaves the thread index. Returns the version the thread had (0: no thread).
@@ -536,13 +542,19 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def read_feed(
-        self, partition: int, *, after: str = "0-0", count: int = 512
+        self, partition: int, *, after: str = "0-0", count: int = 512, reader: str | None = None
     ) -> list[FeedEntry]:
         """Up to ``count`` feed entries of a partition with ids above ``after``, oldest first.
+
+        With ``reader`` (its name, for the error), a reader that has read up to ``after``
+        learns in the same atomic step whether the feed was trimmed past it: entries after
+        ``after`` removed (by age, or by hand) before this read would be skipped without a
+        trace, so `FeedTrimmedError` is raised instead. Without it, the read is a plain range.
 
         Raises:
             InvalidInputError: a partition out of range, ``after`` not a stream id, ``count``
                 not an int >= 1. Nothing is sent.
+            FeedTrimmedError: with ``reader``, the feed was trimmed past ``after``.
         """
 
     @abc.abstractmethod

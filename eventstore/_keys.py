@@ -154,6 +154,12 @@ class KeyLayout:
         """The partition's hash of async-projection checkpoints (name -> feed id)."""
         return f"{self._tags[partition]}:ckpt"
 
+    def view_names(self, partition: int) -> str:
+        """The partition's set of the view names any append or view load of its threads wrote
+        to, recorded before the first write of each: so that a thread is deleted with every
+        view it has (`EventStore.delete_thread`), whatever the caller names, without a SCAN."""
+        return f"{self._tags[partition]}:viewnames"
+
     def aux(self, partition: int, name: str, hash_name: str) -> str:
         """A partition-level hash owned by async projection ``name``."""
         validate_view_name(name)

@@ -703,12 +703,9 @@ class MemoryEventStore(EventStore):
             raise ConcurrencyError(thread_id, expected_version, actual)
         if thread is None:
             return 0
-        # Like DEL on the named keys only: views not named survive, as they would in Redis.
-        leftover = {k: v for k, v in thread.views.items() if k not in views}
-        if leftover:
-            self._ns.threads[thread_id] = _Thread(views=leftover)
-        else:
-            del self._ns.threads[thread_id]
+        # Every view goes, named or not, as on Redis (where each view name is recorded for
+        # its partition before it is first written).
+        del self._ns.threads[thread_id]
         self._ns.index.pop(thread_id, None)
         p = partition_of(thread_id, self.partitions)
         self._ns.feeds.setdefault(p, _Feed()).add(
@@ -749,7 +746,12 @@ class MemoryEventStore(EventStore):
         ]
 
     async def read_feed(
-        self, partition: int, *, after: str = "0-0", count: int = READ_BATCH
+        self,
+        partition: int,
+        *,
+        after: str = "0-0",
+        count: int = READ_BATCH,
+        reader: str | None = None,
     ) -> list[FeedEntry]:
         after_id = parse_stream_id(after)
         validate_feed_count(count)
@@ -757,6 +759,8 @@ class MemoryEventStore(EventStore):
         await anyio.lowlevel.checkpoint()
         if feed is None:
             return []
+        if reader is not None and feed.trimmed_to > after_id:
+            raise FeedTrimmedError(partition, reader, after, format_stream_id(feed.trimmed_to))
         return self._out(partition, feed, feed.after(after_id, count))
 
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:

@@ -691,6 +691,9 @@ class RedisEventStore(EventStore):
         self._group_commit = GroupCommit(client, APPEND, max_batch=max_batch, held=self._held)
         # thread id -> what its appends send (`_memo_thread`)
         self._append_keys: dict[str, _ThreadMemo] = {}
+        # (partition's feed key, view name) this store recorded in the partition's
+        # `KeyLayout.view_names` set
+        self._views_recorded: set[tuple[bytes, str]] = set()
         self._evalsha = self._group_commit.script.sha.encode("ascii")
 
     def _check_usable(self) -> None:
@@ -822,6 +825,7 @@ class RedisEventStore(EventStore):
         # as RESP, and the rest is joined (one event) or formatted (several) after it.
         call: Any
         keys: Any = thread_keys  # with the view keys, when there are ops
+        unrecorded: list[str] = []
         if head and not ops:
             if len(encoded) == 1:
                 e = encoded[0]
@@ -858,6 +862,21 @@ class RedisEventStore(EventStore):
                 index = _KeyIndex(keys)
                 for op in ops:
                     args += self._op_args(thread_id, op, index, view_keys)
+                # The names of views this store has not recorded in the partition's set yet
+                # (`KeyLayout.view_names`, what `delete_thread` deletes), recorded by the
+                # script in the same atomic step as the write (the feed key names the
+                # partition).
+                unrecorded = [
+                    name
+                    for name in dict.fromkeys(op.view for op in ops)
+                    if (thread_keys[2], name) not in self._views_recorded
+                ]
+                if unrecorded:
+                    partition = self.keys.partition(thread_id)
+                    k = b"%d" % index(self.keys.view_names(partition).encode("utf-8"))
+                    for name in unrecorded:
+                        args += (b"vn", k, name.encode("utf-8"))
+                    args[6] = b"%d" % (len(ops) + len(unrecorded))
                 keys = index.keys
             # On the direct path packed now, as an append without ops is: at send time a
             # batch holding an unpacked call is joined only after a failed attempt. What
@@ -881,6 +900,8 @@ class RedisEventStore(EventStore):
             raise translate_redis_error(exc) from exc
         status = reply[0]
         if status == b"ok":
+            if unrecorded:
+                self._views_recorded.update((thread_keys[2], name) for name in unrecorded)
             try:  # inline: `_reply_life` is a call more on every append
                 life_now = int(reply[4])
             except ValueError:
@@ -937,6 +958,25 @@ class RedisEventStore(EventStore):
         return evalsha_prefix(self._evalsha) + pack_bulks(
             (b"%d" % len(keys), *keys, thread, self._fingerprint)
         )
+
+    async def _record_views(self, thread_id: str, ops: Sequence[ViewOp]) -> None:
+        """Record the names of the views ``ops`` write in the thread's partition's
+        `KeyLayout.view_names` set, before they are written (once per store and name): for
+        view loads; an append records them in its own script."""
+        partition = self.keys.partition(thread_id)
+        feed = self.keys.feed(partition).encode("utf-8")  # names the partition, as in append
+        new = [
+            name
+            for name in dict.fromkeys(op.view for op in ops)
+            if (feed, name) not in self._views_recorded
+        ]
+        if not new:
+            return
+        for name in new:
+            self.keys.view(thread_id, name)  # validated before anything is sent
+        self._check_usable()
+        await _call(self.client.sadd(self.keys.view_names(partition), *new))
+        self._views_recorded.update((feed, name) for name in new)
 
     def _op_args(
         self, thread_id: str, op: ViewOp, index: _KeyIndex, view_keys: dict[str, bytes]
@@ -1452,6 +1492,7 @@ class RedisEventStore(EventStore):
             else:
                 raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
             size += sum(sizes[-1])
+        await self._record_views(thread_id, ops)
         if expected_version > 0 and (
             values > self.load_chunk_values or size > self.load_chunk_bytes
         ):
@@ -1768,8 +1809,22 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         expected = validate_expected_deletion(expected_version)
         life = expected_incarnation_arg(expected_incarnation)
+        names = list(dict.fromkeys(views))
+        for view in names:
+            self.keys.view(thread_id, view)  # validated before anything is sent
+        # Every view any writer recorded for the partition (`_record_views`), named or not: a
+        # view left behind would be read as the next life's (a new thread under this id).
+        partition = self.keys.partition(thread_id)
+        recorded = await _call(self.client.smembers(self.keys.view_names(partition)))
+        for raw in sorted(recorded):
+            try:
+                name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+                self.keys.view(thread_id, name)
+            except (UnicodeDecodeError, ValueError):
+                continue  # not a name threadlog records (the set was edited): no view of it
+            names.append(name)
         keys = list(self.keys.thread_keys(thread_id))
-        keys += [self.keys.view(thread_id, v) for v in dict.fromkeys(views)]
+        keys += [self.keys.view(thread_id, v) for v in dict.fromkeys(names)]
         reply = await _call(DELETE_THREAD(self.client, keys, [thread_id, expected, life]))
         if isinstance(reply, list):  # {"conflict", actual} | {"life", actual life, version}
             if reply[0] == b"life":
@@ -1790,11 +1845,34 @@ class RedisEventStore(EventStore):
         return out
 
     async def read_feed(
-        self, partition: int, *, after: str = "0-0", count: int = READ_BATCH
+        self,
+        partition: int,
+        *,
+        after: str = "0-0",
+        count: int = READ_BATCH,
+        reader: str | None = None,
     ) -> list[FeedEntry]:
         parse_stream_id(after)
         validate_feed_count(count)
-        rows = await _call(self.client.xrange(self._feed_key(partition), f"({after}", "+", count))
+        key = self._feed_key(partition)
+        if reader is None:
+            rows = await _call(self.client.xrange(key, f"({after}", "+", count))
+            return self._entries(partition, rows)
+        # The range and the stream's trim record (max-deleted-entry-id, which the trim script
+        # moves) in one atomic step: a trim landing just before the read is seen by it.
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xrange(key, f"({after}", "+", count)
+        pipe.xinfo_stream(key)
+        rows, info = await _call(pipe.execute(raise_on_error=False))
+        if isinstance(info, Exception):
+            if "no such key" in str(info).lower():
+                return []  # no feed: nothing was trimmed either
+            raise translate_redis_error(info) from info
+        if isinstance(rows, Exception):
+            raise translate_redis_error(rows) from rows
+        trimmed_to = _text(info.get("max-deleted-entry-id", b"0-0"))
+        if parse_stream_id(trimmed_to) > parse_stream_id(after):
+            raise FeedTrimmedError(partition, reader, after, trimmed_to)
         return self._entries(partition, rows)
 
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:

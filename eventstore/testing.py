@@ -68,6 +68,7 @@ from ._views import (
     ViewClear,
     ViewEntry,
     ViewOp,
+    ViewRead,
 )
 
 __all__ = ["EventStoreConformance", "msg", "read_all"]
@@ -1212,6 +1213,32 @@ class EventStoreConformance:
         again = await store.append("t", [msg("new life")], expected_version=NO_THREAD)
         assert (again.first_seq, again.duplicate) == (1, False)
         assert message_texts(await read_all(store, "other")) == ["x"]
+
+    async def test_a_deletion_takes_every_view_named_or_not(self, store: EventStore) -> None:
+        """A deletion that names no view (or some of them) removes them all: a view left
+        behind was read as the next life's when the id was written again (a new thread's
+        history window opening with the deleted conversation), and no audit found it. The
+        views a rebuild loads count too, and a store that never wrote them deletes them."""
+        await store.append(
+            "t", [msg("a"), msg("b")], view_ops=[ListPush("l", (b"a",)), HashSet("h", "f", b"1")]
+        )
+        await store.load_views("t", [ListLoad("loaded", (ViewEntry(1, b"x"),))], expected_version=2)
+        reads: list[ViewRead] = [ListRange("l"), HashGetAll("h"), ListRange("loaded")]
+        assert (await store.read_views("t", reads)).results == [
+            [ViewEntry(1, b"a")],
+            {"f": ViewEntry(1, b"1", 1)},
+            [ViewEntry(1, b"x")],
+        ]
+        assert await store.delete_thread("t", views=["h"]) == 2
+        assert (await store.read_views("t", reads)).results == [[], {}, []]
+        await store.append("t", [msg("new life")], view_ops=[ListPush("l", (b"new",))])
+        assert (await store.read_views("t", reads)).results == [[ViewEntry(1, b"new")], {}, []]
+        other = await self.make_store(store.namespace)  # as in another process
+        try:
+            assert await other.delete_thread("t") == 1
+        finally:
+            await other.close()
+        assert (await store.read_views("t", reads)).results == [[], {}, []]
 
     async def test_delete_thread_at_an_expected_version(self, store: EventStore) -> None:
         """A deletion decided on a version (a session found idle) keeps a thread written

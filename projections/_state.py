@@ -30,6 +30,7 @@ from eventstore import (
     ViewOp,
     ViewRead,
     ViewResult,
+    json_value_problem,
     validate_view_name,
 )
 
@@ -39,7 +40,7 @@ _NO_META = EventMeta()
 
 
 def check_json_value(block: str, value: Any) -> None:
-    """Refuse a block value that JSON cannot hold as it is.
+    """Refuse a block value that JSON cannot hold as it is (`json_value_problem`).
 
     State is application data that readers, ``threadlog show`` and exports see as JSON. A
     value that would change on the way (NaN and infinities, bytes, a set, a non-string key,
@@ -49,30 +50,9 @@ def check_json_value(block: str, value: Any) -> None:
     Raises:
         EventValidationError: naming the block and where in the value the culprit is.
     """
-    pending: list[tuple[Any, str]] = [(value, "")]
-    while pending:
-        item, where = pending.pop()
-        if item is None or isinstance(item, str | bool | int):
-            continue
-        if isinstance(item, float):
-            if item - item == 0.0:  # finite (NaN and infinities give NaN)
-                continue
-            problem = f"{item!r} (JSON has no NaN or infinity)"
-        elif isinstance(item, list | tuple):
-            pending += [(x, f"{where}[{i}]") for i, x in enumerate(item)]
-            continue
-        elif isinstance(item, dict):
-            for key, x in item.items():
-                if not isinstance(key, str):
-                    problem = (
-                        f"keyed by {key!r}, of type {type(key).__name__} (JSON keys are strings)"
-                    )
-                    break
-                pending.append((x, f"{where}[{key!r}]"))
-            else:
-                continue
-        else:
-            problem = f"of type {type(item).__name__}, not a JSON type (convert it first)"
+    found = json_value_problem(value)
+    if found is not None:
+        where, problem = found
         raise EventValidationError(
             f"state block {block!r}: the value{' at ' + where if where else ''} is {problem}"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import uuid
@@ -241,6 +242,46 @@ async def test_a_settlement_racing_a_deletion_never_writes_into_another_life(
     )
     assert (settled.record.status, settled.record.seq, settled.duplicate) == ("settled", 2, False)
     assert settled.last_seq == 2 and await store.version("a") == 0
+
+
+async def test_messages_json_cannot_hold_are_refused_before_anything_is_written(
+    store: es.EventStore,
+) -> None:
+    """A message built in Python can hold what JSON cannot (a message read from JSON cannot):
+    it was stored, then export, show and replay failed on it (exit 3) for good."""
+    threads, sessions = ThreadStore(store), SessionStore(store)
+    call = {"type": "tool-call", "toolCallId": "c1", "toolName": "f"}
+    bad: list[tuple[dict[str, Any], str]] = [
+        (
+            {"role": "assistant", "content": [{**call, "input": {True: 1}}]},
+            "content[0].input is keyed by True",
+        ),
+        (
+            {"role": "user", "content": "x", "providerOptions": {(1, 2): 3}},
+            "providerOptions is keyed by (1, 2)",
+        ),
+        (
+            {"role": "assistant", "content": [{**call, "input": {"x": math.nan}}]},
+            "content[0].input['x'] is nan",
+        ),
+        (
+            {"role": "user", "content": "x", "meta": {"b": b"raw"}},
+            "extra['meta']['b'] is of type bytes",
+        ),
+    ]
+    for message, problem in bad:
+        with pytest.raises(es.MessageFormatError, match=re.escape(problem)):
+            await threads.append_message("t", message)
+        with pytest.raises(es.MessageFormatError, match=re.escape(problem)):
+            await threads.open_turn("t", request_message=message)
+        with pytest.raises(es.MessageFormatError, match=re.escape(problem)):
+            await sessions.append("s", [user("fine"), message])
+    assert await store.version("t") == 0 and await store.version("s") == 0
+    # Tuples are lists to JSON, and come back as lists.
+    ok = {"role": "assistant", "content": [{**call, "input": {"xs": (1, 2)}}]}
+    await threads.append_message("t", ok)
+    (stored,) = await threads.list_messages("t")
+    assert stored.message.to_json()["content"][0]["input"] == {"xs": [1, 2]}
 
 
 async def test_a_retried_settlement_answers_the_first_ones_seqs(store: es.EventStore) -> None:

@@ -967,6 +967,40 @@ async def test_a_feed_trimmed_past_the_directory_stops_the_export(
     assert {row["thread"] for row in ndjson_rows(tmp_path / "c")} == {"u"}
 
 
+async def test_a_feed_trimmed_by_age_while_a_run_reads_it_stops_the_run(
+    store: es.EventStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trim by age landing after the run read its first page of a partition, past what it
+    had read: the run went on from what the feed still held, committed past the hole, and
+    every later run passed its start check. Each page after the first now asks the feed, in
+    the same atomic step as the read, whether it was trimmed past the run's position."""
+    thread = "t"
+    p = es.partition_of(thread, store.partitions)
+    for i in range(12):
+        await store.append(thread, [msg(f"m{i}")])
+    await anyio.sleep(0.01)
+    read_feed = type(store).read_feed
+    pages = 0
+
+    async def trimmed_after_the_first_page(self: Any, partition: int, **kw: Any) -> Any:
+        nonlocal pages
+        entries = await read_feed(self, partition, **kw)
+        if partition == p:
+            pages += 1
+            if pages == 1:  # everything older than now goes, read or not
+                assert await self.trim_feed(partition, max_age_ms=0) == 12
+        return entries
+
+    monkeypatch.setattr(type(store), "read_feed", trimmed_after_the_first_page)
+    out = tmp_path / "out"
+    with pytest.raises(ExportSourceError, match=r"trimmed .* while this export read it"):
+        await Exporter(store, out, fmt="ndjson", batch=4).run()
+    monkeypatch.setattr(type(store), "read_feed", read_feed)
+    # Refused again (the run failed before committing a position: as a new directory).
+    with pytest.raises(ExportSourceError, match="was trimmed"):
+        await Exporter(store, out, fmt="ndjson", batch=4).run()
+
+
 async def test_a_new_directory_that_commits_nothing_puts_the_group_back(
     store: es.EventStore, tmp_path: Path
 ) -> None:

@@ -253,7 +253,8 @@ async def test_packed_appends_with_view_ops_name_their_view_keys_and_ops(
     """Appends with view ops are packed on the direct path after a head memoized per thread
     and set of views: each is the EVALSHA of the thread's keys and then the views' (in the
     order the ops name them), the arguments as the script reads them, whichever views an
-    append names and in whichever order; and their ops land."""
+    append names and in whichever order; and their ops land. The first append to name a view
+    also records its name in the partition's set of them (a "vn" op, once per store)."""
     from eventstore._scripts import APPEND
 
     gc = committer(standalone)
@@ -267,22 +268,28 @@ async def test_packed_appends_with_view_ops_name_their_view_keys_and_ops(
 
     monkeypatch.setattr(gc, "submit", record)
     long_value = b"v" * 2000  # a length past the looked-up headers
-    appends: list[tuple[list[es.ViewOp], list[str]]] = [
-        ([es.ListPush("a", (b"x",))], ["a"]),
-        ([es.ListPush("a", (b"y", b"z")), es.HashSet("h", "f", b"1")], ["a", "h"]),
+    appends: list[tuple[list[es.ViewOp], list[str], list[str]]] = [
+        ([es.ListPush("a", (b"x",))], ["a"], ["a"]),
+        ([es.ListPush("a", (b"y", b"z")), es.HashSet("h", "f", b"1")], ["a", "h"], ["h"]),
         (
             [es.HashSet("h", "f", long_value, expected_version=1), es.ListPush("a", (b"w",))],
             ["h", "a"],
+            [],
         ),
-        ([es.ListPush("a", (b"q",))], ["a"]),
+        ([es.ListPush("a", (b"q",))], ["a"], []),
     ]
-    for ops, _ in appends:
+    for ops, _, _ in appends:
         await standalone.append("p", [msg("m")], view_ops=ops)
     thread_keys = [k.encode() for k in standalone.keys.thread_keys("p")]
-    for seq, (packed, (ops, views)) in enumerate(zip(sent, appends, strict=True), start=1):
+    names_key = standalone.keys.view_names(standalone.keys.partition("p")).encode()
+    for seq, (packed, (ops, views, recorded)) in enumerate(
+        zip(sent, appends, strict=True), start=1
+    ):
         assert isinstance(packed, bytes)
         command = _parse_command(packed)
         view_keys = [standalone.keys.view("p", v).encode() for v in views]
+        if recorded:
+            view_keys.append(names_key)
         n_keys = 4 + len(view_keys)
         assert command[: 3 + n_keys] == [
             b"EVALSHA",
@@ -293,7 +300,7 @@ async def test_packed_appends_with_view_ops_name_their_view_keys_and_ops(
         ]
         args = command[3 + n_keys :]
         assert args[:3] == [b"p", b"-", b"any"] and len(args[3]) == 17 and len(args[4]) == 8
-        assert args[5:8] == [b"1", b"%d" % len(ops), b"-"]
+        assert args[5:8] == [b"1", b"%d" % (len(ops) + len(recorded)), b"-"]
         want: list[bytes] = []
         for op in ops:
             k = b"%d" % (5 + views.index(op.view))
@@ -303,7 +310,10 @@ async def test_packed_appends_with_view_ops_name_their_view_keys_and_ops(
                 assert isinstance(op, es.HashSet)
                 exp = b"" if op.expected_version is None else b"%d" % op.expected_version
                 want += [b"hs", k, op.field.encode(), op.value, b"0", exp]
+        for name in recorded:
+            want += [b"vn", b"%d" % n_keys, name.encode()]
         assert args[13:] == want, seq
+    assert await standalone.client.smembers(names_key) == {b"a", b"h"}
     snapshot = await standalone.read_views("p", [es.ListRange("a", 0, -1), es.HashGet("h", ("f",))])
     listed, hashed = snapshot.results
     assert isinstance(listed, list) and isinstance(hashed, dict)

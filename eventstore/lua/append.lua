@@ -1,7 +1,8 @@
 --[[ threadlog append: one atomic step for one append to one thread.
 
 KEYS[1] log stream     KEYS[2] meta hash (with the idempotency ledger)
-KEYS[3] feed stream    KEYS[4] thread index   KEYS[5..] view keys named by the ops
+KEYS[3] feed stream    KEYS[4] thread index   KEYS[5..] view keys named by the ops (and the
+partition's set of view names, when a "vn" op names it)
 
 ARGV[1] thread id              ARGV[2] the writer's chain key fingerprint ("-": no key)
 ARGV[3] expected version: "any" | "no_thread" | "exists" | decimal exact version
@@ -16,6 +17,8 @@ then per op: opcode, view key index (into KEYS), operands:
   "hs" key field value event expected    set a hash field, bump its version
   "hd" key field expected                delete a hash field
   "vc" key                               delete a view
+  "vn" key name                          record a view name in the partition's set of them
+                                         (what delete_thread deletes; not a view op)
 
 Returns {"ok", first, last, time, incarnation} | {"dup", first, last, incarnation}
       | {"conflict", actual} | {"life", actual incarnation or nil, actual version} | {"reused"} | {"view", key index, field, expected, actual} | {"key", recorded fingerprint}
@@ -142,6 +145,9 @@ for o = 1, n_ops do
   elseif code == 'vc' then
     op = {code = code, key = KEYS[k], k = k}
     pos = pos + 2
+  elseif code == 'vn' then
+    op = {code = code, key = KEYS[k], k = k, name = ARGV[pos + 2]}
+    pos = pos + 3
   else
     return redis.error_reply('ERR threadlog: unknown view op ' .. tostring(code))
   end
@@ -227,6 +233,8 @@ for _, op in ipairs(ops) do
   elseif code == 'vc' then
     redis.call('DEL', op.key)
     kinds[op.key] = 'none'
+  elseif code == 'vn' then
+    redis.call('SADD', op.key, op.name)
   end
 end
 
