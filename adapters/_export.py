@@ -90,7 +90,7 @@ from eventstore import (
     redact,
     validate_view_name,
 )
-from eventstore._codec import seq_of_entry_id
+from eventstore._codec import MAX_EVENT_TIME_MS, seq_of_entry_id
 from eventstore._errors import DECODE_ERRORS
 from eventstore._feed import parse_stream_id
 
@@ -434,6 +434,8 @@ def _decode_page(
         if set(map(len, ids)) != {16}:
             raise ValueError("id length")
         time_ms = list(map(int, times))
+        if min(time_ms) < 0 or max(time_ms) > MAX_EVENT_TIME_MS:
+            raise ValueError("a time out of range")
         payloads = list(map(_any_msgpack.decode, datas))
         if set(map(type, payloads)) != {dict}:
             raise ValueError("payload is not a map")
@@ -469,6 +471,8 @@ def _decode_carefully(
             if len(event_id) != 16:
                 raise ValueError("the event id is not 16 bytes")
             time_ms = int(raw[b"s"])
+            if not 0 <= time_ms <= MAX_EVENT_TIME_MS:
+                raise ValueError(f"time {time_ms} ms is out of range (0 to 9999-12-31)")
         except KeyError as exc:
             raise CorruptEventError(
                 thread, seq, f"cannot export: no field {exc.args[0]!r}"

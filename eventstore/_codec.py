@@ -45,6 +45,10 @@ from ._ids import mint_ulid, ulid_bytes, validate_thread_id
 from ._ids import ulid_text as _ulid_str
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
+# The latest event time a log can hold: 9999-12-31T23:59:59.999Z, the last a datetime shows.
+# The server writes its own clock's (never below 0): any other time is damage, and would
+# crash what shows it or exports it (a date, a Parquet int64).
+MAX_EVENT_TIME_MS = 253_402_300_799_999
 CHAIN_HEX_CHARS = 32
 # The deepest an event may nest containers (lists, maps, structs; the event is level 1).
 # msgspec encodes and decodes nesting by recursion, bounded by the interpreter: 3.11 refuses
@@ -476,6 +480,11 @@ def decode_entry(
         raise CorruptEventError(thread_id, seq, f"missing field {exc.args[0]!r}") from None
     except (ValueError, AttributeError, UnicodeDecodeError) as exc:
         raise CorruptEventError(thread_id, seq, f"malformed envelope: {exc}") from None
+    if not 0 <= time_ms <= MAX_EVENT_TIME_MS:
+        raise CorruptEventError(
+            thread_id, seq, f"malformed envelope: time {time_ms} ms is out of range (0 to "
+            f"{MAX_EVENT_TIME_MS}, 9999-12-31)"
+        )  # fmt: skip
     if len(id_bytes) != 16:
         raise CorruptEventError(thread_id, seq, "event id is not 16 bytes")
     try:
@@ -570,7 +579,8 @@ def decode_payload_rows(
                     if meta_raw != last_raw:
                         last_meta = decode_meta(meta_raw) if meta_raw else _NO_META
                         last_raw = meta_raw
-                    int(time_raw)  # checked as the full path checks it, though not kept
+                    if not 0 <= int(time_raw) <= MAX_EVENT_TIME_MS:  # as the full path checks
+                        raise ValueError("time out of range")
                     if type(link) is bytes and link.isascii():  # the full path: .decode("ascii")
                         append((int(seq_raw), payload, id_bytes, last_meta))
                         continue
@@ -646,12 +656,15 @@ def _decode_rows(
                         last_meta = decode_meta(meta_raw) if meta_raw else _NO_META
                         last_raw = meta_raw
                     meta = last_meta
+                    time_ms = int(time_raw)
+                    if not 0 <= time_ms <= MAX_EVENT_TIME_MS:
+                        raise ValueError("time out of range")  # decode_entry says it
                     append(
                         RecordedEvent(
                             thread_id=thread_id,
                             seq=int(seq_raw),
                             id=_ulid_str(id_bytes),
-                            time_ms=int(time_raw),
+                            time_ms=time_ms,
                             payload=payload,
                             schema_version=version,
                             turn_id=meta.turn_id,

@@ -1032,6 +1032,28 @@ class EventStoreConformance:
             assert info.value.seq == 2
             assert await store.seq_at(thread, 0) == 0  # the search never reached it
 
+    async def test_an_entry_whose_time_is_out_of_range_is_damage(self, store: EventStore) -> None:
+        """A time no server clock writes (beyond 64 bits, past year 9999, negative) crashed
+        what shows or exports it (a date, a Parquet int64): every read path raises
+        `CorruptEventError` naming thread and seq instead."""
+        if not self.supports_raw_writes:
+            pytest.skip("backend cannot write raw entries")
+        await store.append("good", [msg("a")])
+        good = (await store.read_raw("good"))[0][1]
+        for i, bad in enumerate([b"99999999999999999999999", b"253402300800000", b"-5"]):
+            thread = f"time{i}"
+            await store.append(thread, [msg("a")])
+            await self.write_raw_entry(store, thread, "2-0", {**good, b"s": bad})
+            await self.set_version(store, thread, 2)
+            with pytest.raises(CorruptEventError, match="out of range") as info:
+                await read_all(store, thread)
+            assert (info.value.thread_id, info.value.seq) == (thread, 2), bad
+            with pytest.raises(CorruptEventError, match="out of range"):
+                async for _ in store.read_batches(thread):
+                    pass
+            with pytest.raises(CorruptEventError, match="out of range"):
+                await store.fold_payloads(thread, lambda rows: None)
+
     async def test_seq_at_reports_a_missing_entry_it_meets(self, store: EventStore) -> None:
         """The search looked at the first entry at or after each seq it tried: a missing one
         was stepped over (answered from the entry after it), or the search went on below it
