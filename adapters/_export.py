@@ -313,13 +313,28 @@ class _Rows:
                     [times[i] for i in keep],
                 )
                 payloads, metas = [payloads[i] for i in keep], [metas[i] for i in keep]
+        # The payloads first, before any column grows: one JSON cannot hold (a non-string
+        # key, written by an application's own event) stops the export naming it.
+        # ``encode_into`` appends to the buffer and returns None: ``or`` records the end.
+        data, encode_into = self.payload, _json.encode_into
+        start = len(data)
+        try:
+            ends = [encode_into(p, data, -1) or len(data) for p in payloads]
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            del data[start:]
+            for seq, payload in zip(seqs, payloads, strict=True):
+                try:
+                    _json.encode(payload)
+                except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+                    raise CorruptEventError(
+                        thread, seq, f"cannot export: its payload holds what JSON cannot: {exc}"
+                    ) from None
+            raise
+        self.payload_ends += ends
         self.thread += repeat(thread, len(seqs))
         self.seq += seqs
         self.id += map(_ulid_text, ids) if self.text_ids else ids
         self.time_ms += times
-        # ``encode_into`` appends to the buffer and returns None: ``or`` records the end.
-        data, encode_into = self.payload, _json.encode_into
-        self.payload_ends += [encode_into(p, data, -1) or len(data) for p in payloads]
         # Each derived column is one ``map`` of ``dict.get`` over the payloads: the loop runs
         # in C, where a Python loop over events with seven lookups cost ~0.7 us an event.
         # An application's own event may use these field names for values of other types (an

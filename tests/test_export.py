@@ -1073,6 +1073,22 @@ class _Scored(es.Event, tag="test_export.scored", frozen=True):
 
 
 @pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_payload_json_cannot_hold_stops_the_export_naming_its_event(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    """An application's event holding a non-string key (msgpack stores it, JSON cannot):
+    the export crashed with a TypeError (exit 3) on it, every run. It stops with
+    `CorruptEventError` naming thread and seq, and writes nothing."""
+    if "test_export.scored" not in es.registry:
+        es.registry.register(_Scored)
+    await redis_store.append("t", [_Scored(outcome="fine"), _Scored(outcome={True: 1})])
+    with pytest.raises(es.CorruptEventError, match="holds what JSON cannot") as info:
+        await Exporter(redis_store, tmp_path / "out", fmt=fmt).run()  # type: ignore[arg-type]
+    assert (info.value.thread_id, info.value.seq) == ("t", 2)
+    assert not list((tmp_path / "out").glob("part-*"))
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
 async def test_derived_columns_keep_their_types_whatever_an_event_holds(
     redis_store: es.EventStore, tmp_path: Path, fmt: str
 ) -> None:
