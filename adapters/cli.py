@@ -681,7 +681,7 @@ class Ctx:
         return Projector(self.store)
 
     def json(self, value: Any) -> None:
-        write_stdout(msgspec.json.format(msgspec.json.encode(json_ready(value)), indent=2) + b"\n")
+        write_stdout(msgspec.json.format(json_bytes(json_ready(value)), indent=2) + b"\n")
 
     def progress(self, description: str, unit: str | None = None) -> _Progress:
         return _Progress(self.err, description, enabled=self.progress_ok, unit=unit)
@@ -801,8 +801,38 @@ def fmt_duration(ms: int) -> str:
     return f"{ms / 60_000:.1f} min"
 
 
+def json_bytes(value: Any) -> bytes:
+    """``value`` as JSON. Stored data JSON cannot hold as it is (a non-string key, which an
+    application's own event may carry) is shown with its keys as JSON writers key them
+    (``true``, ``1``), never a crash half-way through a command."""
+    try:
+        return msgspec.json.encode(value)
+    except TypeError:
+        return msgspec.json.encode(_string_keys(value))
+
+
+def _string_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {_key_text(k): _string_keys(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_string_keys(v) for v in value]
+    if isinstance(value, msgspec.Struct):
+        return _string_keys(msgspec.to_builtins(value, str_keys=True))
+    return value
+
+
+def _key_text(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool):
+        return {None: "null", True: "true", False: "false"}[key]
+    if isinstance(key, int | float):
+        return repr(key)
+    return str(key)
+
+
 def compact_json(value: Any, limit: int | None = None) -> str:
-    text = msgspec.json.encode(value).decode("utf-8")
+    text = json_bytes(value).decode("utf-8")
     if limit is not None and len(text) > limit:
         return text[: limit - 3] + "..."
     return text
@@ -1485,7 +1515,7 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
                 "turns": len(step.records),
                 "transcript": len(step.transcript),
             }
-            write_stdout(msgspec.json.encode(row) + b"\n")
+            write_stdout(json_bytes(row) + b"\n")
             continue
         line = Text(f"#{event.seq:<5} {fmt_time(event.time_ms)}  ")
         line.append(f"{event.type:<{type_width}} ", style="cyan")
@@ -1658,7 +1688,7 @@ async def _tail(ctx: Ctx, store: es.EventStore, args: argparse.Namespace, *, new
 
     def say(line: Text | dict[str, Any]) -> None:
         if isinstance(line, dict):
-            write_stdout(msgspec.json.encode(line) + b"\n")
+            write_stdout(json_bytes(line) + b"\n")
         else:
             ctx.out.print(line)
 

@@ -1108,6 +1108,32 @@ def test_replay_and_show_report_entries_lost_at_the_end_of_a_log(redis_url: str)
     assert cli("replay", "t", "--to", "3", url=redis_url, namespace=namespace).code == 0
 
 
+def test_stored_keys_json_cannot_hold_are_shown_not_a_crash(redis_url: str) -> None:
+    """A message written through the store itself (not ThreadStore, which refuses it) whose
+    tool call input is keyed by a bool and a tuple: show, replay and their --json crashed
+    (exit 3) on every run; the keys are shown as JSON writers key them."""
+    namespace = fresh_namespace()
+    odd = es.Message(
+        role="assistant",
+        content=[es.ToolCallPart(tool_call_id="c", tool_name="f", input={True: 1, (1, 2): "t"})],
+    )
+
+    async def write(store: es.EventStore) -> None:
+        await store.append("t1", [es.MessageAppended(message=odd)])
+
+    with_store(redis_url, namespace, write)
+    for command in (
+        ["show", "t1"],
+        ["show", "t1", "--json"],
+        ["replay", "t1"],
+        ["replay", "t1", "--json"],
+    ):
+        run = cli(*command, url=redis_url, namespace=namespace)
+        assert run.code == 0 and "Traceback" not in run.err, (command, run)
+    replayed = json.loads(cli("replay", "t1", "--json", url=redis_url, namespace=namespace).out)
+    assert replayed["payload"]["message"]["content"][0]["input"] == {"true": 1, "(1, 2)": "t"}
+
+
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
     run = cli("replay", demo.thread, url=demo.url, namespace=demo.namespace)
     assert run.code == 0, run
