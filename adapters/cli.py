@@ -13,6 +13,7 @@ import asyncio
 import codecs
 import contextlib
 import difflib
+import importlib
 import io
 import os
 import re
@@ -118,6 +119,7 @@ environment:
   THREADLOG_DEBUG         1: an internal error shows its traceback
 """
 URL_ENV = "THREADLOG_URL"
+EVENTS_ENV = "THREADLOG_EVENTS"
 # Export writes files, consumer groups and the data set's id, but no event: a namespace it is
 # pointed at must exist already (a misspelt --namespace must not create one).
 READ_ONLY_COMMANDS = frozenset(
@@ -313,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace",
         default=argparse.SUPPRESS,
         help="namespace (tenant) of the store (default: the URL's ?namespace=, else 'default')",
+    )
+    common.add_argument(
+        "--events",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="MODULE",
+        help=f"import MODULE first (repeatable; importable from the current directory or "
+        f"PYTHONPATH): the one that registers your application's event types, so that "
+        f"verify, replay, show and rebuild decode them (default: ${EVENTS_ENV}, "
+        f"comma-separated)",
     )
     json_parent = _Parser(add_help=False)
     json_parent.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -2718,6 +2730,26 @@ def _preflight(args: argparse.Namespace) -> None:
             raise es.InvalidInputError(f"cannot read {args.file}: Permission denied")
 
 
+def _import_event_modules(given: list[str] | None) -> None:
+    """Import the modules that register an application's event types (``--events``, else
+    ``THREADLOG_EVENTS``): without them its events are unknown types to every command (verify
+    calls them undecodable, replay stops at them)."""
+    names = given if given is not None else os.environ.get(EVENTS_ENV, "").split(",")
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        return
+    if os.getcwd() not in sys.path:  # as `python -m` finds a module of the current directory
+        sys.path.insert(0, os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the module's own code may raise anything
+            where = "--events" if given is not None else EVENTS_ENV
+            raise UsageError(
+                f"{where}: cannot import {name!r}: {type(exc).__name__}: {exc}"
+            ) from None
+
+
 def _fail(message: str, code: int) -> int:
     sys.stderr.write(f"threadlog: {_one_line(message)}\n")
     sys.stderr.flush()
@@ -2858,6 +2890,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if namespace is not None:  # refused before an embedded server is started for nothing
             es.validate_namespace(namespace)
         _preflight(args)
+        _import_event_modules(getattr(args, "events", None))
         where = resolve_where(getattr(args, "url", None))
         anyio.run(_run, args, where)
     except KeyboardInterrupt:

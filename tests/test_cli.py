@@ -1134,6 +1134,57 @@ def test_stored_keys_json_cannot_hold_are_shown_not_a_crash(redis_url: str) -> N
     assert replayed["payload"]["message"]["content"][0]["input"] == {"true": 1, "(1, 2)": "t"}
 
 
+class _CliScored(es.Event, tag="test_cli.scored", frozen=True):
+    """An application's event type, as the module in `test_events_option...` defines it."""
+
+    points: int = 0
+
+
+APP_EVENTS_MODULE = """
+import eventstore as es
+
+
+@es.register_event
+class Scored(es.Event, tag="test_cli.scored", frozen=True):
+    points: int = 0
+"""
+
+
+def test_the_events_option_imports_an_applications_event_types(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Without its module, an application's events are unknown types to the command: verify
+    called every one of them undecodable (exit 1), a forgery among them looked the same.
+    --events (or THREADLOG_EVENTS) imports the module that registers them."""
+    if "test_cli.scored" not in es.registry:
+        es.registry.register(_CliScored)
+    namespace = fresh_namespace()
+    (tmp_path / "myapp_events.py").write_text(APP_EVENTS_MODULE)
+
+    async def write(store: es.EventStore) -> None:
+        await store.append("t1", [_CliScored(points=i) for i in range(3)])
+
+    with_store(redis_url, namespace, write)
+    bare = cli("verify", "t1", url=redis_url, namespace=namespace, cwd=tmp_path)
+    assert bare.code == 1 and "test_cli.scored" in bare.out + bare.err, bare
+    given = cli(
+        "--events", "myapp_events", "verify", "t1", url=redis_url, namespace=namespace, cwd=tmp_path
+    )
+    assert given.code == 0 and "OK" in given.out, given
+    env = child_env(THREADLOG_EVENTS="myapp_events")
+    replayed = cli(
+        "replay", "t1", "--json", url=redis_url, namespace=namespace, cwd=tmp_path, env=env
+    )
+    assert replayed.code == 0, replayed
+    assert [json.loads(line)["payload"].get("points", 0) for line in replayed.out.splitlines()] == [
+        0,
+        1,
+        2,
+    ]
+    missing = cli("--events", "no_such_module", "verify", "t1", url=redis_url, namespace=namespace)
+    assert missing.code == 2 and "--events: cannot import 'no_such_module'" in missing.err, missing
+
+
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
     run = cli("replay", demo.thread, url=demo.url, namespace=demo.namespace)
     assert run.code == 0, run
