@@ -116,6 +116,8 @@ environment:
   THREADLOG_SECRET        the key the threads' hash chains are linked with (every command)
   THREADLOG_REDIS_SERVER  the server binary the embedded server runs (default: redis-server,
                           else valkey-server, from PATH)
+  THREADLOG_EVENTS        modules to import first, comma-separated, when --events is not
+                          given: those registering your application's event types
   THREADLOG_DEBUG         1: an internal error shows its traceback
 """
 URL_ENV = "THREADLOG_URL"
