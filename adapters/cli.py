@@ -1485,6 +1485,10 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     version = await _require_thread(ctx, thread)
     if args.as_of is not None:  # refused before anything is printed when past the end
         point = await _as_of_seq(ctx.projector, thread, args.as_of)
+        if point == 0:  # a time before its first event: nothing to replay, as show says
+            if not args.json:
+                ctx.out.print("Nothing had been recorded in this thread by then.")
+            return
         if args.start > point:
             # An empty replay would read as a range with no events, not as options that
             # contradict each other.

@@ -925,6 +925,12 @@ def test_show_as_of_a_seq_and_a_time_folds_the_past(demo: Demo) -> None:
         namespace=demo.namespace,
     )
     assert before.code == 0 and "Nothing had been recorded" in before.out
+    # So does replay (it said "--from 1 comes after --as-of ...", exit 2, with no --from).
+    old = ("replay", demo.thread, "--as-of", "2001-01-01T00:00:00Z")
+    replayed = cli(*old, url=demo.url, namespace=demo.namespace)
+    assert replayed.code == 0 and "Nothing had been recorded" in replayed.out, replayed
+    as_json = cli(*old, "--json", url=demo.url, namespace=demo.namespace)
+    assert (as_json.code, as_json.out) == (0, ""), as_json
     # Replaying "up to" a point the thread has not reached is refused, not the whole thread.
     replay = cli(
         "replay",
