@@ -46,6 +46,7 @@ from eventstore import (
     validate_thread_id,
 )
 from eventstore._codec import (
+    MAX_EVENT_TIME_MS,
     UNKEYED_FINGERPRINT,
     decode_entry,
     key_fingerprint,
@@ -380,7 +381,7 @@ class _Verifier:
                     # What `decode_entry` checks, without building the event; whatever fails
                     # here goes to `decode_entry` itself, which decides and words the verdict.
                     try:
-                        if len(id_bytes) != 16:
+                        if len(id_bytes) != 16 or not 0 <= s <= MAX_EVENT_TIME_MS:
                             raise ValueError
                         registry.decode(data, version)
                         if meta:
