@@ -452,14 +452,16 @@ async def test_the_connect_timeout_can_be_given_to_connect_and_in_the_url() -> N
     with _silent_listener() as port:
         error, elapsed = await _connect_error(f"rediss://127.0.0.1:{port}", connect_timeout=0.5)
         assert isinstance(error, es.ConnectTimeoutError) and error.timeout == 0.5
-        assert elapsed < 1.0, f"connect() took {elapsed:.1f} s"
+        # Half the 5 s default: the 0.5 s given is what bounds it (a TLS cluster client on a
+        # loaded CI machine took 1.1 s, over the 1.0 s this asked before).
+        assert elapsed < 2.5, f"connect() took {elapsed:.1f} s"
         for url in [
             f"redis://127.0.0.1:{port}?connect_timeout=0.5",
             f"rediss+cluster://127.0.0.1:{port}?connect_timeout=0.5",
         ]:
             error, elapsed = await _connect_error(url)
             assert isinstance(error, es.ConnectTimeoutError) and error.timeout == 0.5, url
-            assert elapsed < 1.0, f"connect() took {elapsed:.1f} s ({url})"
+            assert elapsed < 2.5, f"connect() took {elapsed:.1f} s ({url})"
     with pytest.raises(InvalidURLError, match="connect_timeout"):
         StoreSettings.from_url("redis://h?connect_timeout=0")
     with pytest.raises(InvalidURLError, match="connect_timeout"):
