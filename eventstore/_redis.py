@@ -1861,8 +1861,10 @@ class RedisEventStore(EventStore):
         # The range and the stream's trim record (max-deleted-entry-id, which the trim script
         # moves) in one atomic step: a trim landing just before the read is seen by it.
         pipe = self.client.pipeline(transaction=True)
-        pipe.xrange(key, f"({after}", "+", count)
-        pipe.xinfo_stream(key)
+        # execute_command, not pipe.xrange/xinfo_stream: redis-py 6.4's cluster transaction
+        # hands those methods' `keys=` argument on to the reply callback, which refuses it.
+        pipe.execute_command("XRANGE", key, f"({after}", "+", "COUNT", count)
+        pipe.execute_command("XINFO STREAM", key)
         rows, info = await _call(pipe.execute(raise_on_error=False))
         if isinstance(info, Exception):
             if "no such key" in str(info).lower():
