@@ -162,8 +162,15 @@ _WORKERS_LOCK = ".workers.lock"
 """Held (shared) by every worker process of a run; a new run waits until none holds it."""
 LEGACY_NAME = "export"
 """The export name directories got before each had its own (`directory_export_name`)."""
-SOURCE_FILE = "source.json"
-"""The directory's source: namespace, data set id (`EventStore.namespace_id`), export name."""
+SOURCE_FILE = "_source.json"
+"""The directory's source: namespace, data set id (`EventStore.namespace_id`), export name.
+
+This and the parts' positions sidecars start with ``_`` so that readers of a directory of parts
+skip them, as they skip names starting with ``.`` (pyarrow, and pandas and Spark over it):
+``pandas.read_parquet(directory)`` reads the parts alone."""
+LEGACY_SOURCE_FILE = "source.json"
+"""`SOURCE_FILE` as directories written before 2026-12 name it; a run renames it."""
+_SIDECAR_SUFFIX = ".positions.json"
 FENCE_TIMEOUT = 30.0
 """Seconds a run waits for the workers of an earlier, killed run to be gone."""
 
@@ -684,7 +691,7 @@ class _PartWriter:
         elif self._parquet is None:
             self.write_empty()
         self._close_parquet()
-        sidecar = self.final.with_suffix(".positions.json")
+        sidecar = sidecar_path(self.final)
         _atomic_write(sidecar, json.dumps({str(k): v for k, v in positions.items()}).encode())
         with open(self.tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -835,7 +842,13 @@ def _read_source(directory: Path) -> _Source | None:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return None
+        path = directory / LEGACY_SOURCE_FILE
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
     except OSError as exc:
         raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
@@ -870,9 +883,39 @@ def _remove_made(directory: Path, made: list[Path]) -> None:
 
 
 def _remove_source(directory: Path) -> None:
-    path = directory / SOURCE_FILE
-    if path.exists():
-        path.unlink()
+    removed = False
+    for name in (SOURCE_FILE, LEGACY_SOURCE_FILE):
+        path = directory / name
+        if path.exists():
+            path.unlink()
+            removed = True
+    if removed:
+        _fsync_dir(directory)
+
+
+def sidecar_path(part: Path) -> Path:
+    """Where the positions of ``part`` (``part-N.parquet``) are: ``_part-N.positions.json``."""
+    return part.with_name(f"_{part.stem}{_SIDECAR_SUFFIX}")
+
+
+def _rename_legacy_records(directory: Path) -> None:
+    """Give the records of a directory written before 2026-12 (``source.json``,
+    ``part-N.positions.json``) the names that readers of the parts skip (`SOURCE_FILE`).
+
+    Called with the run lock held. Sidecars first, then the source: a crash between two renames
+    leaves names `committed_positions` and `_read_source` read either way, and the next run
+    finishes the job."""
+    renamed = False
+    for path in sorted(directory.iterdir()):
+        name = path.name
+        if name.startswith("part-") and name.endswith(_SIDECAR_SUFFIX):
+            os.replace(path, directory / f"_{name}")
+            renamed = True
+    legacy = directory / LEGACY_SOURCE_FILE
+    if legacy.exists() and not (directory / SOURCE_FILE).exists():
+        os.replace(legacy, directory / SOURCE_FILE)
+        renamed = True
+    if renamed:
         _fsync_dir(directory)
 
 
@@ -968,15 +1011,18 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
         if name.startswith(".part-") and name.endswith(".tmp"):
             path.unlink(missing_ok=True)
             continue
-        if name.endswith(".positions.json"):
-            part = name[: -len(".positions.json")]
+        if name.endswith(_SIDECAR_SUFFIX):
+            part = name[: -len(_SIDECAR_SUFFIX)].removeprefix("_")
             if not any((directory / f"{part}.{ext}").exists() for ext in ("ndjson", "parquet")):
                 digits = part.removeprefix("part-")
                 orphans.append((int(digits) if digits.isdigit() else 0, path))
             continue
         match = _PART_RE.match(name)
         if match:
-            sidecar = directory / f"part-{match.group(1)}.positions.json"
+            sidecar = sidecar_path(path)
+            if not sidecar.exists():  # a directory written before 2026-12, not yet renamed
+                legacy = directory / f"{path.stem}{_SIDECAR_SUFFIX}"
+                sidecar = legacy if legacy.exists() else sidecar
             parts.append((int(match.group(1)), sidecar))
     newest = max(parts)[0] if parts else 0
     for orphan, path in orphans:
@@ -996,7 +1042,7 @@ def _read_sidecar(sidecar: Path) -> dict[int, str]:
     """A committed part's positions; `ExportSourceError` naming the file when it is missing or
     damaged (a directory copied without its sidecars, an edit): a run cannot know where the
     directory stands, and guessing would export a hole or duplicates."""
-    part = sidecar.name[: -len(".positions.json")]
+    part = sidecar.name[: -len(_SIDECAR_SUFFIX)].removeprefix("_")
     try:
         raw = json.loads(sidecar.read_bytes())
         if not isinstance(raw, dict):
@@ -1212,6 +1258,7 @@ class Exporter:
     ) -> ExportResult:
         with _run_lock(self.directory):
             await _fence_earlier_workers(self.directory)
+            await anyio.to_thread.run_sync(_rename_legacy_records, self.directory)
             number, positions = await anyio.to_thread.run_sync(committed_positions, self.directory)
             if positions:
                 return await self._run_from(number, positions, since_ms, progress, None)
@@ -1513,7 +1560,7 @@ class Exporter:
             for name in result.files:
                 part = Path(name)
                 part.unlink(missing_ok=True)
-                part.with_suffix(".positions.json").unlink(missing_ok=True)
+                sidecar_path(part).unlink(missing_ok=True)
             _fsync_dir(self.directory)
 
         await anyio.to_thread.run_sync(remove)

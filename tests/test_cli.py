@@ -1773,7 +1773,7 @@ def test_export_from_an_empty_store_leaves_the_directory_for_a_real_one(
     for url in ("memory://", "memory://"):  # a new, empty data set in every process
         empty = cli("export", "--out", str(out), "--format", "ndjson", url=url)
         assert empty.code == 0 and "Nothing to export" in empty.out, empty
-    assert not out.exists() or not (out / "source.json").exists()
+    assert not out.exists() or not (out / SOURCE_FILE).exists()
     namespace = fresh_namespace()
     with_store(redis_url, namespace, lambda s: s.append("t", [msg("q")]))
     real = cli(

@@ -35,6 +35,7 @@ from adapters import (
 )
 from adapters._export import (
     FIRST_READ,
+    LEGACY_SOURCE_FILE,
     PAGE,
     SOURCE_FILE,
     _fence_earlier_workers,
@@ -193,6 +194,43 @@ async def test_parquet_reads_back_in_duckdb(store: es.EventStore, tmp_path: Path
     finally:
         con.close()
     assert result == [("small", 4, 10 + 11 + 12 + 13)]
+
+
+async def test_pyarrow_reads_the_directory_as_a_whole(store: es.EventStore, tmp_path: Path) -> None:
+    # pandas.read_parquet(directory) goes through this: before, the positions sidecars and the
+    # source record were taken for parts (ArrowInvalid: "Parquet file size is 38 bytes").
+    await conversation(store, "t", 2)
+    await Exporter(store, tmp_path).run()
+    await conversation(store, "u", 1)
+    assert (await Exporter(store, tmp_path).run()).files
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 2
+    assert (tmp_path / SOURCE_FILE).exists()
+    table = pq.read_table(tmp_path)
+    assert table.num_rows == len(await log_rows(store)) == 9
+    assert sorted(set(table.column("thread").to_pylist())) == ["t", "u"]
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_directory_with_the_records_named_as_before_is_continued(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    # Directories written before the records took their "_" names: "source.json" and
+    # "part-N.positions.json". A run reads them, renames them, and exports only what is new.
+    await conversation(redis_store, "t", 2)
+    await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    (tmp_path / SOURCE_FILE).rename(tmp_path / LEGACY_SOURCE_FILE)
+    sidecar = tmp_path / "_part-00000001.positions.json"
+    sidecar.rename(tmp_path / "part-00000001.positions.json")
+    assert committed_positions(tmp_path)[0] == 1  # read under its old name, as it stands
+    await conversation(redis_store, "t", 1)
+    second = await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    assert second.events == 3  # the new turn only: open, message, settlement
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "_part-00000001.positions.json", "_part-00000002.positions.json", SOURCE_FILE,
+        f"part-00000001.{fmt}", f"part-00000002.{fmt}",
+    ]  # fmt: skip
+    rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
+    assert sorted(keyset(rows)) == sorted(await log_rows(redis_store))  # each once
 
 
 async def test_feed_trimming_waits_for_the_export(store: es.EventStore, tmp_path: Path) -> None:
@@ -1212,8 +1250,8 @@ async def test_a_run_that_commits_nothing_leaves_no_directory_it_made(
     now = datetime.now(UTC)
     await conversation(redis_store, "t", 1)
     assert (await Exporter(redis_store, out).run(since=now)).files
-    assert sorted(p.name for p in out.glob("part-*")) == [
-        "part-00000001.parquet", "part-00000001.positions.json",
+    assert sorted(p.name for p in out.glob("*part-*")) == [
+        "_part-00000001.positions.json", "part-00000001.parquet",
     ]  # fmt: skip
 
 
@@ -1283,7 +1321,7 @@ async def test_a_missing_or_damaged_positions_file_is_refused_naming_it(
 ) -> None:
     await conversation(redis_store, "t", 1)
     await Exporter(redis_store, tmp_path, fmt="ndjson").run()
-    sidecar = tmp_path / "part-00000001.positions.json"
+    sidecar = tmp_path / "_part-00000001.positions.json"
     good = sidecar.read_bytes()
     await conversation(redis_store, "t", 1)
     # Each was an internal error (JSONDecodeError, AttributeError: exit 3 in the command).
