@@ -179,6 +179,18 @@ _NO_CREDENTIALS = ("NOAUTH", "Authentication required", "HELLO must be called wi
 _SCRIPT_ACL_DENIALS = ("user executing the script can't", "ACL failure in script")
 
 
+def _caused_by_timeout(exc: BaseException) -> bool:
+    """Whether a timeout is among the errors ``exc`` was raised from (its first few causes)."""
+    cause = exc.__cause__ or exc.__context__
+    for _ in range(4):
+        if cause is None:
+            return False
+        if isinstance(cause, TimeoutError | rex.TimeoutError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def translate_redis_error(exc: BaseException) -> EventStoreError:
     """The one place where redis-py errors become threadlog errors."""
     if isinstance(exc, rex.TimeoutError):
@@ -203,6 +215,10 @@ def translate_redis_error(exc: BaseException) -> EventStoreError:
             f"redis refused the credentials: {exc} (check the user name and password the URL "
             "gives before the host, as user:password@host)"
         )
+    if isinstance(exc, rex.ConnectionError) and _caused_by_timeout(exc):
+        # redis-py raises ConnectionError("Timeout reading from ...") for a timeout during a
+        # reconnect's handshake, its retries spent: a stalled server ends that way.
+        return StoreTimeoutError(f"redis timed out: {exc}")
     if isinstance(exc, rex.ConnectionError | rex.ClusterDownError | ConnectionError):
         return StoreConnectionError(f"redis connection failed: {exc}")
     # An ACL denial inside a script is a plain ERR, not NOPERM, in each server's own words.

@@ -300,6 +300,16 @@ def test_incarnation_conflict_is_a_concurrency_error_with_its_lives() -> None:
     assert "no longer exists" in str(exc)
 
 
+def test_a_connection_error_from_a_timeout_is_a_timeout() -> None:
+    # redis-py's words when a reconnect's handshake times out, its retries spent.
+    late = rex.ConnectionError("Timeout reading from /tmp/r.sock")
+    late.__cause__ = rex.TimeoutError("Timeout reading from /tmp/r.sock")
+    assert type(translate_redis_error(late)) is StoreTimeoutError
+    refused = rex.ConnectionError("Error 111 connecting")
+    refused.__cause__ = ConnectionRefusedError(111, "refused")
+    assert type(translate_redis_error(refused)) is StoreConnectionError
+
+
 def test_concurrency_error_keeps_expected_and_actual() -> None:
     exc = pickle.loads(pickle.dumps(ConcurrencyError("t", ANY, 7)))
     assert isinstance(exc, ConcurrencyError)

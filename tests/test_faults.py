@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -519,6 +520,36 @@ async def test_client_kill_storm(private_redis: RedisServer, retries: int) -> No
     if retries == 0:
         assert stats.errors["StoreConnectionError"] > 0, summary
     assert result.clean, summary + f"; {result.unverified[:3]} {result.view_differences[:3]}"
+
+
+async def test_a_stalled_server_is_a_timeout_on_every_path(private_redis: RedisServer) -> None:
+    """A server that takes connections and answers nothing (stopped: a swapped machine, a
+    debugger) is a `StoreTimeoutError` on each path: a held append, a pooled read, a
+    redis-py command. redis-py ends a timeout in a reconnect's handshake as ConnectionError
+    ("Timeout reading from ..."), which was a `StoreConnectionError`."""
+    store = await es.open_store(settings_for(private_redis, socket_timeout=0.2, retries=1))
+    new = es.MessageAppended(message=es.Message(role="user", content="q"))
+    process = private_redis.process
+    assert process is not None
+    try:
+        await store.append("t", [new])
+        process.send_signal(signal.SIGSTOP)
+        try:
+            calls: dict[str, Callable[[], Awaitable[object]]] = {
+                "append": lambda: store.append("t", [new]),
+                "read": lambda: read_all(store, "t"),
+                "threads": store.threads,
+            }
+            for name, call in calls.items():
+                with pytest.raises(es.OperationalError) as caught:
+                    await call()
+                assert type(caught.value) is es.StoreTimeoutError, (name, repr(caught.value))
+                assert isinstance(caught.value, TimeoutError) and "timed out" in str(caught.value)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert [e.seq for e in await read_all(store, "t")][:1] == [1]
+    finally:
+        await store.close()
 
 
 SOCKET_TIMEOUT = 0.2
