@@ -36,7 +36,7 @@ import anyio.abc
 import msgspec
 
 import eventstore as es
-from eventstore._codec import decode_entry
+from eventstore._codec import decode_entry, log_without_meta
 from eventstore._errors import UNREACHABLE
 from eventstore._feed import (
     parse_stream_id,
@@ -1132,14 +1132,20 @@ def records_table(title: str, records: Sequence[TurnRecord]) -> Table:
 # -- commands -----------------------------------------------------------------------------------
 
 
-async def _require_thread(ctx: Ctx, thread: str) -> int:
-    """The thread's version; a usage error when the thread has no events."""
+async def _require_thread(ctx: Ctx, thread: str, *, reports_damage: bool = False) -> int:
+    """The thread's version; a usage error when the thread has no events.
+
+    Version 0 with entries in the log is not "no thread": its meta hash was lost or tampered
+    with. A command that ``reports_damage`` (check, rebuild) says so in its report; any other
+    would read the thread as empty (show) or its end as seq 0 (replay), so it fails here as
+    the store's own reads do (`CorruptEventError`, exit 1, pointing to verify)."""
     es.validate_thread_id(thread)
     version = await ctx.store.version(thread)
-    if version == 0 and not await ctx.store.read_raw(thread, count=1):
-        # Version 0 with entries in the log is not "no thread": its meta hash was lost or
-        # tampered with, which verify reports and the other commands must not hide.
-        raise UsageError(f"no thread {thread!r} in namespace {ctx.store.namespace!r}")
+    if version == 0:
+        if not await ctx.store.read_raw(thread, count=1):
+            raise UsageError(f"no thread {thread!r} in namespace {ctx.store.namespace!r}")
+        if not reports_damage:
+            raise log_without_meta(thread)
     return version
 
 
@@ -2300,7 +2306,7 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
     auditor = Auditor(ctx.store, _every_view(ctx.store))
     if thread is not None:
-        await _require_thread(ctx, thread)
+        await _require_thread(ctx, thread, reports_damage=True)
         try:
             version = await auditor.rebuild(thread, trust_log=args.trust_log)
         except UnverifiedLogError as exc:
@@ -2439,7 +2445,7 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
     auditor = Auditor(ctx.store, _every_view(ctx.store))
     if thread is not None:
-        await _require_thread(ctx, thread)
+        await _require_thread(ctx, thread, reports_damage=True)
         found = await auditor.check(thread)
         verdict, report = found.verdict, found.report
         if args.json:

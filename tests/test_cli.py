@@ -1303,6 +1303,16 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     metaless = cli("verify", "metaless", url=redis_url, namespace=namespace)
     assert metaless.code == 1 and "meta" in metaless.out, metaless
     assert "inserted" not in metaless.out, metaless
+    # Read elsewhere it is that damage too (exit 1), not an empty thread or a seq 0 end.
+    for command in ("replay", "show"):
+        line = assert_one_line_error(
+            cli(command, "metaless", url=redis_url, namespace=namespace), code=1
+        )
+        assert "meta hash (gone, or at version 0)" in line, (command, line)
+        assert "run 'threadlog verify metaless'" in line, (command, line)
+    for command in ("check", "rebuild"):  # their reports say it, pointing to verify
+        run = cli(command, "metaless", url=redis_url, namespace=namespace)
+        assert run.code == 1 and "threadlog verify metaless" in run.out + run.err, run
     # A version that is not a number: damage to that thread, never an internal error.
     miscounted = cli("verify", "miscounted", url=redis_url, namespace=namespace)
     assert miscounted.code == 1 and "meta hash is damaged" in miscounted.out, miscounted
