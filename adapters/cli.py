@@ -1272,6 +1272,11 @@ async def _versions_or_none(store: es.EventStore, thread_ids: list[str]) -> list
             out += await store.versions(chunk)
         except es.CorruptEventError:  # one damaged meta among them: each alone says which
             out += [await _version_or_none(store, t) for t in chunk]
+    for i, (thread_id, version) in enumerate(zip(thread_ids, out, strict=True)):
+        # Listed with no version: its meta hash is gone while its log is there (damage), or
+        # it was deleted after the index was read (its log is gone too: 0 events it is).
+        if version == 0 and await store.read_raw(thread_id, count=1):
+            out[i] = None
     return out
 
 

@@ -1319,6 +1319,12 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert "b'abc'" in miscounted.out
     listed = cli("threads", url=redis_url, namespace=namespace)
     assert listed.code == 0 and "damaged" in listed.out, listed
+    damaged = {
+        row["thread"]
+        for row in cli("threads", "--json", url=redis_url, namespace=namespace).json()["threads"]
+        if row["version"] is None
+    }
+    assert damaged == {"metaless", "miscounted"}, damaged
     for command in ("check", "rebuild"):
         run = cli(command, "--all", url=redis_url, namespace=namespace)
         assert run.code == 1 and "miscounted" in run.out and "Traceback" not in run.err, run
