@@ -2399,13 +2399,16 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
             cells = (d.view, d.key, d.expected, d.actual)
             table.add_row(*(Text(printable(cell)) for cell in cells))
         ctx.out.print(table)
+    _print_anomalies(ctx, report)
+
+
+def _print_anomalies(ctx: Ctx, report: CheckReport, *, named: bool = False) -> None:
+    """The report's turn anomalies (a settlement of a turn never opened, ...): notes, not
+    differences; ``named`` puts the thread in each, for a listing of many."""
+    thread = f"{report.thread_id} " if named else ""
     for a in report.anomalies:
-        ctx.out.print(
-            Text(
-                printable(f"  note: seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}"),
-                style="yellow",
-            )
-        )
+        note = f"  note: {thread}seq {a.seq}: turn {a.turn_id} {a.kind.replace('_', ' ')}"
+        ctx.out.print(Text(printable(note), style="yellow"))
 
 
 def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
@@ -2484,6 +2487,8 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         wrong_key = [t for t in unverified if verdicts[t].kind == "wrong_key"]
         damaged = [t for t in unverified if verdicts[t].kind != "wrong_key"]
         different = [t for t in bad if t in reports and not reports[t].ok]
+        # Threads that check OK but whose turns are odd: said, or a listing would hide them.
+        noted = [t for t in reports if t not in bad and reports[t].anomalies]
         if bad:
             parts = []
             if different:
@@ -2497,12 +2502,16 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
             line.append(", ".join(parts), style="bold red")
         else:
             line.append("all OK", style="bold green")
+        if noted:
+            line.append(f" ({plural(len(noted), 'thread')} with turn notes)", style="yellow")
         ctx.out.print(line)
         for t in bad:
             if t in reports:
                 _print_report(ctx, reports[t], verdicts[t])
             else:
                 _print_damaged_log(ctx, verdicts[t])
+        for t in noted:
+            _print_anomalies(ctx, reports[t], named=True)
     if bad:
         raise Failed
 

@@ -46,6 +46,7 @@ from eventstore._keys import KeyLayout
 from eventstore.servers import free_port, redis_server
 from eventstore.testing import msg
 from projections import Projector
+from projections.testing import settled
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = (sys.executable, "-m", "adapters.cli")
@@ -1222,6 +1223,33 @@ def test_a_turn_of_one_step_is_said_in_the_singular(redis_url: str) -> None:
 
 
 # -- verify, check, rebuild -----------------------------------------------------------------------
+
+
+def test_check_says_which_turns_are_odd_for_one_thread_and_for_all(redis_url: str) -> None:
+    # A settlement of a turn never opened is recorded and flagged, not a difference: check
+    # passes, and says so, for --all too (it said only "all OK").
+    namespace = fresh_namespace()
+    ghost = es.new_ulid()
+
+    async def setup(store: es.EventStore) -> None:
+        projector = Projector(store)  # the views kept as a runtime keeps them
+        await projector.append("plain", [msg("q")])
+        await projector.append("odd", [msg("q")])
+        await projector.append("odd", [settled(ghost, "failed")])
+
+    with_store(redis_url, namespace, setup)
+    one = cli("check", "odd", url=redis_url, namespace=namespace)
+    assert one.code == 0 and f"note: seq 2: turn {ghost} settled without open" in one.out, one
+    every = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert every.code == 0, every
+    assert "all OK (1 thread with turn notes)" in every.out, every.out
+    assert f"note: odd seq 2: turn {ghost} settled without open" in every.out, every.out
+    assert "plain" not in every.out, every.out
+    rows = cli("check", "--all", "--json", url=redis_url, namespace=namespace).json()["threads"]
+    assert (
+        rows["odd"]["anomalies"] == [{"kind": "settled_without_open", "seq": 2, "turn_id": ghost}]
+        and rows["plain"]["anomalies"] == []
+    )
 
 
 def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) -> None:
