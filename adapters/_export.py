@@ -461,6 +461,8 @@ def _decode_page(
         payloads = list(map(_any_msgpack.decode, datas))
         if set(map(type, payloads)) != {dict}:
             raise ValueError("payload is not a map")
+        if set(map(type, map(dict.get, payloads, repeat("type")))) != {str}:
+            raise ValueError("a payload names no type")
         if all(metas):
             decoded_metas = list(map(_any_msgpack.decode, metas))
         else:
@@ -503,6 +505,10 @@ def _decode_carefully(
             raise CorruptEventError(thread, seq, f"cannot export: {exc}") from None
         if not isinstance(payload, dict):
             raise CorruptEventError(thread, seq, "cannot export: payload is not a map")
+        if not isinstance(payload.get("type"), str):
+            # Every payload threadlog writes names its type ("type", the union's tag): one
+            # without is damage, as every read path calls it, not a row of type null.
+            raise CorruptEventError(thread, seq, "cannot export: its payload names no event type")
         rows.add_events(thread, [seq], [event_id], [time_ms], [payload], [meta], since)
     if expected <= hi:
         raise CorruptEventError(

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import duckdb
+import msgspec
 import pyarrow.parquet as pq
 import pytest
 
@@ -666,12 +667,15 @@ def test_ulid_text_of_a_whole_column_matches_one_at_a_time() -> None:
     assert [_ulid_text(i) for i in ids[-3:-1]] == ["0" * 26, "7" + "Z" * 25]
 
 
-async def _write_undecodable_entry(store: es.RedisEventStore, thread: str, seq: int) -> None:
+async def _write_undecodable_entry(
+    store: es.RedisEventStore, thread: str, seq: int, payload: bytes = b"\xc1not msgpack"
+) -> None:
     """Written past every check, as the next entry of ``thread`` (at ``seq``): an entry whose
-    payload does not decode, the version it takes, and a feed entry naming it."""
+    payload does not decode (or is ``payload``), the version it takes, and a feed entry naming
+    it."""
     client, keys = store.client, store.keys
     ((_, good),) = await store.read_raw(thread, start=1, stop=1)
-    await client.xadd(keys.log(thread), {**good, b"d": b"\xc1not msgpack"}, id=f"{seq}-0")
+    await client.xadd(keys.log(thread), {**good, b"d": payload}, id=f"{seq}-0")
     await client.hset(keys.meta(thread), "v", seq)
     life = await client.hget(keys.meta(thread), "n")
     feed = {"t": thread, "f": seq, "l": seq, "n": life}
@@ -695,6 +699,29 @@ async def test_a_damaged_entry_stops_the_export_naming_thread_and_seq(
     with pytest.raises(es.CorruptEventError) as info:
         await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
     assert (info.value.thread_id, info.value.seq) == ("long", damaged)
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+@pytest.mark.parametrize("typed", [None, 7], ids=["no-type", "type-not-text"])
+async def test_a_payload_that_names_no_type_stops_the_export(
+    redis_store: es.EventStore, tmp_path: Path, fmt: str, typed: int | None
+) -> None:
+    """Every read path calls an event without its type tag damage; the export wrote it as a
+    row of type null."""
+    store = redis_store
+    assert isinstance(store, es.RedisEventStore)
+    await store.append("t", [msg("a"), msg("b")])
+    payload = {"message": {"role": "user", "content": "c"}}
+    if typed is not None:
+        payload["type"] = typed  # type: ignore[assignment]
+    await _write_undecodable_entry(store, "t", 3, msgspec.msgpack.encode(payload))
+    with pytest.raises(es.CorruptEventError) as read:
+        await read_all(store, "t")
+    assert read.value.seq == 3
+    with pytest.raises(es.CorruptEventError, match="names no event type") as info:
+        await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    assert (info.value.thread_id, info.value.seq) == ("t", 3)
+    assert not list(tmp_path.glob("part-*"))
 
 
 @pytest.mark.parametrize("removed", [5, 20], ids=["mid-log", "last"])
