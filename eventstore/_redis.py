@@ -882,11 +882,7 @@ class RedisEventStore(EventStore):
                 # (`KeyLayout.view_names`, what `delete_thread` deletes), recorded by the
                 # script in the same atomic step as the write (the feed key names the
                 # partition).
-                unrecorded = [
-                    name
-                    for name in dict.fromkeys(op.view for op in ops)
-                    if (thread_keys[2], name) not in self._views_recorded
-                ]
+                unrecorded = self._unrecorded_views(thread_keys[2], ops)
                 if unrecorded:
                     partition = self.keys.partition(thread_id)
                     k = b"%d" % index(self.keys.view_names(partition).encode("utf-8"))
@@ -975,17 +971,21 @@ class RedisEventStore(EventStore):
             (b"%d" % len(keys), *keys, thread, self._fingerprint)
         )
 
+    def _unrecorded_views(self, feed: bytes, ops: Sequence[ViewOp]) -> list[str]:
+        """The names of the views ``ops`` write that this store has not recorded in the
+        partition's view-name set (the partition named by its ``feed`` key), each once."""
+        recorded = self._views_recorded
+        return [
+            name for name in dict.fromkeys(op.view for op in ops) if (feed, name) not in recorded
+        ]
+
     async def _record_views(self, thread_id: str, ops: Sequence[ViewOp]) -> None:
         """Record the names of the views ``ops`` write in the thread's partition's
         `KeyLayout.view_names` set, before they are written (once per store and name): for
         view loads; an append records them in its own script."""
         partition = self.keys.partition(thread_id)
         feed = self.keys.feed(partition).encode("utf-8")  # names the partition, as in append
-        new = [
-            name
-            for name in dict.fromkeys(op.view for op in ops)
-            if (feed, name) not in self._views_recorded
-        ]
+        new = self._unrecorded_views(feed, ops)
         if not new:
             return
         for name in new:
