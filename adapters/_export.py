@@ -1347,7 +1347,16 @@ class Exporter:
         # the partitions that run did not reach from their start, where the events before the
         # time are.
         since_ms = start_ms
-        await self._check_not_trimmed(positions, since_ms, delivered)
+        floors = await self._check_not_trimmed(positions, since_ms, delivered)
+        # Where each partition is read from: its position, or the feed's trim record as the
+        # check accepted it when that is later (entries up to it are gone either way). From
+        # there every read checks the record again, so a trim landing after the check (by age,
+        # while a new directory's groups are being made) stops the run instead of leaving a
+        # hole at the directory's start.
+        read_from = {
+            p: max(positions.get(p, "0-0"), floor, key=parse_stream_id)
+            for p, floor in floors.items()
+        }
         for p in range(self.store.partitions):
             start = positions.get(p, "0-0")
             created = await self.store.create_feed_group(p, self.group, start=start)
@@ -1374,7 +1383,9 @@ class Exporter:
         if small and not await self._backlog_reaches(positions, PARALLEL_MIN_EVENTS):
             workers = 1
         if workers > 1:
-            result = await self._run_parallel(workers, number, positions, ends, since_ms, progress)
+            result = await self._run_parallel(
+                workers, number, positions, read_from, ends, since_ms, progress
+            )
         else:
             state = _RunState(number + 1, 1, dict(positions))
             partitions = iter(range(self.store.partitions))
@@ -1383,7 +1394,7 @@ class Exporter:
                 return next(partitions, None)
 
             pipeline = self._pipeline(
-                self.store, 1, state, positions, ends, since_ms, claim, progress
+                self.store, 1, state, read_from, ends, since_ms, claim, progress
             )
             await pipeline.run()
             result = state.result()
@@ -1458,17 +1469,20 @@ class Exporter:
 
     async def _check_not_trimmed(
         self, positions: dict[int, str], since_ms: int | None, delivered: dict[int, str]
-    ) -> None:
+    ) -> dict[int, str]:
         """Refuse to start where the feed no longer holds every change after the start
         (``delivered``: where the export's group stands, as `_claim_directory` read it).
+        Returns each partition's trim record (max-deleted-entry-id) as it was checked.
 
         Trimming waits for the directory's group, so this is a trim by age (or by hand), a
         group dropped meanwhile, or a new directory on a feed trimmed before it: reading on
         from what the feed still holds would leave a hole, silently.
         """
         lacking: list[tuple[tuple[int, int], int, str]] = []  # trimmed to, partition, id
+        floors: dict[int, str] = {}
         for p in range(self.store.partitions):
             info = await self.store.feed_info(p)
+            floors[p] = info.trimmed_to
             trimmed = parse_stream_id(info.trimmed_to)
             if since_ms is not None and trimmed[0] < since_ms:
                 # Every trimmed change is older than the directory's start: none it needs.
@@ -1510,6 +1524,7 @@ class Exporter:
                 f"(every event is still in its thread's log); to export what follows, pass "
                 f"--since {_fmt_ms(trimmed[0] + 1)} or later"
             )
+        return floors
 
     async def _check_positions(self, positions: dict[int, str], delivered: dict[int, str]) -> None:
         """Refuse positions the store contradicts: a position that is not on its partition's
@@ -1625,6 +1640,7 @@ class Exporter:
         workers: int,
         number: int,
         positions: dict[int, str],
+        read_from: dict[int, str],
         ends: dict[int, str],
         since_ms: int | None,
         progress: Callable[[int], None] | None,
@@ -1656,7 +1672,7 @@ class Exporter:
                     batch=self.batch,
                     rows_per_part=self.rows_per_part,
                     since_ms=since_ms,
-                    start=positions,
+                    start=read_from,
                     end=ends,
                     parent_pid=os.getpid(),
                     timeout=self.worker_timeout,
@@ -1666,7 +1682,7 @@ class Exporter:
             async with anyio.create_task_group() as tg:
                 own_progress = (lambda rows: report(0, rows)) if progress is not None else None
                 pipeline = self._pipeline(
-                    self.store, workers, own, positions, ends, since_ms, claim, own_progress
+                    self.store, workers, own, read_from, ends, since_ms, claim, own_progress
                 )
                 tg.start_soon(pipeline.run)
                 tg.start_soon(_supervise, children, partitions, report, self.worker_timeout)
@@ -1758,7 +1774,9 @@ class _Pipeline:
             while (p := await self.claim()) is not None:
                 after = self.start.get(p, "0-0")
                 end = self.end.get(p)
-                reader: str | None = None  # the start was checked (`_check_not_trimmed`)
+                # The start was checked against the trim record (`_check_not_trimmed`) and is
+                # at or after it: a record moved past it since is a hole, from the first read.
+                reader = f"export {self.directory}"
                 while True:
                     try:
                         entries = await self.store.read_feed(
@@ -1774,8 +1792,6 @@ class _Pipeline:
                             "what the export has read (threadlog trim-feed without "
                             "--max-age), and start a new directory with --since"
                         ) from None
-                    # From here on a position this run read up to: a trim past it is a hole.
-                    reader = f"export {self.directory}"
                     reached = False
                     if end is not None and entries and parse_stream_id(entries[-1].id) > end:
                         entries = [e for e in entries if parse_stream_id(e.id) <= end]

@@ -1066,6 +1066,39 @@ async def test_a_feed_trimmed_by_age_while_a_run_reads_it_stops_the_run(
         await Exporter(store, out, fmt="ndjson", batch=4).run()
 
 
+@pytest.mark.parametrize("since", [False, True], ids=["new", "new-since"])
+async def test_a_trim_by_age_between_the_start_check_and_the_first_read_stops_the_run(
+    store: es.EventStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, since: bool
+) -> None:
+    """A trim by age landing after a new directory's start check, before its first page (while
+    its groups are being made): the first page read from what the feed still held, and the
+    directory began with a silent hole. Every page, the first too, now checks the trim record
+    against where it reads from (the start, or the trim the check accepted)."""
+    thread = "t"
+    p = es.partition_of(thread, store.partitions)
+    if since:  # a trim older than the directory's start is accepted, and read past
+        await store.append(thread, [msg("old")])
+        await anyio.sleep(0.01)
+        assert await store.trim_feed(p, max_age_ms=0) == 1
+        await anyio.sleep(0.01)
+    started = datetime.now(UTC)
+    for i in range(6):
+        await store.append(thread, [msg(f"m{i}")])
+    await anyio.sleep(0.01)
+    check = Exporter._check_not_trimmed
+
+    async def trimmed_after_the_check(self: Exporter, *args: Any) -> Any:
+        floors = await check(self, *args)
+        assert await self.store.trim_feed(p, max_age_ms=0) == 6
+        return floors
+
+    monkeypatch.setattr(Exporter, "_check_not_trimmed", trimmed_after_the_check)
+    out = tmp_path / "out"
+    with pytest.raises(ExportSourceError, match=r"trimmed .* while this export read it"):
+        await Exporter(store, out, fmt="ndjson").run(since=started if since else None)
+    assert not list(out.glob("part-*"))
+
+
 async def test_a_new_directory_that_commits_nothing_puts_the_group_back(
     store: es.EventStore, tmp_path: Path
 ) -> None:
