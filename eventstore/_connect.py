@@ -1155,11 +1155,13 @@ def _pidfile_pid(pidfile: Path) -> int | None:
         return None
 
 
-def _last_warning(logfile: Path, *, lines: int = 1) -> str:
+def _last_warning(logfile: Path, *, lines: int = 1, since: int = 0) -> str:
     """The last warning line (or ``lines`` lines, joined by "; ") of a redis-server log
-    (``<pid>:<role> <time> # <text>``)."""
+    (``<pid>:<role> <time> # <text>``), among those written from byte ``since`` on."""
     try:
-        logged = logfile.read_text("utf-8", "replace").splitlines()
+        with open(logfile, "rb") as f:
+            f.seek(since)
+            logged = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return "it left no log"
     warnings: list[str] = []
@@ -1219,6 +1221,11 @@ def stop_embedded(
     pid = _serving_pid(directory, sock)
     if pid is None:
         return False
+    logfile = directory / "redis.log"
+    try:
+        logged_before = logfile.stat().st_size  # what it says from here on is about the stop
+    except OSError:
+        logged_before = 0
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -1232,11 +1239,32 @@ def stop_embedded(
             return True
     # Saying "none was running" here (as it did) left a server running that its user believed
     # stopped, and its directory free to be removed under it.
-    raise OperationalError(
+    still = (
         f"the embedded redis-server in {directory} (pid {pid}) is still running {timeout:g} s "
-        f"after it was asked to stop: {_last_warning(directory / 'redis.log', lines=3)} (a "
-        "script it is still running also holds it; see redis.log)"
+        "after it was asked to stop"
     )
+    if _process_state(pid) in ("T", "t"):
+        # Its log then says nothing at all: the lines before the request are not the reason.
+        raise OperationalError(
+            f"{still}: the process is stopped (SIGSTOP, job control or a debugger) and acts on "
+            f"nothing until it is resumed (kill -CONT {pid}); or stop it with --force"
+        )
+    said = _last_warning(logfile, lines=3, since=logged_before)
+    if said == "its log gives no reason":
+        said = "it has logged nothing since"
+    raise OperationalError(
+        f"{still}: {said} (a script it is still running also holds it; see {logfile})"
+    )
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` from /proc (R, S, T, Z, ...); None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] if fields else None
 
 
 def _gone_within(pid: int, sock: Path, timeout: float) -> bool:
@@ -1291,11 +1319,7 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A daemonized server is reparented; until that parent reaps it, it lingers as a zombie.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return _process_state(pid) != "Z"
 
 
 __all__ = ["StoreSettings", "connect", "embedded_url", "open_store", "redact", "stop_embedded"]

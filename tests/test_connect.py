@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -1435,6 +1436,32 @@ def test_an_embedded_server_that_will_not_stop_is_said_to_be_running_and_can_be_
         embedded_url(home)  # started again on its append-only file, checked
         with _admin(home) as admin:
             assert admin.get("kept") == b"1"
+
+
+@pytest.mark.usefixtures("no_url_env")
+def test_a_stopped_embedded_server_is_said_to_be_stopped_not_quoted_from_its_log(
+    short_dir: Path,
+) -> None:
+    """A server stopped with SIGSTOP cannot act on the request: the error quoted the last
+    warnings of its log, written at its start ("Memory overcommit must be enabled"), as if
+    they were the reason."""
+    home = short_dir / "emb"
+    with _stopped_afterwards(home):
+        embedded_url(home)
+        pid = _pid(home)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(OperationalError) as caught:
+                stop_embedded(home, timeout=0.5)
+            said = str(caught.value)
+            assert f"(pid {pid}) is still running 0.5 s after" in said, said
+            assert "the process is stopped" in said and f"kill -CONT {pid}" in said, said
+            assert "overcommit" not in said and "Server initialized" not in said, said
+            assert stop_embedded(home, timeout=5, force=True) is True  # SIGKILL acts on it
+            assert _gone(pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.usefixtures("no_url_env")
