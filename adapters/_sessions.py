@@ -12,6 +12,7 @@ loaded).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal, TypeVar
@@ -142,13 +143,43 @@ def _split(event: TranscriptAppended | TranscriptReplaced, budget: int) -> list[
 
 
 def _same(a: Message, b: Message) -> bool:
-    """Equal as messages: ``source`` (the original text of an imported line, kept for a
-    byte-faithful export) is how a message was written, not what it says."""
-    return a == b or _content(a) == _content(b)
+    """Equal as messages: the same JSON values, ``source`` aside (the original text of an
+    imported line, kept for a byte-faithful export, is how a message was written, not what
+    it says).
+
+    Python's ``==`` alone says ``1 == True == 1.0`` and ``0.0 == -0.0``: a message whose value
+    changed only so read as unchanged, the update appended after it, and the stored transcript
+    kept the old value for good. Equal by ``==`` is confirmed on the encoded bytes, and where
+    those differ (keys in another order) value by value, telling the JSON types apart."""
+    if a is b:
+        return True
+    ca, cb = _content(a), _content(b)
+    if ca != cb:
+        return False
+    if _encode(ca) == _encode(cb):
+        return True
+    return _same_json(msgspec.to_builtins(ca), msgspec.to_builtins(cb))
+
+
+def _same_json(x: Any, y: Any) -> bool:
+    """``x`` and ``y`` (decoded JSON: dicts, lists, str, int, float, bool, None) are the same
+    JSON value: of the same types throughout, key order aside, and -0.0 is not 0.0."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same_json(v, y[k]) for k, v in x.items())
+    if isinstance(x, list):
+        return len(x) == len(y) and all(_same_json(u, v) for u, v in zip(x, y, strict=True))
+    if isinstance(x, float):
+        return x == y and math.copysign(1.0, x) == math.copysign(1.0, y)
+    return bool(x == y)
+
+
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def _content(m: Message) -> Message:
-    return msgspec.structs.replace(m, source=None)
+    return msgspec.structs.replace(m, source=None) if m.source is not None else m
 
 
 REMEMBER_BUCKETS = 16

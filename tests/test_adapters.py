@@ -849,6 +849,40 @@ async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     assert [m.text for m in (await writer_a.load("s")).messages] == ["fresh summary"]
 
 
+@pytest.mark.parametrize(
+    ("stored", "handed_back"),
+    [
+        ({"flag": 1, "n": 0}, {"flag": True, "n": False}),  # Python: 1 == True, 0 == False
+        ({"score": 0.0}, {"score": -0.0}),  # Python: 0.0 == -0.0
+        ({"score": 2}, {"score": 2.0}),  # Python: 2 == 2.0
+    ],
+    ids=["int-bool", "zero-sign", "int-float"],
+)
+async def test_a_message_changed_only_in_its_json_types_is_replaced_not_kept(
+    store: es.EventStore, stored: dict[str, Any], handed_back: dict[str, Any]
+) -> None:
+    """Values Python calls equal but JSON does not: the message read as unchanged, the update
+    appended after it, and the stored transcript kept the old values for good."""
+    sessions = SessionStore(store)
+    await sessions.append("s", [{"role": "user", "content": "hi", **stored}])
+    loaded = await sessions.load("s")
+    changed = {"role": "user", "content": "hi", **handed_back}
+    update = session_update(loaded, [changed, {"role": "assistant", "content": "yo"}])
+    assert update.mode == "replace", update
+    await sessions.save("s", update)
+    assert [m.to_json() for m in (await sessions.load("s")).messages][0] == changed
+    # In a part's input too.
+    call = {"type": "tool-call", "toolCallId": "c1", "toolName": "f", "input": {"x": 1, "y": 2}}
+    await sessions.append("p", [{"role": "assistant", "content": [call]}])
+    loaded = await sessions.load("p")
+    floated = {"role": "assistant", "content": [{**call, "input": {"x": 1.0, "y": 2}}]}
+    assert session_update(loaded, [floated]).mode == "replace"
+    # The same JSON, its keys in another order: unchanged, so an append of the new tail only.
+    reordered = {"content": [{**call, "input": {"y": 2, "x": 1}}], "role": "assistant"}
+    same = session_update(loaded, [reordered, {"role": "user", "content": "next"}])
+    assert same.mode == "append" and [m.text for m in same.messages] == ["next"]
+
+
 async def test_a_writer_is_stale_after_its_retry_was_answered_from_the_ledger(
     store: es.EventStore,
 ) -> None:
