@@ -41,7 +41,7 @@ from ._events import (
     RecordedEvent,
     as_new_event,
 )
-from ._ids import mint_ulid, ulid_bytes, validate_thread_id
+from ._ids import mint_ulid, not_unicode, ulid_bytes, validate_thread_id
 from ._ids import ulid_text as _ulid_str
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
@@ -741,7 +741,10 @@ def caller_key_field(given: object) -> bytes:
     """The ledger field of a caller's idempotency key: ``k:`` + the key."""
     if not isinstance(given, str) or not given or len(given) > 512:
         raise InvalidInputError("idempotency_key must be a non-empty str of at most 512 chars")
-    return b"k:" + given.encode("utf-8")
+    try:
+        return b"k:" + given.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"idempotency_key {not_unicode(given, exc)}") from None
 
 
 def idempotency_key_text(given: str | None, first_event_id: str) -> str:

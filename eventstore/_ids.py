@@ -153,6 +153,20 @@ def validate_seq_range(start: object, stop: object) -> None:
         raise InvalidInputError(f"stop must be an int >= 0 or None (the last event), not {stop!r}")
 
 
+def not_unicode(text: str, exc: UnicodeEncodeError) -> str:
+    """What makes ``text`` (which failed to encode as UTF-8 with ``exc``) not valid unicode,
+    for an error message: "'...' is not valid unicode: it holds ... (at character N)"."""
+    # A lone surrogate: in Python's own strings, or a byte that is not UTF-8 in a command
+    # line or file name (decoded with surrogateescape, as U+DC80..U+DCFF).
+    code = ord(text[exc.start])
+    what = (
+        f"the byte 0x{code - 0xDC00:02x}, not UTF-8"
+        if 0xDC80 <= code <= 0xDCFF
+        else f"a lone surrogate U+{code:04X}"
+    )
+    return f"{text!r} is not valid unicode: it holds {what} (at character {exc.start})"
+
+
 def validate_thread_id(thread_id: object) -> str:
     """Return ``thread_id`` if it is a usable thread id, else raise `InvalidThreadIdError`."""
     if not isinstance(thread_id, str):
@@ -162,18 +176,7 @@ def validate_thread_id(thread_id: object) -> str:
     try:
         size = len(thread_id.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        # A lone surrogate: in Python's own strings, or a byte that is not UTF-8 in a command
-        # line or file name (decoded with surrogateescape, as U+DC80..U+DCFF).
-        code = ord(thread_id[exc.start])
-        what = (
-            f"the byte 0x{code - 0xDC00:02x}, not UTF-8"
-            if 0xDC80 <= code <= 0xDCFF
-            else f"a lone surrogate U+{code:04X}"
-        )
-        raise InvalidThreadIdError(
-            f"thread id {thread_id!r} is not valid unicode: it holds {what} "
-            f"(at character {exc.start})"
-        ) from exc
+        raise InvalidThreadIdError(f"thread id {not_unicode(thread_id, exc)}") from exc
     if size > MAX_THREAD_ID_BYTES:
         raise InvalidThreadIdError(
             f"thread id is {size} bytes long, the limit is {MAX_THREAD_ID_BYTES}"

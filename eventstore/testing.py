@@ -814,6 +814,18 @@ class EventStoreConformance:
         snap = await store.read_views("t", [HashGet("h", ("naïve ✓",))])
         assert snap.results == [{"naïve ✓": ViewEntry(1, b"x", 1)}]
 
+    async def test_idempotency_keys_are_text_on_every_backend(self, store: EventStore) -> None:
+        # It was a bare UnicodeEncodeError from append, recorded_append(s) and every adapter
+        # that takes a key; nothing was written, but no typed error said why.
+        for bad in ("\ud800", "k\udcff"):
+            with pytest.raises(InvalidInputError, match="idempotency_key .* not valid unicode"):
+                await store.append("t", [msg("a")], idempotency_key=bad)
+            with pytest.raises(InvalidInputError, match="not valid unicode"):
+                await store.recorded_append("t", bad)
+            with pytest.raises(InvalidInputError, match="not valid unicode"):
+                await store.recorded_appends("t", ["fine", bad])
+        assert await store.version("t") == 0
+
     # -- listing -------------------------------------------------------------------------------
 
     async def test_threads_listed_by_recent_activity(self, store: EventStore) -> None:
