@@ -669,6 +669,9 @@ class ThreadStore:
         await self._allow(principal, "read", thread_id)
         cursor = _parse_cursor(after)
         if limit == 0:
+            if thread_id is not None and as_of is not None:
+                # A point past the thread's end is refused, as every read with a count of 0.
+                await self.projector.seq_of(thread_id, as_of)
             return RecordsPage(records=[], next_cursor=None)
         if thread_id is not None:
             found = await self.projector.records(thread_id, as_of=as_of)

@@ -40,7 +40,7 @@ from adapters import (
 )
 from adapters._threads import RECORDS_READ_AHEAD
 from eventstore.testing import read_all
-from projections import Projector, ReaderView, StateProjection
+from projections import Projector, ReaderView, SeqBeyondVersionError, StateProjection
 
 pytestmark = pytest.mark.anyio
 
@@ -2213,3 +2213,9 @@ async def test_past_reads_through_the_thread_store_keep_its_access_policy(
             await read
     with pytest.raises(es.InvalidInputError, match="give a thread_id"):
         await threads.records(as_of=point)
+    # A point past the end is refused whatever the count: limit=0 gave an empty page.
+    past = await store.version("t") + 5
+    for limit in (0, 5):
+        with pytest.raises(SeqBeyondVersionError):
+            await threads.records("t", limit=limit, as_of=past)
+    assert (await threads.records("t", limit=0, as_of=point)).records == []
