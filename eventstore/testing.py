@@ -818,7 +818,7 @@ class EventStoreConformance:
         # It was a bare UnicodeEncodeError from append, recorded_append(s) and every adapter
         # that takes a key; nothing was written, but no typed error said why.
         for bad in ("\ud800", "k\udcff"):
-            with pytest.raises(InvalidInputError, match="idempotency_key .* not valid unicode"):
+            with pytest.raises(InvalidInputError, match=r"idempotency_key .* not valid unicode"):
                 await store.append("t", [msg("a")], idempotency_key=bad)
             with pytest.raises(InvalidInputError, match="not valid unicode"):
                 await store.recorded_append("t", bad)
