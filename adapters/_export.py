@@ -1521,8 +1521,13 @@ class Exporter:
                 f"the change feed of partition {p} of namespace {self.store.namespace!r} "
                 f"was trimmed up to {trimmed_to} ({when}){also}: an export into "
                 f"{self.directory} would start after it and lack every change before "
-                f"(every event is still in its thread's log); to export what follows, pass "
-                f"--since {_fmt_ms(trimmed[0] + 1)} or later"
+                f"(every event is still in its thread's log); to export what follows, "
+                + (
+                    # --since starts a new directory only: on this one it is refused.
+                    f"export into a new directory with --since {_fmt_ms(trimmed[0] + 1)} or later"
+                    if positions
+                    else f"pass --since {_fmt_ms(trimmed[0] + 1)} or later"
+                )
             )
         return floors
 

@@ -1099,6 +1099,29 @@ async def test_a_trim_by_age_between_the_start_check_and_the_first_read_stops_th
     assert not list(out.glob("part-*"))
 
 
+async def test_a_directory_with_positions_on_a_trimmed_feed_is_told_to_start_a_new_one(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    """The refusal told a directory that has positions to pass --since, which it then refused
+    on that directory (--since starts a new one only): a dead end."""
+    first, other = "t", thread_in_partition(store, 1)
+    assert es.partition_of(first, store.partitions) != 1
+    await store.append(first, [msg("a")])
+    exporter = Exporter(store, tmp_path, fmt="ndjson")
+    assert (await exporter.run()).events == 1
+    for p in range(store.partitions):  # its group gone: nothing holds the feeds' trimming back
+        await store.delete_feed_group(p, exporter.group)
+    await store.append(other, [msg("b")])
+    await anyio.sleep(0.01)
+    assert await store.trim_feed(1, max_age_ms=0) == 1
+    with pytest.raises(ExportSourceError, match="export into a new directory with --since"):
+        await Exporter(store, tmp_path, fmt="ndjson").run()
+    since = datetime.now(UTC)
+    with pytest.raises(es.InvalidInputError, match="only starts a new export directory"):
+        await Exporter(store, tmp_path, fmt="ndjson").run(since=since)
+    assert (await Exporter(store, tmp_path / "new", fmt="ndjson").run(since=since)).events == 0
+
+
 async def test_a_new_directory_that_commits_nothing_puts_the_group_back(
     store: es.EventStore, tmp_path: Path
 ) -> None:
