@@ -1140,7 +1140,14 @@ async def _require_thread(ctx: Ctx, thread: str, *, reports_damage: bool = False
     would read the thread as empty (show) or its end as seq 0 (replay), so it fails here as
     the store's own reads do (`CorruptEventError`, exit 1, pointing to verify)."""
     es.validate_thread_id(thread)
-    version = await ctx.store.version(thread)
+    try:
+        version = await ctx.store.version(thread)
+    except es.WrongKeyTypeError:
+        # Redis's words name no key: the thread whose meta hash it is, and where to look.
+        raise es.WrongKeyTypeError(
+            f"thread {thread!r}: its meta hash was replaced from outside threadlog by another "
+            f"type of value (WRONGTYPE); run 'threadlog verify {thread}'"
+        ) from None
     if version == 0:
         if not await ctx.store.read_raw(thread, count=1):
             raise UsageError(f"no thread {thread!r} in namespace {ctx.store.namespace!r}")
@@ -1255,10 +1262,10 @@ def _hidden_fields(full: dict[str, Block], view: dict[str, Block]) -> list[str]:
 
 async def _version_or_none(store: es.EventStore, thread_id: str) -> int | None:
     """A listed thread's version; None when its meta is damaged (a listing names the thread
-    and goes on: `verify` says what is wrong)."""
+    and goes on: `verify` says what is wrong), a meta replaced by another type of value too."""
     try:
         return await store.version(thread_id)
-    except es.CorruptEventError:
+    except (es.CorruptEventError, es.WrongKeyTypeError):
         return None
 
 
@@ -1270,7 +1277,7 @@ async def _versions_or_none(store: es.EventStore, thread_ids: list[str]) -> list
         chunk = thread_ids[i : i + 512]
         try:
             out += await store.versions(chunk)
-        except es.CorruptEventError:  # one damaged meta among them: each alone says which
+        except (es.CorruptEventError, es.WrongKeyTypeError):  # each alone says which
             out += [await _version_or_none(store, t) for t in chunk]
     for i, (thread_id, version) in enumerate(zip(thread_ids, out, strict=True)):
         # Listed with no version: its meta hash is gone while its log is there (damage), or
@@ -1299,6 +1306,8 @@ async def cmd_threads(ctx: Ctx, args: argparse.Namespace) -> None:
                     {
                         "thread": info.thread_id,
                         "version": version,
+                        # Said as the table says it: a null version alone reads as unknown.
+                        "damaged": version is None,
                         "last_activity_ms": info.last_activity_ms,
                         "last_activity": fmt_time(info.last_activity_ms),
                         "partition": info.partition,

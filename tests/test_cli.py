@@ -1225,6 +1225,32 @@ def test_a_turn_of_one_step_is_said_in_the_singular(redis_url: str) -> None:
 # -- verify, check, rebuild -----------------------------------------------------------------------
 
 
+def test_a_meta_hash_replaced_by_another_type_is_one_damaged_thread(redis_url: str) -> None:
+    # It failed the whole listing, and every command on the thread, with Redis's WRONGTYPE
+    # words, which name no thread and no key.
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        for t in ("fine", "hit"):
+            await store.append(t, [msg("q")])
+        await store.client.delete(store.keys.meta("hit"))
+        await store.client.set(store.keys.meta("hit"), "x")
+
+    with_store(redis_url, namespace, setup)
+    listed = cli("threads", "--json", url=redis_url, namespace=namespace)
+    assert listed.code == 0, listed
+    rows = {row["thread"]: row for row in listed.json()["threads"]}
+    assert (rows["hit"]["version"], rows["hit"]["damaged"]) == (None, True)
+    assert (rows["fine"]["version"], rows["fine"]["damaged"]) == (1, False)
+    text = cli("threads", url=redis_url, namespace=namespace)
+    assert text.code == 0 and "damaged" in text.out and "fine" in text.out, text
+    for command in ("show", "replay", "rebuild"):
+        line = assert_one_line_error(cli(command, "hit", url=redis_url, namespace=namespace), 1)
+        assert "thread 'hit': its meta hash was replaced" in line, (command, line)
+        assert "threadlog verify hit" in line, (command, line)
+
+
 def test_check_says_which_turns_are_odd_for_one_thread_and_for_all(redis_url: str) -> None:
     # A settlement of a turn never opened is recorded and flagged, not a difference: check
     # passes, and says so, for --all too (it said only "all OK").
