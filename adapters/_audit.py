@@ -788,7 +788,8 @@ def _why(verifier: _Verifier, raw_id: bytes, fields: dict[bytes, bytes]) -> str 
         if exc.unknown_type:
             return (
                 f"{exc} (a type this reader does not know: register its Event class, or import "
-                "the adapter that defines it, before verifying)"
+                "the adapter that defines it, before verifying; on the command line, "
+                "--events MODULE)"
             )
         return str(exc)
     except Exception as exc:  # a codec bug must not stop an audit; report it at its seq

@@ -2434,6 +2434,17 @@ def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
         )
         ctx.out.print(line)
         return
+    if _UNKNOWN_TYPE_SAID in verdict.detail:
+        # Not damage: an application's events, whose module this command was not given.
+        line.append(_UNKNOWN_TYPE, style="bold red")
+        line.append(
+            printable(
+                f" - its log could not be verified by this command ({verdict.detail}); its "
+                f"views were not compared with it: {_UNKNOWN_TYPE_HINT}"
+            )
+        )
+        ctx.out.print(line)
+        return
     line.append("LOG DAMAGED", style="bold red")
     line.append(
         printable(
@@ -2446,6 +2457,12 @@ def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
 
 
 _WRONG_KEY = "UNVERIFIED (WRONG CHAIN KEY)"
+_UNKNOWN_TYPE = "UNVERIFIED (UNKNOWN EVENT TYPE)"
+_UNKNOWN_TYPE_HINT = (
+    "its type is not registered in this process: pass --events MODULE (or set "
+    "THREADLOG_EVENTS) naming the module of the application that registers it"
+)
+_UNKNOWN_TYPE_SAID = "a type this reader does not know"  # in a verdict's detail (`_audit._why`)
 
 
 def _check_row(verdict: Verdict, report: CheckReport | None) -> dict[str, Any]:
@@ -2494,7 +2511,8 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         )
         unverified = [t for t in bad if t not in reports]
         wrong_key = [t for t in unverified if verdicts[t].kind == "wrong_key"]
-        damaged = [t for t in unverified if verdicts[t].kind != "wrong_key"]
+        unknown = [t for t in unverified if _UNKNOWN_TYPE_SAID in verdicts[t].detail]
+        damaged = [t for t in unverified if t not in wrong_key and t not in unknown]
         different = [t for t in bad if t in reports and not reports[t].ok]
         # Threads that check OK but whose turns are odd: said, or a listing would hide them.
         noted = [t for t in reports if t not in bad and reports[t].anomalies]
@@ -2506,6 +2524,8 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
                 parts.append(f"{len(damaged)} LOG DAMAGED")
             if wrong_key:
                 parts.append(f"{len(wrong_key)} {_WRONG_KEY}")
+            if unknown:
+                parts.append(f"{len(unknown)} {_UNKNOWN_TYPE}")
             if unlisted := len(bad) - len(different) - len(unverified):
                 parts.append(f"{unlisted} NOT IN THE THREAD INDEX")
             line.append(", ".join(parts), style="bold red")
@@ -2949,8 +2969,14 @@ def _main(argv: Sequence[str] | None) -> int:
         if isinstance(exc, UsageError):
             return _fail(str(exc), EXIT_USAGE)
         if isinstance(exc, es.CorruptEventError):
-            # The store's own pointer to verify, made exact (said once, not twice).
-            hint = f"run 'threadlog verify {exc.thread_id}'"
+            # The store's own pointer to verify, made exact (said once, not twice); for an
+            # event whose type this process does not know, what is missing is the module that
+            # registers it, not the log's integrity.
+            hint = (
+                _UNKNOWN_TYPE_HINT
+                if exc.unknown_type
+                else f"run 'threadlog verify {exc.thread_id}'"
+            )
             text = str(exc)
             text = (
                 text.replace("run 'verify'", hint) if "run 'verify'" in text else f"{text} ({hint})"

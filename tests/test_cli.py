@@ -1174,6 +1174,16 @@ def test_the_events_option_imports_an_applications_event_types(
     with_store(redis_url, namespace, write)
     bare = cli("verify", "t1", url=redis_url, namespace=namespace, cwd=tmp_path)
     assert bare.code == 1 and "test_cli.scored" in bare.out + bare.err, bare
+    assert "--events MODULE" in bare.out, bare
+    # Elsewhere, a missing module, not damage: the way out is --events, not verify.
+    line = assert_one_line_error(cli("replay", "t1", url=redis_url, namespace=namespace), 1)
+    assert "--events MODULE" in line and "threadlog verify" not in line, line
+    checked = cli("check", "t1", url=redis_url, namespace=namespace)
+    assert checked.code == 1 and "UNVERIFIED (UNKNOWN EVENT TYPE)" in checked.out, checked
+    assert "LOG DAMAGED" not in checked.out and "--events MODULE" in checked.out, checked
+    every = cli("check", "--all", url=redis_url, namespace=namespace)
+    assert every.code == 1 and "1 UNVERIFIED (UNKNOWN EVENT TYPE)" in every.out, every
+    assert "LOG DAMAGED" not in every.out, every
     given = cli(
         "--events", "myapp_events", "verify", "t1", url=redis_url, namespace=namespace, cwd=tmp_path
     )
