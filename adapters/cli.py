@@ -1867,18 +1867,32 @@ async def _show_change(
     # these. Each page checks the incarnation and reads in one atomic step.
     seq, last = entry.first_seq, entry.last_seq
 
-    def damaged(first: int, upto: int, why: str) -> bool:
+    def damaged(first: int, upto: int, why: str, kind: str = "events.missing") -> bool:
         # Never skipped in silence: events the feed names that the thread's own life no
-        # longer holds are damage to the log, shown where they would have been.
-        if json:
-            row = {"thread": entry.thread_id, "type": "events.missing", "first": first}
+        # longer holds (or holds undecodable) are damage to the log, shown where they would
+        # have been; an event of a type this process does not know is said as such.
+        if json:  # each row type written out: the README lists them (a test reads these)
+            thread = entry.thread_id
+            if kind == "events.unknown_type":
+                row = {"thread": thread, "type": "events.unknown_type", "first": first}
+            elif kind == "events.undecodable":
+                row = {"thread": thread, "type": "events.undecodable", "first": first}
+            else:
+                row = {"thread": thread, "type": "events.missing", "first": first}
             return emit({**row, "last": upto, "time_ms": entry.time_ms, "detail": why})
         span = f"events #{first}..{upto}" if first < upto else f"event #{first}"
         line = Text(f"{fmt_time(entry.time_ms)}  {entry.thread_id}  ")
-        line.append(
-            printable(f"{span}: {why} (run 'threadlog verify {entry.thread_id}')"), style="red"
+        hint = (
+            _UNKNOWN_TYPE_HINT
+            if kind == "events.unknown_type"
+            else f"run 'threadlog verify {entry.thread_id}'"
         )
+        line.append(printable(f"{span}: {why} ({hint})"), style="red")
         return emit(line)
+
+    def undecodable(first: int, upto: int, exc: es.CorruptEventError) -> bool:
+        kind = "events.unknown_type" if exc.unknown_type else "events.undecodable"
+        return damaged(first, upto, _RUN_VERIFY.sub("", exc.reason), kind)
 
     while seq <= last:
         if shown_to is not None:
@@ -1893,7 +1907,7 @@ async def _show_change(
                 incarnation=entry.incarnation,
             )
         except es.CorruptEventError as exc:
-            if damaged(seq, stop, _RUN_VERIFY.sub("", exc.reason)):
+            if undecodable(seq, stop, exc):
                 return True
             seq = stop + 1
             continue
@@ -1913,7 +1927,7 @@ async def _show_change(
             try:
                 event = decode_entry(entry.thread_id, raw_id, fields, store.registry)
             except es.CorruptEventError as exc:
-                if damaged(at, at, _RUN_VERIFY.sub("", exc.reason)):
+                if undecodable(at, at, exc):
                     return True
                 seq = at + 1
                 continue
