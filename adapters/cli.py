@@ -2399,7 +2399,7 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
     else:
         line.append("DIFFERENT", style="bold red")
         line.append(
-            f" - {len(report.differences)} differences at version {report.version}; "
+            f" - {plural(len(report.differences), 'difference')} at version {report.version}; "
             f"'threadlog rebuild {report.thread_id}' restores the views"
         )
     ctx.out.print(line)

@@ -1121,9 +1121,13 @@ def _start_server(binary: str, directory: Path, sock: Path) -> None:
             f"(see {directory / 'redis.log'})"
         ) from None
     if done.returncode != 0:
-        raise StoreConnectionError(
-            f"could not start the embedded redis-server: {done.stderr.strip() or done.stdout}"
+        # What it said; a binary that says nothing (not a redis-server at all, killed) gets
+        # its exit status and the command, which is all there is to go on.
+        said = (done.stderr.strip() or done.stdout.strip()) or (
+            f"{args[0]} exited with status {done.returncode} and said nothing (is it a "
+            f"redis-server? see also {directory / 'redis.log'})"
         )
+        raise StoreConnectionError(f"could not start the embedded redis-server: {said}")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if _ping(sock) == "+PONG":

@@ -1347,6 +1347,22 @@ async def test_a_threadlog_redis_server_naming_nothing_is_refused_not_replaced(
     assert not home.exists()
 
 
+@pytest.mark.anyio
+@pytest.mark.usefixtures("no_url_env")
+async def test_a_server_binary_that_fails_without_a_word_is_said_to(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "could not start the embedded redis-server:" and nothing after it.
+    quiet = shutil.which("false")
+    assert quiet is not None
+    monkeypatch.setenv(SERVER_ENV, quiet)
+    with pytest.raises(StoreConnectionError) as caught:
+        await connect(embedded_dir=short_dir / "emb")
+    said = str(caught.value)
+    assert f"{quiet} exited with status 1 and said nothing" in said, said
+    assert "redis.log" in said, said
+
+
 def test_a_servers_tools_are_taken_from_beside_it_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
