@@ -164,6 +164,14 @@ class StoreSettings:
                 f"URL parameter {unused[0]!r} has no meaning for a {parts.scheme}:// URL "
                 f"({_PARAM_USE[unused[0]]})"
             )
+        repeated = sorted(k for k, v in query.items() if len(v) > 1)
+        if repeated:
+            # The last one won, silently: namespace=a&namespace=b wrote into b.
+            given = ", ".join(repr(v) for v in query[repeated[0]])
+            raise InvalidURLError(
+                f"URL parameter {repeated[0]!r} is given {len(query[repeated[0]])} times "
+                f"({given}): give it once"
+            )
         last = {k: v[-1] for k, v in query.items()}
         values: dict[str, Any] = {}
         try:

@@ -152,6 +152,9 @@ def test_settings_are_frozen() -> None:
         "redis://h?socket_timeout=inf",
         "redis://h?db=-1",
         "redis://h?namespce=typo",
+        # Given twice: the last one won, silently (namespace b written for a).
+        "redis://h?namespace=a&namespace=b",
+        "unix:///tmp/r.sock?socket_timeout=1&socket_timeout=2",
         "redis://h?password=pw",
         "unix://",
         "unix://relative/redis.sock",
