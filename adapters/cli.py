@@ -2930,6 +2930,20 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _misplaced_option(
+    parser: argparse.ArgumentParser, command: str | None, extra: Sequence[str]
+) -> str | None:
+    """The first of ``extra`` (arguments no parser took) that is an option of ``command``:
+    given before the command's name, where only threadlog's own options go."""
+    if command is None:
+        return None
+    for action in parser._actions:  # argparse keeps its subparsers here, and nowhere public
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            options = {s for a in action.choices[command]._actions for s in a.option_strings}
+            return next((x for x in extra if x.split("=", 1)[0] in options), None)
+    return None
+
+
 def _main(argv: Sequence[str] | None) -> int:
     if sys.stderr is None:
         # Closed (``2>&-``): Python has no stream to write to, and the first error would
@@ -2947,6 +2961,14 @@ def _main(argv: Sequence[str] | None) -> int:
             # argparse leaves them to the top parser, whose help does not list a command's
             # options: point to the command's own.
             helped = f"threadlog {args.command}" if args.command else "threadlog"
+            misplaced = _misplaced_option(parser, args.command, extra)
+            if misplaced is not None:
+                # "--json" before "threads": the command's help lists it, so "unrecognized"
+                # with a pointer to that help reads as a contradiction.
+                raise UsageError(
+                    f"{misplaced} is an option of '{helped}': give it after the command "
+                    f"({helped} {misplaced} ...)"
+                )
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see '{helped} --help')")
         _tolerant_output(json_lines=bool(getattr(args, "json", False)))
         command = args.command

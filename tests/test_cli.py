@@ -225,6 +225,12 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
         "unrecognized arguments: --json (see 'threadlog rebuild --help')",
     ),
     (["--bogus"], "unrecognized arguments: --bogus (see 'threadlog --help')"),
+    # An option of the command given before it: "unrecognized", with a pointer to a help
+    # that lists it, read as a contradiction.
+    (
+        ["--json", "threads"],
+        "--json is an option of 'threadlog threads': give it after the command",
+    ),
     (["show", "t1", "--as-of", "-5"], "or a seq (1, 2, ...)"),
     (["verify"], "give a THREAD or --all"),
     (["check", "t1", "--all"], "not both"),
