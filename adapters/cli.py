@@ -2803,6 +2803,10 @@ def _import_event_modules(given: list[str] | None) -> None:
     """Import the modules that register an application's event types (``--events``, else
     ``THREADLOG_EVENTS``): without them its events are unknown types to every command (verify
     calls them undecodable, replay stops at them)."""
+    where = "--events" if given is not None else EVENTS_ENV
+    if given is not None and not any(n.strip() for n in given):
+        # Asked for and naming nothing: a variable that expanded to "" in a script, say.
+        raise UsageError("--events names no module: give the module that registers them")
     names = given if given is not None else os.environ.get(EVENTS_ENV, "").split(",")
     names = [n.strip() for n in names if n.strip()]
     if not names:
@@ -2812,8 +2816,9 @@ def _import_event_modules(given: list[str] | None) -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # the module's own code may raise anything
-            where = "--events" if given is not None else EVENTS_ENV
+        except (Exception, SystemExit) as exc:  # the module's own code may do anything
+            # SystemExit too: a module that exits as it is imported ended threadlog with its
+            # code (0: nothing done, and nothing said).
             raise UsageError(
                 f"{where}: cannot import {name!r}: {type(exc).__name__}: {exc}"
             ) from None

@@ -1206,6 +1206,17 @@ def test_the_events_option_imports_an_applications_event_types(
     ]
     missing = cli("--events", "no_such_module", "verify", "t1", url=redis_url, namespace=namespace)
     assert missing.code == 2 and "--events: cannot import 'no_such_module'" in missing.err, missing
+    # Named as nothing, it was ignored; a module that exits as it is imported ended threadlog
+    # with its code (0), nothing done and nothing said.
+    empty = cli("--events", "", "verify", "t1", url=redis_url, namespace=namespace)
+    assert "--events names no module" in assert_one_line_error(empty), empty
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    exits = cli(
+        "--events", "exits_on_import", "verify", "t1", url=redis_url, namespace=namespace,
+        cwd=tmp_path,
+    )  # fmt: skip
+    line = assert_one_line_error(exits)
+    assert "cannot import 'exits_on_import': SystemExit" in line, line
 
 
 def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
