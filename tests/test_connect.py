@@ -114,8 +114,10 @@ def test_query_parameters_and_overrides() -> None:
         "memory://?namespace=a&partitions=4", namespace="b", partitions=None
     )
     assert (settings.namespace, settings.partitions) == ("b", 4)
-    # The last of repeated parameters counts.
-    assert StoreSettings.from_url("memory://?namespace=x&namespace=y").namespace == "y"
+    # A parameter given twice is refused (`test_bad_urls_raise_invalid_url_error`): the last
+    # one counted, so a URL naming two tenants wrote into the second without a word.
+    with pytest.raises(InvalidURLError, match="given 2 times"):
+        StoreSettings.from_url("memory://?namespace=x&namespace=y")
 
 
 def test_settings_are_frozen() -> None:
