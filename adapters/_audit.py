@@ -780,6 +780,11 @@ class _Verifier:
         )
 
 
+UNKNOWN_TYPE_NOTE = "a type this reader does not know"
+"""How a verdict's detail says an entry names a type the verifier's registry lacks (the
+command tells those apart from damage by it)."""
+
+
 def _why(verifier: _Verifier, raw_id: bytes, fields: dict[bytes, bytes]) -> str | None:
     """Why `decode_entry` refuses an entry (None if it does not)."""
     try:
@@ -787,7 +792,7 @@ def _why(verifier: _Verifier, raw_id: bytes, fields: dict[bytes, bytes]) -> str 
     except CorruptEventError as exc:
         if exc.unknown_type:
             return (
-                f"{exc} (a type this reader does not know: register its Event class, or import "
+                f"{exc} ({UNKNOWN_TYPE_NOTE}: register its Event class, or import "
                 "the adapter that defines it, before verifying; on the command line, "
                 "--events MODULE)"
             )

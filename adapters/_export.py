@@ -844,19 +844,17 @@ class _Source(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _read_source(directory: Path) -> _Source | None:
-    path = directory / SOURCE_FILE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        path = directory / LEGACY_SOURCE_FILE
+    for name in (SOURCE_FILE, LEGACY_SOURCE_FILE):  # the legacy one until a run renames it
+        path = directory / name
         try:
             data = path.read_bytes()
+            break
         except FileNotFoundError:
-            return None
+            continue
         except OSError as exc:
             raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    else:
+        return None
     try:
         return msgspec.json.decode(data, type=_Source)
     except DECODE_ERRORS as exc:

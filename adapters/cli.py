@@ -66,7 +66,7 @@ from projections import (
     forget_projection,
 )
 
-from ._audit import Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
+from ._audit import UNKNOWN_TYPE_NOTE, Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
 from ._jsonl import ImportProgress, export_jsonl, read_import, transcript_to_export, write_import
@@ -2448,7 +2448,7 @@ def _print_damaged_log(ctx: Ctx, verdict: Verdict) -> None:
         )
         ctx.out.print(line)
         return
-    if _UNKNOWN_TYPE_SAID in verdict.detail:
+    if UNKNOWN_TYPE_NOTE in verdict.detail:
         # Not damage: an application's events, whose module this command was not given.
         line.append(_UNKNOWN_TYPE, style="bold red")
         line.append(
@@ -2476,7 +2476,6 @@ _UNKNOWN_TYPE_HINT = (
     "its type is not registered in this process: pass --events MODULE (or set "
     "THREADLOG_EVENTS) naming the module of the application that registers it"
 )
-_UNKNOWN_TYPE_SAID = "a type this reader does not know"  # in a verdict's detail (`_audit._why`)
 
 
 def _check_row(verdict: Verdict, report: CheckReport | None) -> dict[str, Any]:
@@ -2525,7 +2524,7 @@ async def cmd_check(ctx: Ctx, args: argparse.Namespace) -> None:
         )
         unverified = [t for t in bad if t not in reports]
         wrong_key = [t for t in unverified if verdicts[t].kind == "wrong_key"]
-        unknown = [t for t in unverified if _UNKNOWN_TYPE_SAID in verdicts[t].detail]
+        unknown = [t for t in unverified if UNKNOWN_TYPE_NOTE in verdicts[t].detail]
         damaged = [t for t in unverified if t not in wrong_key and t not in unknown]
         different = [t for t in bad if t in reports and not reports[t].ok]
         # Threads that check OK but whose turns are odd: said, or a listing would hide them.

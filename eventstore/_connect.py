@@ -1167,9 +1167,12 @@ def _pidfile_pid(pidfile: Path) -> int | None:
         return None
 
 
-def _last_warning(logfile: Path, *, lines: int = 1, since: int = 0) -> str:
+def _last_warning(
+    logfile: Path, *, lines: int = 1, since: int = 0, none: str = "its log gives no reason"
+) -> str:
     """The last warning line (or ``lines`` lines, joined by "; ") of a redis-server log
-    (``<pid>:<role> <time> # <text>``), among those written from byte ``since`` on."""
+    (``<pid>:<role> <time> # <text>``), among those written from byte ``since`` on; ``none``
+    when there is none."""
     try:
         with open(logfile, "rb") as f:
             f.seek(since)
@@ -1183,7 +1186,7 @@ def _last_warning(logfile: Path, *, lines: int = 1, since: int = 0) -> str:
             warnings.insert(0, text.strip())
             if len(warnings) == lines:
                 break
-    return "; ".join(warnings) or "its log gives no reason"
+    return "; ".join(warnings) or none
 
 
 def _repair_after_crash(directory: Path, sock: Path) -> None:
@@ -1261,9 +1264,7 @@ def stop_embedded(
             f"{still}: the process is stopped (SIGSTOP, job control or a debugger) and acts on "
             f"nothing until it is resumed (kill -CONT {pid}); or stop it with --force"
         )
-    said = _last_warning(logfile, lines=3, since=logged_before)
-    if said == "its log gives no reason":
-        said = "it has logged nothing since"
+    said = _last_warning(logfile, lines=3, since=logged_before, none="it has logged nothing since")
     raise OperationalError(
         f"{still}: {said} (a script it is still running also holds it; see {logfile})"
     )
