@@ -111,6 +111,27 @@ def encoded_too_deep(value: Any, data: bytes, *, level: int = 1) -> bool:
     )
 
 
+def non_finite_float(payload: Any) -> tuple[str, float] | None:
+    """Where in a decoded payload (its fields a map) a NaN or an infinity sits
+    (``"value['x'][1]"``), and which; None when it holds none."""
+    pending: list[tuple[Any, str]] = (
+        [(value, str(name)) for name, value in payload.items()]
+        if isinstance(payload, dict)
+        else [(payload, "")]  # an array-like struct: its fields by position
+    )
+    pending.reverse()  # a stack: the first one in field order is the one named
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, float):
+            if item - item != 0.0:  # NaN and infinities give NaN
+                return where, item
+        elif isinstance(item, list):
+            pending += [(x, f"{where}[{i}]") for i, x in reversed(list(enumerate(item)))]
+        elif isinstance(item, dict):
+            pending += [(x, f"{where}[{key!r}]") for key, x in reversed(item.items())]
+    return None
+
+
 def check_nesting(payload: Event, index: int, thread_id: str | None = None) -> None:
     """Refuse an event that nests past `MAX_NESTING` (`encode_events` asks only for events
     whose encoding could, and for those the interpreter could not encode at all).
@@ -350,6 +371,17 @@ def _encode(
             ) from exc
         if encoded_too_deep(payload, data):
             check_nesting(payload, index, thread_id)  # says so in the limit's words
+        # msgspec writes every float as a float64 (0xcb), and a NaN's or an infinity's first
+        # byte is 0x7f or 0xff: bytes no UTF-8 text holds, so the walk is rarely needed.
+        if (b"\xcb\x7f" in data or b"\xcb\xff" in data) and (
+            found := non_finite_float(msgspec.msgpack.decode(data))
+        ):
+            where, value = found
+            raise EventValidationError(
+                f"thread {thread_id!r}: event #{index} ({payload.event_type}) holds {value!r} "
+                f"at {where}: JSON has no NaN or infinity, and an event is exported and shown "
+                "as JSON"
+            )
         if check is None:
             check = registry.fast_path()[0].decode
         try:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from math import inf, nan
 from typing import Any, ClassVar
 
 import anyio
 import msgspec
 import pytest
 
-from ._catalog import Message, MessageAppended, StateUpdated, TurnOpened
+from ._catalog import Message, MessageAppended, StateUpdated, ToolCallPart, TurnOpened
 from ._codec import (
     MAX_NESTING,
     UNKEYED_FINGERPRINT,
@@ -1902,6 +1903,28 @@ class EventStoreConformance:
         with pytest.raises(EventValidationError):
             await store.append("t", [bad_role])
         assert await store.version("t") == 0
+
+    async def test_non_finite_floats_are_refused(self, store: EventStore) -> None:
+        """An event is exported and shown as JSON, which has no NaN or infinity: a payload
+        holding one is refused whole, naming where, instead of being exported as null."""
+        tool_call = ToolCallPart(tool_call_id="c1", tool_name="f", input={"limits": [1.0, -inf]})
+        cases: list[tuple[Event, str]] = [
+            (StateUpdated(block="b", value=nan), r"nan .*at value"),
+            (StateUpdated(block="b", value={"x": [0.5, inf]}), r"inf .*at value\['x'\]\[1\]"),
+            (
+                MessageAppended(message=Message(role="assistant", content=[tool_call])),
+                r"-inf .*at message\['content'\]\[0\]\['input'\]\['limits'\]\[1\]",
+            ),
+        ]
+        await store.append("t", [msg("before")])
+        for event, where in cases:
+            with pytest.raises(EventValidationError, match=where):
+                await store.append("t", [msg("a"), event])
+        assert await store.version("t") == 1
+        # Bytes that only look like a float64 NaN's start (an int's, here) are no NaN.
+        lookalike = StateUpdated(block="b", value=[0xCB7FF000, 0xCBFFF000, -0.0, 1e308])
+        await store.append("t", [lookalike])
+        assert [e.payload async for e in store.read("t", start=2)] == [lookalike]
 
     async def test_nesting_has_one_limit_on_every_python(self, store: EventStore) -> None:
         """Up to MAX_NESTING levels (the event is the first) are stored and read back; one more
