@@ -1530,17 +1530,33 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
     count = 0
     expected = args.start
     gaps = 0
-    steps = auditor.replay(thread, start=args.start, stop=args.stop, as_of=as_of)
-    async for step in _replaced_if_shorter(thread, steps, given=args.as_of is not None):
+
+    def missing_row(first: int, last: int) -> None:
+        # In --json mode a hole is a row of the stream (tail's kind), so that a reader of the
+        # stream alone sees it, besides the note on stderr for whoever watches the run.
+        row = {"thread": thread, "type": "events.missing", "first": first, "last": last}
+        detail = "missing from the log: the log was damaged"
+        write_stdout(json_bytes({**row, "detail": detail}) + b"\n")
+
+    steps = _replaced_if_shorter(
+        thread,
+        auditor.replay(thread, start=args.start, stop=args.stop, as_of=as_of),
+        given=args.as_of is not None,
+    )
+    if args.json:
+        end = point if args.as_of is not None else version
+        steps = _missing_end_as_row(steps, min(end, args.stop or end), missing_row)
+    async for step in steps:
         count += 1
         event = step.event
         if event.seq != expected:
             # Seqs are dense; a hole means entries were removed from the log. Say so where
-            # it is (stderr in --json mode) and end with exit code 1, as verify would.
+            # it is and end with exit code 1, as verify would.
             gaps += 1
             hole = f"{_span(expected, event.seq - 1)} missing from the log"
             note = f"{hole}: the log was damaged (run 'threadlog verify {thread}')"
             if args.json:
+                missing_row(expected, event.seq - 1)
                 ctx.err.print(Text(f"threadlog: {note}"))
             else:
                 out.print(Text(f"!      {note}", style="bold red"))
@@ -1568,6 +1584,20 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         out.print("No events in that range.")
     if gaps:
         raise Failed
+
+
+async def _missing_end_as_row(
+    steps: AsyncIterator[ReplayStep], end: int, missing_row: Callable[[int, int], None]
+) -> AsyncIterator[ReplayStep]:
+    """``steps``; entries lost at the end of the range (the replay ends with a
+    `CorruptEventError` at the first) are written as a row first, as a hole inside it is."""
+    try:
+        async for step in steps:
+            yield step
+    except es.CorruptEventError as exc:
+        if exc.seq is not None and exc.reason.startswith("missing from the log"):
+            missing_row(exc.seq, max(exc.seq, end))
+        raise
 
 
 async def _replaced_if_shorter(

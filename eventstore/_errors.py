@@ -316,7 +316,9 @@ class CorruptEventError(EventStoreError):
         """The entry is whole but names an event type (or version) the reader's registry does
         not know: the reader, not the log, may be what is missing."""
         where = f"seq {seq}" if seq is not None else "unknown seq"
-        super().__init__(f"thread {thread_id!r} {where}: undecodable event: {reason}")
+        # An entry the log lost is no event that failed to decode: its reason says it all.
+        what = "" if reason.startswith("missing from the log") else "undecodable event: "
+        super().__init__(f"thread {thread_id!r} {where}: {what}{reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (

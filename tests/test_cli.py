@@ -1112,8 +1112,14 @@ def test_replay_and_show_report_entries_lost_at_the_end_of_a_log(redis_url: str)
         assert [line.split()[0] for line in run.lines()] == ["#1", "#2", "#3"], run
         assert "seq 4" in run.err and "missing from the log" in run.err, run
         assert "Traceback" not in run.err
-    rows = cli("replay", "t", "--json", url=redis_url, namespace=namespace)
-    assert rows.code == 1 and [json.loads(r)["seq"] for r in rows.out.splitlines()] == [1, 2, 3]
+    # With --json the lost entries are a row of the stream too (tail's kind), before the error;
+    # up to a point before the end, the row stops there.
+    for extra, last in (([], 5), (["--to", "4"], 4)):
+        run = cli("replay", "t", "--json", *extra, url=redis_url, namespace=namespace)
+        rows = [json.loads(line) for line in run.lines()]
+        assert run.code == 1 and [row.get("seq") for row in rows] == [1, 2, 3, None], run
+        hole = {"thread": "t", "type": "events.missing", "first": 4, "last": last}
+        assert rows[3] == {**hole, "detail": "missing from the log: the log was damaged"}, rows
     for point in ("4", "5"):
         shown = cli("show", "t", "--as-of", point, url=redis_url, namespace=namespace)
         assert shown.code == 1 and "seq 4" in shown.err and not shown.out, shown
@@ -1350,7 +1356,11 @@ def test_verify_passes_intact_threads_and_fails_tampered_ones(redis_url: str) ->
     assert "seq 2 is missing from the log" in holed.out and "#3 " in holed.out, holed.out
     holed = cli("replay", "tampered", "--json", url=redis_url, namespace=namespace)
     assert holed.code == 1 and "seq 2 is missing" in holed.err, holed
-    assert [json.loads(line)["seq"] for line in holed.lines()] == [1, 3]
+    rows = [json.loads(line) for line in holed.lines()]
+    assert [row.get("seq") for row in rows] == [1, None, 3], rows
+    detail = "missing from the log: the log was damaged"
+    hole = {"thread": "tampered", "type": "events.missing", "first": 2, "last": 2}
+    assert rows[1] == {**hole, "detail": detail}, rows
     backwards = cli(
         "replay", "intact", "--from", "3", "--to", "2", url=redis_url, namespace=namespace
     )
