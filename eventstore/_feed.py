@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from ._errors import InvalidInputError
+from ._errors import CorruptKeyError, InvalidInputError
 from ._ids import validate_count, validate_name, validate_view_name
 
 _STREAM_ID_RE = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
@@ -225,16 +225,40 @@ def format_stream_id(parts: tuple[int, int]) -> str:
     return f"{parts[0]}-{parts[1]}"
 
 
-def entry_from_fields(partition: int, entry_id: str, fields: dict[bytes, bytes]) -> FeedEntry:
-    """Decode a feed stream entry."""
-    return FeedEntry(
-        id=entry_id,
-        partition=partition,
-        thread_id=fields[b"t"].decode("utf-8"),
-        first_seq=int(fields[b"f"]),
-        last_seq=int(fields[b"l"]),
-        deleted=fields.get(b"x") == b"deleted",
-        incarnation=int(fields[b"n"]) if b"n" in fields else None,
+def entry_from_fields(
+    key: str, partition: int, entry_id: str, fields: dict[bytes, bytes]
+) -> FeedEntry:
+    """Decode a feed stream entry (of stream ``key``).
+
+    Raises:
+        CorruptKeyError: the entry is none threadlog writes (it was added from outside):
+            naming the key and the entry, which a reader of the feed cannot pass over.
+    """
+    try:
+        entry = FeedEntry(
+            id=entry_id,
+            partition=partition,
+            thread_id=fields[b"t"].decode("utf-8"),
+            first_seq=int(fields[b"f"]),
+            last_seq=int(fields[b"l"]),
+            deleted=fields.get(b"x") == b"deleted",
+            incarnation=int(fields[b"n"]) if b"n" in fields else None,
+        )
+        problem = None
+    except KeyError as exc:
+        problem = f"it has no field {exc.args[0].decode('ascii', 'replace')!r}"
+    except (ValueError, UnicodeDecodeError) as exc:  # int() and decode()
+        problem = f"a field holds what threadlog never writes there ({exc})"
+    if problem is None:
+        # A deletion says seqs 0..version; an append at least one seq from 1.
+        lowest = 0 if entry.deleted else 1
+        if entry.thread_id and lowest <= entry.first_seq <= entry.last_seq:
+            return entry
+        problem = f"its thread and seqs ({fields!r:.200}) are none threadlog writes"
+    raise CorruptKeyError(
+        key,
+        f"feed entry {entry_id} is not one threadlog writes: {problem}; a change feed holds "
+        "only threadlog's entries (remove that one with XDEL to read the feed on)",
     )
 
 

@@ -740,7 +740,10 @@ class MemoryEventStore(EventStore):
     @staticmethod
     def _out(partition: int, feed: _Feed, ids: Sequence[tuple[int, int]]) -> list[FeedEntry]:
         return [
-            entry_from_fields(partition, format_stream_id(i), feed.entries[i])
+            # (It wrote these fields itself: nothing outside a process can edit them.)
+            entry_from_fields(
+                f"memory feed {partition}", partition, format_stream_id(i), feed.entries[i]
+            )
             for i in ids
             if i in feed.entries
         ]

@@ -1855,9 +1855,10 @@ class RedisEventStore(EventStore):
 
     def _entries(self, partition: int, rows: Any) -> list[FeedEntry]:
         out = []
+        key = self.keys.feed(partition)
         for entry_id, fields in rows or ():
             if fields:  # a trimmed entry still pending comes back without fields
-                out.append(entry_from_fields(partition, entry_id.decode("ascii"), fields))
+                out.append(entry_from_fields(key, partition, entry_id.decode("ascii"), fields))
         return out
 
     async def read_feed(

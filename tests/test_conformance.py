@@ -169,6 +169,31 @@ async def test_a_damaged_thread_index_is_a_typed_error_naming_the_key(any_redis_
 
 
 @pytest.mark.anyio
+async def test_a_damaged_feed_entry_is_a_typed_error_naming_the_key(any_redis_url: str) -> None:
+    """An entry of a feed stream that threadlog never writes (added from outside) stops a
+    read of the feed with `CorruptKeyError` naming the key and the entry, not a KeyError."""
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns, partitions=1) as store:
+        assert isinstance(store, RedisEventStore)
+        await store.append("a", [msg("a")])
+        feed = store.keys.feed(0)
+        damage: list[dict[str, Any]] = [
+            {"x": "y"},  # no thread
+            {"t": "g1", "f": "abc", "l": "3"},  # a seq that is no number
+            {"t": b"\xff", "f": "1", "l": "1"},  # no UTF-8
+            {"t": "g1", "f": "2", "l": "1"},  # first after last
+            {"t": "g1", "f": "1", "l": "1", "n": "-"},  # an incarnation that is no number
+        ]
+        for fields in damage:
+            entry_id = (await store.client.xadd(feed, fields)).decode("ascii")
+            with pytest.raises(CorruptKeyError, match=f"entry {entry_id}") as info:
+                await store.read_feed(0)
+            assert info.value.key == feed, fields
+            await store.client.xdel(feed, entry_id)
+        assert [e.thread_id for e in await store.read_feed(0)] == ["a"]
+
+
+@pytest.mark.anyio
 async def test_a_thread_past_128_events_keeps_its_ledger_in_a_hashtable(any_redis_url: str) -> None:
     """The meta hash (with the ledger) stays a listpack up to 128 events, then becomes a
     hashtable, which a lookup of a missing key does not scan (append.lua); retries of appends
