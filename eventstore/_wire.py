@@ -52,6 +52,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._errors import StoreClosedError
+
 # Connections kept between calls: group commit has one send in flight, rarely more. Never more
 # than a quarter of the pool, so other commands on the same client are not starved of it.
 _MAX_IDLE = 2
@@ -389,8 +391,17 @@ class HeldConnections:
         # The connection the next attempt uses; None when the last one was read aside (the
         # next attempt takes another from the pool).
         using: list[Any] = [conn]
+        sent = [False]  # an attempt wrote the payload: it may have run
 
         async def attempt() -> list[Any]:
+            if self._closed:  # closed before this call's attempt: none is made
+                if not sent[0]:
+                    raise StoreClosedError("the store is closed")
+                raise StoreClosedError(
+                    "the store was closed while this call was in flight: it may have been "
+                    "applied (read it back with a new store)"
+                )
+            sent[0] = True
             c = using[0]
             if c is None:
                 c = using[0] = await self._check_out()
@@ -541,7 +552,8 @@ class HeldConnections:
             await self._pool.release(conn)
 
     async def close(self) -> None:
-        """Return every held connection to the pool."""
+        """Return every held connection to the pool; a call still using one fails (it is
+        disconnected under it) with `StoreClosedError`, and gives it back itself."""
         self._closed = True
         self._deadlines.close()
         drains = list(self.draining.values())
@@ -549,8 +561,15 @@ class HeldConnections:
             task.cancel()  # it disconnects and returns its connection
         if drains:
             await asyncio.gather(*drains, return_exceptions=True)
-        held, self._held, self._idle = self._held, set(), []
-        for conn in held:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._held.discard(conn)
             await self._release(conn, disconnect=False)
+        # Not handed back here: the pool would give a connection still read by its call to
+        # another, which then read it too ("read() called while another coroutine is
+        # already waiting"), and the call's own release would find it released (KeyError).
+        for conn in self._held:
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -148,6 +148,39 @@ async def test_held_connections_go_back_to_the_pool_on_close(redis_url: str) -> 
     assert not pool._in_use_connections  # every connection checked out was returned
 
 
+@pytest.mark.parametrize("delay", [0.02, 0.04, 0.06])
+async def test_calls_in_flight_when_the_store_closes_fail_typed(
+    redis_url: str, delay: float
+) -> None:
+    """A store closed while calls are in flight (a shutdown with requests still running):
+    each call lands or fails with an `EventStoreError`, never redis-py's or asyncio's own
+    errors (a connection handed back to the pool while still read, then read twice)."""
+    from adapters import ThreadStore
+
+    store = await es.connect(redis_url, namespace="g" + uuid.uuid4().hex[:12])
+    threads = ThreadStore(store)
+    failures: list[BaseException] = []
+    settled = 0
+
+    async def turn(i: int) -> None:
+        nonlocal settled
+        try:
+            turn_id = await threads.open_turn(f"t{i % 7}")
+            await threads.settle_turn(f"t{i % 7}", turn_id, outcome="completed")
+            settled += 1
+        except Exception as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(300):
+            tg.start_soon(turn, i)
+        await anyio.sleep(delay)
+        await store.close()
+    untyped = [f for f in failures if not isinstance(f, es.EventStoreError)]
+    assert not untyped, untyped[:3]
+    assert settled + len(failures) == 300 and failures, (settled, len(failures))
+
+
 async def _append_in_versions(store: es.EventStore, *, threads: int, versions: int) -> None:
     """Appends ``0..versions-1`` to each of ``threads`` threads, all started in one tick and
     interleaved across threads, every call naming its exact expected version: each must land
