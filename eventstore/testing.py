@@ -1926,6 +1926,17 @@ class EventStoreConformance:
         await store.append("t", [lookalike])
         assert [e.payload async for e in store.read("t", start=2)] == [lookalike]
 
+    async def test_payloads_an_export_cannot_write_are_refused(self, store: EventStore) -> None:
+        """A payload JSON cannot hold at all (a map keyed by a list or by None) is refused
+        whole: stored, it would stop every export of the namespace at it."""
+        for value in ({(1, 2): 3}, {None: 1}, [{"ok": {(3,): "deep"}}]):
+            with pytest.raises(EventValidationError, match="JSON cannot hold"):
+                await store.append("t", [msg("a"), StateUpdated(block="b", value=value)])
+        assert await store.version("t") == 0
+        # Keys JSON writes as text (numbers) are exported as they are written: accepted.
+        await store.append("t", [StateUpdated(block="b", value={1: "one", 2.5: "x"})])
+        assert await store.version("t") == 1
+
     async def test_nesting_has_one_limit_on_every_python(self, store: EventStore) -> None:
         """Up to MAX_NESTING levels (the event is the first) are stored and read back; one more
         is refused whole, typed, and so is a depth the interpreter itself cannot encode (3.11:

@@ -1199,10 +1199,20 @@ async def test_a_payload_json_cannot_hold_stops_the_export_naming_its_event(
 ) -> None:
     """An application's event holding a non-string key (msgpack stores it, JSON cannot):
     the export crashed with a TypeError (exit 3) on it, every run. It stops with
-    `CorruptEventError` naming thread and seq, and writes nothing."""
+    `CorruptEventError` naming thread and seq, and writes nothing. (The append refuses such
+    an event now; one stored before it did is put in place here.)"""
     if "test_export.scored" not in es.registry:
         es.registry.register(_Scored)
-    await redis_store.append("t", [_Scored(outcome="fine"), _Scored(outcome={True: 1})])
+    with pytest.raises(es.EventValidationError, match="JSON cannot hold"):
+        await redis_store.append("t", [_Scored(outcome={True: 1})])
+    await redis_store.append("t", [_Scored(outcome="fine"), _Scored(outcome="later")])
+    assert isinstance(redis_store, es.RedisEventStore)
+    log = redis_store.keys.log("t")
+    entries = await redis_store.client.xrange(log)
+    entries[1][1][b"d"] = msgspec.msgpack.encode(_Scored(outcome={True: 1}))
+    await redis_store.client.delete(log)
+    for entry_id, fields in entries:  # the stream rewritten: ids and other fields kept
+        await redis_store.client.xadd(log, fields, id=entry_id)
     with pytest.raises(es.CorruptEventError, match="holds what JSON cannot") as info:
         await Exporter(redis_store, tmp_path / "out", fmt=fmt).run()  # type: ignore[arg-type]
     assert (info.value.thread_id, info.value.seq) == ("t", 2)
