@@ -473,14 +473,20 @@ def seq_of_entry_id(thread_id: str, entry_id: bytes | str) -> int:
     return int(head)
 
 
-def damaged_time(thread_id: str, entry_id: bytes | str, raw: bytes | None) -> CorruptEventError:
-    """The error for an entry whose time (field ``s``) is missing or not a number, met by a
-    search over times (`EventStore.seq_at`): it names the seq as `decode_entry` would."""
+def damaged_time(
+    thread_id: str, entry_id: bytes | str, raw: bytes | None, *, twice: bool = False
+) -> CorruptEventError:
+    """The error for an entry whose time (field ``s``) is missing, not a number or given
+    twice, met by a search over times (`EventStore.seq_at`): it names the seq as
+    `decode_entry` would."""
     try:
         seq: int | None = seq_of_entry_id(thread_id, entry_id)
     except CorruptEventError:
         seq = None
-    what = "missing" if raw is None else f"{raw!r}, not a number"
+    if twice:
+        what = "given twice (written from outside threadlog)"
+    else:
+        what = "missing" if raw is None else f"{raw!r}, not a number"
     return CorruptEventError(thread_id, seq, f"malformed envelope: its time (field 's') is {what}")
 
 

@@ -1354,6 +1354,8 @@ class RedisEventStore(EventStore):
         if isinstance(reply, list):
             if reply[0] == b"entry":  # {'entry', id, s}: an entry's time is not a number
                 raise damaged_time(thread_id, reply[1], reply[2] if len(reply) > 2 else None)
+            if reply[0] == b"twice":  # {'twice', id}: an entry holds its time field twice
+                raise damaged_time(thread_id, reply[1], None, twice=True)
             if reply[0] == b"missing":  # {'missing', seq, v}: the version holds it, the log not
                 raise missing_entry(thread_id, int(reply[1]), int(reply[2]))
             if reply[0] == b"nometa":  # a log, and no version: its meta hash is gone

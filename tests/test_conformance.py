@@ -9,6 +9,7 @@ import pytest
 
 from adapters import Auditor
 from eventstore import (
+    CorruptEventError,
     CorruptKeyError,
     EventStore,
     KeyLayout,
@@ -191,6 +192,44 @@ async def test_a_damaged_feed_entry_is_a_typed_error_naming_the_key(any_redis_ur
             assert info.value.key == feed, fields
             await store.client.xdel(feed, entry_id)
         assert [e.thread_id for e in await store.read_feed(0)] == ["a"]
+
+
+@pytest.mark.anyio
+async def test_seq_at_refuses_an_entry_with_its_time_twice(any_redis_url: str) -> None:
+    """An entry given a second time field (``s``) from outside, placed first: the search by
+    time read the first, every other reader (and the integrity chain) the last, so a forged
+    time steered time-travel reads while verify passed. It is damage, named."""
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns, partitions=1) as store:
+        assert isinstance(store, RedisEventStore)
+        await store.append("t", [msg("a"), msg("b"), msg("c")])
+        log = store.keys.log("t")
+        entries = await store.client.xrange(log)
+        await store.client.delete(log)
+        for entry_id, fields in entries:
+            flat = [x for pair in fields.items() for x in pair]
+            if entry_id == b"2-0":
+                flat = [b"s", b"1000", *flat]
+            await store.client.execute_command("XADD", log, entry_id, *flat)
+        for when in (0, 2**50):
+            with pytest.raises(CorruptEventError, match=r"field 's'.* twice") as info:
+                await store.seq_at("t", when)
+            assert (info.value.thread_id, info.value.seq) == ("t", 2)
+
+
+@pytest.mark.anyio
+async def test_seq_at_on_a_version_too_large_for_any_thread_is_damage(any_redis_url: str) -> None:
+    """A meta version no thread reaches (10**15): the search formatted a seq as '1e+15' and
+    Redis refused it ('Invalid stream ID'), unnamed. It is the damaged version it is."""
+    ns = "dmg" + uuid.uuid4().hex[:10]
+    async with await connect(any_redis_url, namespace=ns, partitions=1) as store:
+        assert isinstance(store, RedisEventStore)
+        await store.append("t", [msg("a")])
+        for version in (10**15, 2**53 - 1, 10**19):
+            await store.client.hset(store.keys.meta("t"), "v", str(version))
+            with pytest.raises(CorruptEventError) as info:
+                await store.seq_at("t", 2**40)
+            assert info.value.thread_id == "t", version
 
 
 @pytest.mark.anyio

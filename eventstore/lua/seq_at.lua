@@ -10,7 +10,9 @@ no thread). Damage the search meets is answered for the client to raise, never s
 {'meta', v} when the meta's version v is not a number; {'nometa'} when the log holds events but
 no meta hash records a version (deleted, or 0); {'missing', seq, v} when the entry of a seq the
 version holds is not in the log; {'entry', id, s} when an entry's time s (false: none) is not a
-number (as `read` reports it).
+number (as `read` reports it); {'twice', id} when an entry holds its time field twice (every
+other reader, the integrity chain's check too, takes the last: a first one written from outside
+must not steer the search).
 ]]
 
 local target = tonumber(ARGV[1])
@@ -19,6 +21,9 @@ local v = redis.call('HGET', KEYS[2], 'v') or '0'
 -- answered as {'meta', v} for the client to raise as such (a bare compare with nil would fail).
 if not string.match(v, '^%d+$') or #v > 20 then return {'meta', v} end
 local hi = tonumber(v)
+-- No thread reaches 2^53 events; past it a seq is no longer exact (and no longer formats as
+-- digits: 1e+15), so such a version is damage too.
+if hi >= 9007199254740992 then return {'meta', v} end
 if hi == 0 then
   -- No version: no thread, unless its log holds events (then its meta hash was lost, and a 0
   -- would read as "no event that old" for a log full of them).
@@ -31,13 +36,16 @@ local lo = 0  -- invariant: time(lo) <= target (seq 0 stands for "before everyth
 -- digits only, as `decode_entry` reads it (tonumber would take '1e3' or '0x10', or skip a
 -- missing field and answer silently from the wrong events).
 local function time_at(seq)
-  local id = seq .. '-0'
+  local id = string.format('%.0f-0', seq)  -- digits, where seq .. '-0' would write 1e+15-0
   local entries = redis.call('XRANGE', KEYS[1], id, id)
-  if #entries == 0 then return nil, {'missing', seq, v} end
+  if #entries == 0 then return nil, {'missing', string.format('%.0f', seq), v} end
   local fields = entries[1][2]
   local s = false
   for i = 1, #fields, 2 do
-    if fields[i] == 's' then s = fields[i + 1] break end
+    if fields[i] == 's' then
+      if s then return nil, {'twice', id} end
+      s = fields[i + 1]
+    end
   end
   if not s or not string.match(s, '^%d+$') or #s > 20 then return nil, {'entry', id, s} end
   return tonumber(s)
