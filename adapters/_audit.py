@@ -581,6 +581,19 @@ class _Verifier:
         copy = any(x.h == e.h for x in nearby)
         if found is not None:
             p, k = found
+            if k == target and not p and target > 1:
+                # In place, but bound to nothing before it: the chain was started again (the
+                # head removed from the meta before this append, or the entries before it
+                # put in place of others). Nothing else would report it.
+                self._problem(
+                    seq,
+                    "modified",
+                    f"seq {seq} starts the chain again: it links to nothing, not to seq "
+                    f"{target - 1} (the meta's chain head was removed before it was appended, "
+                    "or the entries before it were replaced)",
+                    link=True,
+                )
+                return
             if k == target:
                 return  # intact and in place; its predecessor is the entry that moved
             if p == prev:
@@ -658,7 +671,14 @@ class _Verifier:
         another is an edit, which would turn the thread's own writers away)."""
         if recorded is not None and recorded[0] == self.version == self.checked:
             version, head = recorded
-            if head != self.head:
+            if not head and version:
+                self._problem(
+                    version,
+                    "meta",
+                    "the thread's meta hash records no chain head (its field 'h' was removed): "
+                    "the next append would start the chain again, unbound to these events",
+                )
+            elif head != self.head:
                 self._problem(
                     version,
                     "meta",

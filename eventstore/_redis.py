@@ -1062,9 +1062,11 @@ class RedisEventStore(EventStore):
     async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
         validate_thread_id(thread_id)
         v, h = await self._command("HMGET", self.keys.meta(thread_id), "v", "h")
-        if v is None or h is None:
+        if v is None:
             return None
-        return _meta_version(thread_id, v), h.decode("ascii", "replace")
+        # A version without a head: the head was removed (every append writes both), said
+        # as the empty head of no events, which verify holds the log's last link to.
+        return _meta_version(thread_id, v), (h or b"").decode("ascii", "replace")
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         validate_thread_id(thread_id)

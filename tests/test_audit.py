@@ -1283,6 +1283,25 @@ async def test_a_chain_head_that_is_not_the_last_link_is_meta_damage(
     assert "chain head" in verdict.detail
 
 
+async def test_a_chain_head_removed_from_the_meta_is_damage(redis_url: str) -> None:
+    """The meta's chain head (field 'h') deleted: verify took its absence for a thread that
+    records none and passed; the next append then started the chain again from nothing, and
+    that entry, unbound to the ones before it, passed as "intact and in place" too."""
+    namespace = "h" + uuid.uuid4().hex[:12]
+    settings = StoreSettings.from_url(redis_url, namespace=namespace, secret=SECRET)
+    async with await es.open_store(settings) as store:
+        assert isinstance(store, es.RedisEventStore)
+        version = await populate(store, rounds=2)
+        assert await store.client.hdel(store.keys.meta(T), "h") == 1
+        verdict = await Auditor(store).verify(T)
+        assert_damage(verdict, version, "meta")
+        assert "chain head" in verdict.detail
+        await store.append(T, [es.MessageAppended(message=user("after"))])
+        verdict = await Auditor(store).verify(T)
+        assert not verdict.ok and verdict.first_bad_seq == version + 1, verdict
+        assert "starts the chain again" in verdict.detail, verdict
+
+
 async def test_a_tail_cut_with_its_version_lowered_is_meta_damage(redis_url: str) -> None:
     """The cut the version alone cannot show: the head the meta kept names the old tail."""
     async with await es.connect(redis_url, namespace="h" + uuid.uuid4().hex[:12]) as store:
