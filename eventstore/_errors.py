@@ -315,10 +315,14 @@ class CorruptEventError(EventStoreError):
         self.unknown_type = unknown_type
         """The entry is whole but names an event type (or version) the reader's registry does
         not know: the reader, not the log, may be what is missing."""
-        where = f"seq {seq}" if seq is not None else "unknown seq"
-        # An entry the log lost is no event that failed to decode: its reason says it all.
-        what = "" if reason.startswith("missing from the log") else "undecodable event: "
-        super().__init__(f"thread {thread_id!r} {where}: {what}{reason}")
+        # An entry the log lost is no event that failed to decode, and damage no seq names (a
+        # meta hash's) is about the thread: the reason says it all.
+        if seq is None:
+            super().__init__(f"thread {thread_id!r}: {reason}")
+        elif reason.startswith("missing from the log"):
+            super().__init__(f"thread {thread_id!r} seq {seq}: {reason}")
+        else:
+            super().__init__(f"thread {thread_id!r} seq {seq}: undecodable event: {reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (

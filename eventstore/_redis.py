@@ -938,6 +938,11 @@ class RedisEventStore(EventStore):
             raise _damaged_version(thread_id, reply[1], "; nothing was appended")
         if status == b"lost":
             raise log_without_meta(thread_id, "; nothing was appended")
+        if status == b"nohead":
+            raise CorruptEventError(
+                thread_id, None, "its meta hash records no chain head (field 'h' was removed): "
+                "damaged (run 'verify'); nothing was appended"
+            )  # fmt: skip
         if status == b"view":
             key = keys[int(reply[1]) - 1].decode("utf-8")
             view = key.split(":view:", 1)[1].split(":", 1)[0]

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from ulid import ULID
 
 import eventstore as es
 from adapters import Auditor, UnverifiedLogError, Verdict, _audit
@@ -1296,7 +1297,19 @@ async def test_a_chain_head_removed_from_the_meta_is_damage(redis_url: str) -> N
         verdict = await Auditor(store).verify(T)
         assert_damage(verdict, version, "meta")
         assert "chain head" in verdict.detail
-        await store.append(T, [es.MessageAppended(message=user("after"))])
+        # An append refuses to start the chain again; one that did (an older threadlog, a
+        # script's copy) is reported where it did.
+        with pytest.raises(es.CorruptEventError, match="no chain head"):
+            await store.append(T, [es.MessageAppended(message=user("after"))])
+        assert await store.version(T) == version
+        last = (await store.read_raw(T, start=version, stop=version))[0][1]
+        payload = msgspec.msgpack.encode(es.MessageAppended(message=user("after")))
+        fields = {**last, b"i": ULID().bytes, b"d": payload, b"m": b""}
+        digest = es.entry_digest(T, fields, store._secret)  # the writers' key: no forgery
+        assert digest is not None
+        link = es.chain_link("", version + 1, int(fields[b"s"]), digest)
+        await Raw(store).xadd(f"{version + 1}-0", {**fields, b"h": link.encode()})
+        await store.client.hset(store.keys.meta(T), mapping={"v": version + 1, "h": link})
         verdict = await Auditor(store).verify(T)
         assert not verdict.ok and verdict.first_bad_seq == version + 1, verdict
         assert "starts the chain again" in verdict.detail, verdict

@@ -67,6 +67,9 @@ local version = tonumber(v)
 -- No version recorded, yet events in the log: the meta hash (version, chain head, ledger) was
 -- lost. Appending would reuse seq 1; reported as damage instead (a new thread pays one call).
 if not state[1] and redis.call('EXISTS', log) == 1 then return {'lost'} end
+-- A version without a chain head: the head was removed. Appending would start the chain again
+-- from nothing, unbound to the events before it; reported as damage instead.
+if version > 0 and not state[2] then return {'nohead'} end
 -- The life the writer read: versions restart at 1 when a thread is deleted and written again,
 -- so only the life tells the thread it read from a later one at the same version (ABA). A
 -- meta without a version is no thread (its life is gone), whatever "n" it still holds.
