@@ -337,6 +337,7 @@ class SessionStore:
         update: SessionUpdate,
         *,
         expected_version: ExpectedVersion | None = None,
+        idempotency_key: str | None = None,
         principal: Principal | None = None,
     ) -> int:
         """Apply a `SessionUpdate` (see `session_update`); returns the new version.
@@ -346,6 +347,10 @@ class SessionStore:
         remembered one (and life). Anything
         but a `SessionUpdate` (the messages themselves, the loaded `Transcript`) is refused
         with `InvalidInputError`: `append` and `replace` take messages.
+
+        With ``idempotency_key`` a save whose outcome is unknown (a timeout) can be sent again:
+        if the first landed, the retry returns its version and writes nothing (the key is
+        checked before the expected version, so the writer's own write is no conflict).
         """
         if not isinstance(update, SessionUpdate):
             raise InvalidInputError(
@@ -387,7 +392,9 @@ class SessionStore:
             )
         else:
             event = TranscriptReplaced(messages=as_messages(update.messages), reason="compaction")
-        return await self._write(session_id, event, expected_version, None, principal, life)
+        return await self._write(
+            session_id, event, expected_version, idempotency_key, principal, life
+        )
 
     async def _write(
         self,

@@ -814,6 +814,27 @@ async def test_an_update_is_saved_only_to_the_session_it_was_computed_from(
     assert session_update([user("x")], [user("x"), user("y")]).session_id is None
 
 
+@pytest.mark.parametrize("mode", ["append", "replace"])
+async def test_a_save_retried_with_its_idempotency_key_writes_once(
+    store: es.EventStore, mode: str
+) -> None:
+    """A save whose outcome is unknown (a timeout) retried with the same key: the first
+    save's version, not a conflict with the writer's own write, and one write."""
+    sessions = SessionStore(store)
+    await sessions.append("s", [user("q1"), assistant("a1")])
+    loaded = await sessions.load("s")
+    result = [*loaded.messages, user("q2")] if mode == "append" else [user("summary")]
+    update = session_update(loaded, result)
+    assert update.mode == mode
+    first = await sessions.save("s", update, idempotency_key="turn-2")
+    other = SessionStore(store)  # the retry of a process that never heard the answer
+    assert await other.save("s", update, idempotency_key="turn-2") == first
+    assert await store.version("s") == first
+    assert [m.text for m in (await sessions.load("s")).messages] == [m.text for m in result]
+    with pytest.raises(es.InvalidInputError):
+        await sessions.save("s", update, idempotency_key="")
+
+
 async def test_session_update_and_stale_writers(store: es.EventStore) -> None:
     before = [user("a"), assistant("b")]
     extended = session_update(before, [*before, user("c")])
