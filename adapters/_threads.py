@@ -323,9 +323,11 @@ class ThreadStore:
         """
         _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
-        await self._require_turn(thread_id, turn_id)
+        life = await self._require_turn(thread_id, turn_id)
         event = NewEvent(payload=MessageAppended(message=as_message(message), turn_id=turn_id))
-        return await self.projector.append(thread_id, [event], idempotency_key=idempotency_key)
+        return await self._append_in_turns_life(
+            thread_id, turn_id, [event], idempotency_key=idempotency_key, life=life
+        )
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -375,27 +377,59 @@ class ThreadStore:
         expected_incarnation_arg(expected_incarnation)  # refused before any read
         _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
-        await self._require_turn(thread_id, turn_id)
+        life = await self._require_turn(thread_id, turn_id)
         event = StateUpdated(
             block=block, value=value, turn_id=turn_id, expected_version=expected_block_version
         )
-        return await self.projector.append(
-            thread_id,
-            [NewEvent(payload=event, turn_id=turn_id)],
-            idempotency_key=idempotency_key,
-            expected_incarnation=expected_incarnation,
+        new = NewEvent(payload=event, turn_id=turn_id)
+        if expected_incarnation is not None:  # the caller's own life: its conflict is its own
+            return await self.projector.append(
+                thread_id,
+                [new],
+                idempotency_key=idempotency_key,
+                expected_incarnation=expected_incarnation,
+            )
+        return await self._append_in_turns_life(
+            thread_id, turn_id, [new], idempotency_key=idempotency_key, life=life
         )
 
-    async def _require_turn(self, thread_id: str, turn_id: str | None) -> None:
+    async def _require_turn(self, thread_id: str, turn_id: str | None) -> int | None:
         """A turn id an event is tagged with must be a turn of this thread: a typo would
         otherwise attach the event, in the log and in every audit, to a turn that never ran.
         One read of the turn's record (settled or not: a late update after settling is the
-        runtime's to allow)."""
+        runtime's to allow) and of the life it was found in, returned (None: no turn_id)."""
         if turn_id is None:
-            return
+            return None
         _check_turn_id(turn_id)
-        if await self.projector.record(thread_id, turn_id) is None:
+        record, life = await self.projector.record_in_life(thread_id, turn_id)
+        if record is None:
             raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
+        return life
+
+    async def _append_in_turns_life(
+        self,
+        thread_id: str,
+        turn_id: str | None,
+        events: list[NewEvent],
+        *,
+        idempotency_key: str | None,
+        life: int | None,
+    ) -> AppendResult:
+        """Append events tagged with ``turn_id`` only in the life the turn was found in: the
+        thread deleted (and perhaps written again) since is `TurnNotFoundError`, nothing
+        written, where the events would have landed in a new life under a turn it never had."""
+        try:
+            return await self.projector.append(
+                thread_id, events, idempotency_key=idempotency_key, expected_incarnation=life
+            )
+        except IncarnationConflictError:
+            if turn_id is None:
+                raise
+            raise TurnNotFoundError(
+                f"turn {turn_id!r} was opened in thread {thread_id!r} before it was deleted "
+                "(the thread was deleted, or deleted and written again, meanwhile); nothing "
+                "was written"
+            ) from None
 
     # -- turns ----------------------------------------------------------------------------------
 
@@ -430,10 +464,10 @@ class ThreadStore:
         _check_grant(grant)
         life: int | None = None  # a root turn opens in any life (it may create the thread)
         if parent_turn_id is not None:
-            # The life read first: the child is opened only in the life its parent was read
-            # in, never in the thread written again after a delete (see settle_turn).
-            life = await self.projector.store.incarnation(thread_id)
-            if await self.projector.record(thread_id, parent_turn_id) is None:
+            # The life read with the parent's record: the child is opened only in that life,
+            # never in the thread written again after a delete (see settle_turn).
+            parent, life = await self.projector.record_in_life(thread_id, parent_turn_id)
+            if parent is None:
                 raise TurnNotFoundError(
                     f"parent turn {parent_turn_id!r} was not opened in thread {thread_id!r}"
                 )
@@ -519,10 +553,9 @@ class ThreadStore:
         updates = _as_structs(state_updates, StateUpdate, "state_updates")
         _check_counts(steps, usage)
         _check_timing(timing)
-        # The life read first: the settlement is appended only in the life the open record
-        # was read in (read after it), never into the thread written again after a delete.
-        life = await self.projector.store.incarnation(thread_id)
-        current = await self.projector.record(thread_id, turn_id)
+        # The life read with the open record: the settlement is appended only in that life,
+        # never into the thread written again after a delete.
+        current, life = await self.projector.record_in_life(thread_id, turn_id)
         if current is None:
             raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
         if not current.is_open:

@@ -424,6 +424,19 @@ class Projector:
         found = RecordsProjection.parse(thread_id, result)
         return found[0] if found else None
 
+    async def record_in_life(
+        self, thread_id: str, turn_id: str
+    ) -> tuple[TurnRecord | None, int | None]:
+        """One turn's record (None if the turn is unknown) and the life of the thread it was
+        read in (`ViewSnapshot.incarnation`), in one atomic read: a write that must land only
+        where the turn is passes that life as ``expected_incarnation``, and is refused if
+        the thread was deleted (and perhaps written again) since."""
+        if not isinstance(turn_id, str):
+            raise InvalidInputError(f"turn_id must be a str, not {turn_id!r}")
+        snap = await self.store.read_views(thread_id, [HashGet("turns", (turn_id,))])
+        found = RecordsProjection.parse(thread_id, snap.results[0])
+        return (found[0] if found else None), snap.incarnation
+
     async def turn_tree(self, thread_id: str, *, as_of: AsOf | None = None) -> list[TurnNode]:
         """Root turns with their child turns."""
         return RecordsProjection.tree(await self.turns(thread_id, as_of=as_of))

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -205,15 +206,15 @@ async def test_a_settlement_racing_a_deletion_never_writes_into_another_life(
     usage counts and check flags); after the settlement landed, its own record is answered
     (it was a bare AssertionError)."""
     threads = ThreadStore(store)
-    read_record, append = Projector.record, Projector.append
+    read_record, append = Projector.record_in_life, Projector.append
 
-    async def deleted_after_the_read(self: Projector, thread_id: str, turn_id: str, **kw: Any):  # type: ignore[no-untyped-def]
-        record = await read_record(self, thread_id, turn_id, **kw)
+    async def deleted_after_the_read(self: Projector, thread_id: str, turn_id: str):  # type: ignore[no-untyped-def]
+        found = await read_record(self, thread_id, turn_id)
         await threads.delete_thread(thread_id)
-        return record
+        return found
 
     turn = await threads.open_turn("b", request_message=user("hi"))
-    monkeypatch.setattr(Projector, "record", deleted_after_the_read)
+    monkeypatch.setattr(Projector, "record_in_life", deleted_after_the_read)
     with pytest.raises(TurnNotFoundError, match="before it was deleted"):
         await threads.settle_turn("b", turn, outcome="completed", assistant_message=assistant("x"))
     assert await store.version("b") == 0  # nothing written: no new life
@@ -222,8 +223,32 @@ async def test_a_settlement_racing_a_deletion_never_writes_into_another_life(
     parent = await threads.open_turn("c")
     with pytest.raises(TurnNotFoundError, match="before it was deleted"):
         await threads.open_turn("c", parent_turn_id=parent)
-    monkeypatch.setattr(Projector, "record", read_record)
     assert await store.version("c") == 0
+    # A message or a state update tagged with a turn read before the deletion, the thread
+    # written again meanwhile (a session reset reusing the id): refused, not written into
+    # the new life under a turn it never had.
+
+    async def written_again_after_the_read(self: Projector, thread_id: str, turn_id: str):  # type: ignore[no-untyped-def]
+        found = await read_record(self, thread_id, turn_id)
+        await threads.delete_thread(thread_id)
+        await threads.append_message(thread_id, user("new life"))
+        return found
+
+    writes: list[Callable[[str], Awaitable[es.AppendResult]]] = [
+        lambda t: threads.update_state("d", "plan", {"secret": 1}, turn_id=t),
+        lambda t: threads.append_message("d", assistant("stray"), turn_id=t),
+    ]
+    for write in writes:
+        monkeypatch.setattr(Projector, "record_in_life", read_record)
+        old_turn = await threads.open_turn("d", request_message=user("old life"))
+        monkeypatch.setattr(Projector, "record_in_life", written_again_after_the_read)
+        with pytest.raises(TurnNotFoundError, match="before it was deleted"):
+            await write(old_turn)
+        assert [m.message.text for m in await threads.list_messages("d")] == ["new life"]
+        assert await threads.state("d") == {}
+        monkeypatch.setattr(Projector, "record_in_life", read_record)
+        await threads.delete_thread("d")
+    monkeypatch.setattr(Projector, "record_in_life", read_record)
 
     async def deleted_after_the_append(self: Projector, thread_id: str, *args: Any, **kw: Any):  # type: ignore[no-untyped-def]
         result = await append(self, thread_id, *args, **kw)
