@@ -105,9 +105,9 @@ from eventstore import (
     ViewOp,
     ViewRead,
     connect,
-    validate_thread_id,
 )
 from eventstore._errors import DECODE_ERRORS
+from eventstore._ids import prefixed_thread_id
 from projections import CheckReport, Projection, Projector
 
 from ._framework_events import (
@@ -192,10 +192,11 @@ _enc = msgspec.msgpack.Encoder()
 
 
 class CheckpointValueTooLargeError(EventTooLargeError):
-    """Raised when one channel value, list element or pending write serializes to more than one
-    event of the store holds (its ``max_event_bytes``, 1 MiB by default). Nothing of the
-    checkpoint or the task's writes is stored: in a graph run, the step that produced the value
-    fails, and a resumed run runs it again."""
+    """Raised when one channel value, list element or pending write, or a checkpoint's metadata
+    (``kind`` ``"metadata"``, ``channel`` empty), serializes to more than one event of the store
+    holds (its ``max_event_bytes``, 1 MiB by default). Nothing of the checkpoint or the task's
+    writes is stored: in a graph run, the step that produced the value fails, and a resumed
+    run runs it again."""
 
     def __init__(
         self, thread_id: str, size: int, limit: int, index: int, channel: str, kind: str
@@ -203,9 +204,17 @@ class CheckpointValueTooLargeError(EventTooLargeError):
         super().__init__(thread_id, size, limit, index)
         self.channel = channel
         self.kind = kind
+        if kind == "metadata":
+            # LangGraph copies every str of the run's configurable and metadata into it.
+            what = (
+                "the checkpoint's metadata (which holds every string of the run's config: "
+                "configurable and metadata; keep large documents out of the config)"
+            )
+        else:
+            what = f"a {kind} of channel {channel!r}"
         self.args = (
-            f"thread {thread_id!r}: a {kind} of channel {channel!r} makes an event of {size} "
-            f"bytes; the store's max_event_bytes is {limit} (raise it with "
+            f"thread {thread_id!r}: {what} makes an event of {size} bytes; the store's "
+            f"max_event_bytes is {limit} (raise it with "
             "ThreadlogCheckpointSaver.from_url(..., max_event_bytes=N) or "
             "eventstore.connect(..., max_event_bytes=N))",
         )
@@ -231,6 +240,8 @@ def _too_large(exc: EventTooLargeError, events: Sequence[Event]) -> EventTooLarg
         ]
     elif isinstance(event, WritesPut):
         sizes += [(len(w.data), w.channel, "pending write") for w in event.writes]
+    elif isinstance(event, CheckpointPut):  # channel values are in events of their own
+        sizes.append((len(event.record.metadata[1]), "", "metadata"))
     if not sizes:
         return exc
     _, channel, kind = max(sizes)
@@ -277,7 +288,7 @@ def checkpoint_thread_id(thread_id: object, *, prefix: str = DEFAULT_THREAD_PREF
     if thread_id is None:
         raise InvalidThreadIdError("LangGraph thread_id must not be None")
     text = thread_id if isinstance(thread_id, str) else str(thread_id)
-    return validate_thread_id(prefix + _escape(text))
+    return prefixed_thread_id(prefix, _escape(text), "LangGraph thread_id")
 
 
 def _p(text: str) -> str:
@@ -798,10 +809,20 @@ def _run_blocks(lineage: str, runs: Sequence[tuple[int, int]]) -> list[str]:
     return [_block_field(lineage, b) for b in blocks]
 
 
-def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
+def _configurable(config: RunnableConfig | None, *, thread: bool = True) -> dict[str, Any]:
+    """A config's ``configurable``, with its thread id (unless ``thread`` is False: a
+    ``before`` config names only a checkpoint) and a checkpoint id and namespace that are
+    text when given: anything else is `InvalidInputError` naming it, not a TypeError from
+    inside the saver."""
     conf = (config or {}).get("configurable")
-    if not isinstance(conf, Mapping) or "thread_id" not in conf:
+    if not isinstance(conf, Mapping) or (thread and "thread_id" not in conf):
         raise InvalidInputError("config must have configurable.thread_id")
+    for key in ("checkpoint_id", "checkpoint_ns"):
+        value = conf.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidInputError(
+                f"configurable.{key} must be a str, not {type(value).__name__} ({value!r:.40})"
+            )
     return dict(conf)
 
 
@@ -1184,6 +1205,8 @@ class ThreadlogCheckpointSaver(
                     get_checkpoint_id(config),
                 )
             )
+        if before:
+            _configurable(before, thread=False)  # its ids checked, as the config's are
         before_id = get_checkpoint_id(before) if before else None
         remaining = limit
         async for tid, thread_id, ns, checkpoint_id in targets:

@@ -76,11 +76,10 @@ from eventstore import (
     ViewEntry,
     ViewOp,
     ViewRead,
-    validate_thread_id,
 )
 from eventstore._contract import require_store
 from eventstore._errors import DECODE_ERRORS
-from eventstore._ids import validate_int
+from eventstore._ids import prefixed_thread_id, validate_int
 from projections import Projection, Projector
 
 from ._access import AccessPolicy, Action, Principal, authorize, check_policy
@@ -200,7 +199,7 @@ def session_thread_id(session_id: str, *, prefix: str = DEFAULT_THREAD_PREFIX) -
         raise InvalidThreadIdError(f"session id must be a str, not {session_id!r:.80}")
     if not isinstance(prefix, str):
         raise InvalidThreadIdError(f"thread prefix must be a str, not {prefix!r:.80}")
-    return validate_thread_id(prefix + _escape(session_id))
+    return prefixed_thread_id(prefix, _escape(session_id), "session id")
 
 
 def _ttl_ms(ttl: float | timedelta | None) -> int | None:

@@ -167,6 +167,24 @@ def not_unicode(text: str, exc: UnicodeEncodeError) -> str:
     return f"{text!r} is not valid unicode: it holds {what} (at character {exc.start})"
 
 
+def prefixed_thread_id(prefix: str, escaped: str, what: str) -> str:
+    """The thread id ``prefix + escaped`` of an adapter's own id (``what`` names it: "LangGraph
+    thread_id"), validated; one too long is said in the caller's terms, not as the length of
+    a thread id it never wrote."""
+    thread_id = prefix + escaped
+    try:
+        size = len(thread_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        size = 0  # validate_thread_id says what is wrong with it
+    if size > MAX_THREAD_ID_BYTES:
+        raise InvalidThreadIdError(
+            f"{what} is too long: it is stored as a thread id of {size} bytes (the prefix "
+            f"{prefix!r}, then the id in UTF-8 with each '%', brace or control character "
+            f"written as 3), and a thread id holds at most {MAX_THREAD_ID_BYTES}"
+        )
+    return validate_thread_id(thread_id)
+
+
 def validate_thread_id(thread_id: object) -> str:
     """Return ``thread_id`` if it is a usable thread id, else raise `InvalidThreadIdError`."""
     if not isinstance(thread_id, str):

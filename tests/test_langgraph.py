@@ -388,8 +388,26 @@ async def test_events_thread_ids_and_audit(store: es.EventStore) -> None:
         assert snap.results == [{}]
     with pytest.raises(es.InvalidThreadIdError):
         await saver.aget_tuple(config(cast(Any, None)))
+    # An id too long once prefixed and escaped is said in LangGraph's terms.
+    for too_long in ("x" * 254, "%" * 90):
+        with pytest.raises(es.InvalidThreadIdError, match="LangGraph thread_id is too long"):
+            await saver.aget_tuple(config(too_long))
     with pytest.raises(es.InvalidInputError):
         await saver.aget_tuple({"configurable": {}})
+    # A checkpoint id or namespace that is no str: named, not a TypeError from inside.
+    for bad in ({"checkpoint_id": 1}, {"checkpoint_ns": 3}, {"checkpoint_id": b"x"}):
+        conf: Any = {"configurable": {"thread_id": odd, **bad}}
+        key = next(iter(bad))
+        with pytest.raises(es.InvalidInputError, match=f"configurable.{key}"):
+            await saver.aget_tuple(conf)
+        with pytest.raises(es.InvalidInputError, match=f"configurable.{key}"):
+            [c async for c in saver.alist(conf)]
+        with pytest.raises(es.InvalidInputError, match=f"configurable.{key}"):
+            [c async for c in saver.alist(None, before=conf)]
+    with pytest.raises(es.InvalidInputError, match=r"configurable\.checkpoint_id"):
+        await saver.aput_writes(
+            {"configurable": {"thread_id": odd, "checkpoint_id": 5}}, [("a", 1)], "task"
+        )
 
 
 async def test_list_of_every_thread_reads_the_thread_index_a_page_at_a_time(
@@ -1066,6 +1084,11 @@ async def test_a_value_over_the_event_limit_is_refused_with_a_clear_error(
         assert isinstance(caught.value, es.EventTooLargeError)
     assert await store.version(saver.thread_id_of("big")) == 0  # nothing written
     checkpoint["channel_values"] = {}
+    # Metadata over the limit (LangGraph copies the config's strings into it): said so.
+    with pytest.raises(lg.CheckpointValueTooLargeError, match=r"metadata.*config") as caught:
+        await saver.aput(base, checkpoint, cast(Any, {"note": big}), {})
+    assert (caught.value.kind, caught.value.channel) == ("metadata", "")
+    assert await store.version(saver.thread_id_of("big")) == 0
     stored = await saver.aput(base, checkpoint, cast(Any, {}), {})
     with pytest.raises(lg.CheckpointValueTooLargeError, match="'out'"):
         await saver.aput_writes(stored, [("small", 1), ("out", big)], "task")

@@ -373,6 +373,8 @@ async def test_session_settings_limit_and_ids(store: es.EventStore) -> None:
     session = ThreadlogSession("a{b}\n%c", store, session_settings=SessionSettings(limit=2))
     assert session.thread_id == "agents:a%7Bb%7D%0A%25c"
     assert session_thread_id("a%7Bb") != session_thread_id("a{b")
+    with pytest.raises(es.InvalidThreadIdError, match=r"session id is too long.*'agents:'"):
+        ThreadlogSession("y" * 250, store)
     await session.add_items([user(str(i)) for i in range(5)])
     assert [i["content"] for i in await session.get_items()] == ["3", "4"]  # type: ignore[typeddict-item]
     assert len(await session.get_items(limit=4)) == 4
