@@ -93,6 +93,7 @@ from eventstore import (
 from eventstore._codec import MAX_EVENT_TIME_MS, seq_of_entry_id
 from eventstore._errors import DECODE_ERRORS
 from eventstore._feed import parse_stream_id
+from eventstore._ids import validate_count
 
 from ._files import temp_beside
 
@@ -1168,6 +1169,8 @@ class Exporter:
             raise InvalidInputError(
                 f"workers must be a whole number >= 1 or 'auto', not {workers!r}"
             )
+        validate_count(batch, "batch", minimum=1)
+        validate_count(rows_per_part, "rows_per_part", minimum=1)
         if not worker_timeout > 0:
             raise InvalidInputError(f"worker_timeout must be > 0 seconds, not {worker_timeout!r}")
         count = min(workers, store.partitions)

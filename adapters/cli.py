@@ -2296,8 +2296,10 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
         else:
             ctx.out.print(
                 Text(
-                    f"Nothing to export: namespace {ctx.store.namespace!r} holds no events "
-                    f"yet; {args.out} was not written."
+                    printable(
+                        f"Nothing to export: namespace {ctx.store.namespace!r} holds no "
+                        f"events yet; {args.out} was not written."
+                    )
                 )
             )
         return
@@ -2325,7 +2327,9 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
         )
     if not result.files:
         if args.since is not None:
-            text = f"No event since {args.since.isoformat()} to export; {args.out} stays new."
+            # A directory the run made is removed again: it is not "new", it is not there.
+            done = "stays new" if args.out.is_dir() else "was not written"
+            text = f"No event since {args.since.isoformat()} to export; {args.out} {done}."
         elif not args.out.is_dir() or next(args.out.glob("part-*"), None) is None:
             # No last run to speak of: the directory holds no part (or was never made).
             text = (
@@ -2334,14 +2338,18 @@ async def cmd_export(ctx: Ctx, args: argparse.Namespace) -> None:
             )
         else:
             text = f"Nothing new to export to {args.out} since the last run."
-        ctx.out.print(Text(text))
+        # A directory's name is the user's, and may hold an escape sequence: shown escaped,
+        # as every error that names it is.
+        ctx.out.print(Text(printable(text)))
         return
     names = ", ".join(Path(f).name for f in result.files)
     ctx.out.print(
         Text(
-            f"Exported {plural(result.events, 'event')} and "
-            f"{plural(result.tombstones, 'deletion')} of namespace {ctx.store.namespace!r} "
-            f"to {args.out}: {names}"
+            printable(
+                f"Exported {plural(result.events, 'event')} and "
+                f"{plural(result.tombstones, 'deletion')} of namespace "
+                f"{ctx.store.namespace!r} to {args.out}: {names}"
+            )
         )
     )
 
@@ -2636,9 +2644,9 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
                 f": {report.written:,} newly written, {already:,} already there from an "
                 "earlier import of this file"
             )
-    ctx.out.print(Text(text))
+    ctx.out.print(Text(printable(text)))
     for bad in report.skipped:
-        ctx.out.print(Text(f"  skipped line {bad.line}: {bad.reason}", style="yellow"))
+        ctx.out.print(Text(printable(f"  skipped line {bad.line}: {bad.reason}"), style="yellow"))
 
 
 def _stopped_import(args: argparse.Namespace, done: ImportProgress) -> str:
@@ -2661,7 +2669,8 @@ async def cmd_export_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
         write_stdout(b"".join(m.to_json_bytes() + b"\n" for m in transcript.messages))
         return
     lines = await export_jsonl(sessions, session, args.file)
-    ctx.err.print(Text(f"wrote {plural(lines, 'message')} of session {session} to {args.file}"))
+    wrote = f"wrote {plural(lines, 'message')} of session {session} to {args.file}"
+    ctx.err.print(Text(printable(wrote)))
 
 
 # -- the entry point ----------------------------------------------------------------------------

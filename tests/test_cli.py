@@ -1752,6 +1752,18 @@ def test_export_ndjson_and_parquet_incrementally(demo: Demo, tmp_path: Path) -> 
         "2999-01-01T00:00:00+00:00", "--json", url=demo.url, namespace=demo.namespace,
     )  # fmt: skip
     assert future.code == 0 and future.json()["events"] == 0
+    # Said as it is: a directory the run made and removed again was not written.
+    future = cli(
+        "export", "--format", "ndjson", "--out", str(tmp_path / "future"), "--since",
+        "2999-01-01T00:00:00+00:00", url=demo.url, namespace=demo.namespace,
+    )  # fmt: skip
+    assert future.code == 0 and "future was not written" in future.out, future
+    # A directory name holding an escape sequence is shown escaped, as errors show it.
+    odd = tmp_path / "ev\x1b[31mil"
+    shown = cli(
+        "export", "--format", "ndjson", "--out", str(odd), url=demo.url, namespace=demo.namespace
+    )
+    assert shown.code == 0 and "\x1b" not in shown.out and "ev\\x1b[31mil" in shown.out, shown
 
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
@@ -1812,8 +1824,10 @@ def test_export_directories_belong_to_one_source(redis_url: str, tmp_path: Path)
     assert alone.code == 0 and "Exported 6 events" in alone.out, alone
     assert "--workers 100: exported with" in alone.err  # fewer processes, and why
 
-    # --since: a run finding nothing leaves the directory new; then a full export.
+    # --since: a run finding nothing leaves the directory new (one it made, not there at all);
+    # then a full export.
     fresh = tmp_path / "fresh"
+    fresh.mkdir()
     future = cli(
         "export", "--out", str(fresh), "--format", "ndjson", "--since", "2099-01-01",
         url=redis_url, namespace=first,

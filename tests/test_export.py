@@ -278,6 +278,16 @@ async def test_bad_targets_and_arguments_are_refused_clearly(tmp_path: Path) -> 
     with pytest.raises(es.InvalidInputError, match="applies to Parquet parts only"):
         Exporter(store, tmp_path / "nd", fmt="ndjson", compression="zstd")
     assert not (tmp_path / "nd").exists()
+    # Sizes are refused when the exporter is made, naming the argument (rows_per_part=0 wrote
+    # a part a chunk, "10" failed mid-run with a TypeError, batch=0 was called 'count').
+    for kwargs in (
+        {"rows_per_part": 0}, {"rows_per_part": -5}, {"rows_per_part": "10"},
+        {"rows_per_part": True}, {"batch": 0}, {"batch": 2.5},
+    ):  # fmt: skip
+        name = next(iter(kwargs))
+        with pytest.raises(es.InvalidInputError, match=f"^{name} must be an int >= 1"):
+            Exporter(store, tmp_path / "sizes", fmt="ndjson", **kwargs)
+    assert not (tmp_path / "sizes").exists()
 
 
 EXPORTER = textwrap.dedent(
