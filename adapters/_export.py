@@ -172,6 +172,12 @@ skip them, as they skip names starting with ``.`` (pyarrow, and pandas and Spark
 LEGACY_SOURCE_FILE = "source.json"
 """`SOURCE_FILE` as directories written before 2026-12 name it; a run renames it."""
 _SIDECAR_SUFFIX = ".positions.json"
+RUN_RECORD_FILE = "_positions.json"
+"""Where the last run that committed a part ended: its last part's number and every
+partition's position. Parts' sidecars above that number (a run killed after some commits) are
+merged on top. The record is what lets parts be removed once loaded: a parallel run's
+sidecars each name only their own process's partitions, and the newest parts' positions go
+with them."""
 FENCE_TIMEOUT = 30.0
 """Seconds a run waits for the workers of an earlier, killed run to be gone."""
 
@@ -1009,6 +1015,12 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
     left by a crash is harmless, as positions are read only for parts, and a part of its
     number writes its own sidecar first.
     """
+    record = _read_run_record(directory)
+    if record is not None and not (directory / SOURCE_FILE).exists():
+        # The source record removed (the README's way to start a directory over), the run
+        # record left: it speaks for an export that is no more, and goes too.
+        (directory / RUN_RECORD_FILE).unlink(missing_ok=True)
+        record = None
     parts: list[tuple[int, Path]] = []
     orphans: list[tuple[int, Path]] = []
     for path in sorted(directory.iterdir()):
@@ -1029,18 +1041,56 @@ def committed_positions(directory: Path) -> tuple[int, dict[int, str]]:
                 legacy = directory / f"{path.stem}{_SIDECAR_SUFFIX}"
                 sidecar = legacy if legacy.exists() else sidecar
             parts.append((int(match.group(1)), sidecar))
-    newest = max(parts)[0] if parts else 0
+    recorded_part, positions = record if record is not None else (0, {})
+    newest = max([recorded_part, *(number for number, _ in parts)])
     for orphan, path in orphans:
-        if parts and orphan > newest:
+        if (parts or record is not None) and orphan > newest:
             path.unlink(missing_ok=True)
-    positions: dict[int, str] = {}
     # A single-process run's sidecars name every partition; a parallel run's name only the
     # partitions of the process that wrote them. Merging in part order serves both: within a
     # run a partition belongs to one process, whose part numbers rise, and every run's parts
-    # are numbered above every earlier run's.
-    for _, sidecar in sorted(parts):
-        positions.update(_read_sidecar(sidecar))
+    # are numbered above every earlier run's. The run record holds the merge up to its part.
+    for number, sidecar in sorted(parts):
+        if number > recorded_part:
+            positions.update(_read_sidecar(sidecar))
     return newest, positions
+
+
+def _write_run_record(directory: Path, part: int, positions: dict[int, str]) -> None:
+    """Record where a run that committed parts up to ``part`` ended (`RUN_RECORD_FILE`)."""
+    record = {"part": part, "positions": {str(p): pos for p, pos in sorted(positions.items())}}
+    _atomic_write(directory / RUN_RECORD_FILE, json.dumps(record, indent=1).encode())
+    _fsync_dir(directory)
+
+
+def _read_run_record(directory: Path) -> tuple[int, dict[int, str]] | None:
+    """The run record's part number and positions; None without one (a directory from before
+    it, or whose runs committed nothing); `ExportSourceError` naming it when damaged."""
+    path = directory / RUN_RECORD_FILE
+    try:
+        raw = json.loads(path.read_bytes())
+        if not isinstance(raw, dict) or set(raw) != {"part", "positions"}:
+            raise ValueError("not a run record")
+        part, recorded = raw["part"], raw["positions"]
+        if isinstance(part, bool) or not isinstance(part, int) or part < 1:
+            raise ValueError(f"part {part!r}")
+        if not isinstance(recorded, dict):
+            raise ValueError("positions are not a JSON object")
+        positions = {int(k): v for k, v in recorded.items()}
+        for k, v in positions.items():
+            if k < 0 or not isinstance(v, str):
+                raise ValueError(f"partition {k}: {v!r}")
+            parse_stream_id(v)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, InvalidInputError) as exc:
+        raise ExportSourceError(
+            f"{path} is damaged ({exc}): the directory does not say how far it was exported; "
+            f"restore the file, or export to a new directory"
+        ) from None
+    return part, positions
 
 
 def _read_sidecar(sidecar: Path) -> dict[int, str]:
@@ -1403,6 +1453,12 @@ class Exporter:
         empty = not result.events + result.tombstones
         if since_ms is not None and not positions and result.files and empty:
             result = await self._discard_empty_run(result)
+        if result.files:
+            # Every part of the run is committed: where it ended, recorded apart from them.
+            last = max(int(_PART_RE.match(Path(f).name).group(1)) for f in result.files)  # type: ignore[union-attr]
+            await anyio.to_thread.run_sync(
+                _write_run_record, self.directory, last, dict(result.positions)
+            )
         return result
 
     async def _claim_directory(

@@ -38,6 +38,7 @@ from adapters._export import (
     FIRST_READ,
     LEGACY_SOURCE_FILE,
     PAGE,
+    RUN_RECORD_FILE,
     SOURCE_FILE,
     _fence_earlier_workers,
     _ulid_array,
@@ -227,8 +228,8 @@ async def test_a_directory_with_the_records_named_as_before_is_continued(
     second = await Exporter(redis_store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
     assert second.events == 3  # the new turn only: open, message, settlement
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
-        "_part-00000001.positions.json", "_part-00000002.positions.json", SOURCE_FILE,
-        f"part-00000001.{fmt}", f"part-00000002.{fmt}",
+        "_part-00000001.positions.json", "_part-00000002.positions.json", RUN_RECORD_FILE,
+        SOURCE_FILE, f"part-00000001.{fmt}", f"part-00000002.{fmt}",
     ]  # fmt: skip
     rows = ndjson_rows(tmp_path) if fmt == "ndjson" else list(read_parquet_dir(tmp_path))
     assert sorted(keyset(rows)) == sorted(await log_rows(redis_store))  # each once
@@ -467,6 +468,43 @@ async def test_parallel_export_writes_exactly_the_rows_of_one_process(
     for p in range(store.partitions):
         groups = {g.name: g.last_delivered for g in await store.feed_groups(p)}
         assert groups["export-many"] == groups["export-one"]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+async def test_parts_loaded_and_removed_leave_the_directory_able_to_continue(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path, workers: int
+) -> None:
+    """A pipeline that loads the parts and removes them: after a parallel run (each sidecar
+    names only its own process's partitions), or with the newest parts removed, the next run
+    was refused ('the feed consumer group is ahead of the directory'). Each run records where
+    it ended (``_positions.json``), which the parts' removal does not touch."""
+    store = redis_store
+    for t in ("a", "b", "c", "d", "e"):
+        await conversation(store, t, 3)
+    out, loaded = tmp_path / "out", tmp_path / "loaded"
+    loaded.mkdir()
+    exporter = Exporter(
+        store, out, fmt="ndjson", workers=workers, settings=settings_of(store, redis_url),
+        batch=2, rows_per_part=10,
+    )  # fmt: skip
+    first = await exporter.run()
+    assert len(first.files) > 2 and (out / RUN_RECORD_FILE).exists()
+    for part in sorted(out.glob("part-*"))[:-1] if workers == 1 else sorted(out.glob("part-*")):
+        part.rename(loaded / part.name)  # loaded elsewhere, then removed
+    await conversation(store, "a", 2)
+    await conversation(store, "f", 1)
+    second = await exporter.run()
+    assert second.events == 3 * 2 + 3 * 1 and second.files
+    # Every event exactly once across what was loaded and what is there now, and numbered on
+    # after the removed parts (no name is used twice).
+    rows = ndjson_rows(out) + ndjson_rows(loaded)
+    assert sorted(keyset(rows)) == sorted(await log_rows(store))
+    names = [p.name for p in [*out.glob("part-*"), *loaded.glob("part-*")]]
+    assert len(names) == len(set(names))
+    # A damaged record is refused by name, never guessed around.
+    (out / RUN_RECORD_FILE).write_text("{not json")
+    with pytest.raises(ExportSourceError, match=RUN_RECORD_FILE):
+        await exporter.run()
 
 
 async def test_a_run_ends_at_the_changes_there_when_it_started(
@@ -1426,6 +1464,8 @@ async def test_a_missing_or_damaged_positions_file_is_refused_naming_it(
     await Exporter(redis_store, tmp_path, fmt="ndjson").run()
     sidecar = tmp_path / "_part-00000001.positions.json"
     good = sidecar.read_bytes()
+    # The sidecars of a directory from before the run record (which holds their merge).
+    (tmp_path / RUN_RECORD_FILE).unlink()
     await conversation(redis_store, "t", 1)
     # Each was an internal error (JSONDecodeError, AttributeError: exit 3 in the command).
     for damaged, why in (
@@ -1452,12 +1492,21 @@ async def test_a_directory_whose_parts_were_removed_is_not_exported_again(
     first = await Exporter(redis_store, tmp_path, fmt="ndjson").run()
     assert first.events == 6
     # The user compresses the parts to keep them (or moves them to a warehouse): the directory
-    # no longer holds a part, but its source record and its group say what it exported.
+    # no longer holds a part, but its run record says where it ended: it continues there.
     for part in tmp_path.glob("part-*.ndjson"):
         part.with_suffix(".ndjson.gz").write_bytes(gzip.compress(part.read_bytes()))
         part.unlink()
     await conversation(redis_store, "t", 1)
-    for _ in range(2):  # refused, and refused again: the record stays
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
+    assert [p.name for p in tmp_path.glob("part-*.ndjson")] == ["part-00000002.ndjson"]
+    # A directory from before the run record: its source record and its group say what it
+    # exported, and a run would export it all again: refused, and refused again.
+    for part in tmp_path.glob("part-*.ndjson"):
+        part.with_suffix(".ndjson.gz").write_bytes(gzip.compress(part.read_bytes()))
+        part.unlink()
+    (tmp_path / RUN_RECORD_FILE).unlink()
+    await conversation(redis_store, "t", 1)
+    for _ in range(2):
         with pytest.raises(ExportSourceError, match="holds no part"):
             await Exporter(redis_store, tmp_path, fmt="ndjson").run()
         assert (tmp_path / SOURCE_FILE).exists()
@@ -1468,11 +1517,13 @@ async def test_a_directory_whose_parts_were_removed_is_not_exported_again(
         packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
         packed.unlink()
     assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 3
-    # Told to start over (the record removed, as with the whole directory), it does.
+    # Told to start over (the source record removed, as with the whole directory), it does,
+    # whatever its run record said.
     for part in tmp_path.glob("part-*.ndjson"):
         part.unlink()
     (tmp_path / SOURCE_FILE).unlink()
-    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 9
+    assert (tmp_path / RUN_RECORD_FILE).exists()
+    assert (await Exporter(redis_store, tmp_path, fmt="ndjson").run()).events == 12
 
 
 @pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
