@@ -68,7 +68,7 @@ from itertools import repeat
 from multiprocessing.connection import Connection, wait
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -172,6 +172,7 @@ skip them, as they skip names starting with ``.`` (pyarrow, and pandas and Spark
 LEGACY_SOURCE_FILE = "source.json"
 """`SOURCE_FILE` as directories written before 2026-12 name it; a run renames it."""
 _SIDECAR_SUFFIX = ".positions.json"
+T = TypeVar("T")
 RUN_RECORD_FILE = "_positions.json"
 """Where the last run that committed a part ended: its last part's number and every
 partition's position. Parts' sidecars above that number (a run killed after some commits) are
@@ -1066,21 +1067,50 @@ def _write_run_record(directory: Path, part: int, positions: dict[int, str]) -> 
 def _read_run_record(directory: Path) -> tuple[int, dict[int, str]] | None:
     """The run record's part number and positions; None without one (a directory from before
     it, or whose runs committed nothing); `ExportSourceError` naming it when damaged."""
-    path = directory / RUN_RECORD_FILE
+    return _read_record(directory / RUN_RECORD_FILE, _run_record_of)
+
+
+def _run_record_of(raw: Any) -> tuple[int, dict[int, str]]:
+    if not isinstance(raw, dict) or set(raw) != {"part", "positions"}:
+        raise ValueError("not a run record")
+    part = raw["part"]
+    if isinstance(part, bool) or not isinstance(part, int) or part < 1:
+        raise ValueError(f"part {part!r}")
+    return part, _positions_of(raw["positions"])
+
+
+def _read_sidecar(sidecar: Path) -> dict[int, str]:
+    """A committed part's positions; `ExportSourceError` naming the file when it is missing or
+    damaged (a directory copied without its sidecars, an edit): a run cannot know where the
+    directory stands, and guessing would export a hole or duplicates."""
+    found = _read_record(sidecar, _positions_of)
+    if found is None:
+        part = sidecar.name[: -len(_SIDECAR_SUFFIX)].removeprefix("_")
+        raise ExportSourceError(
+            f"{sidecar.parent} has {part} without its positions ({sidecar.name}): the "
+            f"directory does not say how far it was exported; restore the file, or export "
+            f"to a new directory"
+        )
+    return found
+
+
+def _positions_of(raw: Any) -> dict[int, str]:
+    """Feed positions by partition, as a record holds them (``{"0": "<stream id>"}``)."""
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    out = {int(k): v for k, v in raw.items()}
+    for k, v in out.items():
+        if k < 0:
+            raise ValueError(f"partition {k}")
+        parse_stream_id(v)
+    return out
+
+
+def _read_record(path: Path, parse: Callable[[Any], T]) -> T | None:
+    """A directory record (JSON) as ``parse`` makes it, None when there is none; damaged
+    (``parse`` raised ValueError or InvalidInputError), `ExportSourceError` naming it."""
     try:
-        raw = json.loads(path.read_bytes())
-        if not isinstance(raw, dict) or set(raw) != {"part", "positions"}:
-            raise ValueError("not a run record")
-        part, recorded = raw["part"], raw["positions"]
-        if isinstance(part, bool) or not isinstance(part, int) or part < 1:
-            raise ValueError(f"part {part!r}")
-        if not isinstance(recorded, dict):
-            raise ValueError("positions are not a JSON object")
-        positions = {int(k): v for k, v in recorded.items()}
-        for k, v in positions.items():
-            if k < 0 or not isinstance(v, str):
-                raise ValueError(f"partition {k}: {v!r}")
-            parse_stream_id(v)
+        return parse(json.loads(path.read_bytes()))
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -1090,37 +1120,6 @@ def _read_run_record(directory: Path) -> tuple[int, dict[int, str]] | None:
             f"{path} is damaged ({exc}): the directory does not say how far it was exported; "
             f"restore the file, or export to a new directory"
         ) from None
-    return part, positions
-
-
-def _read_sidecar(sidecar: Path) -> dict[int, str]:
-    """A committed part's positions; `ExportSourceError` naming the file when it is missing or
-    damaged (a directory copied without its sidecars, an edit): a run cannot know where the
-    directory stands, and guessing would export a hole or duplicates."""
-    part = sidecar.name[: -len(_SIDECAR_SUFFIX)].removeprefix("_")
-    try:
-        raw = json.loads(sidecar.read_bytes())
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-        out = {int(k): v for k, v in raw.items()}
-        for k, v in out.items():
-            if k < 0:
-                raise ValueError(f"partition {k}")
-            parse_stream_id(v)
-    except FileNotFoundError:
-        raise ExportSourceError(
-            f"{sidecar.parent} has {part} without its positions ({sidecar.name}): the "
-            f"directory does not say how far it was exported; restore the file, or export "
-            f"to a new directory"
-        ) from None
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read {sidecar}: {exc.strerror or exc}") from None
-    except (ValueError, InvalidInputError) as exc:
-        raise ExportSourceError(
-            f"{sidecar} is damaged ({exc}): the directory does not say how far it was "
-            f"exported; restore the file, or export to a new directory"
-        ) from None
-    return out
 
 
 class Exporter:
