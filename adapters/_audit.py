@@ -338,6 +338,7 @@ class _Verifier:
         self.omitted = 0
         self.first: Problem | None = None
         self.head = ""
+        self.head_time: int | None = None  # the time of the entry whose link is `head`
         self.history: deque[_Entry] = deque(maxlen=WINDOW)
         self.ahead: deque[_Entry] = deque()
         self.recorded_key: str | None = None  # the thread's chain key fingerprint, if any
@@ -355,7 +356,8 @@ class _Verifier:
         self.beyond: list[int] | None = None
         self.no_life = False  # a meta hash with a version but no incarnation ('n')
         self.ids: dict[bytes, int] = {}  # event id -> the first seq that holds it
-        self.recorded_head: tuple[int, str] | None = None  # the meta's (version, head)
+        # the meta's (version, head, time of the last append)
+        self.recorded_head: tuple[int, str, int | None] | None = None
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -452,6 +454,7 @@ class _Verifier:
         ) != e.h:
             return False
         self.prev = self.head = e.h
+        self.head_time = e.s
         self.expected = seq + 1
         self.checked += 1
         self.history.append(e)
@@ -516,7 +519,7 @@ class _Verifier:
             self.prev = None  # the link of `seq` points at an entry that is gone
         self.expected = seq + 1
         if e.h is not None:
-            self.head = e.h
+            self.head, self.head_time = e.h, e.s
         if e.bad is not None:
             self._problem(seq, "undecodable", e.bad)
             # Continue the chain through it only if its own link holds.
@@ -664,14 +667,25 @@ class _Verifier:
         self._problem(0, "meta", f"the thread's meta hash is damaged: {error.reason}")
         return self.verdict()
 
-    def check_head(self, recorded: tuple[int, str] | None) -> None:
+    def check_head(self, recorded: tuple[int, str, int | None] | None) -> None:
         """Hold a log whose every link verified to what its meta records: the head, read
         with the version (skipped when appends landed since the log was read), and the key
         fingerprint (every link verifies under this check's key, so a fingerprint naming
         another is an edit, which would turn the thread's own writers away)."""
         if recorded is not None and recorded[0] == self.version == self.checked:
-            version, head = recorded
-            if not head and version:
+            version, head, last_time = recorded
+            if head == self.head and last_time is not None and last_time != self.head_time:
+                # Each append stamps its events with the time it records there, and no event
+                # is stamped before the last one: a time moved ahead would stamp every later
+                # event with it (the chain then covers the forged times as given).
+                self._problem(
+                    version,
+                    "meta",
+                    f"the thread's meta records its last append at {last_time} ms (field 's'), "
+                    f"but its last event (seq {version}) was recorded at {self.head_time} ms: "
+                    "the meta hash was edited, and later events would be stamped with that time",
+                )
+            elif not head and version:
                 self._problem(
                     version,
                     "meta",

@@ -333,10 +333,11 @@ class EventStore(abc.ABC):
         """
         return None
 
-    async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
-        """The thread's version and the chain link its meta records as the head (the link of
-        its last event), read together; None when it records none (no such thread, or a
-        backend that keeps none). `Auditor.verify` holds the log's last link to it."""
+    async def chain_head(self, thread_id: str) -> tuple[int, str, int | None] | None:
+        """The thread's version, the chain link its meta records as the head (the link of its
+        last event) and the time it records for its last append (None: none, or not a number),
+        read together; None when it records none (no such thread, or a backend that keeps
+        none). `Auditor.verify` holds the log's last link and last time to them."""
         return None
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:

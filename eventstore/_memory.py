@@ -476,10 +476,12 @@ class MemoryEventStore(EventStore):
         # A thread's views left after it was deleted are no thread (version 0), as on Redis.
         return thread.incarnation if thread is not None and thread.version else None
 
-    async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
+    async def chain_head(self, thread_id: str) -> tuple[int, str, int | None] | None:
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
-        return None if thread is None or not thread.version else (thread.version, thread.head)
+        if thread is None or not thread.version:
+            return None
+        return thread.version, thread.head, thread.times[-1] if thread.times else None
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         ikey = caller_key_field(idempotency_key)

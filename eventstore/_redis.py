@@ -1064,14 +1064,16 @@ class RedisEventStore(EventStore):
             return None  # no thread (a meta without 'v' is none), or one that records no life
         return _incarnation_of(thread_id, n)
 
-    async def chain_head(self, thread_id: str) -> tuple[int, str] | None:
+    async def chain_head(self, thread_id: str) -> tuple[int, str, int | None] | None:
         validate_thread_id(thread_id)
-        v, h = await self._command("HMGET", self.keys.meta(thread_id), "v", "h")
+        v, h, s = await self._command("HMGET", self.keys.meta(thread_id), "v", "h", "s")
         if v is None:
             return None
         # A version without a head: the head was removed (every append writes both), said
         # as the empty head of no events, which verify holds the log's last link to.
-        return _meta_version(thread_id, v), (h or b"").decode("ascii", "replace")
+        head = (h or b"").decode("ascii", "replace")
+        last = int(s) if s is not None and s.isdigit() and len(s) <= 20 else None
+        return _meta_version(thread_id, v), head, last
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         validate_thread_id(thread_id)

@@ -1284,6 +1284,19 @@ async def test_a_chain_head_that_is_not_the_last_link_is_meta_damage(
     assert "chain head" in verdict.detail
 
 
+async def test_a_last_append_time_moved_in_the_meta_is_damage(redis_url: str) -> None:
+    """The meta's time of the last append (field 's') moved ahead: every later event would be
+    stamped with it (times never run backwards in a thread), and verify did not look."""
+    async with await es.connect(redis_url, namespace="h" + uuid.uuid4().hex[:12]) as store:
+        assert isinstance(store, es.RedisEventStore)
+        version = await populate(store, rounds=1)
+        assert (await Auditor(store).verify(T)).ok
+        await store.client.hset(store.keys.meta(T), "s", "4102444800000")  # 2100-01-01
+        verdict = await Auditor(store).verify(T)
+        assert_damage(verdict, version, "meta")
+        assert "field 's'" in verdict.detail and "4102444800000" in verdict.detail
+
+
 async def test_a_chain_head_removed_from_the_meta_is_damage(redis_url: str) -> None:
     """The meta's chain head (field 'h') deleted: verify took its absence for a thread that
     records none and passed; the next append then started the chain again from nothing, and

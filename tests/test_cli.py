@@ -1128,9 +1128,9 @@ def test_replay_and_show_report_entries_lost_at_the_end_of_a_log(redis_url: str)
 
 
 def test_stored_keys_json_cannot_hold_are_shown_not_a_crash(redis_url: str) -> None:
-    """A message written through the store itself (not ThreadStore, which refuses it) whose
-    tool call input is keyed by a bool and a tuple: show, replay and their --json crashed
-    (exit 3) on every run; the keys are shown as JSON writers key them."""
+    """A message stored whose tool call input is keyed by a bool and a tuple (every append
+    refuses one now; one stored before is put in place here): show, replay and their --json
+    crashed (exit 3) on every run; the keys are shown as JSON writers key them."""
     namespace = fresh_namespace()
     odd = es.Message(
         role="assistant",
@@ -1138,7 +1138,13 @@ def test_stored_keys_json_cannot_hold_are_shown_not_a_crash(redis_url: str) -> N
     )
 
     async def write(store: es.EventStore) -> None:
-        await store.append("t1", [es.MessageAppended(message=odd)])
+        await store.append("t1", [es.MessageAppended(message=es.Message(role="user", content="x"))])
+        assert isinstance(store, es.RedisEventStore)
+        log = store.keys.log("t1")
+        [(entry_id, fields)] = await store.client.xrange(log)
+        fields[b"d"] = msgspec.msgpack.encode(es.MessageAppended(message=odd))
+        await store.client.delete(log)
+        await store.client.xadd(log, fields, id=entry_id)
 
     with_store(redis_url, namespace, write)
     for command in (
