@@ -514,7 +514,11 @@ class _Verifier:
             if self.expected <= self.version:
                 last = min(seq - 1, self.version)
                 self._problem(
-                    self.expected, "deleted", f"{_span(self.expected, last)} missing from the log"
+                    self.expected,
+                    "deleted",
+                    f"{_span(self.expected, last)} missing from the log; seq {seq} after it "
+                    "cannot be verified (its link names the missing entry: a change to it "
+                    "would not show)",
                 )
             self.prev = None  # the link of `seq` points at an entry that is gone
         self.expected = seq + 1
@@ -547,8 +551,13 @@ class _Verifier:
         earlier = self.ids.setdefault(e.i, seq)
         prev = self.prev
         self.prev = e.h
-        if prev is None or chain_link(prev, seq + self.offset, e.s, e.c) == e.h:
-            return  # verified, or unverifiable after a gap (the gap is the problem)
+        if prev is None:
+            # Unverifiable after a gap or an undecodable entry (that is the problem): not
+            # counted among the events verified.
+            self.checked -= 1
+            return
+        if chain_link(prev, seq + self.offset, e.s, e.c) == e.h:
+            return
         if earlier != seq and seq - earlier > WINDOW:
             # Beyond the window `_explain` searches: the event id says where it comes from.
             self._problem(

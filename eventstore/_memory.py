@@ -481,7 +481,8 @@ class MemoryEventStore(EventStore):
         await anyio.lowlevel.checkpoint()
         if thread is None or not thread.version:
             return None
-        return thread.version, thread.head, thread.times[-1] if thread.times else None
+        # No time recorded apart from the events' own, which nothing outside can edit: none.
+        return thread.version, thread.head, None
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         ikey = caller_key_field(idempotency_key)
