@@ -59,8 +59,7 @@ CHAIN_HEX_CHARS = 32
 MAX_NESTING = 128
 
 _encoder = msgspec.msgpack.Encoder()
-# An export writes each payload as JSON from its plain msgpack form: the same pair tells at the
-# append whether it could.
+# An export writes each payload as JSON: the append asks the JSON encoder first.
 _plain_decoder = msgspec.msgpack.Decoder()
 _json_encoder = msgspec.json.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(EventMeta)
@@ -377,15 +376,18 @@ def _encode(
             check_nesting(payload, index, thread_id)  # says so in the limit's words
         # msgspec writes every float as a float64 (0xcb), and a NaN's or an infinity's first
         # byte is 0x7f or 0xff: bytes no UTF-8 text holds, so the walk is rarely needed.
-        plain = _plain_decoder.decode(data)
         try:
-            _json_encoder.encode(plain)
+            # The payload itself, not its plain form an export writes: the same keys fail
+            # (a tuple, None), in under half the time of decoding the plain form first.
+            _json_encoder.encode(payload)
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) holds what JSON "
                 f"cannot hold ({exc}): an event is exported and shown as JSON"
             ) from None
-        if (b"\xcb\x7f" in data or b"\xcb\xff" in data) and (found := non_finite_float(plain)):
+        if (b"\xcb\x7f" in data or b"\xcb\xff" in data) and (
+            found := non_finite_float(_plain_decoder.decode(data))
+        ):
             where, value = found
             raise EventValidationError(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) holds {value!r} "
