@@ -374,8 +374,6 @@ def _encode(
             ) from exc
         if encoded_too_deep(payload, data):
             check_nesting(payload, index, thread_id)  # says so in the limit's words
-        # msgspec writes every float as a float64 (0xcb), and a NaN's or an infinity's first
-        # byte is 0x7f or 0xff: bytes no UTF-8 text holds, so the walk is rarely needed.
         try:
             # The payload itself, not its plain form an export writes: the same keys fail
             # (a tuple, None), in under half the time of decoding the plain form first.
@@ -385,6 +383,8 @@ def _encode(
                 f"thread {thread_id!r}: event #{index} ({payload.event_type}) holds what JSON "
                 f"cannot hold ({exc}): an event is exported and shown as JSON"
             ) from None
+        # msgspec writes every float as a float64 (0xcb), and a NaN's or an infinity's first
+        # byte is 0x7f or 0xff: bytes no UTF-8 text holds, so the walk is rarely needed.
         if (b"\xcb\x7f" in data or b"\xcb\xff" in data) and (
             found := non_finite_float(_plain_decoder.decode(data))
         ):
