@@ -26,6 +26,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from eventstore import (
+    ChainHead,
     ConcurrencyError,
     CorruptEventError,
     EventStore,
@@ -339,6 +340,7 @@ class _Verifier:
         self.first: Problem | None = None
         self.head = ""
         self.head_time: int | None = None  # the time of the entry whose link is `head`
+        self.first_time: int | None = None  # the time of the entry of seq 1
         self.history: deque[_Entry] = deque(maxlen=WINDOW)
         self.ahead: deque[_Entry] = deque()
         self.recorded_key: str | None = None  # the thread's chain key fingerprint, if any
@@ -357,7 +359,7 @@ class _Verifier:
         self.no_life = False  # a meta hash with a version but no incarnation ('n')
         self.ids: dict[bytes, int] = {}  # event id -> the first seq that holds it
         # the meta's (version, head, time of the last append)
-        self.recorded_head: tuple[int, str, int | None] | None = None
+        self.recorded_head: ChainHead | None = None
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -436,7 +438,7 @@ class _Verifier:
                 f"{self.version}: {_span(self.expected, self.version)} gone"
             )
             recorded = self.recorded_head
-            if recorded is not None and self.head and recorded[1] == self.head:
+            if recorded is not None and self.head and recorded.head == self.head:
                 detail += (
                     f", or the version was raised: the chain head the meta records is the "
                     f"link of seq {self.expected - 1}, the log's last"
@@ -455,6 +457,8 @@ class _Verifier:
             return False
         self.prev = self.head = e.h
         self.head_time = e.s
+        if seq == 1:
+            self.first_time = e.s
         self.expected = seq + 1
         self.checked += 1
         self.history.append(e)
@@ -524,6 +528,8 @@ class _Verifier:
         self.expected = seq + 1
         if e.h is not None:
             self.head, self.head_time = e.h, e.s
+        if seq == 1:
+            self.first_time = e.s
         if e.bad is not None:
             self._problem(seq, "undecodable", e.bad)
             # Continue the chain through it only if its own link holds.
@@ -676,23 +682,41 @@ class _Verifier:
         self._problem(0, "meta", f"the thread's meta hash is damaged: {error.reason}")
         return self.verdict()
 
-    def check_head(self, recorded: tuple[int, str, int | None] | None) -> None:
-        """Hold a log whose every link verified to what its meta records: the head, read
-        with the version (skipped when appends landed since the log was read), and the key
-        fingerprint (every link verifies under this check's key, so a fingerprint naming
-        another is an edit, which would turn the thread's own writers away)."""
-        if recorded is not None and recorded[0] == self.version == self.checked:
-            version, head, last_time = recorded
-            if head == self.head and last_time is not None and last_time != self.head_time:
+    def check_head(self, recorded: ChainHead | None) -> None:
+        """Hold a log whose every link verified to what its meta records: the head and the
+        times of its last and first events, read with the version (skipped when appends
+        landed since the log was read), and the key fingerprint (every link verifies under
+        this check's key, so a fingerprint naming another is an edit, which would turn the
+        thread's own writers away)."""
+        if recorded is not None and recorded.version == self.version == self.checked:
+            version, head, last_ms = recorded.version, recorded.head, recorded.last_ms
+            created_ms = recorded.created_ms
+            if head == self.head and last_ms is not None and last_ms != self.head_time:
                 # Each append stamps its events with the time it records there, and no event
                 # is stamped before the last one: a time moved ahead would stamp every later
                 # event with it (the chain then covers the forged times as given).
                 self._problem(
                     version,
                     "meta",
-                    f"the thread's meta records its last append at {last_time} ms (field 's'), "
+                    f"the thread's meta records its last append at {last_ms} ms (field 's'), "
                     f"but its last event (seq {version}) was recorded at {self.head_time} ms: "
                     "the meta hash was edited, and later events would be stamped with that time",
+                )
+            elif (
+                head == self.head
+                and created_ms is not None
+                and self.first_time is not None
+                and (created_ms != self.first_time)
+            ):
+                # A life begins with its first append, which records its time there: a log
+                # whose first event is of another time is another life's (a deleted one's,
+                # copied back with its version and head), whatever its links say.
+                self._problem(
+                    1,
+                    "meta",
+                    f"the thread's current life began at {created_ms} ms (its meta's field "
+                    f"'c'), but its first event was recorded at {self.first_time} ms: the log "
+                    "is another life's (a deleted one's, put back), or the meta hash was edited",
                 )
             elif not head and version:
                 self._problem(

@@ -68,6 +68,21 @@ class AppendResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ChainHead:
+    """What a thread's meta hash records of its log, read together (`EventStore.chain_head`):
+    `Auditor.verify` holds the log to each. A time is None when none is recorded (or it is
+    not a number)."""
+
+    version: int
+    head: str
+    """The chain link of its last event ("": none recorded)."""
+    last_ms: int | None = None
+    """When its last append was recorded: the time of its last event."""
+    created_ms: int | None = None
+    """When its current life began: the time of its first event."""
+
+
+@dataclass(frozen=True, slots=True)
 class RawRange:
     """A seq range of one thread for `EventStore.read_raw_ranges` (``stop`` included).
 
@@ -333,11 +348,10 @@ class EventStore(abc.ABC):
         """
         return None
 
-    async def chain_head(self, thread_id: str) -> tuple[int, str, int | None] | None:
-        """The thread's version, the chain link its meta records as the head (the link of its
-        last event) and the time it records for its last append (None: none, or not a number),
-        read together; None when it records none (no such thread, or a backend that keeps
-        none). `Auditor.verify` holds the log's last link and last time to them."""
+    async def chain_head(self, thread_id: str) -> ChainHead | None:
+        """What the thread's meta records of its log (`ChainHead`: its version, the chain link
+        of its last event, the times of its last and first events), read together; None when
+        it records none (no such thread, or a backend that keeps none)."""
         return None
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:

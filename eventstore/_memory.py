@@ -39,7 +39,15 @@ from ._codec import (
     request_digest,
     version_satisfies,
 )
-from ._contract import ANY, AppendResult, EventStore, ExpectedVersion, ThreadInfo, threads_cursor
+from ._contract import (
+    ANY,
+    AppendResult,
+    ChainHead,
+    EventStore,
+    ExpectedVersion,
+    ThreadInfo,
+    threads_cursor,
+)
 from ._errors import (
     ChainKeyMismatchError,
     ConcurrencyError,
@@ -476,13 +484,13 @@ class MemoryEventStore(EventStore):
         # A thread's views left after it was deleted are no thread (version 0), as on Redis.
         return thread.incarnation if thread is not None and thread.version else None
 
-    async def chain_head(self, thread_id: str) -> tuple[int, str, int | None] | None:
+    async def chain_head(self, thread_id: str) -> ChainHead | None:
         thread = self._thread(thread_id)
         await anyio.lowlevel.checkpoint()
         if thread is None or not thread.version:
             return None
         # No time recorded apart from the events' own, which nothing outside can edit: none.
-        return thread.version, thread.head, None
+        return ChainHead(thread.version, thread.head)
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         ikey = caller_key_field(idempotency_key)

@@ -43,6 +43,7 @@ from ._codec import (
 from ._contract import (
     ANY,
     AppendResult,
+    ChainHead,
     EventStore,
     ExpectedVersion,
     RawRange,
@@ -437,6 +438,11 @@ def _recorded_hash_names(key: str, members: Iterable[bytes]) -> list[str]:
 
 def _text(value: Any) -> str:
     return value.decode("ascii") if isinstance(value, bytes) else str(value)
+
+
+def _ms_or_none(raw: bytes | None) -> int | None:
+    """A time a meta hash records, or None: none, or not a number (verify reads it only)."""
+    return int(raw) if raw is not None and raw.isdigit() and len(raw) <= 20 else None
 
 
 def _as_dict(fields: Any) -> dict[bytes, bytes]:
@@ -1064,16 +1070,15 @@ class RedisEventStore(EventStore):
             return None  # no thread (a meta without 'v' is none), or one that records no life
         return _incarnation_of(thread_id, n)
 
-    async def chain_head(self, thread_id: str) -> tuple[int, str, int | None] | None:
+    async def chain_head(self, thread_id: str) -> ChainHead | None:
         validate_thread_id(thread_id)
-        v, h, s = await self._command("HMGET", self.keys.meta(thread_id), "v", "h", "s")
+        v, h, s, c = await self._command("HMGET", self.keys.meta(thread_id), "v", "h", "s", "c")
         if v is None:
             return None
         # A version without a head: the head was removed (every append writes both), said
         # as the empty head of no events, which verify holds the log's last link to.
         head = (h or b"").decode("ascii", "replace")
-        last = int(s) if s is not None and s.isdigit() and len(s) <= 20 else None
-        return _meta_version(thread_id, v), head, last
+        return ChainHead(_meta_version(thread_id, v), head, _ms_or_none(s), _ms_or_none(c))
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         validate_thread_id(thread_id)

@@ -1300,6 +1300,32 @@ async def test_a_last_append_time_moved_in_the_meta_is_damage(redis_url: str) ->
         assert "field 's'" in verdict.detail and "4102444800000" in verdict.detail
 
 
+async def test_a_deleted_lifes_log_put_back_is_damage_even_with_a_key(redis_url: str) -> None:
+    """A life's log, version and head saved, the thread deleted and written again, then the
+    old log put back over the new one: every link verifies (the key made them), so verify
+    passed, and check offered a rebuild from it. Its first event predates the current life."""
+    namespace = "h" + uuid.uuid4().hex[:12]
+    settings = StoreSettings.from_url(redis_url, namespace=namespace, secret=SECRET)
+    async with await es.open_store(settings) as store:
+        assert isinstance(store, es.RedisEventStore)
+        await populate(store, rounds=1)
+        log, meta = store.keys.log(T), store.keys.meta(T)
+        old_entries = await store.client.xrange(log)
+        old_v, old_h = await store.client.hmget(meta, "v", "h")
+        await store.delete_thread(T)
+        await anyio.sleep(0.01)  # the new life begins at a later millisecond
+        await populate(store, rounds=2)
+        await store.client.delete(log)
+        for entry_id, fields in old_entries:
+            await store.client.xadd(log, fields, id=entry_id)
+        await store.client.hset(
+            meta, mapping={"v": old_v, "h": old_h, "s": old_entries[-1][1][b"s"]}
+        )
+        verdict = await Auditor(store).verify(T)
+        assert not verdict.ok and (verdict.first_bad_seq, verdict.kind) == (1, "meta"), verdict
+        assert "another life's" in verdict.detail
+
+
 async def test_a_chain_head_removed_from_the_meta_is_damage(redis_url: str) -> None:
     """The meta's chain head (field 'h') deleted: verify took its absence for a thread that
     records none and passed; the next append then started the chain again from nothing, and
