@@ -44,6 +44,7 @@ PUBLIC_NAMES = [
     "ACL_READ_COMMANDS",
     "ANY",
     "AppendResult",
+    "ChainHead",
     "ChainKeyMismatchError",
     "CheckpointedState",
     "ConcurrencyError",
