@@ -430,7 +430,15 @@ class ConnectTimeoutError(StoreConnectionError, StoreTimeoutError):
 
 
 class StoreClosedError(OperationalError):
-    """Raised when a closed store is used."""
+    """Raised when a closed store is used, or a call is still in flight when it closes."""
+
+    @classmethod
+    def in_flight(cls) -> StoreClosedError:
+        """The error of a call the store was closed under after it was sent."""
+        return cls(
+            "the store was closed while this call was in flight: it may have been applied "
+            "(read it back with a new store)"
+        )
 
 
 class UnstampedViewError(OperationalError):

@@ -258,15 +258,20 @@ async def _call(op: Awaitable[T]) -> T:
         raise translate_redis_error(exc) from exc
 
 
-async def _pipeline_replies(pipe: Any) -> list[Any]:
-    """A redis-py pipeline's replies; an error reply is raised translated, as Redis worded it.
+# What a connection disconnected under a call (by `close`) is translated to.
+_CONNECTION_FAILURES = (OperationalError, StoreConnectionError, StoreTimeoutError)
+
+
+def _replies_checked(replies: Iterable[Any]) -> list[Any]:
+    """A redis-py pipeline's replies (read with ``raise_on_error=False``); an error reply is
+    raised translated, as Redis worded it.
 
     Raised by the pipeline itself, the first error is reworded ("Command # 2 (XRANGE ...) of
     pipeline caused error: ..."), and redis-py up to 6.4 drops Redis's own words there (a
     format string never filled in): a log replaced by another type would not read as
     WRONGTYPE, the damage it is.
     """
-    replies = list(await _call(pipe.execute(raise_on_error=False)))
+    replies = list(replies)
     for reply in replies:
         if isinstance(reply, Exception):
             raise translate_redis_error(reply) from reply
@@ -297,6 +302,7 @@ async def _cancel(pending: asyncio.Task[Any] | None) -> None:
 
 
 _MAX_ID_MS = 2**64 - 1  # the largest first part of a stream id
+_CLOSE_WAIT_S = 1.0  # how long `close` waits for calls in flight to end (see `_call`)
 _KNOWN_NAMESPACES_SCANS = 10  # SCAN calls (COUNT 1000) `known_namespaces` makes at most
 
 
@@ -694,6 +700,8 @@ class RedisEventStore(EventStore):
         self._is_cluster = isinstance(client, RedisCluster)
         self._owns_client = owns_client
         self._closed = False
+        self._calls = 0  # calls in flight through `_call`, waited for by `close`
+        self._calls_ended: asyncio.Event | None = None  # set when they have, once closed
         # The event loop the store's connections belong to: the first one it was used in.
         self._loop: asyncio.AbstractEventLoop | None = None
         # Chunks of a view load are packed here and sent on a pool connection where that is
@@ -752,6 +760,38 @@ class RedisEventStore(EventStore):
                 "(asyncio.run_coroutine_threadsafe)"
             )
 
+    async def _call(self, op: Awaitable[T], group: tuple[int, str] | None = None) -> T:
+        """`_call` (`_group_call` for a command naming a consumer group, ``(partition, name)``);
+        and a call the store was closed under fails with `StoreClosedError`.
+
+        `close` disconnects the connections still in use: redis-py then fails in whatever the
+        call was doing (an AttributeError on a writer gone, a TypeError on a reader gone, a
+        connection error), none of which says why. `close` also waits for the calls counted
+        here to end, then closes what connections they took from the pool meanwhile.
+        """
+        self._calls += 1
+        try:
+            return await (_call(op) if group is None else _group_call(op, *group))
+        except Exception as exc:
+            self._raise_if_closed_under(exc)
+            raise
+        finally:
+            self._calls -= 1
+            if not self._calls and self._calls_ended is not None:
+                self._calls_ended.set()
+
+    async def _pipeline_replies(self, pipe: Any) -> list[Any]:
+        """A pipeline's replies, sent by `_call`, checked by `_replies_checked`."""
+        return _replies_checked(await self._call(pipe.execute(raise_on_error=False)))
+
+    def _raise_if_closed_under(self, exc: Exception) -> None:
+        """`StoreClosedError` (from ``exc``) if the store was closed meanwhile and ``exc`` is
+        not an answer of the server's (a conflict, a refusal)."""
+        if not self._closed or isinstance(exc, StoreClosedError):
+            return
+        if not isinstance(exc, EventStoreError) or type(exc) in _CONNECTION_FAILURES:
+            raise StoreClosedError.in_flight() from exc
+
     @property
     def client(self) -> Any:
         """The underlying redis-py client (for tests and tooling)."""
@@ -772,7 +812,7 @@ class RedisEventStore(EventStore):
         thread's keys somewhere else.
         """
         key = KeyLayout.config_key(self.namespace)
-        recorded = await _call(self.client.hget(key, "partitions"))
+        recorded = await self._call(self.client.hget(key, "partitions"))
         if recorded is None and not create:
             return
         if recorded is None:
@@ -785,7 +825,7 @@ class RedisEventStore(EventStore):
                 return
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
                 raise translate_redis_error(exc) from exc
-            recorded = await _call(self.client.hget(key, "partitions"))
+            recorded = await self._call(self.client.hget(key, "partitions"))
         stored = _recorded_partitions(key, recorded)
         if stored != self.partitions:
             if explicit_partitions:
@@ -915,7 +955,12 @@ class RedisEventStore(EventStore):
             reply = await self._group_commit.submit(thread_keys[0], call)
         # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
         except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+            if self._closed and not isinstance(exc, rex.ResponseError):  # not an answer
+                raise StoreClosedError.in_flight() from exc
             raise translate_redis_error(exc) from exc
+        except Exception as exc:  # inline: `_call` is a coroutine more on every append
+            self._raise_if_closed_under(exc)
+            raise
         status = reply[0]
         if status == b"ok":
             if unrecorded:
@@ -1002,7 +1047,7 @@ class RedisEventStore(EventStore):
         for name in new:
             self.keys.view(thread_id, name)  # validated before anything is sent
         self._check_usable()
-        await _call(self.client.sadd(self.keys.view_names(partition), *new))
+        await self._call(self.client.sadd(self.keys.view_names(partition), *new))
         self._views_recorded.update((feed, name) for name in new)
 
     def _op_args(
@@ -1047,7 +1092,7 @@ class RedisEventStore(EventStore):
             pipe = self.client.pipeline(transaction=False)
             for thread_id in ids:
                 pipe.hget(self.keys.meta(thread_id), "v")
-            replies = await _pipeline_replies(pipe)
+            replies = await self._pipeline_replies(pipe)
         else:
             commands = [(b"HGET", self.keys.meta(t), b"v") for t in ids]
             replies = await self._raw_replies(commands)
@@ -1113,9 +1158,9 @@ class RedisEventStore(EventStore):
         """One command whose reply redis-py would not reshape (no reply callback), on the held
         connections when there are some. Error replies raise translated."""
         if self._held is None:
-            return await _call(self.client.execute_command(*parts))
+            return await self._call(self.client.execute_command(*parts))
         self._check_usable()
-        (reply,) = await _call(self._held.exchange(pack_command(parts), 1))
+        (reply,) = await self._call(self._held.exchange(pack_command(parts), 1))
         if isinstance(reply, Exception):
             raise translate_redis_error(reply) from reply
         return reply
@@ -1135,7 +1180,7 @@ class RedisEventStore(EventStore):
         hi = _upper(stop)
         log, lo = self.keys.log(thread_id), _lower(start)
         if incarnation is None:
-            rows = await _call(self.client.xrange(log, lo, hi, count=count))
+            rows = await self._call(self.client.xrange(log, lo, hi, count=count))
         else:
             life, rows = await self._transaction(
                 [
@@ -1210,12 +1255,12 @@ class RedisEventStore(EventStore):
         self._check_usable()
         if self._held is not None:
             payload = b"".join([pack_command(c) for c in commands])
-            return await _call(self._held.exchange(payload, len(commands)))
+            return await self._call(self._held.exchange(payload, len(commands)))
         # Command names as bytes and an empty callback table: redis-py reshapes nothing.
         pipe = aioredis.client.Pipeline(self.client.connection_pool, {}, False, None)
         for command in commands:
             pipe.execute_command(*command)
-        return list(await _call(pipe.execute(raise_on_error=False)))
+        return list(await self._call(pipe.execute(raise_on_error=False)))
 
     async def read(
         self,
@@ -1356,7 +1401,7 @@ class RedisEventStore(EventStore):
             pipe.execute_command(
                 b"XREVRANGE" if backwards else b"XRANGE", log, *bounds, b"COUNT", count
             )
-        life, rows = await _pipeline_replies(pipe)
+        life, rows = await self._pipeline_replies(pipe)
         n, v = life
         return (n, v is not None), rows
 
@@ -1364,7 +1409,7 @@ class RedisEventStore(EventStore):
         validate_thread_id(thread_id)
         validate_int(time_ms, "time_ms")
         keys = [self.keys.log(thread_id), self.keys.meta(thread_id)]
-        reply = await _call(SEQ_AT(self.client, keys, [int(time_ms)]))
+        reply = await self._call(SEQ_AT(self.client, keys, [int(time_ms)]))
         if isinstance(reply, list):
             if reply[0] == b"entry":  # {'entry', id, s}: an entry's time is not a number
                 raise damaged_time(thread_id, reply[1], reply[2] if len(reply) > 2 else None)
@@ -1429,7 +1474,7 @@ class RedisEventStore(EventStore):
                 views[lk] = r.list_view
                 args += ("hl", k, lk, redis_index(r.start), redis_index(r.stop))
         try:
-            reply = await _call(READ_VIEWS(self.client, index.keys, args))
+            reply = await self._call(READ_VIEWS(self.client, index.keys, args))
         except WrongKeyTypeError as exc:
             found = _FOREIGN_VIEW_KEY.search(str(exc))
             if found is None or int(found[1]) not in views:
@@ -1488,10 +1533,10 @@ class RedisEventStore(EventStore):
             pipe = self.client.pipeline(transaction=True)
             for command in commands:
                 pipe.execute_command(*command)
-            return list(await _call(pipe.execute(raise_on_error=False)))
+            return list(await self._call(pipe.execute(raise_on_error=False)))
         self._check_usable()
         payload = b"".join([_MULTI, *(pack_command(c) for c in commands), _EXEC])
-        replies = await _call(self._held.exchange(payload, len(commands) + 2))
+        replies = await self._call(self._held.exchange(payload, len(commands) + 2))
         executed = replies[-1]
         if isinstance(executed, Exception):  # EXECABORT: a command was refused when queued
             raise translate_redis_error(next(r for r in replies if isinstance(r, Exception)))
@@ -1548,7 +1593,7 @@ class RedisEventStore(EventStore):
             else:
                 raise InvalidInputError(f"{type(op).__name__} cannot be loaded outside an append")
         self._index_last(index, args, thread_id)
-        reply = await _call(LOAD_VIEWS(self.client, index.keys, args))
+        reply = await self._call(LOAD_VIEWS(self.client, index.keys, args))
         _check_load_reply(thread_id, reply, expected_version, expected_incarnation)
 
     def _index_last(self, index: _KeyIndex, args: list[Any], thread_id: str) -> None:
@@ -1621,7 +1666,7 @@ class RedisEventStore(EventStore):
             else:
                 for stage, command, values in chunks():
                     await self._stage(thread_id, meta, stage, command, values, expected_version)
-            reply = await _call(SWAP_VIEWS(self.client, index.keys, args))
+            reply = await self._call(SWAP_VIEWS(self.client, index.keys, args))
         except BaseException:
             if staged:
                 with contextlib.suppress(rex.RedisError, rex.RedisClusterException, OSError):
@@ -1665,7 +1710,7 @@ class RedisEventStore(EventStore):
         pipe.hget(meta, "v")
         pipe.execute_command(command, stage, *values)
         pipe.pexpire(stage, STAGING_TTL_S * 1000)
-        version, _, _ = await _pipeline_replies(pipe)
+        version, _, _ = await self._pipeline_replies(pipe)
         _check_staged(thread_id, version, expected_version)
         await self._staged(stage)
 
@@ -1687,7 +1732,7 @@ class RedisEventStore(EventStore):
         """
         encode = self._client.get_encoder().encode
         pool = self.client.connection_pool
-        conn = await _call(pool.get_connection())
+        conn = await self._call(pool.get_connection())
         in_flight: str | None = None  # the staging key of the chunk whose replies are unread
         try:
             while True:
@@ -1695,10 +1740,10 @@ class RedisEventStore(EventStore):
                     chunk = next(chunks, None)
                     payload = None if chunk is None else _pack_stage(encode, meta, *chunk)
                 if payload is not None:
-                    await _call(conn.send_packed_command(payload))
+                    await self._call(conn.send_packed_command(payload))
                     del payload
                 if in_flight is not None:
-                    version, _, _ = [await _call(conn.read_response()) for _ in range(3)]
+                    version, _, _ = [await self._call(conn.read_response()) for _ in range(3)]
                     try:
                         _check_staged(thread_id, version, expected_version)
                     except ConcurrencyError:
@@ -1707,7 +1752,7 @@ class RedisEventStore(EventStore):
                             # staging keys: it would otherwise race the delete, and could
                             # recreate a key (with a TTL, or none if cut before its PEXPIRE).
                             for _ in range(3):
-                                await _call(conn.read_response())
+                                await self._call(conn.read_response())
                         raise
                     await self._staged(in_flight)
                 if chunk is None:
@@ -1750,9 +1795,9 @@ class RedisEventStore(EventStore):
                 kwargs: dict[str, Any] = {"withscores": True}
                 if limit is not None:
                     kwargs.update(start=0, num=limit)
-                rows = await _call(self.client.zrevrangebyscore(key, hi, "-inf", **kwargs))
+                rows = await self._call(self.client.zrevrangebyscore(key, hi, "-inf", **kwargs))
             else:
-                flat = await _call(
+                flat = await self._call(
                     THREADS_AFTER(self.client, [key], [cursor[0], cursor[1], limit or -1])
                 )
                 rows = zip(flat[0::2], flat[1::2], strict=True)
@@ -1847,7 +1892,7 @@ class RedisEventStore(EventStore):
         # Every view any writer recorded for the partition (`_record_views`), named or not: a
         # view left behind would be read as the next life's (a new thread under this id).
         partition = self.keys.partition(thread_id)
-        recorded = await _call(self.client.smembers(self.keys.view_names(partition)))
+        recorded = await self._call(self.client.smembers(self.keys.view_names(partition)))
         for raw in sorted(recorded):
             try:
                 name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
@@ -1857,7 +1902,7 @@ class RedisEventStore(EventStore):
             names.append(name)
         keys = list(self.keys.thread_keys(thread_id))
         keys += [self.keys.view(thread_id, v) for v in dict.fromkeys(names)]
-        reply = await _call(DELETE_THREAD(self.client, keys, [thread_id, expected, life]))
+        reply = await self._call(DELETE_THREAD(self.client, keys, [thread_id, expected, life]))
         if isinstance(reply, list):  # {"conflict", actual} | {"life", actual life, version}
             if reply[0] == b"life":
                 raise _other_life(thread_id, expected_version, expected_incarnation, reply)
@@ -1889,7 +1934,7 @@ class RedisEventStore(EventStore):
         validate_feed_count(count)
         key = self._feed_key(partition)
         if reader is None:
-            rows = await _call(self.client.xrange(key, f"({after}", "+", count))
+            rows = await self._call(self.client.xrange(key, f"({after}", "+", count))
             return self._entries(partition, rows)
         # The range and the stream's trim record (max-deleted-entry-id, which the trim script
         # moves) in one atomic step: a trim landing just before the read is seen by it.
@@ -1898,7 +1943,7 @@ class RedisEventStore(EventStore):
         # hands those methods' `keys=` argument on to the reply callback, which refuses it.
         pipe.execute_command("XRANGE", key, f"({after}", "+", "COUNT", count)
         pipe.execute_command("XINFO STREAM", key)
-        rows, info = await _call(pipe.execute(raise_on_error=False))
+        rows, info = await self._call(pipe.execute(raise_on_error=False))
         if isinstance(info, Exception):
             if "no such key" in str(info).lower():
                 return []  # no feed: nothing was trimmed either
@@ -1938,12 +1983,11 @@ class RedisEventStore(EventStore):
         validate_feed_count(count)
         validate_block_ms(block_ms)
         key = self._feed_key(partition)
-        reply = await _group_call(
+        reply = await self._call(
             self.client.xreadgroup(
                 group, consumer, {key: "0" if pending else ">"}, count=count, block=block_ms
             ),
-            partition,
-            group,
+            (partition, group),
         )
         rows = _read_rows(reply)
         # A pending entry trimmed before it was acknowledged comes back without fields.
@@ -1975,12 +2019,11 @@ class RedisEventStore(EventStore):
         start = "0-0"
         # XAUTOCLAIM scans a bounded window per call; a few calls cover any backlog.
         for _ in range(64):
-            reply = await _group_call(
+            reply = await self._call(
                 self.client.xautoclaim(
                     key, group, consumer, min_idle_ms, start_id=start, count=count - len(out)
                 ),
-                partition,
-                group,
+                (partition, group),
             )
             out += self._entries(partition, reply[1])
             # Redis 7: the ids it found trimmed, dropped from the group's pending entries.
@@ -1997,42 +2040,42 @@ class RedisEventStore(EventStore):
         validate_group(group)
         key = self._feed_key(partition)
         done = (
-            int(await _group_call(self.client.xack(key, group, *ids), partition, group))
+            int(await self._call(self.client.xack(key, group, *ids), (partition, group)))
             if ids
             else 0
         )
         if not done:
             # XACK answers 0 for a group that does not exist; ask (XPENDING answers NOGROUP),
             # only when nothing was acknowledged, so the usual ack costs no extra round trip.
-            await _group_call(self.client.xpending(key, group), partition, group)
+            await self._call(self.client.xpending(key, group), (partition, group))
         return done
 
     async def advance_feed_group(self, partition: int, group: str, to: str) -> None:
         parse_stream_id(to)
         validate_group(group)
         key = self._feed_key(partition)
-        await _group_call(self.client.xgroup_setid(key, group, to), partition, group)
+        await self._call(self.client.xgroup_setid(key, group, to), (partition, group))
         # SETID leaves older pending entries in place; acknowledge them so trimming can pass.
         # (A group dropped meanwhile is as missing as one the SETID did not find.)
         while True:
-            rows = await _group_call(
-                self.client.xpending_range(key, group, "-", to, 512), partition, group
+            rows = await self._call(
+                self.client.xpending_range(key, group, "-", to, 512), (partition, group)
             )
             if not rows:
                 return
             ids = [r["message_id"] for r in rows]
-            await _group_call(self.client.xack(key, group, *ids), partition, group)
+            await self._call(self.client.xack(key, group, *ids), (partition, group))
 
     async def feed_groups(self, partition: int) -> list[GroupInfo]:
         key = self._feed_key(partition)
-        if not await _call(self.client.exists(key)):
+        if not await self._call(self.client.exists(key)):
             return []
-        groups = await _call(self.client.xinfo_groups(key))
+        groups = await self._call(self.client.xinfo_groups(key))
         out = []
         for g in groups:
             name = g["name"].decode("utf-8")
             try:
-                summary = await _group_call(self.client.xpending(key, name), partition, name)
+                summary = await self._call(self.client.xpending(key, name), (partition, name))
             except FeedGroupNotFoundError:
                 continue  # dropped since XINFO GROUPS listed it: no longer there
             oldest = summary.get("min")
@@ -2069,9 +2112,9 @@ class RedisEventStore(EventStore):
     async def delete_feed_group(self, partition: int, group: str) -> bool:
         validate_group_to_drop(group)
         key = self._feed_key(partition)
-        if not await _call(self.client.exists(key)):
+        if not await self._call(self.client.exists(key)):
             return False
-        return bool(await _call(self.client.xgroup_destroy(key, group)))
+        return bool(await self._call(self.client.xgroup_destroy(key, group)))
 
     async def trim_feed(self, partition: int, *, max_age_ms: int | None = None) -> int:
         validate_limit(max_age_ms, "max_age_ms")
@@ -2082,7 +2125,7 @@ class RedisEventStore(EventStore):
             aged = f"{max(now_ms - max_age_ms, 0)}-0"
         # The script reads the groups itself, in the same atomic step as the trim: a group
         # registered after a read here would not have been waited for.
-        return int(await _call(TRIM_FEED(self.client, [key], [aged])))
+        return int(await self._call(TRIM_FEED(self.client, [key], [aged])))
 
     async def apply_checkpointed(
         self,
@@ -2106,7 +2149,7 @@ class RedisEventStore(EventStore):
             args += (index(keys.aux(partition, name, hash_name)), field, amount)
             hash_names[hash_name] = None
         args += (len(hash_names), *hash_names)
-        reply = await _call(APPLY_CHECKPOINTED(self.client, index.keys, args))
+        reply = await self._call(APPLY_CHECKPOINTED(self.client, index.keys, args))
         if isinstance(reply, list):  # an increment HINCRBY refused: all were undone
             key = _text(index.keys[int(reply[1]) - 1])
             field, why = _text(reply[2]), _text(reply[3])
@@ -2127,10 +2170,10 @@ class RedisEventStore(EventStore):
         keys = self.keys
         base = [keys.checkpoints(partition), keys.aux_names(partition, name)]
         for _ in range(DELETE_ATTEMPTS):
-            recorded = await _call(self.client.smembers(base[1]))
+            recorded = await self._call(self.client.smembers(base[1]))
             names.update(dict.fromkeys(_recorded_hash_names(base[1], recorded)))
             hash_keys = [keys.aux(partition, name, h) for h in names]
-            reply = await _call(
+            reply = await self._call(
                 DELETE_CHECKPOINTED(self.client, [*base, *hash_keys], [name, *names])
             )
             if reply[0] == 1:
@@ -2150,13 +2193,13 @@ class RedisEventStore(EventStore):
 
     async def read_aux(self, partition: int, name: str, hash_name: str) -> dict[str, int]:
         self._feed_key(partition)
-        raw = await _call(self.client.hgetall(self.keys.aux(partition, name, hash_name)))
+        raw = await self._call(self.client.hgetall(self.keys.aux(partition, name, hash_name)))
         return {k.decode("utf-8"): int(v) for k, v in raw.items()}
 
     async def checkpoint_of(self, partition: int, name: str) -> str:
         self._feed_key(partition)
         key = self.keys.checkpoints(partition)
-        raw = await _call(self.client.hget(key, name))
+        raw = await self._call(self.client.hget(key, name))
         return _checkpoint(key, name, raw) if raw else "0-0"
 
     async def checkpoints(
@@ -2164,7 +2207,7 @@ class RedisEventStore(EventStore):
     ) -> dict[str, str]:
         self._feed_key(partition)
         key = self.keys.checkpoints(partition)
-        raw = await _call(self.client.hgetall(key))
+        raw = await self._call(self.client.hgetall(key))
         out = {}
         for field, value in raw.items():
             name = field.decode("utf-8", "backslashreplace")
@@ -2182,11 +2225,11 @@ class RedisEventStore(EventStore):
 
     async def namespace_id(self) -> str:
         key = KeyLayout.config_key(self.namespace)
-        recorded = await _call(self.client.hget(key, "id"))
+        recorded = await self._call(self.client.hget(key, "id"))
         if recorded is None:
             # HSETNX: of two clients asking at once, the first one's id is everybody's.
-            await _call(self.client.hsetnx(key, "id", new_ulid()))
-            recorded = await _call(self.client.hget(key, "id"))
+            await self._call(self.client.hsetnx(key, "id", new_ulid()))
+            recorded = await self._call(self.client.hget(key, "id"))
         return str(recorded.decode("ascii"))
 
     async def namespace_exists(self) -> bool:
@@ -2194,7 +2237,7 @@ class RedisEventStore(EventStore):
         # (create_namespace=False) does not, so this is "was ever opened to be written".
         # (HGET, as `ensure_namespace` reads it: a tenant's ACL user may run no HEXISTS.)
         key = KeyLayout.config_key(self.namespace)
-        return await _call(self.client.hget(key, "partitions")) is not None
+        return await self._call(self.client.hget(key, "partitions")) is not None
 
     async def known_namespaces(self) -> list[str] | None:
         # SCAN walks the whole keyspace: bounded to a few round trips, and not on a cluster
@@ -2238,3 +2281,12 @@ class RedisEventStore(EventStore):
         if self._owns_client:
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()
+            if self._calls:
+                # A call in flight may have taken a connection since (its own, disconnected,
+                # it reconnects), which it gives back connected: closed once those end.
+                self._calls_ended = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_CLOSE_WAIT_S):
+                        await self._calls_ended.wait()
+                with contextlib.suppress(rex.RedisError, OSError):
+                    await self._client.aclose()

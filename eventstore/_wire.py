@@ -374,20 +374,12 @@ class HeldConnections:
         failed: the first commands', which ran and answered so (the rest may or may not have
         run).
         """
-        if self._idle:
-            conn = self._idle.pop()
-            try:
-                await _make_ready(conn)  # may wait: disconnecting one the server closed
-                if self._failover and _left_behind(conn, self._pool):
-                    # Another connection found the primary moved (a failover): this one, kept
-                    # here, still talks to the old one, a replica now or soon, whose reads
-                    # may miss what was written to the new one. It reconnects (`_once`).
-                    await conn.disconnect()
-            except BaseException:
-                self._drop(conn)  # out of the idle list: given back here, or never
-                raise
-        else:
-            conn = await self._check_out()
+        try:
+            conn = await self._ready_connection()
+        except Exception as exc:
+            if self._closed:  # closed while it connected: nothing was sent
+                raise StoreClosedError("the store is closed") from exc
+            raise
         # The connection the next attempt uses; None when the last one was read aside (the
         # next attempt takes another from the pool).
         using: list[Any] = [conn]
@@ -397,10 +389,7 @@ class HeldConnections:
             if self._closed:  # closed before this call's attempt: none is made
                 if not sent[0]:
                     raise StoreClosedError("the store is closed")
-                raise StoreClosedError(
-                    "the store was closed while this call was in flight: it may have been "
-                    "applied (read it back with a new store)"
-                )
+                raise StoreClosedError.in_flight()
             sent[0] = True
             c = using[0]
             if c is None:
@@ -417,13 +406,25 @@ class HeldConnections:
 
         try:
             result: list[Any] = await conn.retry.call_with_retry(attempt, failed)
-        except BaseException:
+        except BaseException as exc:
             # Replies may be left unread on it (a retry given up, a cancelled connect): never
             # reuse it as it is. Disconnecting and returning it is done aside, so a cancelled
             # caller is not held up. One read aside is given back by its reader.
             c = using[0]
             if c is not None and c not in self.draining:
                 self._drop(c)
+            if (
+                self._closed
+                and isinstance(exc, Exception)
+                and not isinstance(exc, StoreClosedError)
+            ):
+                # Disconnected under it by `close`: redis-py then fails in whatever it was
+                # doing (an AttributeError on a writer gone, a TypeError on a reader gone).
+                raise (
+                    StoreClosedError.in_flight()
+                    if sent[0]
+                    else StoreClosedError("the store is closed")
+                ) from exc
             raise
         conn = using[0]
         if self._closed or len(self._idle) >= self._keep:
@@ -432,6 +433,23 @@ class HeldConnections:
         else:
             self._idle.append(conn)
         return result
+
+    async def _ready_connection(self) -> Any:
+        """An idle connection made ready, else one checked out of the pool."""
+        if not self._idle:
+            return await self._check_out()
+        conn = self._idle.pop()
+        try:
+            await _make_ready(conn)  # may wait: disconnecting one the server closed
+            if self._failover and _left_behind(conn, self._pool):
+                # Another connection found the primary moved (a failover): this one, kept
+                # here, still talks to the old one, a replica now or soon, whose reads may
+                # miss what was written to the new one. It reconnects (`_once`).
+                await conn.disconnect()
+        except BaseException:
+            self._drop(conn)  # out of the idle list: given back here, or never
+            raise
+        return conn
 
     async def _check_out(self) -> Any:
         conn = await self._pool.get_connection()

@@ -179,6 +179,53 @@ async def test_calls_in_flight_when_the_store_closes_fail_typed(
     untyped = [f for f in failures if not isinstance(f, es.EventStoreError)]
     assert not untyped, untyped[:3]
     assert settled + len(failures) == 300 and failures, (settled, len(failures))
+    assert not open_connections(store), open_connections(store)
+
+
+@pytest.mark.parametrize("delay", [0.01, 0.03, 0.05])
+async def test_reads_in_flight_when_the_store_closes_fail_typed(
+    redis_url: str, delay: float
+) -> None:
+    """The calls redis-py itself sends (log pages, the seq at a time, the chain head, the feed,
+    versions), closed under the same way: each answers or fails with `StoreClosedError`."""
+    store = await es.connect(redis_url, namespace="g" + uuid.uuid4().hex[:12])
+    for i in range(7):
+        await store.append(f"t{i}", [msg(f"m{j}") for j in range(40)])
+    failures: list[BaseException] = []
+    answered = 0
+
+    async def reads(i: int) -> None:
+        nonlocal answered
+        thread = f"t{i % 7}"
+        try:
+            for _ in range(20):
+                assert len(await store.read_raw(thread)) == 40
+                assert await store.seq_at(thread, 2**45) == 40
+                assert (await store.chain_head(thread)) is not None
+                assert await store.read_feed(0, count=5) is not None
+                assert await store.versions([thread, "none"]) == [40, 0]
+                answered += 1
+        except Exception as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(reads, i)
+        await anyio.sleep(delay)
+        await store.close()
+    wrong = [f for f in failures if not isinstance(f, es.StoreClosedError)]
+    assert not wrong, wrong[:3]
+    assert failures, answered  # the store closed under some: the case is made
+    # A call in flight took a connection after the pool was closed; none is left open.
+    assert not open_connections(store), open_connections(store)
+
+
+def open_connections(store: es.EventStore) -> list[Any]:
+    """The connections of a store's pool still connected."""
+    assert isinstance(store, es.RedisEventStore)
+    pool = store._client.connection_pool
+    held = [*pool._available_connections, *pool._in_use_connections]
+    return [conn for conn in held if conn.is_connected]
 
 
 async def _append_in_versions(store: es.EventStore, *, threads: int, versions: int) -> None:
