@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -171,11 +171,7 @@ async def test_calls_in_flight_when_the_store_closes_fail_typed(
         except Exception as exc:
             failures.append(exc)
 
-    async with anyio.create_task_group() as tg:
-        for i in range(300):
-            tg.start_soon(turn, i)
-        await anyio.sleep(delay)
-        await store.close()
+    await close_under(store, turn, 300, delay)
     untyped = [f for f in failures if not isinstance(f, es.EventStoreError)]
     assert not untyped, untyped[:3]
     assert settled + len(failures) == 300 and failures, (settled, len(failures))
@@ -208,16 +204,23 @@ async def test_reads_in_flight_when_the_store_closes_fail_typed(
         except Exception as exc:
             failures.append(exc)
 
-    async with anyio.create_task_group() as tg:
-        for i in range(100):
-            tg.start_soon(reads, i)
-        await anyio.sleep(delay)
-        await store.close()
+    await close_under(store, reads, 100, delay)
     wrong = [f for f in failures if not isinstance(f, es.StoreClosedError)]
     assert not wrong, wrong[:3]
     assert failures, answered  # the store closed under some: the case is made
     # A call in flight took a connection after the pool was closed; none is left open.
     assert not open_connections(store), open_connections(store)
+
+
+async def close_under(
+    store: es.EventStore, call: Callable[[int], Coroutine[Any, Any, None]], calls: int, delay: float
+) -> None:
+    """Starts ``calls`` calls (``call(i)``), and closes the store ``delay`` seconds later."""
+    async with anyio.create_task_group() as tg:
+        for i in range(calls):
+            tg.start_soon(call, i)
+        await anyio.sleep(delay)
+        await store.close()
 
 
 def open_connections(store: es.EventStore) -> list[Any]:
