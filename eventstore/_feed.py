@@ -116,8 +116,10 @@ def validate_group_to_drop(group: object) -> str:
     `InvalidInputError`: any non-empty str. Looser than `validate_group` on purpose: a group
     registered by another tool (``XGROUP CREATE``) may have a name threadlog never gives one,
     and it holds trimming back all the same (`feed_group_lag` lists it)."""
-    if not isinstance(group, str) or not group:
-        raise InvalidInputError(f"group name {group!r} must be a non-empty str")
+    if not isinstance(group, str):
+        raise InvalidInputError(f"group name must be a str, not {type(group).__name__}")
+    if not group:
+        raise InvalidInputError("the group name is empty")
     return group
 
 

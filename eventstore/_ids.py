@@ -210,9 +210,9 @@ def validate_thread_id(thread_id: object) -> str:
 
 def validate_namespace(namespace: object) -> str:
     """Return ``namespace`` if it is a usable namespace, else raise `InvalidNamespaceError`."""
-    if not isinstance(namespace, str) or not namespace:
-        raise InvalidNamespaceError("namespace must be a non-empty str")
-    if len(namespace) > MAX_NAMESPACE_CHARS or _NAME_RE.fullmatch(namespace) is None:
+    if not isinstance(namespace, str):
+        raise InvalidNamespaceError(f"namespace must be a str, not {type(namespace).__name__}")
+    if not 0 < len(namespace) <= MAX_NAMESPACE_CHARS or _NAME_RE.fullmatch(namespace) is None:
         raise InvalidNamespaceError(
             f"namespace {namespace!r} must be 1-{MAX_NAMESPACE_CHARS} characters "
             "of A-Z a-z 0-9 _ . -"

@@ -179,12 +179,14 @@ async def test_calls_in_flight_when_the_store_closes_fail_typed(
 
 
 @pytest.mark.parametrize("delay", [0.01, 0.03, 0.05])
+@pytest.mark.parametrize("server", ["redis", "cluster"])
 async def test_reads_in_flight_when_the_store_closes_fail_typed(
-    redis_url: str, delay: float
+    request: pytest.FixtureRequest, server: str, delay: float
 ) -> None:
     """The calls redis-py itself sends (log pages, the seq at a time, the chain head, the feed,
     versions), closed under the same way: each answers or fails with `StoreClosedError`."""
-    store = await es.connect(redis_url, namespace="g" + uuid.uuid4().hex[:12])
+    url = request.getfixturevalue("redis_url" if server == "redis" else "cluster_url")
+    store = await es.connect(url, namespace="g" + uuid.uuid4().hex[:12])
     for i in range(7):
         await store.append(f"t{i}", [msg(f"m{j}") for j in range(40)])
     failures: list[BaseException] = []
@@ -226,8 +228,12 @@ async def close_under(
 def open_connections(store: es.EventStore) -> list[Any]:
     """The connections of a store's pool still connected."""
     assert isinstance(store, es.RedisEventStore)
-    pool = store._client.connection_pool
-    held = [*pool._available_connections, *pool._in_use_connections]
+    client = store._client
+    if isinstance(client, RedisCluster):
+        held = [conn for node in client.get_nodes() for conn in node._connections]
+    else:
+        pool = client.connection_pool
+        held = [*pool._available_connections, *pool._in_use_connections]
     return [conn for conn in held if conn.is_connected]
 
 
