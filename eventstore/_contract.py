@@ -771,7 +771,11 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Release connections; further calls raise `StoreClosedError`."""
+        """Release connections; further calls raise `StoreClosedError`.
+
+        Calls still in flight fail with `StoreClosedError` too (one already sent says it may
+        have been applied); on Redis, `close` waits for them to end (at most 1 s) and then
+        closes whatever connections they took meanwhile."""
 
     async def __aenter__(self) -> Self:
         return self
