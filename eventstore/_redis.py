@@ -262,6 +262,17 @@ async def _call(op: Awaitable[T]) -> T:
 _CONNECTION_FAILURES = (OperationalError, StoreConnectionError, StoreTimeoutError)
 
 
+def _raise_if_cancel_lost(task: asyncio.Task[Any] | None, cancels: int) -> None:
+    """CancelledError if ``task`` was cancelled during a call that then returned normally.
+
+    Python 3.11's ``asyncio.wait_for``, which redis-py sends and connects through, returns its
+    operation's result when the task is cancelled just as that completes, and the cancellation
+    is lost (a caller's timeout never fires; 3.12 fixed it). Seen in about half of the
+    cancellations of a read 0-1 ms in."""
+    if task is not None and task.cancelling() > cancels:
+        raise asyncio.CancelledError
+
+
 def _replies_checked(replies: Iterable[Any]) -> list[Any]:
     """A redis-py pipeline's replies (read with ``raise_on_error=False``); an error reply is
     raised translated, as Redis worded it.
@@ -294,11 +305,16 @@ async def _group_call(op: Awaitable[T], partition: int, group: str) -> T:
 
 
 async def _cancel(pending: asyncio.Task[Any] | None) -> None:
-    """Cancel a read-ahead nobody will take, and wait for it."""
+    """Cancel a read-ahead nobody will take, and wait for it.
+
+    Awaited, the read-ahead's own CancelledError could not be told from the caller's (whose
+    cancellation would then be lost): `asyncio.wait` waits without raising either, and a
+    cancellation of the caller's still raises in it."""
     if pending is not None:
         pending.cancel()
-        with contextlib.suppress(asyncio.CancelledError, EventStoreError):
-            await pending
+        await asyncio.wait((pending,))
+        if not pending.cancelled():
+            pending.exception()  # retrieved: an error of a page nobody reads is not logged
 
 
 _MAX_ID_MS = 2**64 - 1  # the largest first part of a stream id
@@ -769,9 +785,11 @@ class RedisEventStore(EventStore):
         connection error), none of which says why. `close` also waits for the calls counted
         here to end, then closes what connections they took from the pool meanwhile.
         """
+        task = asyncio.current_task()
+        cancels = 0 if task is None else task.cancelling()
         self._calls += 1
         try:
-            return await (_call(op) if group is None else _group_call(op, *group))
+            result = await (_call(op) if group is None else _group_call(op, *group))
         except Exception as exc:
             self._raise_if_closed_under(exc)
             raise
@@ -779,6 +797,27 @@ class RedisEventStore(EventStore):
             self._calls -= 1
             if not self._calls and self._calls_ended is not None:
                 self._calls_ended.set()
+        _raise_if_cancel_lost(task, cancels)
+        return result
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """`_call`'s bookkeeping around a call that handles redis-py's errors itself: counted
+        in flight for `close`, closed-under failures raised as `StoreClosedError`, a lost
+        cancellation raised."""
+        task = asyncio.current_task()
+        cancels = 0 if task is None else task.cancelling()
+        self._calls += 1
+        try:
+            yield
+        except Exception as exc:
+            self._raise_if_closed_under(exc)
+            raise
+        finally:
+            self._calls -= 1
+            if not self._calls and self._calls_ended is not None:
+                self._calls_ended.set()
+        _raise_if_cancel_lost(task, cancels)
 
     async def _pipeline_replies(self, pipe: Any) -> list[Any]:
         """A pipeline's replies, sent by `_call`, checked by `_replies_checked`."""
@@ -816,15 +855,16 @@ class RedisEventStore(EventStore):
         if recorded is None and not create:
             return
         if recorded is None:
-            try:
-                await self.client.hsetnx(key, "partitions", self.partitions)
-            except rex.NoPermissionError:
-                # A user with read-only rights (an auditor) cannot record the count. A
-                # namespace with no count recorded has never been written, so this store's
-                # own count reads it as well as any other.
-                return
-            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-                raise translate_redis_error(exc) from exc
+            with self._tracked():
+                try:
+                    await self.client.hsetnx(key, "partitions", self.partitions)
+                except rex.NoPermissionError:
+                    # A user with read-only rights (an auditor) cannot record the count. A
+                    # namespace with no count recorded has never been written, so this store's
+                    # own count reads it as well as any other.
+                    return
+                except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                    raise translate_redis_error(exc) from exc
             recorded = await self._call(self.client.hget(key, "partitions"))
         stored = _recorded_partitions(key, recorded)
         if stored != self.partitions:
@@ -1669,7 +1709,8 @@ class RedisEventStore(EventStore):
             reply = await self._call(SWAP_VIEWS(self.client, index.keys, args))
         except BaseException:
             if staged:
-                with contextlib.suppress(rex.RedisError, rex.RedisClusterException, OSError):
+                # Best effort: never raised in place of the error that stopped the load.
+                with self._tracked(), contextlib.suppress(Exception):
                     await self.client.unlink(*staged)
             raise
         _check_load_reply(thread_id, reply, expected_version, expected_incarnation)
@@ -1830,35 +1871,36 @@ class RedisEventStore(EventStore):
             else:
                 misplaced[thread_id] = partition
 
-        try:
-            if isinstance(client, RedisCluster):
-                # Each primary holds its own slots' keys: every one is scanned, replicas not
-                # (they hold copies).
-                for node in client.get_primaries():
-                    cursor = 0
-                    while True:
-                        # The cluster client answers SCAN per node: ({node: cursor}, keys).
-                        cursors, batch = await client.execute_command(
-                            "SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT,
-                            target_nodes=node,
-                        )  # fmt: skip
-                        cursor = int(cursors[node.name])
-                        for k in batch:
-                            take(k)
-                        if cursor == 0:
-                            break
-            else:
-                async for key in client.scan_iter(match=pattern, count=SCAN_COUNT):
-                    take(key)
-        except rex.NoPermissionError as exc:
-            raise OperationalError(
-                f"redis denied SCAN (ACL): {exc}; finding the threads the keys hold needs "
-                "+scan, which `acl_rules` leaves out because Redis does not confine SCAN to a "
-                "key pattern (the user would see every namespace's key names): grant it to "
-                "an auditing user that may see them, or audit threads one by one"
-            ) from exc
-        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-            raise translate_redis_error(exc) from exc
+        with self._tracked():
+            try:
+                if isinstance(client, RedisCluster):
+                    # Each primary holds its own slots' keys: every one is scanned, replicas not
+                    # (they hold copies).
+                    for node in client.get_primaries():
+                        cursor = 0
+                        while True:
+                            # The cluster client answers SCAN per node: ({node: cursor}, keys).
+                            cursors, batch = await client.execute_command(
+                                "SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT,
+                                target_nodes=node,
+                            )  # fmt: skip
+                            cursor = int(cursors[node.name])
+                            for k in batch:
+                                take(k)
+                            if cursor == 0:
+                                break
+                else:
+                    async for key in client.scan_iter(match=pattern, count=SCAN_COUNT):
+                        take(key)
+            except rex.NoPermissionError as exc:
+                raise OperationalError(
+                    f"redis denied SCAN (ACL): {exc}; finding the threads the keys hold needs "
+                    "+scan, which `acl_rules` leaves out because Redis does not confine SCAN to a "
+                    "key pattern (the user would see every namespace's key names): grant it to "
+                    "an auditing user that may see them, or audit threads one by one"
+                ) from exc
+            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                raise translate_redis_error(exc) from exc
         if misplaced:
             # Keys no reader of this partition count looks at: passing over them would pass
             # an audit with those threads unseen (an edited count hides every thread it moves).
@@ -1958,14 +2000,16 @@ class RedisEventStore(EventStore):
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
         validate_group(group)
         parse_stream_id(start)
-        try:
-            await self.client.xgroup_create(self._feed_key(partition), group, start, mkstream=True)
-        except rex.ResponseError as exc:
-            if "BUSYGROUP" in str(exc):
-                return False
-            raise translate_redis_error(exc) from exc
-        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-            raise translate_redis_error(exc) from exc
+        with self._tracked():
+            try:
+                feed = self._feed_key(partition)
+                await self.client.xgroup_create(feed, group, start, mkstream=True)
+            except rex.ResponseError as exc:
+                if "BUSYGROUP" in str(exc):
+                    return False
+                raise translate_redis_error(exc) from exc
+            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                raise translate_redis_error(exc) from exc
         return True
 
     async def read_feed_group(
@@ -2091,14 +2135,15 @@ class RedisEventStore(EventStore):
 
     async def feed_info(self, partition: int) -> FeedInfo:
         key = self._feed_key(partition)
-        try:
-            info = await self.client.xinfo_stream(key)
-        except rex.ResponseError as exc:
-            if "no such key" not in str(exc).lower():
+        with self._tracked():
+            try:
+                info = await self.client.xinfo_stream(key)
+            except rex.ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise translate_redis_error(exc) from exc
+                info = {}  # no feed yet: the empty one
+            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
                 raise translate_redis_error(exc) from exc
-            info = {}  # no feed yet: the empty one
-        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-            raise translate_redis_error(exc) from exc
         first = info.get("first-entry")
         return FeedInfo(
             partition=partition,
@@ -2247,15 +2292,16 @@ class RedisEventStore(EventStore):
         pattern = KeyLayout.CONFIG_KEY_PATTERN.encode()
         found: set[str] = set()
         cursor = 0
-        try:
-            for _ in range(_KNOWN_NAMESPACES_SCANS):
-                cursor, keys = await self.client.scan(cursor, match=pattern, count=1000)
-                names = (KeyLayout.namespace_of_config_key(k) for k in keys)
-                found.update(n for n in names if n is not None)
-                if not cursor:
-                    return sorted(found)
-        except (rex.RedisError, OSError):  # e.g. an ACL user without SCAN: no hint, no error
-            return None
+        with self._tracked():
+            try:
+                for _ in range(_KNOWN_NAMESPACES_SCANS):
+                    cursor, keys = await self.client.scan(cursor, match=pattern, count=1000)
+                    names = (KeyLayout.namespace_of_config_key(k) for k in keys)
+                    found.update(n for n in names if n is not None)
+                    if not cursor:
+                        return sorted(found)
+            except (rex.RedisError, OSError):  # e.g. an ACL user without SCAN: no hint, no error
+                return None
         return None
 
     async def close(self) -> None:

@@ -39,6 +39,7 @@ from eventstore import (
     OperationalError,
     RawRange,
     RecordedEvent,
+    StoreClosedError,
     ThreadReplacedError,
     TurnSettled,
     validate_consumer,
@@ -667,6 +668,8 @@ class ProjectionRunner:
                     incr += validate_increments(self.projection.increments(entry, events))
                 except UNREACHABLE:
                     raise  # the store's, not the change's: `run` waits it out, reads it again
+                except StoreClosedError:
+                    raise  # closed under the runner: not the change's either
                 except Exception as exc:
                     await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
                     raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -202,6 +203,12 @@ async def test_reads_in_flight_when_the_store_closes_fail_typed(
                 assert (await store.chain_head(thread)) is not None
                 assert await store.read_feed(0, count=5) is not None
                 assert await store.versions([thread, "none"]) == [40, 0]
+                # Calls that read redis-py's errors themselves (a group that exists, a feed
+                # not made yet, a SCAN denied) are waited for and closed under alike.
+                await store.create_feed_group(i % 2, f"g{i}")
+                assert (await store.feed_info(0)).length > 0
+                assert thread in await store.stored_threads()
+                assert store.namespace in (await store.known_namespaces() or [store.namespace])
                 answered += 1
         except Exception as exc:
             failures.append(exc)
@@ -223,6 +230,87 @@ async def close_under(
             tg.start_soon(call, i)
         await anyio.sleep(delay)
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "call", ["seq_at", "read", "read_list", "feed_info", "threads", "versions"]
+)
+async def test_a_cancelled_call_raises_cancelled_error(redis_url: str, call: str) -> None:
+    """A caller cancelled during a call gets CancelledError, never the call's answer: Python
+    3.11's ``asyncio.wait_for`` (redis-py's) returns the answer of a send that completes as the
+    cancellation comes, and a read-ahead's own cancellation, awaited, hid the caller's."""
+    store = await es.connect(redis_url, namespace="g" + uuid.uuid4().hex[:12])
+    await store.append("t", [msg(f"m{j}") for j in range(3)])
+    calls: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
+        "seq_at": lambda: store.seq_at("t", 2**45),
+        "read": lambda: read_all(store, "t"),
+        "read_list": lambda: store.read_list("t", "none"),
+        "feed_info": lambda: store.feed_info(0),
+        "threads": lambda: store.threads(limit=5),
+        "versions": lambda: store.versions(["t"]),
+    }
+    rng = random.Random(7)
+    cancelled = answered = 0
+    try:
+        for _ in range(400):
+            task = asyncio.ensure_future(calls[call]())
+            await asyncio.sleep(rng.random() * 0.001)
+            if not task.cancel():
+                await task  # it ended first
+                continue
+            try:
+                await task
+                answered += 1
+            except asyncio.CancelledError:
+                cancelled += 1
+            if cancelled >= 30:
+                break
+        assert answered == 0, (answered, cancelled)
+        assert cancelled, "no call was cancelled mid-way: the case is not made"
+        assert await store.versions(["t"]) == [3]  # and the store goes on working
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    "call", ["feed_info", "create_feed_group", "stored_threads", "known_namespaces"]
+)
+async def test_calls_reading_redis_errors_themselves_end_when_the_store_closes(
+    redis_url: str, call: str
+) -> None:
+    """Calls that read redis-py's errors themselves (a group that exists, a feed not made yet,
+    a SCAN denied), looped by three tasks, the store closed at some point: each ends with
+    `StoreClosedError`, and none leaves a connection open (they took one after close)."""
+    rng = random.Random(1)
+    namespace = "g" + uuid.uuid4().hex[:12]
+    for _ in range(15):
+        store = await es.connect(redis_url, namespace=namespace)
+        failures = await looped_until_closed(store, call, rng.random() * 0.01)
+        wrong = [f for f in failures if not isinstance(f, es.StoreClosedError)]
+        assert not wrong and len(failures) == 3, failures
+        assert not open_connections(store), open_connections(store)
+
+
+async def looped_until_closed(store: es.EventStore, call: str, delay: float) -> list[Exception]:
+    """What ends each of three tasks looping the store's call ``call``, closed after ``delay``."""
+    calls: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
+        "feed_info": lambda: store.feed_info(0),
+        "create_feed_group": lambda: store.create_feed_group(0, "g"),
+        "stored_threads": store.stored_threads,
+        "known_namespaces": store.known_namespaces,
+    }
+    failures: list[Exception] = []
+
+    async def loop(i: int) -> None:
+        while True:
+            try:
+                await calls[call]()
+            except Exception as exc:
+                failures.append(exc)
+                return
+
+    await close_under(store, loop, 3, delay)
+    return failures
 
 
 def open_connections(store: es.EventStore) -> list[Any]:

@@ -1575,3 +1575,44 @@ async def test_a_projection_may_not_take_an_exports_group_name(store: es.EventSt
         assert [g.name for g in await store.feed_groups(p)] == ["export-nightly"]
     # The export's own way to go: drop its group.
     assert await drop_feed_group(store, "export-nightly") == list(range(store.partitions))
+
+
+async def test_a_store_closed_under_a_running_projection_is_not_a_bad_change(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store closed while the runner reads changes: the run ends with `StoreClosedError`,
+    and the change being read is not reported as one the projection cannot apply (the
+    runner's ERROR "stopped at change ...", whose text is wrong for a call that may have run)."""
+    namespace = "r" + uuid.uuid4().hex[:12]
+    async with await es.connect(redis_url, namespace=namespace) as filling:
+        await fill(filling, 300)
+    delays = [0.001 * i for i in range(1, 30)]
+    closed_under = 0
+    for delay in delays:
+        store = await es.connect(redis_url, namespace=namespace)
+        runner = ProjectionRunner(store, UsageProjection(), consumer="c", batch_size=4)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="threadlog.runner"):
+            closed_under += await run_closed_under(runner, store, delay)
+        reported = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert not reported, (delay, reported)
+    assert closed_under, "the store never closed under a run: the case is not made"
+
+
+async def run_closed_under(runner: ProjectionRunner, store: es.EventStore, delay: float) -> int:
+    """1 if ``runner.run_once()`` ended with `StoreClosedError`, the store closed after
+    ``delay`` seconds, else 0 (it ended first)."""
+    ended: list[int] = []
+
+    async def run() -> None:
+        try:
+            await runner.run_once()
+            ended.append(0)
+        except es.StoreClosedError:
+            ended.append(1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.sleep(delay)
+        await store.close()
+    return ended[0]
