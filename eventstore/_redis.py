@@ -262,17 +262,6 @@ async def _call(op: Awaitable[T]) -> T:
 _CONNECTION_FAILURES = (OperationalError, StoreConnectionError, StoreTimeoutError)
 
 
-def _raise_if_cancel_lost(task: asyncio.Task[Any] | None, cancels: int) -> None:
-    """CancelledError if ``task`` was cancelled during a call that then returned normally.
-
-    Python 3.11's ``asyncio.wait_for``, which redis-py sends and connects through, returns its
-    operation's result when the task is cancelled just as that completes, and the cancellation
-    is lost (a caller's timeout never fires; 3.12 fixed it). Seen in about half of the
-    cancellations of a read 0-1 ms in."""
-    if task is not None and task.cancelling() > cancels:
-        raise asyncio.CancelledError
-
-
 def _replies_checked(replies: Iterable[Any]) -> list[Any]:
     """A redis-py pipeline's replies (read with ``raise_on_error=False``); an error reply is
     raised translated, as Redis worded it.
@@ -677,6 +666,45 @@ def _check_client(client: object) -> None:
         )
 
 
+class _InFlight:
+    """A store's call to Redis while it is in flight.
+
+    - Counted (`RedisEventStore._calls`): `close` waits for such calls to end, then closes the
+      connections they took from the pool meanwhile (which they give back connected).
+    - One the store was closed under fails with `StoreClosedError`: `close` disconnects the
+      connections in use, and redis-py then fails in whatever the call was doing (an
+      AttributeError on a writer gone, a TypeError on a reader gone, a connection error),
+      none of which says why.
+    - A cancellation that came during the call is raised, if the call returned normally:
+      Python 3.11's ``asyncio.wait_for``, which redis-py sends and connects through, returns
+      its operation's result when the task is cancelled just as that completes, and the
+      cancellation is lost (a caller's timeout never fires; 3.12 fixed it). Seen in about half
+      of the cancellations of a read 0-1 ms in.
+    """
+
+    __slots__ = ("_cancels", "_store", "_task")
+
+    def __init__(self, store: RedisEventStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        task = self._task = asyncio.current_task()
+        self._cancels = 0 if task is None else task.cancelling()
+        self._store._calls += 1
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        store = self._store
+        store._calls -= 1
+        if not store._calls and store._calls_ended is not None:
+            store._calls_ended.set()
+        if exc is None:
+            task = self._task
+            if task is not None and task.cancelling() > self._cancels:
+                raise asyncio.CancelledError
+        elif isinstance(exc, Exception):
+            store._raise_if_closed_under(exc)
+
+
 class RedisEventStore(EventStore):
     """The event log on Redis Streams.
 
@@ -777,47 +805,14 @@ class RedisEventStore(EventStore):
             )
 
     async def _call(self, op: Awaitable[T], group: tuple[int, str] | None = None) -> T:
-        """`_call` (`_group_call` for a command naming a consumer group, ``(partition, name)``);
-        and a call the store was closed under fails with `StoreClosedError`.
+        """`_call` (`_group_call` for a command naming a consumer group, ``(partition, name)``),
+        in flight as `_InFlight` says."""
+        with _InFlight(self):
+            return await (_call(op) if group is None else _group_call(op, *group))
 
-        `close` disconnects the connections still in use: redis-py then fails in whatever the
-        call was doing (an AttributeError on a writer gone, a TypeError on a reader gone, a
-        connection error), none of which says why. `close` also waits for the calls counted
-        here to end, then closes what connections they took from the pool meanwhile.
-        """
-        task = asyncio.current_task()
-        cancels = 0 if task is None else task.cancelling()
-        self._calls += 1
-        try:
-            result = await (_call(op) if group is None else _group_call(op, *group))
-        except Exception as exc:
-            self._raise_if_closed_under(exc)
-            raise
-        finally:
-            self._calls -= 1
-            if not self._calls and self._calls_ended is not None:
-                self._calls_ended.set()
-        _raise_if_cancel_lost(task, cancels)
-        return result
-
-    @contextlib.contextmanager
-    def _tracked(self) -> Iterator[None]:
-        """`_call`'s bookkeeping around a call that handles redis-py's errors itself: counted
-        in flight for `close`, closed-under failures raised as `StoreClosedError`, a lost
-        cancellation raised."""
-        task = asyncio.current_task()
-        cancels = 0 if task is None else task.cancelling()
-        self._calls += 1
-        try:
-            yield
-        except Exception as exc:
-            self._raise_if_closed_under(exc)
-            raise
-        finally:
-            self._calls -= 1
-            if not self._calls and self._calls_ended is not None:
-                self._calls_ended.set()
-        _raise_if_cancel_lost(task, cancels)
+    def _tracked(self) -> _InFlight:
+        """`_call`'s bookkeeping, around a call that reads redis-py's errors itself."""
+        return _InFlight(self)
 
     async def _pipeline_replies(self, pipe: Any) -> list[Any]:
         """A pipeline's replies, sent by `_call`, checked by `_replies_checked`."""
