@@ -1582,6 +1582,14 @@ async def cmd_replay(ctx: Ctx, args: argparse.Namespace) -> None:
         out.print(line)
     if count == 0 and not args.json:
         out.print("No events in that range.")
+    if args.stop is not None and args.stop > version and args.as_of is None:
+        # Replayed to the end, which is fine; said, so that a seq mistyped (or meant for
+        # another thread) is not read as the point the replay stopped at.
+        note = f"--to {args.stop}: thread {thread!r} ends at seq {version}"
+        if args.json:
+            ctx.err.print(Text(printable(f"threadlog: {note}")))
+        else:
+            out.print(Text(printable(note), style="yellow"))
     if gaps:
         raise Failed
 

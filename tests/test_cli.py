@@ -1246,6 +1246,18 @@ def test_replay_prints_every_event_with_its_read_models(demo: Demo) -> None:
         "replay", demo.thread, "--from", "3", "--to", "5", url=demo.url, namespace=demo.namespace
     )
     assert part.code == 0 and [line.split()[0] for line in part.lines()] == ["#3", "#4", "#5"]
+    # Past the end: replayed to the end, and said (a seq mistyped reads as no stopping point).
+    past = cli(
+        "replay", demo.thread, "--from", str(demo.version), "--to", "999",
+        url=demo.url, namespace=demo.namespace,
+    )  # fmt: skip
+    assert past.code == 0 and past.lines()[0].startswith(f"#{demo.version} "), past
+    assert past.lines()[-1] == f"--to 999: thread {demo.thread!r} ends at seq {demo.version}"
+    as_json = cli(
+        "replay", demo.thread, "--to", "999", "--json", url=demo.url, namespace=demo.namespace
+    )
+    assert as_json.code == 0 and len(as_json.lines()) == demo.version, as_json
+    assert f"ends at seq {demo.version}" in as_json.err
 
 
 def test_a_turn_of_one_step_is_said_in_the_singular(redis_url: str) -> None:
