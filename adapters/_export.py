@@ -1273,13 +1273,23 @@ class Exporter:
         """
         if since is not None and not isinstance(since, datetime):
             raise InvalidInputError(f"since must be a datetime, not {since!r}")
-        made = await anyio.to_thread.run_sync(self._prepare_directory)
         since_ms = int(since.timestamp() * 1000) if since is not None else None
         paused = self.pause_gc and gc.isenabled()
         if paused:
             gc.disable()
         try:
-            return await self._run(since_ms, progress, made)
+            for _ in range(_PREPARE_ATTEMPTS):
+                made = await anyio.to_thread.run_sync(self._prepare_directory)
+                try:
+                    return await self._run(since_ms, progress, made)
+                except _DirectoryRemoved:
+                    # Another run made the directory, had nothing to commit and removed it
+                    # between this run's finding it and taking its lock: made again.
+                    continue
+            raise ExportBusyError(
+                f"other export runs into {self.directory} kept removing it (each made it and "
+                "had nothing to commit); run again"
+            )
         finally:
             if paused:
                 gc.enable()
@@ -1291,16 +1301,24 @@ class Exporter:
         if self.directory.exists() and not self.directory.is_dir():
             raise InvalidInputError(f"cannot export to {self.directory}: it is not a directory")
         made: list[Path] = []
-        missing = self.directory.absolute()
-        while not missing.exists() and missing != missing.parent:
-            made.insert(0, missing)
-            missing = missing.parent
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InvalidInputError(
-                f"cannot export to {self.directory}: {exc.strerror or exc}"
-            ) from None
+        target = self.directory.absolute()
+        # Made level by level, so that only what this run made is in ``made`` (another run
+        # may make, or remove, the same directories meanwhile).
+        for path in [*reversed(target.parents), target]:
+            if path.is_dir():
+                continue
+            try:
+                path.mkdir()
+                made.append(path)
+            except FileExistsError:
+                if not path.is_dir():  # a file, or removed again at once: said as a file
+                    raise InvalidInputError(
+                        f"cannot export to {self.directory}: {path} is not a directory"
+                    ) from None
+            except OSError as exc:
+                raise InvalidInputError(
+                    f"cannot export to {self.directory}: {exc.strerror or exc}"
+                ) from None
         other = "ndjson" if self.fmt == "parquet" else "parquet"
         if next(self.directory.glob(f"part-*.{other}"), None) is not None:
             raise InvalidInputError(
@@ -2058,15 +2076,37 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 # -- fencing runs ----------------------------------------------------------------------------
 
 
+class _DirectoryRemoved(Exception):
+    """The export directory was removed, with its run lock, before this run held the lock:
+    another run made it and removed it, having nothing to commit (`_remove_made`)."""
+
+
+_PREPARE_ATTEMPTS = 3  # directories made and locked by a run before it gives up (see run)
+
+
 @contextlib.contextmanager
 def _run_lock(directory: Path) -> Iterator[None]:
-    """Hold the directory's run lock; two runs at once would export the same changes twice."""
-    fd = os.open(directory / _RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold the directory's run lock; two runs at once would export the same changes twice.
+
+    `_DirectoryRemoved` when the lock file is gone, or is not the one locked (unlinked by the
+    run that held it, then made again by a third): the lock would fence nothing."""
+    path = directory / _RUN_LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        raise _DirectoryRemoved from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ExportBusyError(f"another export run is writing into {directory}") from None
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            raise _DirectoryRemoved from None
+        locked = os.fstat(fd)
+        if (current.st_dev, current.st_ino) != (locked.st_dev, locked.st_ino):
+            raise _DirectoryRemoved
         yield
     finally:
         os.close(fd)  # releases the lock

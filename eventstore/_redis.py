@@ -262,6 +262,18 @@ async def _call(op: Awaitable[T]) -> T:
 _CONNECTION_FAILURES = (OperationalError, StoreConnectionError, StoreTimeoutError)
 
 
+async def _pipeline_executed(pipe: Any) -> list[Any]:
+    """``pipe.execute(raise_on_error=False)``: error replies in their commands' places, but a
+    connection or timeout error raised, which the cluster pipeline puts in a reply's place too:
+    that is no answer of the server's, and the call failed (`_call` translates it; `_InFlight`
+    tells a store closed under it)."""
+    replies = list(await pipe.execute(raise_on_error=False))
+    for reply in replies:
+        if isinstance(reply, Exception) and not isinstance(reply, rex.ResponseError):
+            raise reply
+    return replies
+
+
 def _replies_checked(replies: Iterable[Any]) -> list[Any]:
     """A redis-py pipeline's replies (read with ``raise_on_error=False``); an error reply is
     raised translated, as Redis worded it.
@@ -688,6 +700,8 @@ class _InFlight:
         self._store = store
 
     def __enter__(self) -> None:
+        if self._store._closed:  # none starts after close: `close` waits for those counted
+            raise StoreClosedError("the store is closed")
         task = self._task = asyncio.current_task()
         self._cancels = 0 if task is None else task.cancelling()
         self._store._calls += 1
@@ -816,12 +830,12 @@ class RedisEventStore(EventStore):
 
     async def _pipeline_replies(self, pipe: Any) -> list[Any]:
         """A pipeline's replies, sent by `_call`, checked by `_replies_checked`."""
-        return _replies_checked(await self._call(pipe.execute(raise_on_error=False)))
+        return _replies_checked(await self._call(_pipeline_executed(pipe)))
 
     def _raise_if_closed_under(self, exc: Exception) -> None:
         """`StoreClosedError` (from ``exc``) if the store was closed meanwhile and ``exc`` is
         not an answer of the server's (a conflict, a refusal)."""
-        if not self._closed or isinstance(exc, StoreClosedError):
+        if not self._closed or isinstance(exc, StoreClosedError | rex.ResponseError):
             return
         if not isinstance(exc, EventStoreError) or type(exc) in _CONNECTION_FAILURES:
             raise StoreClosedError.in_flight() from exc
@@ -987,15 +1001,13 @@ class RedisEventStore(EventStore):
                 call = (keys, args)
         self._check_usable()
         try:
-            reply = await self._group_commit.submit(thread_keys[0], call)
+            # Counted in flight: `close` waits for it (the cluster client, which it sends on,
+            # would otherwise connect again after close).
+            with _InFlight(self):
+                reply = await self._group_commit.submit(thread_keys[0], call)
         # RedisClusterException (e.g. "cannot be connected") is not a RedisError subclass.
         except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-            if self._closed and not isinstance(exc, rex.ResponseError):  # not an answer
-                raise StoreClosedError.in_flight() from exc
             raise translate_redis_error(exc) from exc
-        except Exception as exc:  # inline: `_call` is a coroutine more on every append
-            self._raise_if_closed_under(exc)
-            raise
         status = reply[0]
         if status == b"ok":
             if unrecorded:
@@ -1295,7 +1307,7 @@ class RedisEventStore(EventStore):
         pipe = aioredis.client.Pipeline(self.client.connection_pool, {}, False, None)
         for command in commands:
             pipe.execute_command(*command)
-        return list(await self._call(pipe.execute(raise_on_error=False)))
+        return list(await self._call(_pipeline_executed(pipe)))
 
     async def read(
         self,
@@ -1568,7 +1580,7 @@ class RedisEventStore(EventStore):
             pipe = self.client.pipeline(transaction=True)
             for command in commands:
                 pipe.execute_command(*command)
-            return list(await self._call(pipe.execute(raise_on_error=False)))
+            return list(await self._call(_pipeline_executed(pipe)))
         self._check_usable()
         payload = b"".join([_MULTI, *(pack_command(c) for c in commands), _EXEC])
         replies = await self._call(self._held.exchange(payload, len(commands) + 2))
@@ -1980,7 +1992,7 @@ class RedisEventStore(EventStore):
         # hands those methods' `keys=` argument on to the reply callback, which refuses it.
         pipe.execute_command("XRANGE", key, f"({after}", "+", "COUNT", count)
         pipe.execute_command("XINFO STREAM", key)
-        rows, info = await self._call(pipe.execute(raise_on_error=False))
+        rows, info = await self._call(_pipeline_executed(pipe))
         if isinstance(info, Exception):
             if "no such key" in str(info).lower():
                 return []  # no feed: nothing was trimmed either
@@ -2282,6 +2294,7 @@ class RedisEventStore(EventStore):
     async def known_namespaces(self) -> list[str] | None:
         # SCAN walks the whole keyspace: bounded to a few round trips, and not on a cluster
         # (one walk per node). A large data set answers None rather than a slow hint.
+        self._check_usable()
         if self._is_cluster:
             return None
         pattern = KeyLayout.CONFIG_KEY_PATTERN.encode()
@@ -2331,3 +2344,8 @@ class RedisEventStore(EventStore):
                         await self._calls_ended.wait()
                 with contextlib.suppress(rex.RedisError, OSError):
                     await self._client.aclose()
+                    if self._is_cluster:
+                        # The cluster client's aclose does nothing twice (it takes itself for
+                        # closed) unless a call had it find the nodes again meanwhile.
+                        for node in self._client.get_nodes():
+                            await node.disconnect()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -1620,3 +1623,64 @@ async def test_a_directory_started_at_a_time_continues_over_a_feed_trimmed_befor
         await redis_store.trim_feed(p, max_age_ms=0)
     with pytest.raises(ExportSourceError, match="was trimmed past"):
         await Exporter(redis_store, out, fmt="ndjson").run()
+
+
+async def test_runs_into_one_new_directory_at_once_are_each_done_or_busy(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Three runs into one new directory, of a namespace with nothing to export, started
+    0-40 ms apart: each ends done or `ExportBusyError`. A run that made the directory and had
+    nothing to commit removes it, with its lock file; a run that had found it there then
+    failed with the OS's FileNotFoundError opening its lock, or "File exists" making it."""
+    rng = random.Random(1)
+    store = await es.connect(redis_url, namespace="x" + uuid.uuid4().hex[:12])
+    outcomes: list[str] = []
+    try:
+        for i in range(40):
+            target = tmp_path / f"new-{i}"
+            runs = (started_late(store, target, k * rng.random() * 0.04) for k in range(3))
+            outcomes += await asyncio.gather(*runs)
+            assert not target.exists()  # nothing was committed: no run left it behind
+    finally:
+        await store.close()
+    assert set(outcomes) <= {"done", "busy"} and "done" in outcomes, outcomes
+
+
+async def started_late(store: es.EventStore, target: Path, delay: float) -> str:
+    """An export run into ``target`` started after ``delay`` s: "done", or "busy"."""
+    await anyio.sleep(delay)
+    try:
+        await Exporter(store, target, fmt="ndjson").run()
+    except ExportBusyError:
+        return "busy"
+    return "done"
+
+
+class RacedExporter(Exporter):
+    """An exporter whose directory is removed right after it prepared it, ``races`` times: as
+    another run that made it, committed nothing and removed it (`_remove_made`) would."""
+
+    races = 1
+
+    def _prepare_directory(self) -> list[Path]:
+        made = super()._prepare_directory()
+        if self.races:
+            self.races -= 1
+            shutil.rmtree(self.directory)
+        return made
+
+
+async def test_a_directory_removed_before_the_run_locks_it_is_made_again(
+    tmp_path: Path,
+) -> None:
+    store = es.MemoryEventStore()
+    await store.append("t", [msg("x")])
+    raced = RacedExporter(store, tmp_path / "out", fmt="ndjson")
+    assert (await raced.run()).events == 1  # made again, exported into
+    assert raced.races == 0 and list((tmp_path / "out").glob("part-*.ndjson"))
+    # Removed every time: said, typed, not the OS's FileNotFoundError.
+    always = RacedExporter(store, tmp_path / "other", fmt="ndjson")
+    always.races = 3
+    with pytest.raises(ExportBusyError, match="kept removing it"):
+        await always.run()
+    assert not (tmp_path / "other").exists()

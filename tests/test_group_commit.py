@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
@@ -273,18 +274,33 @@ async def test_a_cancelled_call_raises_cancelled_error(redis_url: str, call: str
 
 
 @pytest.mark.parametrize(
-    "call", ["feed_info", "create_feed_group", "stored_threads", "known_namespaces"]
+    "call",
+    [
+        "append",
+        "read",
+        "versions",
+        "feed_info",
+        "create_feed_group",
+        "stored_threads",
+        "known_namespaces",
+    ],
 )
-async def test_calls_reading_redis_errors_themselves_end_when_the_store_closes(
-    redis_url: str, call: str
+@pytest.mark.parametrize("server", ["redis", "cluster"])
+async def test_calls_looped_until_the_store_closes_end_typed_and_leave_no_connection(
+    request: pytest.FixtureRequest, server: str, call: str
 ) -> None:
-    """Calls that read redis-py's errors themselves (a group that exists, a feed not made yet,
-    a SCAN denied), looped by three tasks, the store closed at some point: each ends with
-    `StoreClosedError`, and none leaves a connection open (they took one after close)."""
+    """Three tasks loop one call, the store closes at some point: each ends with
+    `StoreClosedError`, and none leaves a connection open. Calls that read redis-py's errors
+    themselves (a group that exists, a feed not made yet, a SCAN denied) were not waited for
+    by close; an append on a cluster, neither; a read's next page started after close, and a
+    cluster pipeline's connection error came back as a reply, read as `StoreConnectionError`."""
+    url = request.getfixturevalue("redis_url" if server == "redis" else "cluster_url")
     rng = random.Random(1)
     namespace = "g" + uuid.uuid4().hex[:12]
+    async with await es.connect(url, namespace=namespace) as store:
+        await store.append("t", [msg(f"m{j}") for j in range(600)])  # reads of several pages
     for _ in range(15):
-        store = await es.connect(redis_url, namespace=namespace)
+        store = await es.connect(url, namespace=namespace)
         failures = await looped_until_closed(store, call, rng.random() * 0.01)
         wrong = [f for f in failures if not isinstance(f, es.StoreClosedError)]
         assert not wrong and len(failures) == 3, failures
@@ -294,6 +310,9 @@ async def test_calls_reading_redis_errors_themselves_end_when_the_store_closes(
 async def looped_until_closed(store: es.EventStore, call: str, delay: float) -> list[Exception]:
     """What ends each of three tasks looping the store's call ``call``, closed after ``delay``."""
     calls: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
+        "append": lambda: store.append("a", [msg("x")]),
+        "read": lambda: read_all(store, "t"),
+        "versions": lambda: store.versions(["t", "a"]),
         "feed_info": lambda: store.feed_info(0),
         "create_feed_group": lambda: store.create_feed_group(0, "g"),
         "stored_threads": store.stored_threads,
@@ -308,6 +327,7 @@ async def looped_until_closed(store: es.EventStore, call: str, delay: float) -> 
             except Exception as exc:
                 failures.append(exc)
                 return
+            await anyio.lowlevel.checkpoint()  # one that sends nothing (a cluster's hint)
 
     await close_under(store, loop, 3, delay)
     return failures
