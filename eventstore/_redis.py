@@ -2335,17 +2335,18 @@ class RedisEventStore(EventStore):
         if self._owns_client:
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()
+            # A call in flight may have taken a connection since (its own, disconnected, it
+            # reconnects), even while that aclose ran, and gives it back connected: closed
+            # again once those calls end, whether or not any is left by now.
             if self._calls:
-                # A call in flight may have taken a connection since (its own, disconnected,
-                # it reconnects), which it gives back connected: closed once those end.
                 self._calls_ended = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_CLOSE_WAIT_S):
                         await self._calls_ended.wait()
-                with contextlib.suppress(rex.RedisError, OSError):
-                    await self._client.aclose()
-                    if self._is_cluster:
-                        # The cluster client's aclose does nothing twice (it takes itself for
-                        # closed) unless a call had it find the nodes again meanwhile.
-                        for node in self._client.get_nodes():
-                            await node.disconnect()
+            with contextlib.suppress(rex.RedisError, OSError):
+                await self._client.aclose()
+                if self._is_cluster:
+                    # The cluster client's aclose does nothing twice (it takes itself for
+                    # closed) unless a call had it find the nodes again meanwhile.
+                    for node in self._client.get_nodes():
+                        await node.disconnect()
