@@ -2333,6 +2333,10 @@ class RedisEventStore(EventStore):
             if self._held is not None:
                 await self._held.close()
         if self._owns_client:
+            # A call in flight may have the cluster client find its nodes again meanwhile,
+            # which replaces the node objects (redis-py before 8 leaves the old ones' open
+            # connections to the collector): each node seen now is disconnected at the end.
+            nodes = list(self._client.get_nodes()) if self._is_cluster else []
             with contextlib.suppress(rex.RedisError, OSError):
                 await self._client.aclose()
             # A call in flight may have taken a connection since (its own, disconnected, it
@@ -2348,5 +2352,5 @@ class RedisEventStore(EventStore):
                 if self._is_cluster:
                     # The cluster client's aclose does nothing twice (it takes itself for
                     # closed) unless a call had it find the nodes again meanwhile.
-                    for node in self._client.get_nodes():
+                    for node in {id(n): n for n in [*nodes, *self._client.get_nodes()]}.values():
                         await node.disconnect()

@@ -207,7 +207,8 @@ async def test_reads_in_flight_when_the_store_closes_fail_typed(
                 # Calls that read redis-py's errors themselves (a group that exists, a feed
                 # not made yet, a SCAN denied) are waited for and closed under alike.
                 await store.create_feed_group(i % 2, f"g{i}")
-                assert (await store.feed_info(0)).length > 0
+                feed = await store.feed_info(es.partition_of(thread, store.partitions))
+                assert feed.length > 0  # its thread's own feed, which its appends wrote
                 assert thread in await store.stored_threads()
                 assert store.namespace in (await store.known_namespaces() or [store.namespace])
                 answered += 1
