@@ -824,10 +824,6 @@ class RedisEventStore(EventStore):
         with _InFlight(self):
             return await (_call(op) if group is None else _group_call(op, *group))
 
-    def _tracked(self) -> _InFlight:
-        """`_call`'s bookkeeping, around a call that reads redis-py's errors itself."""
-        return _InFlight(self)
-
     async def _pipeline_replies(self, pipe: Any) -> list[Any]:
         """A pipeline's replies, sent by `_call`, checked by `_replies_checked`."""
         return _replies_checked(await self._call(_pipeline_executed(pipe)))
@@ -864,7 +860,7 @@ class RedisEventStore(EventStore):
         if recorded is None and not create:
             return
         if recorded is None:
-            with self._tracked():
+            with _InFlight(self):
                 try:
                     await self.client.hsetnx(key, "partitions", self.partitions)
                 except rex.NoPermissionError:
@@ -1717,7 +1713,7 @@ class RedisEventStore(EventStore):
         except BaseException:
             if staged:
                 # Best effort: never raised in place of the error that stopped the load.
-                with self._tracked(), contextlib.suppress(Exception):
+                with _InFlight(self), contextlib.suppress(Exception):
                     await self.client.unlink(*staged)
             raise
         _check_load_reply(thread_id, reply, expected_version, expected_incarnation)
@@ -1878,7 +1874,7 @@ class RedisEventStore(EventStore):
             else:
                 misplaced[thread_id] = partition
 
-        with self._tracked():
+        with _InFlight(self):
             try:
                 if isinstance(client, RedisCluster):
                     # Each primary holds its own slots' keys: every one is scanned, replicas not
@@ -2007,7 +2003,7 @@ class RedisEventStore(EventStore):
     async def create_feed_group(self, partition: int, group: str, *, start: str = "0-0") -> bool:
         validate_group(group)
         parse_stream_id(start)
-        with self._tracked():
+        with _InFlight(self):
             try:
                 feed = self._feed_key(partition)
                 await self.client.xgroup_create(feed, group, start, mkstream=True)
@@ -2142,7 +2138,7 @@ class RedisEventStore(EventStore):
 
     async def feed_info(self, partition: int) -> FeedInfo:
         key = self._feed_key(partition)
-        with self._tracked():
+        with _InFlight(self):
             try:
                 info = await self.client.xinfo_stream(key)
             except rex.ResponseError as exc:
@@ -2300,7 +2296,7 @@ class RedisEventStore(EventStore):
         pattern = KeyLayout.CONFIG_KEY_PATTERN.encode()
         found: set[str] = set()
         cursor = 0
-        with self._tracked():
+        with _InFlight(self):
             try:
                 for _ in range(_KNOWN_NAMESPACES_SCANS):
                     cursor, keys = await self.client.scan(cursor, match=pattern, count=1000)

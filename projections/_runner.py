@@ -666,10 +666,10 @@ class ProjectionRunner:
                     # again) since has other events at these seqs, counted by their own changes.
                     events = await self.store.read_change(entry)
                     incr += validate_increments(self.projection.increments(entry, events))
-                except UNREACHABLE:
-                    raise  # the store's, not the change's: `run` waits it out, reads it again
-                except StoreClosedError:
-                    raise  # closed under the runner: not the change's either
+                except (*UNREACHABLE, StoreClosedError):
+                    # The store's, not the change's: `run` waits out one it cannot reach and
+                    # reads it again; a store closed under the runner ends it.
+                    raise
                 except Exception as exc:
                     await self._stop_at(partition, checkpoint, batch[:i], incr, entry, exc)
                     raise
