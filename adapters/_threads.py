@@ -377,11 +377,14 @@ class ThreadStore:
         expected_incarnation_arg(expected_incarnation)  # refused before any read
         _check_caller_key(idempotency_key)
         await self._allow(principal, "write", thread_id)
-        life = await self._require_turn(thread_id, turn_id)
         event = StateUpdated(
             block=block, value=value, turn_id=turn_id, expected_version=expected_block_version
         )
         new = NewEvent(payload=event, turn_id=turn_id)
+        if turn_id is not None:  # a read comes first: refuse bad input before it
+            _check_turn_id(turn_id)
+            self.projector.validate([new])
+        life = await self._require_turn(thread_id, turn_id)
         if expected_incarnation is not None:  # the caller's own life: its conflict is its own
             return await self.projector.append(
                 thread_id,
@@ -553,13 +556,6 @@ class ThreadStore:
         updates = _as_structs(state_updates, StateUpdate, "state_updates")
         _check_counts(steps, usage)
         _check_timing(timing)
-        # The life read with the open record: the settlement is appended only in that life,
-        # never into the thread written again after a delete.
-        current, life = await self.projector.record_in_life(thread_id, turn_id)
-        if current is None:
-            raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
-        if not current.is_open:
-            return await self._first_settlement(thread_id, turn_id, current)
         message = as_message(assistant_message) if assistant_message is not None else None
         events: list[NewEvent] = [
             NewEvent(
@@ -576,8 +572,6 @@ class ThreadStore:
         settled = TurnSettled(
             turn_id=turn_id,
             outcome=outcome,
-            parent_turn_id=current.parent_turn_id,
-            grant=current.grant,
             steps=steps,
             model_tier=model_tier,
             fallbacks=fallbacks,
@@ -585,6 +579,19 @@ class ThreadStore:
             timing=timing or Timing(),
             error=error,
             assistant_message=message,
+        )
+        # Refused before the record is read: the turn's parent and grant, which only the
+        # record holds, were checked when the turn was opened.
+        self.projector.validate([*events, NewEvent(payload=settled, turn_id=turn_id)])
+        # The life read with the open record: the settlement is appended only in that life,
+        # never into the thread written again after a delete.
+        current, life = await self.projector.record_in_life(thread_id, turn_id)
+        if current is None:
+            raise TurnNotFoundError(f"turn {turn_id!r} was not opened in thread {thread_id!r}")
+        if not current.is_open:
+            return await self._first_settlement(thread_id, turn_id, current)
+        settled = msgspec.structs.replace(
+            settled, parent_turn_id=current.parent_turn_id, grant=current.grant
         )
         events.append(NewEvent(payload=settled, turn_id=turn_id))
         try:

@@ -208,11 +208,10 @@ class Projector:
                 sees it).
             InvalidInputError: a projection refuses an event (e.g. `UnknownBlockError`).
         """
-        for index, new in enumerate(events):
-            check_payload(new.payload, index)
+        self.validate(events)
         # A projection's ops are asked for only when an event is of a type it folds (its
         # `handles`): for any other its views stay as they are, or they would differ from a
-        # rebuild's. Its ``validate`` still sees every event.
+        # rebuild's. Its ``validate`` has seen every event.
         route = self._ops_route
         asked: tuple[bool, ...] | None = None
         for new in events:
@@ -224,11 +223,26 @@ class Projector:
             asked = wants if asked is None else tuple(map(operator.or_, asked, wants))
         ops: list[ViewOp] = []
         for p, ask in zip(self.projections, asked or (), strict=False):
-            for new in events:
-                p.validate(new.payload)
             if ask:
                 ops += p.ops(events)
         return ops
+
+    def validate(self, events: Sequence[NewEvent]) -> None:
+        """Refuse ``events`` as `append` would, without touching the store.
+
+        For a caller that must read before it appends (a turn's record, say): bad input is
+        then refused before that read, not after it. `append` checks again.
+
+        Raises:
+            EventValidationError: a payload fails its schema (checked before any projection
+                sees it).
+            InvalidInputError: a projection refuses an event (e.g. `UnknownBlockError`).
+        """
+        for index, new in enumerate(events):
+            check_payload(new.payload, index)
+        for p in self.projections:
+            for new in events:
+                p.validate(new.payload)
 
     async def append(
         self,

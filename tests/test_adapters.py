@@ -41,7 +41,13 @@ from adapters import (
 )
 from adapters._threads import RECORDS_READ_AHEAD
 from eventstore.testing import read_all
-from projections import Projector, ReaderView, SeqBeyondVersionError, StateProjection
+from projections import (
+    Projector,
+    ReaderView,
+    SeqBeyondVersionError,
+    StateProjection,
+    UnknownBlockError,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -621,6 +627,46 @@ async def test_a_state_value_json_cannot_hold_is_refused(
     assert await threads.state("t") == {}
     await threads.update_state("t", "plan", {"fine": (1, 2.5, None, True)}, turn_id=turn)
     assert (await threads.state("t"))["plan"].value == {"fine": [1, 2.5, None, True]}
+
+
+async def test_bad_state_updates_are_refused_before_the_turn_is_looked_up(
+    store: es.EventStore,
+) -> None:
+    """Bad input is named as such, not answered "turn not found" (or with a settlement) by the
+    record read that comes first: an undeclared block, a value JSON cannot hold, a message
+    that is no message, for a turn that was never opened and for one that was."""
+    threads = ThreadStore(store, state=StateProjection([PLANNER], blocks=["scratch"]))
+    opened = await threads.open_turn("t")
+    settled = await threads.open_turn("t")
+    await threads.settle_turn("t", settled, outcome="completed")
+    version = await store.version("t")
+    for turn in ("never-opened", opened, settled):
+        with pytest.raises(UnknownBlockError, match="'notes' is not declared"):
+            await threads.update_state("t", "notes", 1, turn_id=turn)
+        with pytest.raises(es.EventValidationError, match="is nan"):
+            await threads.update_state("t", "plan", math.nan, turn_id=turn)
+        with pytest.raises(UnknownBlockError, match="'notes' is not declared"):
+            await threads.settle_turn(
+                "t", turn, outcome="failed", state_updates=[StateUpdate("notes", 1)]
+            )
+        with pytest.raises(es.EventValidationError, match="is nan"):
+            await threads.settle_turn(
+                "t", turn, outcome="failed", state_updates=[StateUpdate("plan", math.nan)]
+            )
+        with pytest.raises(es.InvalidInputError, match="role"):
+            await threads.settle_turn(
+                "t", turn, outcome="completed", assistant_message={"content": "no role"}
+            )
+    assert await store.version("t") == version
+    # Good input for the turn never opened still finds it missing.
+    with pytest.raises(TurnNotFoundError):
+        await threads.update_state("t", "plan", 1, turn_id="never-opened")
+    with pytest.raises(TurnNotFoundError):
+        await threads.settle_turn("t", "never-opened", outcome="failed")
+    # And a settlement of the open turn keeps its parent and grant from the record.
+    child = await threads.open_turn("t", parent_turn_id=opened, grant={"max_steps": 2})
+    record = (await threads.settle_turn("t", child, outcome="completed")).record
+    assert (record.parent_turn_id, record.grant) == (opened, es.Grant(max_steps=2))
 
 
 async def test_turn_ids_and_message_lists_are_checked_with_plain_words(
