@@ -535,6 +535,7 @@ class ThreadStore:
         other outcome it is kept in the log for audit. Settling is idempotent per turn: a
         second settlement returns the first one (with the seqs its append wrote) and writes
         nothing. A turn that was not opened in this thread is refused with `TurnNotFoundError`.
+        Bad input is refused before the turn is looked up, for a settled turn as well.
         ``usage``, ``timing``, ``error``, ``fallbacks`` and ``state_updates`` take their structs
         or the same as mappings of fields.
 
