@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+import redis
 from redis.asyncio.cluster import RedisCluster
 
 import eventstore as es
@@ -1399,6 +1400,11 @@ async def _until_sentinels_name_a_primary(url: str) -> None:
             await s.aclose()
 
 
+# redis-py before 7.2 answers one cluster node's connection error (in `_execute_command`) with
+# `aclose()`, which disconnects every node's connections, those in use by other calls too.
+_DISCONNECTS_EVERY_NODE = tuple(map(int, redis.__version__.split(".")[:2])) < (7, 2)
+
+
 @pytest.mark.slow
 async def test_a_cluster_batch_with_a_node_down_keeps_the_other_nodes_answers(
     monkeypatch: pytest.MonkeyPatch,
@@ -1438,8 +1444,13 @@ async def test_a_cluster_batch_with_a_node_down_keeps_the_other_nodes_answers(
             for t in threads:
                 if node_of[t] == dead:
                     assert isinstance(outcomes[t], es.StoreConnectionError), (t, outcomes[t])
-                else:
+                elif isinstance(outcomes[t], es.AppendResult) or not _DISCONNECTS_EVERY_NODE:
                     assert isinstance(outcomes[t], es.AppendResult), (t, outcomes[t])
                     assert await _texts(store, t) == [t]
+                else:
+                    # Disconnected under the call by redis-py (before 7.2): its outcome is
+                    # unknown, and says so; it landed at most once.
+                    assert isinstance(outcomes[t], es.StoreConnectionError), (t, outcomes[t])
+                    assert await _texts(store, t) in ([], [t])
         finally:
             await store.close()
