@@ -103,9 +103,10 @@ COMPRESSIONS: tuple[Compression, ...] = ("snappy", "zstd", "lz4", "none")
 # Snappy, as pyarrow and Spark write by default: on 1,000,000 events (bench.export, recorded
 # run of 2026-11-30 16:12 UTC) it exported 212k events/s into 176 MB, zstd 202k into 107 MB.
 DEFAULT_COMPRESSION: Compression = "snappy"
-COLUMNS = (
+COLUMNS: tuple[str, ...] = (
     "namespace",
     "thread",
+    "incarnation",
     "seq",
     "id",
     "type",
@@ -118,6 +119,13 @@ COLUMNS = (
     "output_tokens",
     "payload",
 )
+"""The columns of an export, in order. (thread, incarnation, seq) names an event: a thread
+deleted and written again starts a new incarnation, and its seqs start at 1 again."""
+LEGACY_COLUMNS = tuple(c for c in COLUMNS if c != "incarnation")
+"""The columns of a directory whose first run was before the incarnation column (its
+`SOURCE_FILE` records no ``columns``): its later runs keep them, so that its parts stay one
+table."""
+_ID = COLUMNS.index("id")
 CHUNK_EVENTS = 8192
 """Events decoded and written at a time: what bounds an export's memory."""
 GC_EVERY_CHUNKS = 64
@@ -149,7 +157,7 @@ _NO_USAGE: dict[str, Any] = {}  # read only
 _DICTIONARY_COLUMNS = ["namespace", "thread", "type", "outcome", "model_tier"]
 # Min/max statistics only where a reader can prune with them: on ids and payload JSON they cost
 # the writer and tell a query nothing.
-_STATISTICS_COLUMNS = [c for c in COLUMNS if c not in ("id", "payload")]
+_NO_STATISTICS = ("id", "payload")
 AUTO_WORKERS_MAX = 3
 """The most processes ``workers="auto"`` uses: each peaks at ~140 to 170 MB (bench.export), so
 three stay under the 500 MB an export may use."""
@@ -240,6 +248,7 @@ class _Rows:
 
     __slots__ = (
         "id",
+        "incarnation",
         "input_tokens",
         "model_tier",
         "outcome",
@@ -258,6 +267,7 @@ class _Rows:
 
     def __init__(self) -> None:
         self.thread: list[str] = []
+        self.incarnation: list[int | None] = []
         self.seq: list[int] = []
         # Raw 16-byte event ids, printed as ULIDs by the writer (for Parquet, column-wise and
         # mostly without the GIL); once a chunk holds a deletion (no id: null), ULID text.
@@ -284,9 +294,9 @@ class _Rows:
         """Every column, in `COLUMNS` order (ids as raw bytes unless `text_ids`; the payload
         column is left to `payload_texts` or `payload_array`)."""
         return [
-            [namespace] * len(self.seq), self.thread, self.seq, self.id, self.type, self.time_ms,
-            self.turn, self.parent_turn, self.outcome, self.model_tier, self.input_tokens,
-            self.output_tokens, None,
+            [namespace] * len(self.seq), self.thread, self.incarnation, self.seq, self.id,
+            self.type, self.time_ms, self.turn, self.parent_turn, self.outcome, self.model_tier,
+            self.input_tokens, self.output_tokens, None,
         ]  # fmt: skip
 
     def payload_texts(self) -> list[str]:
@@ -311,6 +321,7 @@ class _Rows:
     def add_events(
         self,
         thread: str,
+        incarnation: int | None,
         seqs: Sequence[int],
         ids: Sequence[bytes],
         times: Sequence[int],
@@ -318,7 +329,7 @@ class _Rows:
         metas: Sequence[Any],
         since_ms: int | None,
     ) -> None:
-        """Add decoded events of one thread (``payloads`` must all be maps)."""
+        """Add decoded events of one life of a thread (``payloads`` must all be maps)."""
         if since_ms is not None:
             keep = [i for i, t in enumerate(times) if t >= since_ms]
             if len(keep) < len(times):
@@ -347,6 +358,7 @@ class _Rows:
             raise
         self.payload_ends += ends
         self.thread += repeat(thread, len(seqs))
+        self.incarnation += repeat(incarnation, len(seqs))
         self.seq += seqs
         self.id += map(_ulid_text, ids) if self.text_ids else ids
         self.time_ms += times
@@ -388,6 +400,7 @@ class _Rows:
             self.text_ids = True
         self.tombstones += 1
         self.thread.append(entry.thread_id)
+        self.incarnation.append(entry.incarnation)  # the life it ended
         self.seq.append(entry.last_seq)
         # A deletion is recorded on the change feed, not as an event of the log: it has no
         # event id, and its feed entry id (a stream position, not a ULID) would read as one.
@@ -436,9 +449,16 @@ def _entry_ids(lo: int, n: int) -> tuple[bytes, ...]:
 
 
 def _decode_page(
-    rows: _Rows, thread: str, lo: int, hi: int, entries: list[Any], since: int | None
+    rows: _Rows,
+    thread: str,
+    life: int | None,
+    lo: int,
+    hi: int,
+    entries: list[Any],
+    since: int | None,
 ) -> None:
-    """Decode the log entries of one ``XRANGE`` of seqs ``lo..hi`` into ``rows``.
+    """Decode the log entries of one ``XRANGE`` of seqs ``lo..hi`` (of the thread's
+    incarnation ``life``) into ``rows``.
 
     Entries come as redis-py parses them (``(id, {field: value})``) or as raw RESP arrays
     (``[id, [field, value, ...]]``). The fast path checks and decodes whole columns at once;
@@ -476,13 +496,19 @@ def _decode_page(
         else:
             decoded_metas = [_any_msgpack.decode(m) if m else None for m in metas]
     except (ValueError, TypeError, KeyError, IndexError, msgspec.DecodeError):
-        _decode_carefully(rows, thread, lo, hi, entries, since)
+        _decode_carefully(rows, thread, life, lo, hi, entries, since)
         return
-    rows.add_events(thread, range(lo, lo + n), ids, time_ms, payloads, decoded_metas, since)
+    rows.add_events(thread, life, range(lo, lo + n), ids, time_ms, payloads, decoded_metas, since)
 
 
 def _decode_carefully(
-    rows: _Rows, thread: str, lo: int, hi: int, entries: list[Any], since: int | None
+    rows: _Rows,
+    thread: str,
+    life: int | None,
+    lo: int,
+    hi: int,
+    entries: list[Any],
+    since: int | None,
 ) -> None:
     expected = lo
     for entry_id, raw in entries:
@@ -517,7 +543,7 @@ def _decode_carefully(
             # Every payload threadlog writes names its type ("type", the union's tag): one
             # without is damage, as every read path calls it, not a row of type null.
             raise CorruptEventError(thread, seq, "cannot export: its payload names no event type")
-        rows.add_events(thread, [seq], [event_id], [time_ms], [payload], [meta], since)
+        rows.add_events(thread, life, [seq], [event_id], [time_ms], [payload], [meta], since)
     if expected <= hi:
         raise CorruptEventError(
             thread, expected, "cannot export: missing from the log (run 'verify')"
@@ -547,7 +573,7 @@ class _Piece:
 
     def __init__(self, chunk: _Chunk, pages: list[_ReadPage], last: bool):
         self.chunk = chunk
-        self.pages = pages  # thread, first seq, last seq, entries
+        self.pages = pages  # thread, first seq, last seq, incarnation, entries
         self.last = last
 
 
@@ -585,9 +611,10 @@ def _chunks(entries: list[FeedEntry], budget: int) -> Iterable[list[FeedEntry]]:
         yield run
 
 
-_Page = tuple[str, int, int, int | None]  # thread, first seq, last seq, incarnation
-_ReadPage = tuple[str, int, int, list[Any]]  # thread, first seq, last seq, its entries
+_Page = tuple[str, int, int, int | None]
 """A log range to read: thread, first seq, last seq, and the thread's incarnation (or None)."""
+_ReadPage = tuple[str, int, int, int | None, list[Any]]
+"""A `_Page` and its entries."""
 
 
 def _pages(entries: list[FeedEntry]) -> list[_Page]:
@@ -642,9 +669,12 @@ class _PartWriter:
         fmt: Format,
         namespace: str,
         compression: Compression = DEFAULT_COMPRESSION,
+        columns: tuple[str, ...] = COLUMNS,
     ) -> None:
         self.final = directory / f"part-{number:08d}.{fmt}"
         self.compression = compression
+        self.columns = columns
+        self._id = columns.index("id")
         fd, tmp = temp_beside(self.final)
         os.close(fd)
         self.tmp = Path(tmp)
@@ -660,17 +690,21 @@ class _PartWriter:
             return
         self.rows += len(rows)
         columns = rows.columns(self.namespace)
+        if self.columns != COLUMNS:  # a directory older than some column: its own ones
+            columns = [columns[COLUMNS.index(c)] for c in self.columns]
+        i = self._id
         if self._ndjson is not None:
             if not rows.text_ids:
-                columns[3] = list(map(_ulid_text, columns[3]))
+                columns[i] = list(map(_ulid_text, columns[i]))
             columns[-1] = rows.payload_texts()
-            self._ndjson.write(_json.encode_lines(list(map(_NdjsonRow, *columns))))
+            row = _ndjson_row(self.columns)
+            self._ndjson.write(_json.encode_lines(list(map(row, *columns))))
             return
         import pyarrow as pa
 
-        schema = _parquet_schema()
+        schema = _parquet_schema(self.columns)
         if not rows.text_ids:
-            columns[3] = _ulid_array(columns[3])
+            columns[i] = _ulid_array(columns[i])
         columns[-1] = rows.payload_array()
         arrays = [
             c if isinstance(c, pa.Array) else pa.array(c, type=f.type)
@@ -689,7 +723,7 @@ class _PartWriter:
             # A name that is not UTF-8 (Linux names are bytes): pyarrow takes a path for text
             # (a URI) and cannot say it; a file it is handed needs no name.
             sink = self._sink = open(self.tmp, "wb")  # noqa: SIM115
-        return _parquet_writer(sink, schema, self.compression)
+        return _parquet_writer(sink, schema, self.compression, self.columns)
 
     def _close_parquet(self) -> None:
         if self._parquet is not None:
@@ -716,8 +750,9 @@ class _PartWriter:
     def write_empty(self) -> None:
         import pyarrow as pa
 
-        self._parquet = self._parquet_writer(_parquet_schema())
-        self._parquet.write_table(pa.Table.from_pylist([], schema=_parquet_schema()))
+        schema = _parquet_schema(self.columns)
+        self._parquet = self._parquet_writer(schema)
+        self._parquet.write_table(pa.Table.from_pylist([], schema=schema))
 
     def abort(self) -> None:
         if self._ndjson is not None:
@@ -726,26 +761,37 @@ class _PartWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-class _NdjsonRow(msgspec.Struct, frozen=True):
-    """One NDJSON line: every column, in `COLUMNS` order, nulls included."""
+# Each column's type in an NDJSON line. ``id`` is null on a ``thread.deleted`` row (a deletion
+# is no event); ``incarnation`` on an event of a life from before lives were recorded.
+_NDJSON_TYPES: dict[str, Any] = {
+    "namespace": str,
+    "thread": str,
+    "incarnation": int | None,
+    "seq": int,
+    "id": str | None,
+    "type": Any,
+    "time_ms": int,
+    "turn": Any,
+    "parent_turn": Any,
+    "outcome": Any,
+    "model_tier": Any,
+    "input_tokens": Any,
+    "output_tokens": Any,
+    "payload": str,
+}
 
-    namespace: str
-    thread: str
-    seq: int
-    id: str | None
-    """The event's ULID; null on a ``thread.deleted`` row (a deletion is no event)."""
-    type: Any
-    time_ms: int
-    turn: Any
-    parent_turn: Any
-    outcome: Any
-    model_tier: Any
-    input_tokens: Any
-    output_tokens: Any
-    payload: str
+
+@functools.cache
+def _ndjson_row(columns: tuple[str, ...]) -> type[msgspec.Struct]:
+    """One NDJSON line: every column, in order, nulls included (a struct encodes as fast as
+    msgspec encodes anything)."""
+    fields = [(c, _NDJSON_TYPES[c]) for c in columns]
+    return msgspec.defstruct("_NdjsonRow", fields, frozen=True)
 
 
-def _parquet_writer(path: Any, schema: Any, compression: Compression) -> Any:
+def _parquet_writer(
+    path: Any, schema: Any, compression: Compression, columns: tuple[str, ...]
+) -> Any:
     import pyarrow.parquet as pq
 
     # Dictionary encoding only where values repeat: on ids and payloads it is built, found
@@ -755,7 +801,7 @@ def _parquet_writer(path: Any, schema: Any, compression: Compression) -> Any:
         schema,
         compression=compression,
         use_dictionary=_DICTIONARY_COLUMNS,
-        write_statistics=_STATISTICS_COLUMNS,
+        write_statistics=[c for c in columns if c not in _NO_STATISTICS],
     )
 
 
@@ -793,13 +839,14 @@ def _ulid_array(ids: Sequence[bytes]) -> Any:
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(text))
 
 
-def _parquet_schema() -> Any:
+def _parquet_schema(columns: tuple[str, ...] = COLUMNS) -> Any:
     import pyarrow as pa
 
-    return pa.schema(
+    every = pa.schema(
         [
             ("namespace", pa.string()),
             ("thread", pa.string()),
+            ("incarnation", pa.int64()),
             ("seq", pa.int64()),
             ("id", pa.string()),
             ("type", pa.string()),
@@ -813,6 +860,7 @@ def _parquet_schema() -> Any:
             ("payload", pa.string()),
         ]
     )
+    return pa.schema([every.field(c) for c in columns])
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -845,6 +893,8 @@ class _Source(msgspec.Struct, frozen=True, kw_only=True):
     be reached by several URLs)."""
     since_ms: int | None = None
     """The time the directory started at (``since``): no event before it is exported into it."""
+    columns: tuple[str, ...] = LEGACY_COLUMNS
+    """The columns of its parts: those of its first run (absent: `LEGACY_COLUMNS`)."""
 
     def describe(self) -> str:
         where = f" at {self.url}" if self.url else ""
@@ -864,12 +914,19 @@ def _read_source(directory: Path) -> _Source | None:
     else:
         return None
     try:
-        return msgspec.json.decode(data, type=_Source)
+        source = msgspec.json.decode(data, type=_Source)
     except DECODE_ERRORS as exc:
         raise ExportSourceError(
             f"{path} does not say whose export {directory} holds ({exc}); restore it, or "
             f"export to a new directory"
         ) from None
+    if source.columns not in (COLUMNS, LEGACY_COLUMNS):
+        raise ExportSourceError(
+            f"{path} records columns this threadlog does not write ({', '.join(source.columns)}; "
+            f"it writes {', '.join(COLUMNS)}): a newer threadlog's directory, or an edited "
+            f"record; export to a new directory"
+        )
+    return source
 
 
 def _write_source(directory: Path, source: _Source) -> None:
@@ -968,22 +1025,25 @@ def _check_source(directory: Path, recorded: _Source, asked: _Source) -> None:
         )
 
 
-def _namespace_of_parts(directory: Path) -> str | None:
-    """The namespace the newest part with a row names (an older directory's source)."""
+def _newest_part_says(directory: Path) -> tuple[str, tuple[str, ...]] | None:
+    """The namespace and the columns of the newest part with a row (an older directory's
+    source record, lost or never written)."""
     for path in sorted(directory.glob("part-*"), reverse=True):
         try:
             if path.suffix == ".ndjson":
                 with open(path, "rb") as f:
                     line = f.readline()
                 if line.strip():
-                    return str(json.loads(line)["namespace"])
+                    row = json.loads(line)
+                    return str(row["namespace"]), tuple(row)
             elif path.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
                 with open(path, "rb") as f:  # a file, not a name pyarrow may not take
                     part = pq.ParquetFile(f)
                     if part.metadata.num_rows:
-                        return str(part.read_row_group(0, columns=["namespace"])[0][0].as_py())
+                        first = part.read_row_group(0, columns=["namespace"])[0][0].as_py()
+                        return str(first), tuple(part.schema_arrow.names)
         except Exception:  # a part that does not say (damaged, edited): an older one may
             continue
     return None
@@ -1247,6 +1307,7 @@ class Exporter:
         self.name = name or LEGACY_NAME
         """The export name; with none given, settled by `run` (the directory's own)."""
         self.group = f"export-{self.name}"
+        self.columns: tuple[str, ...] = COLUMNS  # settled by a run (`_claim_directory`)
         self.batch = batch
         self.rows_per_part = rows_per_part
         self.workers = count
@@ -1488,7 +1549,8 @@ class Exporter:
         Returns where the export's consumer group stands per partition that has it (read
         only for a directory with positions, else empty), for the run's later checks: read
         once a run, as each read is an XINFO GROUPS and an XPENDING per group; and the time the
-        directory starts at (its recorded one, once it has positions).
+        directory starts at (its recorded one, once it has positions). Settles the columns too
+        (those its parts have, once it has positions: a new column is for new directories).
         """
         recorded = await anyio.to_thread.run_sync(_read_source, self.directory)
         # A source binds a directory once it has positions: before that there is nothing a
@@ -1504,6 +1566,17 @@ class Exporter:
         else:
             name = await anyio.to_thread.run_sync(directory_export_name, self.directory)
         self.name, self.group = name, f"export-{name}"
+        # A directory keeps the columns of its first run, whatever columns came since: its
+        # parts stay one table. One from before source records has those of its parts (older
+        # than the incarnation column, unless its record was lost since).
+        found = None
+        if bound is not None:
+            columns = bound.columns
+        elif positions:
+            found = await anyio.to_thread.run_sync(_newest_part_says, self.directory)
+            columns = found[1] if found is not None and found[1] == COLUMNS else LEGACY_COLUMNS
+        else:
+            columns = COLUMNS
         asked = _Source(
             namespace=self.store.namespace,
             store=await self.store.namespace_id(),
@@ -1511,25 +1584,25 @@ class Exporter:
             url=redact(self.settings.url) if self.settings is not None else None,
             # (An older directory with positions and no record started at no time.)
             since_ms=bound.since_ms if bound is not None else None if positions else since_ms,
+            columns=columns,
         )
         if bound is not None:
             _check_source(self.directory, bound, asked)
-        elif positions:
+        elif found is not None and found[0] != asked.namespace:
             # A directory from before sources were recorded: its rows name their namespace,
             # and the checks below on the feeds and the group stand in for the data set's id.
-            found = await anyio.to_thread.run_sync(_namespace_of_parts, self.directory)
-            if found is not None and found != asked.namespace:
-                raise ExportSourceError(
-                    f"{self.directory} holds an export of namespace {found!r}, not of "
-                    f"{asked.namespace!r}: one directory holds one namespace's export; "
-                    f"export {asked.namespace!r} to another directory"
-                )
+            raise ExportSourceError(
+                f"{self.directory} holds an export of namespace {found[0]!r}, not of "
+                f"{asked.namespace!r}: one directory holds one namespace's export; "
+                f"export {asked.namespace!r} to another directory"
+            )
         delivered: dict[int, str] = {}
         if positions:
             delivered = await self._group_positions()
             await self._check_positions(positions, delivered)
         if bound is None or (asked.url is not None and bound.url != asked.url):
             await anyio.to_thread.run_sync(_write_source, self.directory, asked)
+        self.columns = asked.columns
         return delivered, asked.since_ms
 
     async def _group_positions(self) -> dict[int, str]:
@@ -1712,6 +1785,7 @@ class Exporter:
             chunk_events=CHUNK_EVENTS if workers == 1 else PARALLEL_CHUNK_EVENTS,
             collect=self.pause_gc,
             compression=self.compression,
+            columns=self.columns,
         )
 
     async def _run_parallel(
@@ -1756,6 +1830,7 @@ class Exporter:
                     parent_pid=os.getpid(),
                     timeout=self.worker_timeout,
                     compression=self.compression,
+                    columns=self.columns,
                 )
                 children.append(_Child.start(job))
             async with anyio.create_task_group() as tg:
@@ -1805,8 +1880,10 @@ class _Pipeline:
         chunk_events: int,
         collect: bool,
         compression: Compression = DEFAULT_COMPRESSION,
+        columns: tuple[str, ...] = COLUMNS,
     ) -> None:
         self.store = store
+        self.columns = columns
         self.compression: Compression = compression
         self.chunk_events = chunk_events
         self.collect = collect
@@ -1896,7 +1973,7 @@ class _Pipeline:
                             for thread, lo, hi, life, page in await self._read_log(pages):
                                 if not page and life is not None:
                                     await self._require_deletion(p, after, thread, life, lo)
-                                read.append((thread, lo, hi, page))
+                                read.append((thread, lo, hi, life, page))
                             await send.send(_Piece(chunk, read, not todo))
                     after = entries[-1].id
                     if reached:
@@ -1959,8 +2036,8 @@ class _Pipeline:
                 gc.disable()
                 size, count = len(rows.payload), len(rows)
                 try:
-                    for thread, lo, hi, entries in piece.pages:
-                        _decode_page(rows, thread, lo, hi, entries, since_ms)
+                    for thread, lo, hi, life, entries in piece.pages:
+                        _decode_page(rows, thread, life, lo, hi, entries, since_ms)
                     piece.pages = []  # freed here, while the collector is off
                 finally:
                     if paused:
@@ -1991,6 +2068,7 @@ class _Pipeline:
                             self.fmt,
                             self.store.namespace,
                             self.compression,
+                            self.columns,
                         )
                     await anyio.to_thread.run_sync(writer.write, item.rows)
                     state.tombstones += item.rows.tombstones
@@ -2173,6 +2251,7 @@ class _WorkerJob:
     timeout: float
     compression: Compression = DEFAULT_COMPRESSION
     end: dict[int, str] | None = None
+    columns: tuple[str, ...] = COLUMNS
 
 
 class _Stopped(Exception):
@@ -2368,6 +2447,7 @@ async def _worker_run(job: _WorkerJob, conn: Connection, stopping: list[int]) ->
             chunk_events=PARALLEL_CHUNK_EVENTS,
             collect=True,
             compression=job.compression,
+            columns=job.columns,
         )
         await pipeline.run()
         return state.result()

@@ -860,6 +860,92 @@ async def test_a_thread_deleted_and_created_again_exports_both_lives(
     assert result.events == 1 and result.tombstones == 1
 
 
+def export_rows(directory: Path, fmt: str) -> list[dict[str, Any]]:
+    return ndjson_rows(directory) if fmt == "ndjson" else list(read_parquet_dir(directory))
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_rows_name_the_life_of_their_thread(
+    store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    """A thread deleted and written again starts at seq 1 again: (thread, seq) names two
+    events, (thread, incarnation, seq) one. The deletion row names the life it ended."""
+    await store.append("t", [msg("first 1"), msg("first 2")])
+    first_life = await store.incarnation("t")
+    exporter = Exporter(store, tmp_path, fmt=fmt)  # type: ignore[arg-type]
+    await exporter.run()
+    await store.delete_thread("t")
+    await store.append("t", [msg("second 1")])
+    second_life = await store.incarnation("t")
+    assert first_life is not None and second_life is not None and first_life != second_life
+    await exporter.run()
+    rows = export_rows(tmp_path, fmt)
+    assert [(r["type"], r["incarnation"], r["seq"]) for r in rows] == [
+        ("message.appended", first_life, 1),
+        ("message.appended", first_life, 2),
+        ("thread.deleted", first_life, 2),
+        ("message.appended", second_life, 1),
+    ]
+    assert all(list(r) == list(COLUMNS) for r in rows)
+    if fmt == "parquet":
+        assert str(pq.read_table(tmp_path).schema.field("incarnation").type) == "int64"
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "parquet"])
+async def test_a_directory_from_before_the_incarnation_column_keeps_its_columns(
+    store: es.EventStore, tmp_path: Path, fmt: str
+) -> None:
+    """Its parts stay one table: a run into it writes the columns its record names (none
+    recorded: those before the incarnation column); a new directory gets every column."""
+    await conversation(store, "t", 1)
+    await Exporter(store, tmp_path, fmt=fmt).run()  # type: ignore[arg-type]
+    # As the previous release left it: parts without the column, a record naming none.
+    source = json.loads((tmp_path / SOURCE_FILE).read_text())
+    assert source["columns"] == list(COLUMNS)
+    del source["columns"]
+    (tmp_path / SOURCE_FILE).write_text(json.dumps(source))
+    (part,) = tmp_path.glob(f"part-*.{fmt}")
+    if fmt == "ndjson":
+        old = [{k: v for k, v in r.items() if k != "incarnation"} for r in ndjson_rows(tmp_path)]
+        part.write_text("".join(json.dumps(r) + "\n" for r in old))
+    else:
+        pq.write_table(pq.read_table(part).drop_columns(["incarnation"]), part)
+    await conversation(store, "u", 1)
+    assert (await Exporter(store, tmp_path, fmt=fmt).run()).events == 3  # type: ignore[arg-type]
+    legacy = [c for c in COLUMNS if c != "incarnation"]
+    if fmt == "ndjson":
+        assert all(list(r) == legacy for r in ndjson_rows(tmp_path))
+    else:
+        assert pq.read_table(tmp_path).schema.names == legacy  # one table
+    assert sorted(keyset(export_rows(tmp_path, fmt))) == sorted(await log_rows(store))
+    assert "columns" not in json.loads((tmp_path / SOURCE_FILE).read_text())
+
+    # A record lost from a directory with the column: its parts say which columns it has.
+    fresh = tmp_path / "fresh"
+    await Exporter(store, fresh, fmt=fmt).run()  # type: ignore[arg-type]
+    (fresh / SOURCE_FILE).unlink()
+    await conversation(store, "v", 1)
+    await Exporter(store, fresh, fmt=fmt).run()  # type: ignore[arg-type]
+    assert len(list(fresh.glob(f"part-*.{fmt}"))) == 2
+    assert all(list(r) == list(COLUMNS) for r in export_rows(fresh, fmt))
+    assert json.loads((fresh / SOURCE_FILE).read_text())["columns"] == list(COLUMNS)
+
+
+async def test_a_record_naming_columns_this_release_does_not_write_is_refused(
+    store: es.EventStore, tmp_path: Path
+) -> None:
+    await conversation(store, "t", 1)
+    await Exporter(store, tmp_path, fmt="ndjson").run()
+    source = json.loads((tmp_path / SOURCE_FILE).read_text())
+    source["columns"] = [*COLUMNS, "cost_usd"]  # a newer release's, say
+    (tmp_path / SOURCE_FILE).write_text(json.dumps(source))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    await conversation(store, "t", 1)
+    with pytest.raises(ExportSourceError, match=r"records columns this threadlog does not write"):
+        await Exporter(store, tmp_path, fmt="ndjson").run()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 async def test_parquet_compression_is_chosen_and_checked(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
