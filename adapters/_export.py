@@ -448,16 +448,8 @@ def _entry_ids(lo: int, n: int) -> tuple[bytes, ...]:
     return tuple(map(b"%d-0".__mod__, range(lo, lo + n)))
 
 
-def _decode_page(
-    rows: _Rows,
-    thread: str,
-    life: int | None,
-    lo: int,
-    hi: int,
-    entries: list[Any],
-    since: int | None,
-) -> None:
-    """Decode the log entries of one ``XRANGE`` of seqs ``lo..hi`` (of the thread's
+def _decode_page(rows: _Rows, page: _ReadPage, since: int | None) -> None:
+    """Decode the log entries of one ``XRANGE`` (of seqs ``lo..hi`` of the thread's
     incarnation ``life``) into ``rows``.
 
     Entries come as redis-py parses them (``(id, {field: value})``) or as raw RESP arrays
@@ -465,6 +457,7 @@ def _decode_page(
     anything unusual (a hole, a foreign entry id, a damaged field) takes the careful path,
     which names the thread and seq of the first damage.
     """
+    thread, lo, hi, life, entries = page
     n = len(entries)
     if not n:
         return  # the thread left the page's life: its deletion is on the feed (`_require_deletion`)
@@ -496,20 +489,13 @@ def _decode_page(
         else:
             decoded_metas = [_any_msgpack.decode(m) if m else None for m in metas]
     except (ValueError, TypeError, KeyError, IndexError, msgspec.DecodeError):
-        _decode_carefully(rows, thread, life, lo, hi, entries, since)
+        _decode_carefully(rows, page, since)
         return
     rows.add_events(thread, life, range(lo, lo + n), ids, time_ms, payloads, decoded_metas, since)
 
 
-def _decode_carefully(
-    rows: _Rows,
-    thread: str,
-    life: int | None,
-    lo: int,
-    hi: int,
-    entries: list[Any],
-    since: int | None,
-) -> None:
+def _decode_carefully(rows: _Rows, page: _ReadPage, since: int | None) -> None:
+    thread, lo, hi, life, entries = page
     expected = lo
     for entry_id, raw in entries:
         seq = seq_of_entry_id(thread, entry_id)
@@ -2036,8 +2022,8 @@ class _Pipeline:
                 gc.disable()
                 size, count = len(rows.payload), len(rows)
                 try:
-                    for thread, lo, hi, life, entries in piece.pages:
-                        _decode_page(rows, thread, life, lo, hi, entries, since_ms)
+                    for page in piece.pages:
+                        _decode_page(rows, page, since_ms)
                     piece.pages = []  # freed here, while the collector is off
                 finally:
                     if paused:
