@@ -43,9 +43,11 @@ from adapters._export import (
     PAGE,
     RUN_RECORD_FILE,
     SOURCE_FILE,
+    _Child,
     _fence_earlier_workers,
     _ulid_array,
     _ulid_text,
+    _WorkerJob,
     directory_export_name,
 )
 from eventstore._keys import KeyLayout
@@ -929,6 +931,36 @@ async def test_a_directory_from_before_the_incarnation_column_keeps_its_columns(
     assert len(list(fresh.glob(f"part-*.{fmt}"))) == 2
     assert all(list(r) == list(COLUMNS) for r in export_rows(fresh, fmt))
     assert json.loads((fresh / SOURCE_FILE).read_text())["columns"] == list(COLUMNS)
+
+
+async def test_workers_write_an_older_directorys_columns(
+    redis_store: es.EventStore, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = redis_store
+    jobs: list[_WorkerJob] = []
+    start = _Child.start.__func__  # type: ignore[attr-defined]
+
+    def recorded(cls: type[_Child], job: _WorkerJob) -> _Child:
+        jobs.append(job)
+        return start(cls, job)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(_Child, "start", classmethod(recorded))
+    await conversation(store, "t", 1)
+    await Exporter(store, tmp_path).run()
+    source = json.loads((tmp_path / SOURCE_FILE).read_text())
+    del source["columns"]  # as the previous release left it
+    (tmp_path / SOURCE_FILE).write_text(json.dumps(source))
+    (part,) = tmp_path.glob("part-*.parquet")
+    pq.write_table(pq.read_table(part).drop_columns(["incarnation"]), part)
+    for p in range(store.partitions):
+        await conversation(store, thread_in_partition(store, p), 1)
+    parallel = Exporter(store, tmp_path, workers=2, settings=settings_of(store, redis_url))
+    result = await parallel.run()
+    legacy = tuple(c for c in COLUMNS if c != "incarnation")
+    # (Whether the worker gets a partition before the parent has done them all is a race.)
+    assert [job.columns for job in jobs] == [legacy] and result.events == 3 * store.partitions
+    assert pq.read_table(tmp_path).schema.names == list(legacy)
+    assert sorted(keyset(list(read_parquet_dir(tmp_path)))) == sorted(await log_rows(store))
 
 
 async def test_a_record_naming_columns_this_release_does_not_write_is_refused(
