@@ -125,7 +125,6 @@ LEGACY_COLUMNS = tuple(c for c in COLUMNS if c != "incarnation")
 """The columns of a directory whose first run was before the incarnation column (its
 `SOURCE_FILE` records no ``columns``): its later runs keep them, so that its parts stay one
 table."""
-_ID = COLUMNS.index("id")
 CHUNK_EVENTS = 8192
 """Events decoded and written at a time: what bounds an export's memory."""
 GC_EVERY_CHUNKS = 64
