@@ -1230,11 +1230,17 @@ class Auditor:
         Raises:
             OperationalError: the Redis user may not ``SCAN`` (and ``index_only`` is False).
         """
+        listed, unlisted = await self._listing(index_only)
+        return listed + unlisted
+
+    async def _listing(self, index_only: bool) -> tuple[list[str], list[str]]:
+        """`threads` as the threads of the thread index and those only the stored keys hold
+        (none with ``index_only``)."""
         listed = [info.thread_id for info in await self.store.threads()]
         if index_only:
-            return listed
+            return listed, []
         known = set(listed)
-        return listed + [t for t in await self.store.stored_threads() if t not in known]
+        return listed, [t for t in await self.store.stored_threads() if t not in known]
 
     async def verify_all(
         self, *, progress: Progress | None = None, index_only: bool = False
@@ -1325,6 +1331,7 @@ class Auditor:
         progress: Progress | None = None,
         trust_log: bool = False,
         index_only: bool = False,
+        listed_again: Callable[[str], None] | None = None,
     ) -> dict[str, int]:
         """`rebuild` every thread of the namespace (`threads`: the index's and the keys', or
         the index's alone with ``index_only``); returns thread -> version.
@@ -1333,8 +1340,13 @@ class Auditor:
         changing are left as they were, and after all the others were rebuilt `RebuildError`
         names them (``failed`` maps each to its `UnverifiedLogError`, `CorruptEventError`,
         `WrongKeyTypeError` or `RebuildBusyError`).
+
+        A thread the thread index did not list when the threads were listed is listed in it
+        again by its rebuild: ``listed_again`` is called with each such thread once rebuilt.
         """
-        threads = await self.threads(index_only=index_only)
+        listed, unlisted = await self._listing(index_only)
+        threads = listed + unlisted
+        missing_from_index = set(unlisted)
         rebuilt: dict[str, int] = {}
         failed: dict[str, EventStoreError] = {}
         for done, thread_id in enumerate(threads, start=1):
@@ -1350,6 +1362,9 @@ class Auditor:
                     failed[thread_id] = exc
             except (CorruptEventError, WrongKeyTypeError, RebuildBusyError) as exc:
                 failed[thread_id] = exc
+            else:
+                if listed_again is not None and thread_id in missing_from_index:
+                    listed_again(thread_id)
             if progress is not None:
                 progress(done, len(threads))
         if failed:

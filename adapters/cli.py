@@ -2389,12 +2389,16 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
         return
     failed: dict[str, es.EventStoreError] = {}
+    listed_again: list[str] = []
     listing = _EveryThread(ctx)
     with ctx.progress("verifying and rebuilding") as bar:
         try:
             done = await listing.run(
                 lambda index_only: auditor.rebuild_all(
-                    progress=bar.update, trust_log=args.trust_log, index_only=index_only
+                    progress=bar.update,
+                    trust_log=args.trust_log,
+                    index_only=index_only,
+                    listed_again=listed_again.append,
                 )
             )
         except RebuildError as exc:
@@ -2403,6 +2407,11 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         f"rebuilt the views of {plural(len(done), 'thread')}"
         f"{_OF_THE_INDEX if listing.index_only else ''} in namespace {ctx.store.namespace!r}"
     )
+    if listed_again:
+        # A repair, said as check --all says the damage: listings and retention sweeps
+        # skipped the thread until now, which its owner may need to know.
+        repaired = f"; {len(listed_again)} NOT IN THE THREAD INDEX (listed in it again)"
+        line.append(repaired, style="yellow")
     busy = {t for t, e in failed.items() if isinstance(e, RebuildBusyError)}
     unverified = {t for t, e in failed.items() if isinstance(e, UnverifiedLogError)}
     if failed:
@@ -2415,6 +2424,12 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
             why.append(f"{len(busy)} kept changing: run rebuild again when writers pause")
         line.append(f"; {len(failed)} NOT REBUILT ({'; '.join(why)})", style="bold red")
     ctx.out.print(line)
+    for thread in listed_again:
+        note = (
+            f"  {thread}: NOT IN THE THREAD INDEX - listed in it again (its entry was removed: "
+            "listings, retention sweeps and index-based jobs did not see it)"
+        )
+        ctx.out.print(Text(printable(note), style="yellow"))
     for thread, error in failed.items():
         text = _refused(error) if isinstance(error, UnverifiedLogError) else str(error)
         ctx.out.print(Text(printable(f"  {thread}: {text}"), style="red"))

@@ -1693,6 +1693,62 @@ def test_audits_of_every_thread_see_one_removed_from_the_index(redis_url: str) -
     assert rebuilt.code == 0 and "rebuilt the views of 2 threads" in rebuilt.out, rebuilt
 
 
+def test_rebuild_all_says_which_threads_it_listed_in_the_index_again(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def unlist(store: es.EventStore, *threads: str) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        for thread in threads:
+            index = store.keys.index(store.keys.partition(thread))
+            assert await store.client.zrem(index, thread) == 1
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        for thread in ("listed", "unlisted", "holed"):
+            for text in ("one", "two"):
+                await threads.append_message(thread, {"role": "user", "content": text})
+        assert isinstance(store, es.RedisEventStore)
+        assert await store.client.xdel(store.keys.log("holed"), "1-0") == 1
+        await unlist(store, "unlisted", "holed")
+
+    with_store(redis_url, namespace, setup)
+    relisted = (
+        "  unlisted: NOT IN THE THREAD INDEX - listed in it again (its entry was removed: "
+        "listings, retention sweeps and index-based jobs did not see it)"
+    )
+    rebuilt = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert rebuilt.code == 1, rebuilt
+    lines = rebuilt.lines()
+    assert lines[0] == (
+        f"rebuilt the views of 2 threads in namespace {namespace!r}; 1 NOT IN THE THREAD "
+        "INDEX (listed in it again); 1 NOT REBUILT (1 whose logs fail verification: run verify)"
+    ), rebuilt
+    assert lines[1] == relisted, rebuilt
+    # A thread that was not rebuilt was not listed again either: only its failure is said.
+    assert lines[2].startswith("  holed: ") and len(lines) == 3, rebuilt
+    assert "unlisted" in cli("threads", url=redis_url, namespace=namespace).out
+    again = cli("rebuild", "--all", url=redis_url, namespace=namespace)
+    assert again.lines()[0] == (
+        f"rebuilt the views of 2 threads in namespace {namespace!r}; 1 NOT REBUILT "
+        "(1 whose logs fail verification: run verify)"
+    ), again
+    assert "unlisted" not in again.out
+
+    # Without verification (--trust-log) the rebuild lists the thread again too, and says so.
+    async def unlist_again(store: es.EventStore) -> None:
+        await unlist(store, "unlisted")
+        await store.delete_thread("holed")
+
+    with_store(redis_url, namespace, unlist_again)
+    trusted = cli("rebuild", "--all", "--trust-log", url=redis_url, namespace=namespace)
+    assert trusted.code == 0, trusted
+    assert trusted.lines() == [
+        f"rebuilt the views of 2 threads in namespace {namespace!r}; 1 NOT IN THE THREAD "
+        "INDEX (listed in it again)",
+        relisted,
+    ], trusted
+
+
 def test_audits_of_every_thread_stop_on_an_edited_partition_count(redis_url: str) -> None:
     # An edited partition count moved every thread out of where readers look: `verify --all`
     # passed with those threads unseen. Now it names the damaged key and fails (exit 1: stored
