@@ -2260,7 +2260,8 @@ async def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> None:
             table.add_column("detail", overflow="fold")
             for v in bad:
                 table.add_row(
-                    Text(v.thread_id),
+                    # Escaped here, not by the stream: rich sizes the column by what it is given.
+                    Text(printable(v.thread_id)),
                     str(v.first_bad_seq),
                     Text(v.kind or "", style="red"),
                     str(len(v.problems) + v.problems_omitted),

@@ -1749,6 +1749,52 @@ def test_rebuild_all_says_which_threads_it_listed_in_the_index_again(redis_url: 
     ], trusted
 
 
+def test_tables_align_thread_ids_shown_escaped_or_two_cells_wide(redis_url: str) -> None:
+    from rich.cells import cell_len
+
+    namespace = fresh_namespace()
+    # Thread id -> as a table shows it: C1 and bidi controls escaped, CJK and emoji as they
+    # are (two terminal cells a character).
+    shown = {
+        "plain": "plain",
+        "c1\x9bz": "c1\\x9bz",
+        "bidi\u202eevil": "bidi\\u202eevil",
+        "日本語スレッド": "日本語スレッド",
+        "emoji🙂x": "emoji🙂x",
+    }
+
+    async def setup(store: es.EventStore) -> None:
+        threads = ThreadStore(store)
+        assert isinstance(store, es.RedisEventStore)
+        for thread in shown:
+            await threads.append_message(thread, {"role": "user", "content": "hello"})
+            index = store.keys.index(store.keys.partition(thread))
+            assert await store.client.zrem(index, thread) == 1
+
+    def rows_by_thread(run: Run, heading: str) -> tuple[str, dict[str, str]]:
+        lines = run.out.splitlines()
+        header = next(line for line in lines if line.startswith("  thread   ") and heading in line)
+        rows = {t: next(x for x in lines if x.startswith(f"  {s} ")) for t, s in shown.items()}
+        return header, rows
+
+    with_store(redis_url, namespace, setup)
+    verify = cli("verify", "--all", url=redis_url, namespace=namespace)
+    assert verify.code == 1, verify
+    header, rows = rows_by_thread(verify, "first bad seq")
+    # Each row's first bad seq (0: an unindexed thread's) ends where its heading does.
+    seq_ends = header.index("first bad seq") + len("first bad seq")
+    for thread, row in rows.items():
+        assert cell_len(row[: row.index(" 0   unindexed") + 2]) == seq_ends, (thread, verify)
+    assert rows["plain"].startswith("  plain                        0   unindexed   "), verify
+
+    assert cli("rebuild", "--all", url=redis_url, namespace=namespace).code == 0
+    listed = cli("threads", url=redis_url, namespace=namespace)
+    header, rows = rows_by_thread(listed, "events")
+    events_end = header.index("events") + len("events")
+    for thread, row in rows.items():
+        assert cell_len(row[: row.index(" 1   ") + 2]) == events_end, (thread, listed)
+
+
 def test_audits_of_every_thread_stop_on_an_edited_partition_count(redis_url: str) -> None:
     # An edited partition count moved every thread out of where readers look: `verify --all`
     # passed with those threads unseen. Now it names the damaged key and fails (exit 1: stored
