@@ -9,11 +9,12 @@ holes — and the next run picks up where the last committed part ends. The expo
 advances a consumer group per partition after each commit, so feed trimming never removes
 changes it has not exported.
 
-Rows are flat: namespace, thread, seq, id, type, time, turn, parent turn, outcome, model tier,
-token usage, and the payload as JSON. Deleted threads arrive as ``thread.deleted`` tombstones.
-A feed entry names its thread's incarnation, and its seqs are read only while the thread is
-still in that incarnation (one atomic check and read): a thread deleted and created again
-before the export catches up would otherwise have its new events read for the old entries.
+Rows are flat: namespace, thread, incarnation, seq, id, type, time, turn, parent turn, outcome,
+model tier, token usage, and the payload as JSON. Deleted threads arrive as ``thread.deleted``
+tombstones. A feed entry names its thread's incarnation, and its seqs are read only while the
+thread is still in that incarnation (one atomic check and read): a thread deleted and created
+again before the export catches up would otherwise have its new events read for the old
+entries.
 
 A run is three stages joined by one-slot queues, so each overlaps the others: reading (feed
 entries, then the log ranges they name, with `EventStore.read_raw_ranges`, a piece of at most
@@ -659,6 +660,8 @@ class _PartWriter:
         self.final = directory / f"part-{number:08d}.{fmt}"
         self.compression = compression
         self.columns = columns
+        # Where each of its columns is among `COLUMNS` (None: all of them, in order).
+        self._picks = None if columns == COLUMNS else [COLUMNS.index(c) for c in columns]
         self._id = columns.index("id")
         fd, tmp = temp_beside(self.final)
         os.close(fd)
@@ -675,8 +678,8 @@ class _PartWriter:
             return
         self.rows += len(rows)
         columns = rows.columns(self.namespace)
-        if self.columns != COLUMNS:  # a directory older than some column: its own ones
-            columns = [columns[COLUMNS.index(c)] for c in self.columns]
+        if self._picks is not None:  # a directory older than some column: its own ones
+            columns = [columns[i] for i in self._picks]
         i = self._id
         if self._ndjson is not None:
             if not rows.text_ids:
