@@ -1230,17 +1230,11 @@ class Auditor:
         Raises:
             OperationalError: the Redis user may not ``SCAN`` (and ``index_only`` is False).
         """
-        listed, unlisted = await self._listing(index_only)
-        return listed + unlisted
-
-    async def _listing(self, index_only: bool) -> tuple[list[str], list[str]]:
-        """`threads` as the threads of the thread index and those only the stored keys hold
-        (none with ``index_only``)."""
         listed = [info.thread_id for info in await self.store.threads()]
         if index_only:
-            return listed, []
+            return listed
         known = set(listed)
-        return listed, [t for t in await self.store.stored_threads() if t not in known]
+        return listed + [t for t in await self.store.stored_threads() if t not in known]
 
     async def verify_all(
         self, *, progress: Progress | None = None, index_only: bool = False
@@ -1282,15 +1276,22 @@ class Auditor:
 
     # -- rebuild, verified first --------------------------------------------------------------
 
-    async def rebuild(self, thread_id: str, *, trust_log: bool = False) -> int:
+    async def rebuild(
+        self,
+        thread_id: str,
+        *,
+        trust_log: bool = False,
+        listed_again: Callable[[str], None] | None = None,
+    ) -> int:
         """Verify the thread's log, then rebuild its views from it (`Projector.rebuild`);
         returns the version rebuilt at.
 
         `Projector.rebuild` copies whatever the log holds into the views, a forged entry
         included. This refuses a log that fails `verify` with `UnverifiedLogError` (nothing
         is written); a thread missing from the thread index only is rebuilt (its log is
-        intact) and listed again. The log is read once: what is folded into the views is
-        what was verified. ``trust_log=True`` skips the check: the log is taken as it is.
+        intact) and listed again: ``listed_again`` is then called with it, once rebuilt. The
+        log is read once: what is folded into the views is what was verified.
+        ``trust_log=True`` skips the check: the log is taken as it is.
 
         Raises:
             UnverifiedLogError: the log fails verification.
@@ -1300,7 +1301,12 @@ class Auditor:
         validate_thread_id(thread_id)
         projector = self.projector
         if trust_log:
-            return await projector.rebuild(thread_id)
+            # No verdict to say it: the index is asked (one ZSCORE), only when someone listens.
+            unlisted = listed_again is not None and not await self.store.indexed(thread_id)
+            version = await projector.rebuild(thread_id)
+            if unlisted and listed_again is not None:
+                listed_again(thread_id)
+            return version
         for _ in range(REBUILD_ATTEMPTS):
             fold = projector.start_fold(thread_id)
             scan = await self._scan(thread_id, fold)
@@ -1322,6 +1328,8 @@ class Auditor:
                 # No life to guard the write with (none recorded): what was written may be
                 # another life's if the thread was replaced meanwhile. Rebuild that one.
                 continue
+            if listed_again is not None and any(p.kind == "unindexed" for p in verdict.problems):
+                listed_again(thread_id)
             return fold.version
         raise RebuildBusyError(thread_id, REBUILD_ATTEMPTS, await self.store.version(thread_id))
 
@@ -1341,30 +1349,29 @@ class Auditor:
         names them (``failed`` maps each to its `UnverifiedLogError`, `CorruptEventError`,
         `WrongKeyTypeError` or `RebuildBusyError`).
 
-        A thread the thread index did not list when the threads were listed is listed in it
-        again by its rebuild: ``listed_again`` is called with each such thread once rebuilt.
+        A thread the thread index did not list is listed in it again by its rebuild:
+        ``listed_again`` is called with each such thread once rebuilt (as `rebuild` does).
         """
-        listed, unlisted = await self._listing(index_only)
-        threads = listed + unlisted
-        missing_from_index = set(unlisted)
+        threads = await self.threads(index_only=index_only)
         rebuilt: dict[str, int] = {}
         failed: dict[str, EventStoreError] = {}
         for done, thread_id in enumerate(threads, start=1):
             try:
                 try:
-                    rebuilt[thread_id] = await self.rebuild(thread_id, trust_log=trust_log)
+                    rebuilt[thread_id] = await self.rebuild(
+                        thread_id, trust_log=trust_log, listed_again=listed_again
+                    )
                 except UnverifiedLogError:
                     # Once more, as `verify_all` does: a thread deleted (and perhaps written
                     # again) while it was read fails that one read only.
-                    rebuilt[thread_id] = await self.rebuild(thread_id, trust_log=trust_log)
+                    rebuilt[thread_id] = await self.rebuild(
+                        thread_id, trust_log=trust_log, listed_again=listed_again
+                    )
             except UnverifiedLogError as exc:
                 if exc.verdict.kind != "missing":  # else deleted since it was listed
                     failed[thread_id] = exc
             except (CorruptEventError, WrongKeyTypeError, RebuildBusyError) as exc:
                 failed[thread_id] = exc
-            else:
-                if listed_again is not None and thread_id in missing_from_index:
-                    listed_again(thread_id)
             if progress is not None:
                 progress(done, len(threads))
         if failed:

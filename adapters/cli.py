@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rebuild",
         "recompute materialized views from the log, once the log verifies",
         cmd_rebuild,
-        parents=[target],
+        parents=[target, json_parent],
         description="Recompute the materialized views of a thread (or of every thread) from its "
         "log. Each log is verified first, as 'threadlog verify' does (with THREADLOG_SECRET for "
         "keyed chains): a thread whose log fails is not rebuilt (exit 1, nothing written), "
@@ -2380,17 +2380,27 @@ def _every_view(store: es.EventStore) -> Projector:
 async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
     thread = _target(args)
     auditor = Auditor(ctx.store, _every_view(ctx.store))
+    listed_again: list[str] = []
     if thread is not None:
         await _require_thread(ctx, thread, reports_damage=True)
         try:
-            version = await auditor.rebuild(thread, trust_log=args.trust_log)
+            version = await auditor.rebuild(
+                thread, trust_log=args.trust_log, listed_again=listed_again.append
+            )
         except UnverifiedLogError as exc:
-            ctx.err.print(Text(printable(f"threadlog: {_refused(exc)}")))
+            if args.json:
+                ctx.json(_rebuild_row(thread, None, listed_again=False, error=exc))
+            else:
+                ctx.err.print(Text(printable(f"threadlog: {_refused(exc)}")))
             raise Failed from exc
-        ctx.out.print(Text(f"rebuilt the views of {thread} at version {version}"))
+        if args.json:
+            ctx.json(_rebuild_row(thread, version, listed_again=bool(listed_again)))
+            return
+        ctx.out.print(Text(printable(f"rebuilt the views of {thread} at version {version}")))
+        for relisted in listed_again:
+            ctx.out.print(Text(printable(f"  {relisted}: {_listed_again_note()}"), style="yellow"))
         return
     failed: dict[str, es.EventStoreError] = {}
-    listed_again: list[str] = []
     listing = _EveryThread(ctx)
     with ctx.progress("verifying and rebuilding") as bar:
         try:
@@ -2404,6 +2414,16 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
             )
         except RebuildError as exc:
             done, failed = exc.rebuilt, exc.failed
+    if args.json:
+        again = set(listed_again)
+        rows = {t: _rebuild_row(t, v, listed_again=t in again) for t, v in done.items()}
+        for t, error in failed.items():
+            rows[t] = _rebuild_row(t, None, listed_again=False, error=error)
+        ns, index_only = ctx.store.namespace, listing.index_only
+        ctx.json({"namespace": ns, "ok": not failed, "index_only": index_only, "threads": rows})
+        if failed:
+            raise Failed
+        return
     line = Text(
         f"rebuilt the views of {plural(len(done), 'thread')}"
         f"{_OF_THE_INDEX if listing.index_only else ''} in namespace {ctx.store.namespace!r}"
@@ -2426,16 +2446,49 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
         line.append(f"; {len(failed)} NOT REBUILT ({'; '.join(why)})", style="bold red")
     ctx.out.print(line)
     for thread in listed_again:
-        note = (
-            f"  {thread}: NOT IN THE THREAD INDEX - listed in it again (its entry was removed: "
-            "listings, retention sweeps and index-based jobs did not see it)"
-        )
-        ctx.out.print(Text(printable(note), style="yellow"))
+        ctx.out.print(Text(printable(f"  {thread}: {_listed_again_note()}"), style="yellow"))
     for thread, error in failed.items():
         text = _refused(error) if isinstance(error, UnverifiedLogError) else str(error)
         ctx.out.print(Text(printable(f"  {thread}: {text}"), style="red"))
     if failed:
         raise Failed
+
+
+def _listed_again_note() -> str:
+    """A rebuild's repair of the thread index, said as check says the damage: listings and
+    retention sweeps skipped the thread until now, which its owner may need to know."""
+    return (
+        "NOT IN THE THREAD INDEX - listed in it again (its entry was removed: listings, "
+        "retention sweeps and index-based jobs did not see it)"
+    )
+
+
+def _rebuild_row(
+    thread: str,
+    version: int | None,
+    *,
+    listed_again: bool,
+    error: es.EventStoreError | None = None,
+) -> dict[str, Any]:
+    """One thread's rebuild as JSON: the version rebuilt at, or why it was not rebuilt
+    (``failure``: unverified, damaged or busy, as the human report groups them; ``verdict``
+    is verify's, for a log that fails it)."""
+    row: dict[str, Any] = {
+        "ok": error is None,
+        "thread_id": thread,
+        "version": version,
+        "listed_again": listed_again,
+        "failure": None,
+        "detail": "",
+        "verdict": None,
+    }
+    if isinstance(error, UnverifiedLogError):
+        row.update(failure="unverified", detail=_refused(error), verdict=error.verdict)
+    elif isinstance(error, RebuildBusyError):
+        row.update(failure="busy", detail=str(error))
+    elif error is not None:
+        row.update(failure="damaged", detail=str(error))
+    return row
 
 
 def _refused(error: UnverifiedLogError) -> str:

@@ -1693,23 +1693,32 @@ def test_audits_of_every_thread_see_one_removed_from_the_index(redis_url: str) -
     assert rebuilt.code == 0 and "rebuilt the views of 2 threads" in rebuilt.out, rebuilt
 
 
+async def unlist(store: es.EventStore, *threads: str) -> None:
+    """Remove threads from their partition's thread index, as damage from outside would."""
+    assert isinstance(store, es.RedisEventStore)
+    for thread in threads:
+        index = store.keys.index(store.keys.partition(thread))
+        assert await store.client.zrem(index, thread) == 1
+
+
+async def listed_unlisted_holed(store: es.EventStore) -> None:
+    """Three threads of two messages: "unlisted" missing from the thread index, "holed"
+    missing its first entry (and listed, unless a test unlists it)."""
+    threads = ThreadStore(store)
+    for thread in ("listed", "unlisted", "holed"):
+        for text in ("one", "two"):
+            await threads.append_message(thread, {"role": "user", "content": text})
+    assert isinstance(store, es.RedisEventStore)
+    assert await store.client.xdel(store.keys.log("holed"), "1-0") == 1
+    await unlist(store, "unlisted")
+
+
 def test_rebuild_all_says_which_threads_it_listed_in_the_index_again(redis_url: str) -> None:
     namespace = fresh_namespace()
 
-    async def unlist(store: es.EventStore, *threads: str) -> None:
-        assert isinstance(store, es.RedisEventStore)
-        for thread in threads:
-            index = store.keys.index(store.keys.partition(thread))
-            assert await store.client.zrem(index, thread) == 1
-
     async def setup(store: es.EventStore) -> None:
-        threads = ThreadStore(store)
-        for thread in ("listed", "unlisted", "holed"):
-            for text in ("one", "two"):
-                await threads.append_message(thread, {"role": "user", "content": text})
-        assert isinstance(store, es.RedisEventStore)
-        assert await store.client.xdel(store.keys.log("holed"), "1-0") == 1
-        await unlist(store, "unlisted", "holed")
+        await listed_unlisted_holed(store)
+        await unlist(store, "holed")
 
     with_store(redis_url, namespace, setup)
     relisted = (
@@ -1747,6 +1756,64 @@ def test_rebuild_all_says_which_threads_it_listed_in_the_index_again(redis_url: 
         "INDEX (listed in it again)",
         relisted,
     ], trusted
+
+
+def test_rebuild_of_one_thread_says_it_listed_it_in_the_index_again(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        await ThreadStore(store).append_message("unlisted", {"role": "user", "content": "hi"})
+        await unlist(store, "unlisted")
+
+    with_store(redis_url, namespace, setup)
+    note = (
+        "  unlisted: NOT IN THE THREAD INDEX - listed in it again (its entry was removed: "
+        "listings, retention sweeps and index-based jobs did not see it)"
+    )
+    for trust in ((), ("--trust-log",)):
+        rebuilt = cli("rebuild", "unlisted", *trust, url=redis_url, namespace=namespace)
+        assert rebuilt.code == 0, rebuilt
+        assert rebuilt.lines() == ["rebuilt the views of unlisted at version 1", note], rebuilt
+        assert "unlisted" in cli("threads", url=redis_url, namespace=namespace).out
+        again = cli("rebuild", "unlisted", *trust, url=redis_url, namespace=namespace)
+        assert again.lines() == ["rebuilt the views of unlisted at version 1"], again
+        with_store(redis_url, namespace, lambda store: unlist(store, "unlisted"))
+
+
+def test_rebuild_json_says_what_became_of_each_thread(redis_url: str) -> None:
+    namespace = fresh_namespace()
+
+    with_store(redis_url, namespace, listed_unlisted_holed)
+    every = cli("rebuild", "--all", "--json", url=redis_url, namespace=namespace)
+    assert every.code == 1 and every.err == "", every
+    report = every.json()
+    assert (report["namespace"], report["ok"], report["index_only"]) == (namespace, False, False)
+    rows = report["threads"]
+    assert set(rows) == {"listed", "unlisted", "holed"}, report
+    blank = {"failure": None, "detail": "", "verdict": None}
+    assert rows["listed"] == {
+        "ok": True,
+        "thread_id": "listed",
+        "version": 2,
+        "listed_again": False,
+        **blank,
+    }
+    assert rows["unlisted"] == {
+        "ok": True,
+        "thread_id": "unlisted",
+        "version": 2,
+        "listed_again": True,
+        **blank,
+    }
+    holed = rows["holed"]
+    assert (holed["ok"], holed["version"], holed["failure"]) == (False, None, "unverified")
+    assert holed["verdict"]["kind"] == "deleted" and "threadlog verify holed" in holed["detail"]
+    one = cli("rebuild", "holed", "--json", url=redis_url, namespace=namespace)
+    assert one.code == 1 and one.err == "" and one.json() == holed, one
+    trusted = cli("rebuild", "holed", "--trust-log", "--json", url=redis_url, namespace=namespace)
+    assert trusted.code == 1, trusted  # a hole stops even a trusting rebuild: stored damage
+    ok = cli("rebuild", "listed", "--json", url=redis_url, namespace=namespace)
+    assert ok.code == 0 and ok.json() == rows["listed"], ok
 
 
 def test_tables_align_thread_ids_shown_escaped_or_two_cells_wide(redis_url: str) -> None:
