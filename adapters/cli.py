@@ -69,7 +69,14 @@ from projections import (
 from ._audit import UNKNOWN_TYPE_NOTE, Auditor, ReplayStep, UnverifiedLogError, Verdict, _span
 from ._demo import PLANNER_VIEW, demo_state, record_demo
 from ._export import COMPRESSIONS, DEFAULT_COMPRESSION, Exporter, ExportResult
-from ._jsonl import ImportProgress, export_jsonl, read_import, transcript_to_export, write_import
+from ._jsonl import (
+    ImportProgress,
+    JsonlImportError,
+    export_jsonl,
+    read_import,
+    transcript_to_export,
+    write_import,
+)
 from ._sessions import SessionStore
 
 try:
@@ -621,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
         "import-jsonl",
         "append a JSONL file of model messages to a session's transcript",
         cmd_import_jsonl,
+        parents=[json_parent],
     )
     p.add_argument("file", type=_file, metavar="FILE", help="JSONL file ('-': standard input)")
     p.add_argument("session", type=_session, metavar="SESSION")
@@ -2694,7 +2702,14 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
     sessions = SessionStore(ctx.store)
     # Read and validated before the namespace is created: a refused file (empty, malformed)
     # into a misspelt --namespace leaves no key behind.
-    messages, skipped = await read_import(sessions, args.file, skip_bad=args.skip_bad)
+    try:
+        messages, skipped = await read_import(sessions, args.file, skip_bad=args.skip_bad)
+    except JsonlImportError as exc:
+        if args.json:
+            # Every refused line, which the one-line error (below, on stderr) only begins.
+            refused = {"ok": False, "file": str(args.file), "session_id": args.session}
+            ctx.json({**refused, "empty": exc.empty, "errors": exc.errors})
+        raise
     if isinstance(ctx.store, es.RedisEventStore) and not await ctx.store.namespace_exists():
         await ctx.store.ensure_namespace()  # records the partition count before the first append
     task = asyncio.ensure_future(
@@ -2708,6 +2723,9 @@ async def cmd_import_jsonl(ctx: Ctx, args: argparse.Namespace) -> None:
             report = await task  # a second Ctrl-C stops this wait (plain "interrupted")
         except _StopImport:
             raise SystemExit(_fail(_stopped_import(args, seen[-1]), 130)) from None
+    if args.json:
+        ctx.json({"ok": True, "file": str(args.file), **msgspec.structs.asdict(report)})
+        return
     where = f"session {report.session_id} (version {report.version})"
     if report.duplicate:
         text = f"{args.file}: already imported into {where}; nothing written"

@@ -2390,6 +2390,41 @@ def test_jsonl_import_and_export_round_trip(redis_url: str, tmp_path: Path) -> N
     assert "imported 1 of 2 lines" in skipped.out and "skipped line 2" in skipped.out
 
 
+def test_import_jsonl_json_reports_every_line_it_refused_or_skipped(
+    redis_url: str, tmp_path: Path
+) -> None:
+    namespace = fresh_namespace()
+    bad = tmp_path / "bad.jsonl"
+    good = '{"role":"user","content":"ok"}\n'
+    # Seven bad lines: more than the one-line error names (five, "and 2 more").
+    bad.write_text(good + "".join(f'{{"oops{i}"\n' for i in range(7)) + good)
+    refused = cli("import-jsonl", str(bad), "s1", "--json", url=redis_url, namespace=namespace)
+    assert "(and 2 more)" in assert_one_line_error(refused), refused
+    report = refused.json()
+    assert report["ok"] is False and report["empty"] is False, report
+    assert (report["file"], report["session_id"]) == (str(bad), "s1"), report
+    assert [e["line"] for e in report["errors"]] == [2, 3, 4, 5, 6, 7, 8], report
+    assert all(e["reason"] and e["too_large"] is False for e in report["errors"]), report
+    never = cli("export-jsonl", "s1", "-", url=redis_url, namespace=namespace)
+    assert f"no namespace {namespace!r}" in assert_one_line_error(never)  # nothing written
+
+    args = ("import-jsonl", str(bad), "s1", "--skip-bad", "--json")
+    skipped = cli(*args, url=redis_url, namespace=namespace)
+    assert skipped.code == 0 and skipped.err == "", skipped
+    report = skipped.json()
+    assert {k: report[k] for k in ("ok", "session_id", "lines", "imported", "written")} == {
+        "ok": True,
+        "session_id": "s1",
+        "lines": 9,
+        "imported": 2,
+        "written": 2,
+    }, report
+    assert report["duplicate"] is False and report["version"] == 1, report
+    assert [e["line"] for e in report["skipped"]] == [2, 3, 4, 5, 6, 7, 8], report
+    again = cli(*args, url=redis_url, namespace=namespace).json()
+    assert (again["duplicate"], again["written"], again["imported"]) == (True, 0, 2), again
+
+
 def test_a_writer_without_the_threads_chain_key_is_a_one_line_error(
     redis_url: str, tmp_path: Path
 ) -> None:
