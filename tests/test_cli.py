@@ -221,8 +221,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["frobnicate"], "invalid choice"),
     (["threads", "--bogus"], "unrecognized arguments"),
     (
-        ["rebuild", "t1", "--json"],
-        "unrecognized arguments: --json (see 'threadlog rebuild --help')",
+        ["export-jsonl", "s1", "-", "--json"],
+        "unrecognized arguments: --json (see 'threadlog export-jsonl --help')",
     ),
     (["--bogus"], "unrecognized arguments: --bogus (see 'threadlog --help')"),
     # An option of the command given before it: "unrecognized", with a pointer to a help
