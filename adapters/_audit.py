@@ -44,6 +44,7 @@ from eventstore import (
     chain_link,
     content_digest,
     partition_of,
+    validate_count,
     validate_thread_id,
 )
 from eventstore._codec import (
@@ -72,7 +73,7 @@ from projections import (
     TranscriptMessage,
     TurnRecord,
 )
-from projections._projector import missing_from_log
+from projections._projector import AUDIT_CONCURRENCY, for_each_thread, missing_from_log
 
 DamageKind = Literal[
     "modified",
@@ -1237,20 +1238,31 @@ class Auditor:
         return listed + [t for t in await self.store.stored_threads() if t not in known]
 
     async def verify_all(
-        self, *, progress: Progress | None = None, index_only: bool = False
+        self,
+        *,
+        progress: Progress | None = None,
+        index_only: bool = False,
+        concurrency: int = AUDIT_CONCURRENCY,
     ) -> dict[str, Verdict]:
         """Verify every thread of the namespace (`threads`: the index's and the keys', or the
-        index's alone with ``index_only``); returns thread -> verdict. A thread deleted since
-        it was listed is left out."""
-        return await self._each_thread(self.verify, _verdict_of, progress, index_only)
+        index's alone with ``index_only``), up to ``concurrency`` at once; returns thread ->
+        verdict, in the order of `threads`. A thread deleted since it was listed is left out."""
+        return await self._each_thread(self.verify, _verdict_of, progress, index_only, concurrency)
 
     async def check_all(
-        self, *, progress: Progress | None = None, index_only: bool = False
+        self,
+        *,
+        progress: Progress | None = None,
+        index_only: bool = False,
+        concurrency: int = AUDIT_CONCURRENCY,
     ) -> dict[str, ThreadCheck]:
         """`check` every thread of the namespace (`threads`: the index's and the keys', or the
-        index's alone with ``index_only``); returns thread -> what was found. A thread deleted
-        since it was listed is left out."""
-        return await self._each_thread(self.check, _verdict_of_check, progress, index_only)
+        index's alone with ``index_only``), up to ``concurrency`` at once; returns thread ->
+        what was found, in the order of `threads`. A thread deleted since it was listed is
+        left out."""
+        return await self._each_thread(
+            self.check, _verdict_of_check, progress, index_only, concurrency
+        )
 
     async def _each_thread(
         self,
@@ -1258,21 +1270,25 @@ class Auditor:
         verdict_of: Callable[[R], Verdict],
         progress: Progress | None,
         index_only: bool,
+        concurrency: int,
     ) -> dict[str, R]:
+        validate_count(concurrency, "concurrency", minimum=1)  # before the listing
         threads = await self.threads(index_only=index_only)
-        out: dict[str, R] = {}
-        for done, thread_id in enumerate(threads, start=1):
+
+        async def twice_if_bad(thread_id: str) -> R | None:
             found = await job(thread_id)
             if not verdict_of(found).ok:
                 # Once more before it is reported: a thread deleted (or deleted and written
                 # again) while it was read looks damaged for that one read; damage that is
                 # there is there again.
                 found = await job(thread_id)
-            if verdict_of(found).kind != "missing":  # else: deleted since it was listed
-                out[thread_id] = found
-            if progress is not None:
-                progress(done, len(threads))
-        return out
+            # None: deleted since it was listed.
+            return None if verdict_of(found).kind == "missing" else found
+
+        found = await for_each_thread(
+            threads, twice_if_bad, progress=progress, concurrency=concurrency
+        )
+        return {t: f for t, f in found.items() if f is not None}
 
     # -- rebuild, verified first --------------------------------------------------------------
 
@@ -1340,9 +1356,11 @@ class Auditor:
         trust_log: bool = False,
         index_only: bool = False,
         listed_again: Callable[[str], None] | None = None,
+        concurrency: int = AUDIT_CONCURRENCY,
     ) -> dict[str, int]:
         """`rebuild` every thread of the namespace (`threads`: the index's and the keys', or
-        the index's alone with ``index_only``); returns thread -> version.
+        the index's alone with ``index_only``), up to ``concurrency`` at once; returns thread
+        -> version, in the order of `threads`.
 
         Threads whose log fails verification (unless ``trust_log``), cannot be folded or kept
         changing are left as they were, and after all the others were rebuilt `RebuildError`
@@ -1352,29 +1370,33 @@ class Auditor:
         A thread the thread index did not list is listed in it again by its rebuild:
         ``listed_again`` is called with each such thread once rebuilt (as `rebuild` does).
         """
+        validate_count(concurrency, "concurrency", minimum=1)  # before the listing
         threads = await self.threads(index_only=index_only)
-        rebuilt: dict[str, int] = {}
-        failed: dict[str, EventStoreError] = {}
-        for done, thread_id in enumerate(threads, start=1):
+        failures: dict[str, EventStoreError] = {}
+
+        async def rebuild(thread_id: str) -> int | None:
             try:
                 try:
-                    rebuilt[thread_id] = await self.rebuild(
+                    return await self.rebuild(
                         thread_id, trust_log=trust_log, listed_again=listed_again
                     )
                 except UnverifiedLogError:
                     # Once more, as `verify_all` does: a thread deleted (and perhaps written
                     # again) while it was read fails that one read only.
-                    rebuilt[thread_id] = await self.rebuild(
+                    return await self.rebuild(
                         thread_id, trust_log=trust_log, listed_again=listed_again
                     )
             except UnverifiedLogError as exc:
                 if exc.verdict.kind != "missing":  # else deleted since it was listed
-                    failed[thread_id] = exc
+                    failures[thread_id] = exc
             except (CorruptEventError, WrongKeyTypeError, RebuildBusyError) as exc:
-                failed[thread_id] = exc
-            if progress is not None:
-                progress(done, len(threads))
-        if failed:
+                failures[thread_id] = exc
+            return None
+
+        done = await for_each_thread(threads, rebuild, progress=progress, concurrency=concurrency)
+        rebuilt = {t: v for t, v in done.items() if v is not None}
+        if failures:
+            failed = {t: failures[t] for t in threads if t in failures}  # in listing order
             raise RebuildError(rebuilt, failed)
         return rebuilt
 

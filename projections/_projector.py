@@ -11,8 +11,9 @@ from __future__ import annotations
 import operator
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 import msgspec
 
 from eventstore import (
@@ -57,6 +58,9 @@ AsOf = int | datetime
 local time, as `datetime.timestamp` reads it: pass ``tzinfo=UTC`` for a UTC time)."""
 
 Progress = Callable[[int, int], None]
+R = TypeVar("R")
+# How many threads a namespace-wide rebuild, check or verify works on at once (`for_each_thread`).
+AUDIT_CONCURRENCY = 8
 """Called as ``progress(done, total)`` while a namespace-wide job runs."""
 
 REBUILD_ATTEMPTS = 5
@@ -653,10 +657,15 @@ class Projector:
         )
 
     async def rebuild_all(
-        self, *, progress: Progress | None = None, threads: Sequence[str] | None = None
+        self,
+        *,
+        progress: Progress | None = None,
+        threads: Sequence[str] | None = None,
+        concurrency: int = AUDIT_CONCURRENCY,
     ) -> dict[str, int]:
         """Rebuild every thread of the namespace (those of the thread index, or ``threads``);
-        returns thread -> version. Trusts every log as `rebuild` does.
+        returns thread -> version. Trusts every log as `rebuild` does. Up to ``concurrency``
+        threads are rebuilt at once (`for_each_thread`).
 
         A thread whose log cannot be folded (damaged: `CorruptEventError`, `WrongKeyTypeError`)
         or that kept changing while it was rebuilt (`RebuildBusyError`) does not stop the
@@ -672,18 +681,22 @@ class Projector:
                 failed[thread_id] = exc
                 return None
 
-        done = await self._each_thread(rebuild, progress, threads)
+        done = await self._each_thread(rebuild, progress, threads, concurrency)
         rebuilt = {t: v for t, v in done.items() if v is not None}
         if failed:
             raise RebuildError(rebuilt, failed)
         return rebuilt
 
     async def check_all(
-        self, *, progress: Progress | None = None, threads: Sequence[str] | None = None
+        self,
+        *,
+        progress: Progress | None = None,
+        threads: Sequence[str] | None = None,
+        concurrency: int = AUDIT_CONCURRENCY,
     ) -> dict[str, CheckReport]:
-        """Check every thread of the namespace (those of the thread index, or ``threads``). A
-        thread whose log cannot be folded is
-        reported as a difference (view ``(log)``), and the others are still checked."""
+        """Check every thread of the namespace (those of the thread index, or ``threads``),
+        up to ``concurrency`` at once. A thread whose log cannot be folded is reported as a
+        difference (view ``(log)``), and the others are still checked."""
 
         async def check(thread_id: str) -> CheckReport:
             try:
@@ -692,24 +705,61 @@ class Projector:
                 version = await _version_or_zero(self.store, thread_id)
                 return CheckReport.unfoldable(thread_id, version, exc)
 
-        return await self._each_thread(check, progress, threads)
+        return await self._each_thread(check, progress, threads, concurrency)
 
     async def _each_thread(
         self,
         job: Callable[[str], Awaitable[Any]],
         progress: Progress | None,
         threads: Sequence[str] | None,
+        concurrency: int,
     ) -> dict[str, Any]:
+        validate_count(concurrency, "concurrency", minimum=1)
         if threads is None:
             threads = [info.thread_id for info in await self.store.threads()]
         else:
-            threads = [validate_thread_id(t) for t in threads]
-        out: dict[str, Any] = {}
-        for done, thread_id in enumerate(threads, start=1):
-            out[thread_id] = await job(thread_id)
+            # Each once: two rebuilds of one thread at once would only race each other.
+            threads = list(dict.fromkeys(validate_thread_id(t) for t in threads))
+        return await for_each_thread(threads, job, progress=progress, concurrency=concurrency)
+
+
+async def for_each_thread(
+    threads: Sequence[str],
+    job: Callable[[str], Awaitable[R]],
+    *,
+    progress: Progress | None,
+    concurrency: int,
+) -> dict[str, R]:
+    """``job`` of each thread, up to ``concurrency`` at once; returns thread -> result in the
+    order of ``threads``. ``progress(done, total)`` is called as each one ends.
+
+    A small thread's audit is mostly waiting for its round trips, so several threads are
+    worked on at once. An exception from one job stops the others from
+    starting any new thread, lets those running end (a rebuild is not cut off between its
+    writes), and is then raised as it is, never wrapped in an exception group.
+    """
+    validate_count(concurrency, "concurrency", minimum=1)
+    results: dict[str, R] = {}
+    pending = iter(threads)  # shared: each worker takes the next thread (no await between)
+    failure: list[BaseException] = []
+
+    async def worker() -> None:
+        for thread_id in pending:
+            try:
+                results[thread_id] = await job(thread_id)
+            except Exception as exc:
+                failure.append(exc)
+            if failure:
+                return
             if progress is not None:
-                progress(done, len(threads))
-        return out
+                progress(len(results), len(threads))
+
+    async with anyio.create_task_group() as tasks:
+        for _ in range(min(concurrency, len(threads))):
+            tasks.start_soon(worker)
+    if failure:
+        raise failure[0]
+    return {t: results[t] for t in threads if t in results}
 
 
 class LogFold:

@@ -56,6 +56,7 @@ from ._base import UnknownBlockError, UnknownReaderViewError
 from ._messages import StoredMessage
 from ._projector import (
     AsOf,
+    CheckReport,
     Context,
     Projector,
     RebuildBusyError,
@@ -793,6 +794,68 @@ class ProjectionConformance:
         assert all(r.ok for r in (await projector.check_all()).values())
         assert _texts(await projector.last("one")) == ["one"]
         assert (await projector.state("three"))["plan"].value == "three"
+
+    async def test_rebuild_all_and_check_all_work_on_several_threads_at_once(
+        self, store: EventStore, projector: Projector
+    ) -> None:
+        """Up to ``concurrency`` threads at a time (no more), results in the listing's order,
+        progress counted one thread at a time."""
+        threads = [f"t{i:02d}" for i in range(10)]
+        for t in threads:
+            await projector.append(t, [StateUpdated(block="plan", value=t)])
+            await self.delete_view(store, t, "state")
+        listed = [info.thread_id for info in await store.threads()]
+        real_load, real_check = store.load_views, projector.check
+        in_flight: list[str] = []
+        peaks: list[int] = []
+
+        async def slowly(job: Any, thread_id: str, *args: Any, **kwargs: Any) -> Any:
+            in_flight.append(thread_id)
+            peaks.append(len(in_flight))
+            try:
+                await anyio.sleep(0.02)  # long enough for every worker to start one
+                return await job(thread_id, *args, **kwargs)
+            finally:
+                in_flight.remove(thread_id)
+
+        async def load_views(thread_id: str, *args: Any, **kwargs: Any) -> None:
+            await slowly(real_load, thread_id, *args, **kwargs)
+
+        async def check(thread_id: str) -> CheckReport:
+            result: CheckReport = await slowly(real_check, thread_id)
+            return result
+
+        store.load_views = load_views  # type: ignore[method-assign]
+        projector.check = check  # type: ignore[method-assign]
+        try:
+            calls: list[tuple[int, int]] = []
+            for concurrency in (1, 4):
+                peaks.clear()
+                calls.clear()
+                reports = await projector.check_all(
+                    concurrency=concurrency,
+                    progress=lambda done, total: calls.append((done, total)),
+                )
+                assert max(peaks) == concurrency, peaks
+                assert list(reports) == listed and not any(r.ok for r in reports.values())
+                assert calls == [(n, 10) for n in range(1, 11)]
+            peaks.clear()
+            versions = await projector.rebuild_all(concurrency=4)
+            assert max(peaks) == 4 and versions == dict.fromkeys(listed, 1)
+            peaks.clear()
+            assert await projector.rebuild_all(threads=["t01", "t01", "t02"]) == {
+                "t01": 1,
+                "t02": 1,
+            }
+            assert len(peaks) == 2  # a thread named twice is rebuilt once
+        finally:
+            del store.load_views, projector.check
+        assert all(r.ok for r in (await projector.check_all(concurrency=3)).values())
+        for bad in (0, -1, True, 2.0, "4"):
+            with pytest.raises(InvalidInputError, match="concurrency"):
+                await projector.rebuild_all(concurrency=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidInputError, match="concurrency"):
+                await projector.check_all(concurrency=bad)  # type: ignore[arg-type]
 
     async def test_a_thread_that_keeps_changing_does_not_stop_rebuild_all(
         self, store: EventStore, projector: Projector

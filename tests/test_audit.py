@@ -620,6 +620,34 @@ async def test_verify_all_names_the_damaged_thread(store: es.EventStore) -> None
     assert calls == [(1, 3), (2, 3), (3, 3)]
 
 
+async def test_audits_of_every_thread_say_the_same_one_thread_at_a_time_or_several(
+    store: es.EventStore,
+) -> None:
+    await populate(store)
+    await Raw(store).xdel("2-0")  # T: a hole
+    projector = Projector(store)
+    for i in range(12):
+        await projector.append(f"c{i:02d}", [es.MessageAppended(message=user(f"hi {i}"))])
+    auditor = Auditor(store)
+    listed = await auditor.threads()
+    seen: dict[int, tuple[object, ...]] = {}
+    for concurrency in (1, 5):
+        verdicts = await auditor.verify_all(concurrency=concurrency)
+        checks = await auditor.check_all(concurrency=concurrency)
+        with pytest.raises(RebuildError) as caught:
+            await auditor.rebuild_all(concurrency=concurrency)
+        assert list(verdicts) == listed and list(checks) == listed
+        assert list(caught.value.rebuilt) == [t for t in listed if t != T]
+        assert list(caught.value.failed) == [T]
+        seen[concurrency] = (verdicts, checks, caught.value.rebuilt)
+    assert seen[1] == seen[5]
+    assert_damage(seen[5][0][T], 2, "deleted")  # type: ignore[index]
+    for bad in (0, True, "3"):
+        for audit in (auditor.verify_all, auditor.check_all, auditor.rebuild_all):
+            with pytest.raises(es.InvalidInputError, match="concurrency"):
+                await audit(concurrency=bad)  # type: ignore[arg-type]
+
+
 # -- rebuild, verified first --------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import given
 from redis.asyncio.cluster import RedisCluster
@@ -33,6 +34,7 @@ from eventstore._codec import decode_entry, decode_payload_rows, decode_rows, pa
 from eventstore._keys import STAGING_TTL_S
 from eventstore.servers import RedisServer
 from projections import Block, Projector, RecordsProjection, StateProjection
+from projections._projector import for_each_thread
 from projections._records import RecordsState
 from projections.testing import make_projector, message, opened, settled, snapshot, ulids
 
@@ -524,3 +526,28 @@ async def test_payload_and_event_folds_agree_on_odd_turn_histories() -> None:
         assert (await fast.check("t")).ok
     kinds = [x.kind for x in (await fast.fold("t")).states["records"].anomalies]
     assert kinds == ["opened_twice", "settled_without_open", "settled_twice", "opened_twice"]
+
+
+async def test_a_thread_whose_job_fails_stops_new_ones_and_lets_running_ones_end() -> None:
+    """`for_each_thread` (the namespace-wide rebuild, check and verify): an error from one
+    thread's job is raised as itself, not in an exception group; the jobs running then end
+    (none cut off between its writes) and no other thread is started."""
+    started: list[str] = []
+    ended: list[str] = []
+
+    async def job(thread_id: str) -> str:
+        started.append(thread_id)
+        if thread_id == "b":
+            raise OperationalError("lost the server")
+        await anyio.sleep(0.02)
+        ended.append(thread_id)
+        return thread_id
+
+    with pytest.raises(OperationalError, match="lost the server"):
+        await for_each_thread(list("abcdef"), job, progress=None, concurrency=2)
+    assert started == ["a", "b"] and ended == ["a"]
+    started.clear()
+    ended.clear()
+    done = await for_each_thread(list("acdef"), job, progress=None, concurrency=3)
+    assert list(done) == list("acdef") and sorted(ended) == list("acdef")
+    assert await for_each_thread([], job, progress=None, concurrency=3) == {}
