@@ -2422,8 +2422,9 @@ async def cmd_rebuild(ctx: Ctx, args: argparse.Namespace) -> None:
             )
         except RebuildError as exc:
             done, failed = exc.rebuilt, exc.failed
+    again = set(listed_again)
+    listed_again = [t for t in done if t in again]  # as listed (threads end in any order)
     if args.json:
-        again = set(listed_again)
         rows = {t: _rebuild_row(t, v, listed_again=t in again) for t, v in done.items()}
         for t, error in failed.items():
             rows[t] = _rebuild_row(t, None, listed_again=False, error=error)
