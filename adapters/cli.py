@@ -1197,7 +1197,8 @@ async def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> None:
     summary = await record_demo(store, thread)
     out.print(
         f"Recorded {summary.root_turns} user turns and {summary.child_turns} child turns "
-        f"({summary.failed_turns} of them failed), {summary.state_updates} state updates and "
+        f"({summary.failed_turns} of the {summary.root_turns + summary.child_turns} failed), "
+        f"{summary.state_updates} state updates and "
         f"{summary.compactions} transcript compaction: [bold]{summary.version} events[/], each "
         "append atomic with its views."
     )

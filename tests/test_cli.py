@@ -507,7 +507,8 @@ def test_demo_on_redis_shows_window_state_view_turn_tree_and_verdict(demo: Demo)
     out = demo.run.out
     assert f"store      redis at {demo.url}" in out
     assert f"namespace  {demo.namespace}" in out
-    assert "Recorded 4 user turns and 5 child turns (2 of them failed)" in out
+    # Two turns failed, a user turn and its payment child: not two of the child turns.
+    assert "Recorded 4 user turns and 5 child turns (2 of the 9 failed)" in out
     assert f"{demo.version} events" in out
     assert "History window: the last 6 messages" in out
     assert "Yes, book both please." in out  # the failed turn's request joined the conversation
