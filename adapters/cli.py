@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help=f"import MODULE first (repeatable; importable from the current directory or "
         f"PYTHONPATH): the one that registers your application's event types, so that "
-        f"verify, replay, show and rebuild decode them (default: ${EVENTS_ENV}, "
-        f"comma-separated)",
+        f"verify, check, rebuild, show, replay and tail decode them (default: "
+        f"${EVENTS_ENV}, comma-separated)",
     )
     json_parent = _Parser(add_help=False)
     json_parent.add_argument("--json", action="store_true", help="print JSON for machines")
