@@ -410,7 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
         "threads", "list threads, most recent activity first", cmd_threads, parents=[json_parent]
     )
     p.add_argument(
-        "--limit", type=_positive, default=100, help="show at most N threads (0: all; default 100)"
+        "--limit",
+        type=_positive,
+        default=100,
+        metavar="N",
+        help="show at most N threads (0: all; default 100)",
     )
     p = add(
         "show",
