@@ -316,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--url",
         default=argparse.SUPPRESS,
-        help=f"store URL: redis://, rediss://, unix:///path, redis+cluster://, "
-        f"redis+sentinel://host:port/service, memory:// "
+        help=f"store URL: redis://, rediss://, unix:///path, redis+cluster:// (rediss+cluster:// "
+        f"with TLS), redis+sentinel://host:port/service (rediss+sentinel://), memory:// "
         f"(default: ${URL_ENV}, else a private redis-server under ./{EMBEDDED_DIR}/)",
     )
     common.add_argument(
@@ -2537,7 +2537,8 @@ def _print_report(ctx: Ctx, report: CheckReport, verdict: Verdict | None = None)
         ctx.out.print(
             Text(
                 printable(
-                    f"  damaged: {verdict.detail} (run 'threadlog verify {report.thread_id}')"
+                    f"  damaged: {verdict.detail} (its log verifies: 'threadlog rebuild "
+                    f"{report.thread_id}' lists it again)"
                 ),
                 style="red",
             )

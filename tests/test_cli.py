@@ -1687,6 +1687,8 @@ def test_audits_of_every_thread_see_one_removed_from_the_index(redis_url: str) -
     assert check.code == 1 and "checked 2 threads" in check.out, check
     assert "1 NOT IN THE THREAD INDEX" in check.out
     assert "check unlisted: NOT IN THE THREAD INDEX" in check.out
+    # The repair, not another audit: the log verifies, and a rebuild lists the thread again.
+    assert "(its log verifies: 'threadlog rebuild unlisted' lists it again)" in check.out
     report = cli("check", "--all", "--json", url=redis_url, namespace=namespace).json()
     assert report["ok"] is False and report["threads"]["unlisted"]["verdict"]["kind"] == "unindexed"
     # Its log verifies, so its views are rebuilt with the others.
