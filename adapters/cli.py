@@ -894,11 +894,26 @@ class _Escaping:
 
     def write(self, text: str) -> int:
         stream = self._stream()
-        stream.write(text.translate(_TERMINAL_UNSAFE))
+        escaped = text.translate(_TERMINAL_UNSAFE)
+        if stream is sys.stdout and _has_fd(stream):
+            # Through write_stdout: a table rich writes at once (threads of a large
+            # namespace) is larger than a pipe takes, and Python's buffered stdout drops the
+            # rest without a word when the reader goes away (exit 0, not 141).
+            write_stdout(escaped.encode(stream.encoding, stream.errors or "strict"))
+        else:
+            stream.write(escaped)
         return len(text)
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, flush...
         return getattr(self._stream(), name)
+
+
+def _has_fd(stream: Any) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a test's capture: no fd
+        return False
+    return True
 
 
 def printable(text: str, *, lines: bool = False) -> str:

@@ -10,6 +10,7 @@ stops the server it started.
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -488,6 +489,38 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(redis_url: str) -> Non
             [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
             cwd=ROOT,
             env=child_env(COLUMNS="40"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away after one line
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait(timeout=60) == 141, (argv, err)
+        assert err == b"", (argv, err)
+
+
+def test_a_reader_that_goes_away_from_a_long_table_ends_the_command_quietly(
+    redis_url: str,
+) -> None:
+    """``threadlog threads --limit 0 | head -1``: a table rich writes at once went to Python's
+    buffered stdout, which dropped what the pipe did not take without a word: exit 0, not
+    141."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        # Rows of ~120 characters: far more than a pipe buffers (64 KiB).
+        ids = [f"thread-{n:04}-" + "x" * 60 for n in range(1000)]
+        for start in range(0, len(ids), 100):
+            await asyncio.gather(*(store.append(t, [msg("hi")]) for t in ids[start : start + 100]))
+
+    with_store(redis_url, namespace, setup)
+    for argv in (["threads", "--limit", "0"], ["threads", "--limit", "0", "--json"]):
+        proc = subprocess.Popen(
+            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+            cwd=ROOT,
+            env=child_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
