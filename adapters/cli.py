@@ -1461,6 +1461,10 @@ async def cmd_show(ctx: Ctx, args: argparse.Namespace) -> None:
                 "messages": shown.messages,
                 "state": shown.state,
                 "turns": len(shown.turns),
+                # What --turns left out, as the human titles say it ("the last 2 of 4 root
+                # turns"): the lists alone cannot tell the last turns from all of them.
+                "root_turns": len(whole_tree),
+                "settled_turns": len(shown.records),
                 "turn_tree": tree,
                 "records": records,
                 "transcript": shown.transcript,

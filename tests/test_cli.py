@@ -817,6 +817,19 @@ def test_show_prints_window_state_tree_records_and_transcript(demo: Demo) -> Non
     assert shown["transcript"][0]["message"]["role"] == "system"  # compacted
 
 
+def test_show_json_of_the_last_turns_counts_what_it_leaves_out(demo: Demo) -> None:
+    """``show --turns 2`` says "the last 2 of 4 root turns" and "9, the last 2" records; its
+    --json gave the 2 of each with no count of what was left out: a reader could not tell
+    the last turns from all of them."""
+    run = cli("show", demo.thread, "--turns", "2", url=demo.url, namespace=demo.namespace)
+    assert "Turn tree: 9 turns, the last 2 of 4 root turns" in run.out, run
+    assert "Turn records in settle order: 9, the last 2" in run.out, run
+    argv = ("show", demo.thread, "--turns", "2", "--json")
+    shown = cli(*argv, url=demo.url, namespace=demo.namespace).json()
+    assert (shown["turns"], shown["root_turns"], shown["settled_turns"]) == (9, 4, 9)
+    assert len(shown["turn_tree"]) == 2 and len(shown["records"]) == 2
+
+
 def test_show_says_a_section_is_empty_instead_of_printing_an_empty_table(
     redis_url: str,
 ) -> None:
