@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from ._errors import CorruptKeyError, InvalidInputError
-from ._ids import validate_count, validate_name, validate_view_name
+from ._ids import not_unicode, validate_count, validate_name, validate_view_name
 
 _STREAM_ID_RE = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
 _MAX_ID_PART = 2**64 - 1
@@ -120,6 +120,12 @@ def validate_group_to_drop(group: object) -> str:
         raise InvalidInputError(f"group name must be a str, not {type(group).__name__}")
     if not group:
         raise InvalidInputError("the group name is empty")
+    try:
+        # A name Redis could hold; a byte that is not UTF-8 in a command line comes as a lone
+        # surrogate, which the client cannot send (an encoding error, not "no such group").
+        group.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"group name {not_unicode(group, exc)}") from exc
     return group
 
 

@@ -3057,6 +3057,15 @@ def test_ctrl_c_while_the_command_line_is_still_loading_prints_no_traceback(
 # -- the change feed ------------------------------------------------------------------------------
 
 
+def test_drop_group_of_a_name_that_is_not_utf8_is_a_usage_error(redis_url: str) -> None:
+    """A byte that is not UTF-8 in NAME (Python decodes it as a lone surrogate) reached the
+    Redis client, which cannot encode it: an internal error (exit 3), not a usage error."""
+    namespace = fresh_namespace()
+    with_store(redis_url, namespace, lambda store: store.append("dg-1", [msg("a")]))
+    run = cli("drop-group", os.fsdecode(b"ab\xff"), url=redis_url, namespace=namespace)
+    assert "holds the byte 0xff, not UTF-8" in assert_one_line_error(run), run
+
+
 def test_feed_trim_feed_and_drop_group_keep_the_feed_in_check(redis_url: str) -> None:
     namespace = fresh_namespace()
 
