@@ -2120,9 +2120,12 @@ class RedisEventStore(EventStore):
         groups = await self._call(self.client.xinfo_groups(key))
         out = []
         for g in groups:
-            name = g["name"].decode("utf-8")
+            # A group made outside threadlog (XGROUP CREATE) may be named in bytes that are
+            # not UTF-8: listed with those bytes escaped (\xff), asked about by its own bytes.
+            raw_name = g["name"]
+            name = raw_name.decode("utf-8", "backslashreplace")
             try:
-                summary = await self._call(self.client.xpending(key, name), (partition, name))
+                summary = await self._call(self.client.xpending(key, raw_name), (partition, name))
             except FeedGroupNotFoundError:
                 continue  # dropped since XINFO GROUPS listed it: no longer there
             oldest = summary.get("min")

@@ -3175,6 +3175,32 @@ def test_feed_lists_every_group_past_a_damaged_checkpoint(redis_url: str) -> Non
     assert f"damaged checkpoint (partition {p})" in table.out, table.out
 
 
+def test_feed_and_export_get_past_a_group_another_tool_named_in_bytes_not_utf8(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A consumer group an admin created with a name that is not UTF-8 stopped 'threadlog
+    feed' (--json too) and every incremental export of the namespace with an internal error
+    (exit 3): the name was decoded as UTF-8."""
+    namespace = fresh_namespace()
+
+    async def setup(store: es.EventStore) -> None:
+        assert isinstance(store, es.RedisEventStore)
+        await store.append("t", [msg("a")])
+        feed = store.keys.feed(es.partition_of("t", store.partitions))
+        await store.client.xgroup_create(feed, b"odd\xff\x1b[2J", "0-0")
+
+    with_store(redis_url, namespace, setup)
+    run = cli("feed", url=redis_url, namespace=namespace)
+    assert run.code == 0, run
+    assert "odd\\xff\\x1b[2J" in run.out and "\x1b" not in run.out, run.out
+    shown = cli("feed", "--json", url=redis_url, namespace=namespace)
+    assert shown.code == 0, shown
+    assert [g["name"] for g in shown.json()["groups"]] == ["odd\\xff\x1b[2J"]
+    argv = ("export", "--format", "ndjson", "--out", str(tmp_path / "out"))
+    exported = cli(*argv, url=redis_url, namespace=namespace)
+    assert exported.code == 0 and exported.out.startswith("Exported 1 event"), exported
+
+
 def test_feed_shows_a_group_another_tool_named_as_it_is_named(redis_url: str) -> None:
     """Consumer groups on the feed made outside threadlog (an admin's XGROUP CREATE) may be
     named anything: '[/]' stopped 'threadlog feed' with an internal error (rich markup), and an
