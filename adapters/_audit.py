@@ -33,6 +33,7 @@ from eventstore import (
     EventStoreError,
     FeedEntry,
     InvalidInputError,
+    MetaSnapshot,
     RecordedEvent,
     StateUpdated,
     ThreadReplacedError,
@@ -1017,9 +1018,8 @@ class Auditor:
         """
         validate_thread_id(thread_id)
         for _ in range(REBUILD_ATTEMPTS):
-            scan = await self._scan(thread_id)
-            verdict = scan.early or await self._conclude(scan.verifier)
-            if await self._same_life(scan):
+            verdict, same_life = await self._concluded(await self._scan(thread_id))
+            if same_life:
                 return verdict
         raise ThreadReplacedError(thread_id)
 
@@ -1058,8 +1058,8 @@ class Auditor:
             # Appends landed after the log was read: verify and fold theirs too, up to the
             # version the views were read at.
             await self._scan_more(scan, snapshot.version)
-        verdict = await self._conclude(scan.verifier)
-        if not await self._same_life(scan):
+        verdict, same_life = await self._concluded(scan)
+        if not same_life:
             return None  # the log, or the views, may be of another life of the thread
         if not log_verified(verdict):
             return ThreadCheck(verdict=verdict, report=None)
@@ -1083,14 +1083,15 @@ class Auditor:
             try:
                 # The life first: every read after it is of that life if it is the same at
                 # the end (`_same_life`); lives never repeat.
-                scan.life = await store.incarnation(thread_id)
-                verifier.version = await store.version(thread_id)
+                start = await store.meta_snapshot(thread_id)  # one round trip on Redis
+                scan.life = start.incarnation()
+                verifier.version = start.version()
             except CorruptEventError as exc:
                 scan.early = verifier.damaged_meta(exc)
                 return scan
             if verifier.version == 0 and not await store.read_raw(thread_id, count=1):
                 # No log and no version: nothing was verified, which must not read as "intact".
-                if await store.indexed(thread_id):
+                if start.indexed():
                     verifier._problem(
                         1,
                         "deleted",
@@ -1103,7 +1104,7 @@ class Auditor:
                 return scan
             verifier.no_meta = verifier.version == 0
             verifier.no_life = scan.life is None
-            verifier.recorded_key = await store.chain_key_fingerprint(thread_id)
+            verifier.recorded_key = start.chain_key_fingerprint()
             send, receive = anyio.create_memory_object_stream[_Rows](1)
             async with anyio.create_task_group() as tg, receive:
                 # The next batch is read while this one is hashed.
@@ -1134,11 +1135,7 @@ class Auditor:
         """Whether the thread is still in the life ``scan`` began in: then all it read (and
         what was read after it) is of that one life. False when the thread was deleted, and
         perhaps written again under its id, meanwhile: read it again."""
-        try:
-            life: int | str | None = await self.store.incarnation(scan.verifier.thread_id)
-        except (CorruptEventError, WrongKeyTypeError):
-            life = _DAMAGED  # a meta hash the scan reported as damaged, or reads again and will
-        return life == scan.life
+        return _life_in(await self.store.meta_snapshot(scan.verifier.thread_id)) == scan.life
 
     async def _scan_more(self, scan: _Scan, stop: int) -> None:
         """Continue a scan whose log grew: the entries after its last seq, up to ``stop``."""
@@ -1153,15 +1150,22 @@ class Auditor:
             scan.feed(rows)
             start = _id_key(rows[-1][0])[0] + 1
 
-    async def _conclude(self, verifier: _Verifier) -> Verdict:
-        """The verdict of a scan that read the whole log."""
-        verifier.recorded_head = await self.store.chain_head(verifier.thread_id)
+    async def _concluded(self, scan: _Scan) -> tuple[Verdict, bool]:
+        """The verdict of a scan that read the whole log (or its early one), and whether the
+        thread is still in the life the scan began in (`_same_life`). The meta's head, the
+        index entry and the life at the end are one snapshot: one round trip on Redis."""
+        if scan.early is not None:
+            return scan.early, await self._same_life(scan)
+        verifier = scan.verifier
+        end = await self.store.meta_snapshot(verifier.thread_id)
+        verifier.recorded_head = end.chain_head()
         verifier.finish()
         if verifier.first is None:
             verifier.check_head(verifier.recorded_head)
-        if not await self.store.indexed(verifier.thread_id):
+        if not end.indexed():
             verifier.unindexed()
-        return verifier.verdict()
+        verdict = verifier.verdict()
+        return verdict, _life_in(end) == scan.life
 
     async def _why_missing(self, thread_id: str) -> str:
         """Say whether a thread that does not exist was deleted (its partition's change feed
@@ -1326,8 +1330,8 @@ class Auditor:
         for _ in range(REBUILD_ATTEMPTS):
             fold = projector.start_fold(thread_id)
             scan = await self._scan(thread_id, fold)
-            verdict = scan.early or await self._conclude(scan.verifier)
-            if not await self._same_life(scan):
+            verdict, same_life = await self._concluded(scan)
+            if not same_life:
                 continue  # deleted (and perhaps written again) while it was read
             if not log_verified(verdict):
                 raise UnverifiedLogError(verdict)
@@ -1527,6 +1531,15 @@ class Auditor:
             ),
             transcript_replaced=replaced,
         )
+
+
+def _life_in(snapshot: MetaSnapshot) -> int | str | None:
+    """A thread's life as a scan compares it, `_DAMAGED` for a meta hash whose life cannot be
+    read: one the scan reported as damaged, or reads again and will."""
+    try:
+        return snapshot.incarnation()
+    except (CorruptEventError, WrongKeyTypeError):
+        return _DAMAGED
 
 
 def _verdict_of(verdict: Verdict) -> Verdict:

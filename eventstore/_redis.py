@@ -46,6 +46,7 @@ from ._contract import (
     ChainHead,
     EventStore,
     ExpectedVersion,
+    MetaSnapshot,
     RawRange,
     ThreadInfo,
     key_list,
@@ -461,6 +462,37 @@ def _recorded_hash_names(key: str, members: Iterable[bytes]) -> list[str]:
 
 def _text(value: Any) -> str:
     return value.decode("ascii") if isinstance(value, bytes) else str(value)
+
+
+def _life_of(thread_id: str, n: Any, v: Any) -> int | None:
+    """`EventStore.incarnation` from a meta hash's ``n`` and ``v``."""
+    if n is None or v is None:
+        return None  # no thread (a meta without 'v' is none), or one that records no life
+    return _incarnation_of(thread_id, n)
+
+
+def _fingerprint_of(raw: bytes | None) -> str | None:
+    """`EventStore.chain_key_fingerprint` from a meta hash's ``f``."""
+    return raw.decode("ascii", "replace") if raw is not None else None
+
+
+def _chain_head_of(thread_id: str, v: Any, h: Any, s: Any, c: Any) -> ChainHead | None:
+    """`EventStore.chain_head` from a meta hash's ``v``, ``h``, ``s`` and ``c``."""
+    if v is None:
+        return None
+    # A version without a head: the head was removed (every append writes both), said as the
+    # empty head of no events, which verify holds the log's last link to.
+    head = (h or b"").decode("ascii", "replace")
+    return ChainHead(_meta_version(thread_id, v), head, _ms_or_none(s), _ms_or_none(c))
+
+
+def _stored_damage(reply: Exception) -> EventStoreError:
+    """An error reply to a snapshot's read, translated: stored damage (a key of another
+    type) is kept for the field it concerns; anything else is raised now."""
+    error = translate_redis_error(reply)
+    if not isinstance(error, CorruptEventError | WrongKeyTypeError):
+        raise error from reply
+    return error
 
 
 def _ms_or_none(raw: bytes | None) -> int | None:
@@ -1148,25 +1180,54 @@ class RedisEventStore(EventStore):
 
     async def chain_key_fingerprint(self, thread_id: str) -> str | None:
         validate_thread_id(thread_id)
-        raw = await self._command("HGET", self.keys.meta(thread_id), "f")
-        return raw.decode("ascii", "replace") if raw is not None else None
+        return _fingerprint_of(await self._command("HGET", self.keys.meta(thread_id), "f"))
 
     async def incarnation(self, thread_id: str) -> int | None:
         validate_thread_id(thread_id)
         n, v = await self._command("HMGET", self.keys.meta(thread_id), "n", "v")
-        if n is None or v is None:
-            return None  # no thread (a meta without 'v' is none), or one that records no life
-        return _incarnation_of(thread_id, n)
+        return _life_of(thread_id, n, v)
 
     async def chain_head(self, thread_id: str) -> ChainHead | None:
         validate_thread_id(thread_id)
         v, h, s, c = await self._command("HMGET", self.keys.meta(thread_id), "v", "h", "s", "c")
-        if v is None:
-            return None
-        # A version without a head: the head was removed (every append writes both), said
-        # as the empty head of no events, which verify holds the log's last link to.
-        head = (h or b"").decode("ascii", "replace")
-        return ChainHead(_meta_version(thread_id, v), head, _ms_or_none(s), _ms_or_none(c))
+        return _chain_head_of(thread_id, v, h, s, c)
+
+    async def meta_snapshot(self, thread_id: str) -> MetaSnapshot:
+        validate_thread_id(thread_id)
+        meta = self.keys.meta(thread_id)
+        index = self.keys.index(self.keys.partition(thread_id))
+        fields = (b"n", b"v", b"f", b"h", b"s", b"c")
+        if self._is_cluster:  # one slot: the cluster pipeline sends both in one go
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hmget(meta, list(fields))
+            pipe.zscore(index, thread_id)
+            found, score = await self._call(_pipeline_executed(pipe))
+        else:
+            found, score = await self._raw_replies(
+                [(b"HMGET", meta, *fields), (b"ZSCORE", index, thread_id)]
+            )
+        parts: dict[str, object] = {}
+        if isinstance(found, Exception):
+            damage = _stored_damage(found)
+            for name in ("incarnation", "version", "chain_key_fingerprint", "chain_head"):
+                parts[name] = damage
+        else:
+            n, v, f, h, s, c = found
+            parses: dict[str, Callable[[], object]] = {
+                "incarnation": lambda: _life_of(thread_id, n, v),
+                "version": lambda: _meta_version(thread_id, v),
+                "chain_key_fingerprint": lambda: _fingerprint_of(f),
+                "chain_head": lambda: _chain_head_of(thread_id, v, h, s, c),
+            }
+            for name, parse in parses.items():
+                try:
+                    parts[name] = parse()
+                except CorruptEventError as exc:  # as its own read raises it, when asked
+                    parts[name] = exc
+        parts["indexed"] = (
+            _stored_damage(score) if isinstance(score, Exception) else (score is not None)
+        )
+        return MetaSnapshot(thread_id, parts)
 
     async def recorded_append(self, thread_id: str, idempotency_key: str) -> AppendResult | None:
         validate_thread_id(thread_id)

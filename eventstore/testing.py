@@ -1148,6 +1148,35 @@ class EventStoreConformance:
         again = await store.incarnation("t")
         assert again is not None and again != life
 
+    async def test_a_meta_snapshot_answers_as_the_reads_of_the_same_names(
+        self, store: EventStore
+    ) -> None:
+        """`meta_snapshot`: one read of what an audit reads before and after a log (one
+        round trip on Redis), each answer what the read of the same name gives."""
+
+        async def assert_as_the_reads(thread_id: str) -> None:
+            snapshot = await store.meta_snapshot(thread_id)
+            assert snapshot.thread_id == thread_id
+            assert snapshot.incarnation() == await store.incarnation(thread_id)
+            assert snapshot.version() == await store.version(thread_id)
+            fingerprint = await store.chain_key_fingerprint(thread_id)
+            assert snapshot.chain_key_fingerprint() == fingerprint
+            assert snapshot.chain_head() == await store.chain_head(thread_id)
+            assert snapshot.indexed() == await store.indexed(thread_id)
+
+        await assert_as_the_reads("t")  # no such thread
+        await store.append("t", [msg("a"), msg("b")])
+        await assert_as_the_reads("t")
+        head = (await store.meta_snapshot("t")).chain_head()
+        assert head is not None and head.version == 2 and head.head
+        assert (await store.meta_snapshot("t")).indexed()
+        await store.delete_thread("t")
+        await assert_as_the_reads("t")
+        await store.append("t", [msg("c")])
+        await assert_as_the_reads("t")
+        with pytest.raises(InvalidInputError):
+            await store.meta_snapshot("bad id {x}")
+
     async def test_an_append_in_the_life_it_expects_lands_and_returns_the_life(
         self, store: EventStore
     ) -> None:

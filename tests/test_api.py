@@ -96,6 +96,7 @@ PUBLIC_NAMES = [
     "Message",
     "MessageAppended",
     "MessageFormatError",
+    "MetaSnapshot",
     "NO_THREAD",
     "NewEvent",
     "OUTCOMES",

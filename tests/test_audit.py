@@ -731,19 +731,26 @@ async def test_appends_landing_while_a_log_is_read_are_not_deletions(
     then put the version past the last entry read: those entries are read too, never
     reported as deleted (a live thread is not a tampered one)."""
     projector = await three_messages(store)
-    original = store.version
+    original_snapshot, original_version = store.meta_snapshot, store.version
     calls = 0
 
-    async def version_while_appending(thread_id: str) -> int:
+    async def append_live() -> None:
         nonlocal calls
         calls += 1
-        if thread_id == T and calls <= 2:
-            # After the first read, before the log is read; then again as it is re-read.
-            version = await original(thread_id)
-            await projector.append(T, [es.MessageAppended(message=user(f"live {calls}"))])
-            return version if calls == 1 else await original(thread_id)
-        return await original(thread_id)
+        await projector.append(T, [es.MessageAppended(message=user(f"live {calls}"))])
 
+    async def snapshot_then_append(thread_id: str) -> es.MetaSnapshot:
+        snapshot = await original_snapshot(thread_id)
+        if thread_id == T and calls == 0:  # the scan's first read: its version is now stale
+            await append_live()
+        return snapshot
+
+    async def version_while_appending(thread_id: str) -> int:
+        if thread_id == T and calls == 1:  # read again as entries beyond it are read
+            await append_live()
+        return await original_version(thread_id)
+
+    monkeypatch.setattr(store, "meta_snapshot", snapshot_then_append)
     monkeypatch.setattr(store, "version", version_while_appending)
     auditor = Auditor(store)
     verdict = await auditor.verify(T)
@@ -1544,6 +1551,47 @@ async def test_a_meta_hash_without_its_incarnation_is_meta_damage(redis_url: str
         # The next append records a life again; the thread verifies.
         await store.append(T, [es.MessageAppended(message=user("after"))])
         assert (await Auditor(store).verify(T)).ok
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
+async def test_damage_in_a_meta_snapshot_is_raised_by_the_field_it_is_in(
+    request: pytest.FixtureRequest, where: str
+) -> None:
+    """One round trip reads every field an audit needs of a thread's meta hash and index;
+    damage in one field raises there, as its own read would, and the others still answer."""
+    url = request.getfixturevalue("redis_url" if where == "redis" else "cluster_url")
+    namespace = "s" + uuid.uuid4().hex[:12]
+    async with await es.open_store(StoreSettings.from_url(url, namespace=namespace)) as store:
+        assert isinstance(store, es.RedisEventStore)
+        client, meta = store.client, store.keys.meta(T)
+        await populate(store)
+        life = await store.incarnation(T)
+        await client.hset(meta, "v", "x")  # a version that is not a number
+        snapshot = await store.meta_snapshot(T)
+        for damaged in ("version", "chain_head"):
+            with pytest.raises(es.CorruptEventError, match="not a number"):
+                getattr(snapshot, damaged)()
+            with pytest.raises(es.CorruptEventError, match="not a number"):
+                await getattr(store, damaged)(T)
+        assert snapshot.incarnation() == life and snapshot.indexed()
+        assert snapshot.chain_key_fingerprint() == await store.chain_key_fingerprint(T)
+        await client.delete(meta)
+        await client.set(meta, "a string where the meta hash was")
+        snapshot = await store.meta_snapshot(T)
+        for read in ("incarnation", "version", "chain_key_fingerprint", "chain_head"):
+            with pytest.raises(es.WrongKeyTypeError):
+                getattr(snapshot, read)()
+            with pytest.raises(es.WrongKeyTypeError):
+                await getattr(store, read)(T)
+        assert snapshot.indexed()
+        index = store.keys.index(store.keys.partition(T))
+        await client.delete(index)
+        await client.set(index, "a string where the thread index was")
+        snapshot = await store.meta_snapshot(T)
+        with pytest.raises(es.WrongKeyTypeError):
+            snapshot.indexed()
+        with pytest.raises(es.WrongKeyTypeError):
+            await store.indexed(T)
 
 
 async def test_what_verify_does_not_hold_to_the_chain(redis_url: str) -> None:
