@@ -1232,8 +1232,10 @@ async def test_a_group_dropped_while_the_store_lists_or_moves_it_is_no_store_fai
     client = store.client
     asked = client.xpending
 
-    async def dropped_first(key: str, group: str) -> object:
-        await store.delete_feed_group(p, group)
+    async def dropped_first(key: str, group: str | bytes) -> object:
+        # feed_groups asks by the name's own bytes (a name need not be UTF-8).
+        name = group.decode() if isinstance(group, bytes) else group
+        await store.delete_feed_group(p, name)
         return await asked(key, group)
 
     client.xpending = dropped_first
