@@ -485,20 +485,28 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(redis_url: str) -> Non
         ["replay", "long", "--json"],
         ["show", "long", "--window", "2000", "--json"],
     ):
-        proc = subprocess.Popen(
-            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
-            cwd=ROOT,
-            env=child_env(COLUMNS="40"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        proc.stdout.readline()
-        proc.stdout.close()  # the reader goes away after one line
-        err = proc.stderr.read()
-        proc.stderr.close()
-        assert proc.wait(timeout=60) == 141, (argv, err)
-        assert err == b"", (argv, err)
+        assert_quiet_when_the_reader_leaves(argv, redis_url, namespace, child_env(COLUMNS="40"))
+
+
+def assert_quiet_when_the_reader_leaves(
+    argv: Sequence[str], redis_url: str, namespace: str, env: dict[str, str]
+) -> None:
+    """The command's reader goes away after one line (``| head -1``): exit 141, nothing on
+    stderr."""
+    proc = subprocess.Popen(
+        [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141, (argv, err)
+    assert err == b"", (argv, err)
 
 
 def test_a_reader_that_goes_away_from_a_long_table_ends_the_command_quietly(
@@ -517,20 +525,7 @@ def test_a_reader_that_goes_away_from_a_long_table_ends_the_command_quietly(
 
     with_store(redis_url, namespace, setup)
     for argv in (["threads", "--limit", "0"], ["threads", "--limit", "0", "--json"]):
-        proc = subprocess.Popen(
-            [*CLI, *argv, "--url", redis_url, "--namespace", namespace],
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        proc.stdout.readline()
-        proc.stdout.close()  # the reader goes away after one line
-        err = proc.stderr.read()
-        proc.stderr.close()
-        assert proc.wait(timeout=60) == 141, (argv, err)
-        assert err == b"", (argv, err)
+        assert_quiet_when_the_reader_leaves(argv, redis_url, namespace, child_env())
 
 
 # -- demo -----------------------------------------------------------------------------------------
